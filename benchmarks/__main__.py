@@ -1,0 +1,49 @@
+"""Entry point: ``python -m benchmarks <suite> [--quick] [--out DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+import benchmarks
+
+
+def available_suites() -> list[str]:
+    """Suite names are module names with '-' for '_'; private modules are helpers, not suites."""
+    names = []
+    for info in pkgutil.iter_modules(benchmarks.__path__):
+        if info.name.startswith("_") or info.name == "report":
+            continue
+        module = importlib.import_module(f"benchmarks.{info.name}")
+        if hasattr(module, "run"):
+            names.append(info.name.replace("_", "-"))
+    return sorted(names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("suite", help="suite to run; 'list' prints the available ones")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI and a first look")
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="output directory")
+    args = parser.parse_args(argv)
+    if args.suite == "list":
+        print("\n".join(available_suites()))
+        return 0
+    module_name = f"benchmarks.{args.suite.replace('-', '_')}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"unknown suite {args.suite!r}; available: {', '.join(available_suites())}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    module.run(quick=args.quick, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Clusters: ClusterSpec, the Ray bootstrap, and the modal / local backends."""

@@ -1,0 +1,1 @@
+"""Sandboxes: an async SandboxPool over modal / local (bubblewrap) providers."""

@@ -1,0 +1,1 @@
+"""verl adapter: runs an unchanged verl job on a modal_rl cluster (``python -m verl_modal``)."""
