@@ -1,0 +1,5 @@
+import sys
+
+from modal_rl.weightsync.cli import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""VersionChain: a receiver's verified policy state and the frames that rebuild it.
+
+Invariants:
+- ``state`` is bit-identical to the sender's tensors at ``version``: every tensor of every
+  accepted frame was checked against the sender's xxh3-128 of the new state.
+- A refused frame (any ``WeightSyncError``) leaves ``state``, ``version`` and ``checksums``
+  exactly as they were.
+- With ``retain=True`` the chain keeps every frame from its ``keep_anchors``-th newest
+  anchor on, so ``rebuild(v)`` reproduces any retained version v from its last anchor plus
+  the deltas after it, and a peer that fell behind can be served from ``frames_since``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any, BinaryIO
+
+from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.decode import ApplyResult, apply_frame
+from modal_rl.weightsync.errors import BaseMismatchError, StaleVersionError
+from modal_rl.weightsync.frames import VersionHeader, read_records
+
+
+def frame_bytes(frame: bytes | bytearray | memoryview | Iterable[bytes]) -> bytes:
+    """A whole frame as bytes, from bytes or from an iterable of records."""
+    if isinstance(frame, bytes | bytearray | memoryview):
+        return bytes(frame)
+    return b"".join(frame)
+
+
+def peek_header(frame: bytes) -> VersionHeader:
+    _, body = next(read_records(io.BytesIO(frame)))
+    return VersionHeader.from_body(body)
+
+
+class VersionChain:
+    def __init__(self, config: CodecConfig | None = None, *, retain: bool = True, keep_anchors: int = 1) -> None:
+        if keep_anchors < 1:
+            raise ValueError("keep_anchors must be >= 1")
+        self.config = config or CodecConfig()
+        self.retain = retain
+        self.keep_anchors = keep_anchors
+        self.state: dict[str, Any] = {}
+        self.version: int | None = None
+        self.checksums: dict[str, str] = {}
+        self._frames: dict[int, tuple[VersionHeader, bytes]] = {}
+
+    def apply(self, frame: bytes | Iterable[bytes] | BinaryIO) -> ApplyResult:
+        """Accept the next frame (an anchor, or a delta whose base is the held version)."""
+        data = frame.read() if hasattr(frame, "read") else frame_bytes(frame)
+        header = peek_header(data)
+        if self.version is not None and header.version <= self.version:
+            raise StaleVersionError(f"frame for version {header.version} is not newer than held {self.version}")
+        if header.kind == "delta" and self.version is None:
+            raise BaseMismatchError(f"delta {header.base_version}→{header.version} needs an anchor first")
+        result = apply_frame(
+            self.state,
+            io.BytesIO(data),
+            held_version=self.version,
+            held_checksums=self.checksums,
+            config=self.config,
+        )
+        if result.state is not None:  # an anchor: swap in the freshly built tensors
+            self.state = result.state
+        self.version = header.version
+        self.checksums = dict(result.checksums)
+        if self.retain:
+            self._frames[header.version] = (header, data)
+            self._prune()
+        return result
+
+    def _prune(self) -> None:
+        anchors = sorted(v for v, (h, _) in self._frames.items() if h.kind == "anchor")
+        if len(anchors) > self.keep_anchors:
+            oldest_kept = anchors[-self.keep_anchors]
+            for v in [v for v in self._frames if v < oldest_kept]:
+                del self._frames[v]
+
+    @property
+    def retained_versions(self) -> list[int]:
+        return sorted(self._frames)
+
+    def frames_since(self, version: int | None) -> list[bytes]:
+        """Frames that bring a peer at ``version`` (None: nothing) to the held version:
+        the deltas after it if they are all retained, else the last anchor and its deltas."""
+        path = self._path_to(self.version) if self.version is not None else []
+        if version is not None:
+            versions = [h.version for h, _ in path]
+            if version in versions:
+                return [data for h, data in path[versions.index(version) + 1 :]]
+        return [data for _, data in path]
+
+    def _path_to(self, version: int) -> list[tuple[VersionHeader, bytes]]:
+        path = []
+        v: int | None = version
+        while v is not None:
+            if v not in self._frames:
+                raise KeyError(f"version {v} is not retained (retained: {self.retained_versions})")
+            header, data = self._frames[v]
+            path.append((header, data))
+            v = header.base_version if header.kind == "delta" else None
+        return path[::-1]
+
+    def rebuild(self, version: int) -> dict[str, Any]:
+        """Fresh tensors of a retained version: its last anchor, then the deltas after it."""
+        scratch = VersionChain(self.config, retain=False)
+        for _, data in self._path_to(version):
+            scratch.apply(data)
+        return scratch.state

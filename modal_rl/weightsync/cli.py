@@ -1,0 +1,207 @@
+"""Maintainers' CLI: encode, apply and inspect weight-sync frames with safetensors files.
+
+    python -m modal_rl.weightsync encode --base A.safetensors --new B.safetensors --out D
+    python -m modal_rl.weightsync encode --new B.safetensors --out D          (an anchor)
+    python -m modal_rl.weightsync apply --base A.safetensors --delta D --out C.safetensors
+    python -m modal_rl.weightsync inspect D
+
+Any refusal (wrong base, mismatched shapes, truncated or corrupt frame) exits non-zero with
+one line on stderr, and no output file is left behind: outputs are written to a temporary
+file beside the target and renamed into place only after everything succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
+from modal_rl.weightsync.decode import apply_frame
+from modal_rl.weightsync.differ import NumpyDiffer
+from modal_rl.weightsync.errors import WeightSyncError
+from modal_rl.weightsync.frames import (
+    RECORD_HEADER,
+    RECORD_TRAILER,
+    TAG_CHUNK,
+    TAG_TENSOR,
+    TAG_VERSION,
+    TensorHeader,
+    VersionHeader,
+    read_records,
+)
+from modal_rl.weightsync.streams import CHUNK_HEADER, ENCODING_NAMES
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit code 1."""
+
+
+def load_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CliError(f"{path}: no such file")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CliError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    config = CodecConfig(chunk_elems=args.chunk_elems, threads=args.threads, zstd_level=args.level)
+    new = load_safetensors(args.new)
+    if args.base is None:
+        records = encode_anchor(new, version=args.version, config=config)
+    else:
+        base = load_safetensors(args.base)
+        records = encode_delta(base, new, base_version=args.base_version, version=args.version, config=config)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            for rec in records:
+                f.write(rec)
+
+    write_atomically(args.out, write)
+    print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    state = load_safetensors(args.base)
+    if not args.delta.is_file():
+        raise CliError(f"{args.delta}: no such file")
+    data = args.delta.read_bytes()
+    header = _first_header(data)
+    # The base file carries no version; the base checksums in the delta decide whether it fits.
+    held = {name: NumpyDiffer().checksum(NumpyDiffer().prepare(t)) for name, t in state.items()}
+    config = CodecConfig(threads=args.threads)
+    result = apply_frame(state, io.BytesIO(data), held_version=header.base_version, held_checksums=held, config=config)
+    out_state = result.state if result.state is not None else state
+    write_atomically(args.out, lambda tmp: save_file(out_state, str(tmp)))
+    print(f"wrote {args.out}: version {header.version}, {result.changed_words} words changed, verified")
+    return 0
+
+
+def _first_header(data: bytes) -> VersionHeader:
+    for tag, body in read_records(io.BytesIO(data)):
+        if tag != TAG_VERSION:
+            break
+        return VersionHeader.from_body(body)
+    raise CliError("not a weight-sync frame (no version header)")
+
+
+def inspect_frame(data: bytes) -> dict[str, Any]:
+    """Per-tensor sizes and densities of a frame, read from its headers (no decoding)."""
+    header, tensors, current = None, [], None
+    overhead = RECORD_HEADER.size + RECORD_TRAILER.size
+    for tag, body in read_records(io.BytesIO(data)):
+        if tag == TAG_VERSION:
+            header = VersionHeader.from_body(body)
+        elif tag == TAG_TENSOR:
+            th = TensorHeader.from_body(body)
+            current = {"name": th.name, "dtype": th.dtype, "shape": list(th.shape), "elements": th.numel}
+            current |= {"changed": 0, "bytes": len(body) + overhead, "encodings": {}}
+            tensors.append(current)
+        elif tag == TAG_CHUNK and current is not None:
+            _, _, nchanged, encoding, _ = CHUNK_HEADER.unpack_from(body, 0)
+            current["changed"] += nchanged
+            current["bytes"] += len(body) + overhead
+            name = ENCODING_NAMES.get(encoding, str(encoding))
+            current["encodings"][name] = current["encodings"].get(name, 0) + 1
+    if header is None:
+        raise CliError("not a weight-sync frame (no version header)")
+    from modal_rl.weightsync.dtypes import ITEMSIZE
+
+    raw = sum(t["elements"] * ITEMSIZE[t["dtype"]] for t in tensors)
+    elements = sum(t["elements"] for t in tensors)
+    changed = sum(t["changed"] for t in tensors)
+    for t in tensors:
+        t["density"] = t["changed"] / t["elements"] if t["elements"] else 0.0
+    return {
+        "kind": header.kind,
+        "version": header.version,
+        "base_version": header.base_version,
+        "tensors": tensors,
+        "elements": elements,
+        "changed": changed,
+        "density": changed / elements if elements else 0.0,
+        "frame_bytes": len(data),
+        "raw_bytes": raw,
+        "ratio": raw / len(data) if data else 0.0,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if not args.frame.is_file():
+        raise CliError(f"{args.frame}: no such file")
+    info = inspect_frame(args.frame.read_bytes())
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    base = f" (base {info['base_version']})" if info["kind"] == "delta" else ""
+    print(f"{info['kind']} version {info['version']}{base}: {len(info['tensors'])} tensors")
+    print(f"{'tensor':<48} {'dtype':<14} {'elements':>12} {'density':>9} {'bytes':>12}")
+    for t in info["tensors"]:
+        print(f"{t['name'][:48]:<48} {t['dtype']:<14} {t['elements']:>12} {t['density']:>9.4%} {t['bytes']:>12}")
+    print(
+        f"total: {info['elements']} elements, density {info['density']:.4%}, "
+        f"{info['frame_bytes']} bytes for {info['raw_bytes']} raw (ratio {info['ratio']:.1f}x)"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m modal_rl.weightsync", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    enc = sub.add_parser("encode", help="encode a delta (with --base) or an anchor (without)")
+    enc.add_argument("--base", type=Path, help="base version (safetensors); omit for a full anchor")
+    enc.add_argument("--new", type=Path, required=True, help="new version (safetensors)")
+    enc.add_argument("--out", type=Path, required=True, help="frame to write")
+    enc.add_argument("--base-version", type=int, default=0)
+    enc.add_argument("--version", type=int, default=1)
+    enc.add_argument("--chunk-elems", type=int, default=CodecConfig.chunk_elems)
+    enc.add_argument("--threads", type=int, default=CodecConfig.threads)
+    enc.add_argument("--level", type=int, default=CodecConfig.zstd_level, help="zstd level")
+    enc.set_defaults(fn=cmd_encode)
+    app = sub.add_parser("apply", help="apply a frame onto a base; writes the verified result")
+    app.add_argument("--base", type=Path, required=True)
+    app.add_argument("--delta", type=Path, required=True)
+    app.add_argument("--out", type=Path, required=True)
+    app.add_argument("--threads", type=int, default=CodecConfig.threads)
+    app.set_defaults(fn=cmd_apply)
+    ins = sub.add_parser("inspect", help="density, bytes per tensor and ratio of a frame")
+    ins.add_argument("frame", type=Path)
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(fn=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CliError, WeightSyncError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,247 @@
+"""Apply a frame to a held state: deltas in place, anchors into fresh tensors.
+
+Invariant (the one that matters to a rollout engine): ``apply_frame`` either returns with
+every tensor at the frame's new version, each verified against its xxh3-128 checksum, or
+raises a ``WeightSyncError`` with the held state bit-identical to what it was before.
+Deltas get there by rollback: XOR chunks are involutions, so re-applying the chunks that
+were already applied restores the base exactly. Anchors never touch the held state; they
+build new tensors that the caller swaps in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from modal_rl.weightsync.codec import CodecConfig, shape_of
+from modal_rl.weightsync.differ import checksum_words
+from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name, empty_like_spec, words_of
+from modal_rl.weightsync.errors import (
+    BaseMismatchError,
+    ChecksumMismatchError,
+    CorruptFrameError,
+    LayoutMismatchError,
+    TruncatedFrameError,
+    WeightSyncError,
+)
+from modal_rl.weightsync.frames import (
+    TAG_CHUNK,
+    TAG_END,
+    TAG_TENSOR,
+    TAG_VERSION,
+    EndRecord,
+    TensorHeader,
+    VersionHeader,
+    _loads,
+    manifest_digest,
+    read_records,
+)
+from modal_rl.weightsync.streams import FULL, decode_chunk
+
+
+@dataclass
+class ApplyResult:
+    """What a successful apply produced. For anchors, ``state`` holds the new tensors."""
+
+    header: VersionHeader
+    checksums: dict[str, str]
+    state: dict[str, Any] | None = None
+    changed_words: int = 0
+    total_words: int = 0
+    tensors: list[TensorHeader] = field(default_factory=list)
+
+
+class _TensorJob:
+    """One tensor's in-flight chunk applies and its verification."""
+
+    def __init__(self, header: TensorHeader, words: Any) -> None:
+        self.header = header
+        self.words = words
+        self.itemsize = ITEMSIZE[header.dtype]
+        self.chunk_futures: list[Future] = []
+        self.seen_chunks = 0
+
+
+def _read_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader:
+    try:
+        tag, body = next(records)
+    except StopIteration:
+        raise TruncatedFrameError("empty frame") from None
+    if tag != TAG_VERSION:
+        raise CorruptFrameError("frame does not start with a version header")
+    return VersionHeader.from_body(body)
+
+
+class _Applier:
+    def __init__(self, config: CodecConfig) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="weightsync-apply")
+        self.limit = config.in_flight
+        self.applied: list[tuple[Any, bytes, int, int]] = []  # (words, body, itemsize, chunk_elems)
+        self.lock = threading.Lock()
+        self.in_flight: list[Future] = []
+        self.changed = 0
+
+    def submit_chunk(self, job: _TensorJob, body: bytes, is_anchor: bool) -> None:
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        if len(self.in_flight) >= self.limit:
+            wait(self.in_flight[: len(self.in_flight) - self.limit + 1])
+        future = self.pool.submit(self._apply_chunk, job, body, job.seen_chunks, is_anchor)
+        job.seen_chunks += 1
+        job.chunk_futures.append(future)
+        self.in_flight.append(future)
+
+    def _apply_chunk(self, job: _TensorJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
+        th = job.header
+        chunk = decode_chunk(body, job.itemsize, th.chunk_elems)
+        if chunk.index != expected_index:
+            raise CorruptFrameError(f"tensor {th.name!r}: chunk {chunk.index} arrived as chunk {expected_index}")
+        if chunk.elem_count != min(th.chunk_elems, th.numel - chunk.elem_start):
+            raise CorruptFrameError(f"tensor {th.name!r}: chunk {chunk.index} has the wrong size")
+        if is_anchor != (chunk.encoding == FULL):
+            raise CorruptFrameError(f"tensor {th.name!r}: chunk encoding does not fit the frame kind")
+        chunk.apply(job.words)
+        with self.lock:
+            self.changed += chunk.nchanged
+            if not is_anchor:
+                self.applied.append((job.words, body, job.itemsize, th.chunk_elems))
+
+    def verify(self, job: _TensorJob) -> Future:
+        def run() -> None:
+            for future in job.chunk_futures:
+                future.result()
+            if job.seen_chunks != job.header.nchunks:
+                raise TruncatedFrameError(
+                    f"tensor {job.header.name!r}: {job.seen_chunks} of {job.header.nchunks} chunks arrived"
+                )
+            actual = checksum_words(job.words)
+            if actual != job.header.checksum:
+                raise ChecksumMismatchError(
+                    f"tensor {job.header.name!r}: rebuilt checksum {actual[:12]}… != sent {job.header.checksum[:12]}…"
+                )
+
+        return self.pool.submit(run)
+
+    def rollback(self) -> None:
+        # Wait for every chunk still running, then undo all applied XOR chunks.
+        wait(self.in_flight)
+        for words, body, itemsize, chunk_elems in self.applied:
+            decode_chunk(body, itemsize, chunk_elems).apply(words)
+        self.applied.clear()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def apply_frame(
+    state: MutableMapping[str, Any],
+    stream: BinaryIO,
+    *,
+    held_version: int | None,
+    held_checksums: dict[str, str] | None = None,
+    config: CodecConfig | None = None,
+) -> ApplyResult:
+    """Apply one frame read from ``stream``.
+
+    A delta is applied in place onto ``state`` (which must be at ``held_version``); an
+    anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
+    not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta's
+    base checksums be checked without hashing the held state.
+    """
+    config = config or CodecConfig()
+    records = read_records(stream)
+    header = _read_header(records)
+    is_anchor = header.kind == "anchor"
+    if not is_anchor and header.base_version != held_version:
+        raise BaseMismatchError(
+            f"delta {header.base_version}→{header.version} does not apply to held version {held_version}"
+        )
+    target: dict[str, Any] = {} if is_anchor else state  # type: ignore[assignment]
+    applier = _Applier(config)
+    result = ApplyResult(header=header, checksums={})
+    try:
+        _apply_records(records, header, state, target, held_checksums, applier, result)
+    except BaseException:
+        if not is_anchor:
+            applier.rollback()
+        raise
+    finally:
+        applier.close()
+    result.changed_words = applier.changed
+    if is_anchor:
+        result.state = target
+    return result
+
+
+def _apply_records(records, header, state, target, held_checksums, applier, result) -> None:
+    is_anchor = header.kind == "anchor"
+    job: _TensorJob | None = None
+    verifications: list[Future] = []
+    bodies: list[bytes] = []
+    for tag, body in records:
+        if tag == TAG_TENSOR:
+            if job is not None:
+                verifications.append(applier.verify(job))
+            th = TensorHeader.from_body(body)
+            bodies.append(body)
+            _check_tensor(th, state, held_checksums, is_anchor, result)
+            if is_anchor:
+                target[th.name] = empty_like_spec(th.dtype, th.shape)
+            job = _TensorJob(th, words_of(target[th.name]))
+            result.tensors.append(th)
+            result.checksums[th.name] = th.checksum
+            result.total_words += th.numel
+        elif tag == TAG_CHUNK:
+            if job is None:
+                raise CorruptFrameError("chunk record before any tensor header")
+            if job.seen_chunks >= job.header.nchunks:
+                raise CorruptFrameError(f"tensor {job.header.name!r}: more chunks than its header declares")
+            applier.submit_chunk(job, body, is_anchor)
+        elif tag == TAG_END:
+            if job is not None:
+                verifications.append(applier.verify(job))
+            _check_end(body, bodies, state, is_anchor)
+            _raise_first(verifications)
+            return
+        else:
+            raise CorruptFrameError("a second version header inside one frame")
+    raise TruncatedFrameError(f"frame for version {header.version} ends before its end record")
+
+
+def _check_tensor(th: TensorHeader, state, held_checksums, is_anchor: bool, result: ApplyResult) -> None:
+    if th.name in result.checksums:
+        raise CorruptFrameError(f"tensor {th.name!r} appears twice in one frame")
+    if th.dtype not in ITEMSIZE:
+        raise CorruptFrameError(f"tensor {th.name!r}: unknown dtype {th.dtype!r}")
+    if is_anchor:
+        return
+    if th.name not in state:
+        raise LayoutMismatchError(f"delta names tensor {th.name!r}, which the held state does not have")
+    held = state[th.name]
+    if dtype_name(held) != th.dtype or shape_of(held) != th.shape:
+        raise LayoutMismatchError(
+            f"tensor {th.name!r}: delta is {th.dtype}{list(th.shape)}, held is {dtype_name(held)}{list(shape_of(held))}"
+        )
+    held_sum = (held_checksums or {}).get(th.name)
+    if held_sum is not None and th.base_checksum != held_sum:
+        raise BaseMismatchError(f"tensor {th.name!r}: delta's base checksum differs from the held tensor's")
+
+
+def _check_end(body: bytes, bodies: list[bytes], state, is_anchor: bool) -> None:
+    end = EndRecord(**_loads(body, "end record"))
+    if end.tensors != len(bodies) or end.manifest_digest != manifest_digest(bodies):
+        raise CorruptFrameError("end record does not match the tensors received (dropped or reordered tensors)")
+    if not is_anchor:
+        names = [TensorHeader.from_body(b).name for b in bodies]
+        if set(names) != set(state):
+            missing = sorted(set(state) - set(names))[:3]
+            raise LayoutMismatchError(f"delta does not cover every held tensor (missing {missing})")
+
+
+def _raise_first(futures: list[Future]) -> None:
+    errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error if isinstance(error, WeightSyncError) else CorruptFrameError(str(error))

@@ -1,0 +1,91 @@
+"""Bit-pattern views of tensors: the codec works on unsigned words, never on float values.
+
+Invariant: ``words_of(t)`` shares memory with ``t`` (no copy) when ``t`` is a contiguous CPU
+tensor or array, so writing into the words writes into the tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+if sys.byteorder != "little":  # the wire format's byte planes are defined little-endian
+    raise ImportError("modal_rl.weightsync supports little-endian hosts only")
+
+WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+# Every dtype a state dict may hold, with its word width in bytes. Floats are what RL
+# frameworks sync; the integer types come along because buffers (e.g. step counters) exist.
+ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+
+
+# Wire codes of the dtypes. Part of the frame format: append only, never renumber.
+DTYPE_CODES = {
+    "bfloat16": 1,
+    "float16": 2,
+    "float32": 3,
+    "float64": 4,
+    "float8_e4m3fn": 5,
+    "float8_e5m2": 6,
+    "int8": 7,
+    "uint8": 8,
+    "int16": 9,
+    "int32": 10,
+    "int64": 11,
+    "bool": 12,
+}
+DTYPE_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
+
+
+def dtype_name(tensor: Any) -> str:
+    """'bfloat16', 'float32', ... for a torch tensor or a numpy array."""
+    dtype = tensor.dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise TypeError(f"unsupported dtype {name!r}; supported: {', '.join(sorted(ITEMSIZE))}")
+    return name
+
+
+def is_torch(tensor: Any) -> bool:
+    return type(tensor).__module__.startswith("torch")
+
+
+def words_of(tensor: Any) -> np.ndarray:
+    """The flat unsigned-word view of a CPU tensor/array (shares memory when contiguous)."""
+    name = dtype_name(tensor)
+    word = WORD_DTYPES[ITEMSIZE[name]]
+    if is_torch(tensor):
+        import torch
+
+        if tensor.device.type != "cpu":
+            raise ValueError("words_of needs a CPU tensor; use the torch codec path for device tensors")
+        flat = tensor.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        return flat.view(torch.uint8).numpy().view(word)
+    array = np.ascontiguousarray(tensor).reshape(-1)
+    return array.view(word)
+
+
+def empty_like_spec(name: str, shape: tuple[int, ...], like_torch: bool = True) -> Any:
+    """A new zeroed CPU tensor of a given dtype name and shape (torch when available)."""
+    if like_torch:
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, name))
+    return np.zeros(shape, dtype=WORD_DTYPES[ITEMSIZE[name]])
