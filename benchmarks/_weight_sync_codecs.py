@@ -57,10 +57,14 @@ def make_codecs(threads: int, chunk_elems: int = CodecConfig.chunk_elems) -> lis
     def ours_encode(base, new, base_sums):
         if base is None:
             return frame_bytes(encode_anchor(new, version=0, config=config))
-        return frame_bytes(encode_delta(base, new, base_version=0, version=1, config=config, base_checksums=base_sums))
+        return frame_bytes(
+            encode_delta(base, new, base_version=0, version=1, config=config, base_checksums=base_sums)
+        )
 
     def ours_decode(payload, target, held_sums):
-        result = apply_frame(target, io.BytesIO(payload), held_version=0, held_checksums=held_sums, config=config)
+        result = apply_frame(
+            target, io.BytesIO(payload), held_version=0, held_checksums=held_sums, config=config
+        )
         if result.state is not None:
             for name, tensor in result.state.items():
                 target[name].copy_(tensor)

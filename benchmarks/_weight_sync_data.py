@@ -41,7 +41,9 @@ def _drop_words(sentence: str, rng: random.Random) -> str:
     return " ".join(kept or sentence.split()[:1])
 
 
-def adam_trajectory(lr: float, steps: list[int], warmup: int = 2, batch: int = 16, seed: int = 0) -> dict[int, State]:
+def adam_trajectory(
+    lr: float, steps: list[int], warmup: int = 2, batch: int = 16, seed: int = 0
+) -> dict[int, State]:
     """bf16 snapshots at the given step counts (after ``warmup`` steps) of one Adam run."""
     from transformers import AutoModel, AutoTokenizer
 
@@ -61,7 +63,9 @@ def adam_trajectory(lr: float, steps: list[int], warmup: int = 2, batch: int = 1
             break
         anchors = _sentences(tokenizer, batch, rng)
         positives = [_drop_words(s, rng) for s in anchors]
-        enc = tokenizer(anchors + positives, padding=True, truncation=True, max_length=32, return_tensors="pt")
+        enc = tokenizer(
+            anchors + positives, padding=True, truncation=True, max_length=32, return_tensors="pt"
+        )
         hidden = model(**enc).last_hidden_state
         mask = enc["attention_mask"].unsqueeze(-1).float()
         emb = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
@@ -76,7 +80,10 @@ def adam_trajectory(lr: float, steps: list[int], warmup: int = 2, batch: int = 1
 def pretrained_bf16() -> State:
     from safetensors.torch import load_file
 
-    return {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(minilm_dir() / "model.safetensors")).items()}
+    return {
+        k: v.to(torch.bfloat16).contiguous()
+        for k, v in load_file(str(minilm_dir() / "model.safetensors")).items()
+    }
 
 
 def synthetic_update(base: State, density: float, seed: int = 0) -> State:

@@ -45,13 +45,22 @@ def _measure(codec: Codec, base, new, sums, repeats: int) -> dict[str, Any]:
         payload = codec.encode(base, new, sums)
         enc.append(time.perf_counter() - t0)
         # Anchors decode onto zeros, deltas onto a copy of the base.
-        target = {k: torch.zeros_like(v) for k, v in new.items()} if base is None else {k: v.clone() for k, v in base.items()}
+        target = (
+            {k: torch.zeros_like(v) for k, v in new.items()}
+            if base is None
+            else {k: v.clone() for k, v in base.items()}
+        )
         t0 = time.perf_counter()
         codec.decode(payload, target, sums)
         dec.append(time.perf_counter() - t0)
         size = codec.size(payload)
         exact = exact and _same(target, new)
-    return {"bytes": size, "encode_s": statistics.median(enc), "decode_s": statistics.median(dec), "bit_exact": exact}
+    return {
+        "bytes": size,
+        "encode_s": statistics.median(enc),
+        "decode_s": statistics.median(dec),
+        "bit_exact": exact,
+    }
 
 
 def run_case(name: str, base, new, codecs: list[Codec], repeats: int, anchor: bool = False) -> dict[str, Any]:
@@ -70,7 +79,9 @@ def run_case(name: str, base, new, codecs: list[Codec], repeats: int, anchor: bo
             if anchor and codec.deltas and codec.name != "modal_rl":
                 continue
             r = _measure(codec, None if anchor else base, new, sums, 1)
-            prev = results.setdefault(codec.name, {"bytes": r["bytes"], "encode": [], "decode": [], "bit_exact": True})
+            prev = results.setdefault(
+                codec.name, {"bytes": r["bytes"], "encode": [], "decode": [], "bit_exact": True}
+            )
             prev["encode"].append(r["encode_s"])
             prev["decode"].append(r["decode_s"])
             prev["bit_exact"] = prev["bit_exact"] and r["bit_exact"]
@@ -145,13 +156,17 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     real = [c for c in cases if c["name"].startswith("adam") and 0.005 <= c["density"] <= 0.03]
-    ratio = float(np.median([c["codecs"]["modal_rl"]["bytes"] / c["raw_bytes"] for c in real])) if real else None
+    ratio = (
+        float(np.median([c["codecs"]["modal_rl"]["bytes"] / c["raw_bytes"] for c in real])) if real else None
+    )
     modelled = []
     if ratio is not None:
         for model, size in MODELS.items():
             for gbps in LINKS_GBPS:
                 full_s = size * 8 / (gbps * 1e9)
-                modelled.append({"model": model, "link_gbps": gbps, "full_s": full_s, "delta_s": full_s * ratio})
+                modelled.append(
+                    {"model": model, "link_gbps": gbps, "full_s": full_s, "delta_s": full_s * ratio}
+                )
     return {"band_checks": checks, "median_real_ratio": ratio, "modelled_transfer": modelled}
 
 
@@ -162,13 +177,23 @@ def render_markdown(cases: list[dict[str, Any]], summary: dict[str, Any]) -> str
         row = [c["name"], f"{c['density']:.3%}", int(c["entropy_bytes"]) if c["entropy_bytes"] else "-"]
         for n in names:
             r = c["codecs"].get(n)
-            row.append(f"{r['bytes']:,} / {r['encode_s'] * 1e3:.0f} / {r['decode_s'] * 1e3:.0f}" if r else "-")
+            row.append(
+                f"{r['bytes']:,} / {r['encode_s'] * 1e3:.0f} / {r['decode_s'] * 1e3:.0f}" if r else "-"
+            )
         rows.append(row)
     text = "# weight-sync\n\nPer codec: bytes / encode ms / decode+apply ms (modal_rl decode includes checksum verification).\n\n"
     text += markdown_table(["case", "density", "entropy bytes", *names], rows) + "\n\n"
     text += "## Ratios for cases with density 0.5%–3%\n\n"
     text += markdown_table(
-        ["case", "density", "vs slime_xor bytes", "vs verl bytes", "vs entropy", "encode vs slime", "decode vs slime"],
+        [
+            "case",
+            "density",
+            "vs slime_xor bytes",
+            "vs verl bytes",
+            "vs entropy",
+            "encode vs slime",
+            "decode vs slime",
+        ],
         [
             [
                 k["name"],

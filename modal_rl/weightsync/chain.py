@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 from modal_rl.weightsync.codec import CodecConfig
-from modal_rl.weightsync.decode import ApplyResult, apply_frame
+from modal_rl.weightsync.decode import ApplyResult, apply_frame, read_version_header
 from modal_rl.weightsync.errors import BaseMismatchError, StaleVersionError
 from modal_rl.weightsync.frames import VersionHeader, read_records
 
@@ -30,12 +30,13 @@ def frame_bytes(frame: bytes | bytearray | memoryview | Iterable[bytes]) -> byte
 
 
 def peek_header(frame: bytes) -> VersionHeader:
-    _, body = next(read_records(io.BytesIO(frame)))
-    return VersionHeader.from_body(body)
+    return read_version_header(read_records(io.BytesIO(frame)))
 
 
 class VersionChain:
-    def __init__(self, config: CodecConfig | None = None, *, retain: bool = True, keep_anchors: int = 1) -> None:
+    def __init__(
+        self, config: CodecConfig | None = None, *, retain: bool = True, keep_anchors: int = 1
+    ) -> None:
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1")
         self.config = config or CodecConfig()
@@ -51,7 +52,9 @@ class VersionChain:
         data = frame.read() if hasattr(frame, "read") else frame_bytes(frame)
         header = peek_header(data)
         if self.version is not None and header.version <= self.version:
-            raise StaleVersionError(f"frame for version {header.version} is not newer than held {self.version}")
+            raise StaleVersionError(
+                f"frame for version {header.version} is not newer than held {self.version}"
+            )
         if header.kind == "delta" and self.version is None:
             raise BaseMismatchError(f"delta {header.base_version}→{header.version} needs an anchor first")
         result = apply_frame(

@@ -25,14 +25,15 @@ from typing import Any
 from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
 from modal_rl.weightsync.decode import apply_frame
 from modal_rl.weightsync.differ import NumpyDiffer
+from modal_rl.weightsync.dtypes import ITEMSIZE
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.frames import (
     RECORD_HEADER,
     RECORD_TRAILER,
     TAG_CHUNK,
-    TAG_TENSOR,
+    TAG_GROUP,
     TAG_VERSION,
-    TensorHeader,
+    GroupHeader,
     VersionHeader,
     read_records,
 )
@@ -97,7 +98,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     # The base file carries no version; the base checksums in the delta decide whether it fits.
     held = {name: NumpyDiffer().checksum(NumpyDiffer().prepare(t)) for name, t in state.items()}
     config = CodecConfig(threads=args.threads)
-    result = apply_frame(state, io.BytesIO(data), held_version=header.base_version, held_checksums=held, config=config)
+    result = apply_frame(
+        state, io.BytesIO(data), held_version=header.base_version, held_checksums=held, config=config
+    )
     out_state = result.state if result.state is not None else state
     write_atomically(args.out, lambda tmp: save_file(out_state, str(tmp)))
     print(f"wrote {args.out}: version {header.version}, {result.changed_words} words changed, verified")
@@ -113,17 +116,20 @@ def _first_header(data: bytes) -> VersionHeader:
 
 
 def inspect_frame(data: bytes) -> dict[str, Any]:
-    """Per-tensor sizes and densities of a frame, read from its headers (no decoding)."""
-    header, tensors, current = None, [], None
+    """Sizes and densities of a frame, read from its headers (no decoding). One row per
+    group: a large tensor is a group of its own; small neighbours share one."""
+    header, groups, current = None, [], None
     overhead = RECORD_HEADER.size + RECORD_TRAILER.size
     for tag, body in read_records(io.BytesIO(data)):
         if tag == TAG_VERSION:
             header = VersionHeader.from_body(body)
-        elif tag == TAG_TENSOR:
-            th = TensorHeader.from_body(body)
-            current = {"name": th.name, "dtype": th.dtype, "shape": list(th.shape), "elements": th.numel}
+        elif tag == TAG_GROUP:
+            gh = GroupHeader.from_body(body)
+            names = [t.name for t in gh.tensors]
+            label = names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} more)"
+            current = {"name": label, "tensors": names, "dtype": gh.tensors[0].dtype, "elements": gh.total}
             current |= {"changed": 0, "bytes": len(body) + overhead, "encodings": {}}
-            tensors.append(current)
+            groups.append(current)
         elif tag == TAG_CHUNK and current is not None:
             _, _, nchanged, encoding, _ = CHUNK_HEADER.unpack_from(body, 0)
             current["changed"] += nchanged
@@ -132,18 +138,17 @@ def inspect_frame(data: bytes) -> dict[str, Any]:
             current["encodings"][name] = current["encodings"].get(name, 0) + 1
     if header is None:
         raise CliError("not a weight-sync frame (no version header)")
-    from modal_rl.weightsync.dtypes import ITEMSIZE
-
-    raw = sum(t["elements"] * ITEMSIZE[t["dtype"]] for t in tensors)
-    elements = sum(t["elements"] for t in tensors)
-    changed = sum(t["changed"] for t in tensors)
-    for t in tensors:
-        t["density"] = t["changed"] / t["elements"] if t["elements"] else 0.0
+    raw = sum(g["elements"] * ITEMSIZE[g["dtype"]] for g in groups)
+    elements = sum(g["elements"] for g in groups)
+    changed = sum(g["changed"] for g in groups)
+    for g in groups:
+        g["density"] = g["changed"] / g["elements"] if g["elements"] else 0.0
     return {
         "kind": header.kind,
         "version": header.version,
         "base_version": header.base_version,
-        "tensors": tensors,
+        "groups": groups,
+        "tensors": sum(len(g["tensors"]) for g in groups),
         "elements": elements,
         "changed": changed,
         "density": changed / elements if elements else 0.0,
@@ -161,10 +166,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     base = f" (base {info['base_version']})" if info["kind"] == "delta" else ""
-    print(f"{info['kind']} version {info['version']}{base}: {len(info['tensors'])} tensors")
+    print(
+        f"{info['kind']} version {info['version']}{base}: {info['tensors']} tensors in {len(info['groups'])} groups"
+    )
     print(f"{'tensor':<48} {'dtype':<14} {'elements':>12} {'density':>9} {'bytes':>12}")
-    for t in info["tensors"]:
-        print(f"{t['name'][:48]:<48} {t['dtype']:<14} {t['elements']:>12} {t['density']:>9.4%} {t['bytes']:>12}")
+    for t in info["groups"]:
+        print(
+            f"{t['name'][:48]:<48} {t['dtype']:<14} {t['elements']:>12} {t['density']:>9.4%} {t['bytes']:>12}"
+        )
     print(
         f"total: {info['elements']} elements, density {info['density']:.4%}, "
         f"{info['frame_bytes']} bytes for {info['raw_bytes']} raw (ratio {info['ratio']:.1f}x)"

@@ -13,22 +13,24 @@ import os
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from modal_rl.weightsync.differ import Differ, default_differ
-from modal_rl.weightsync.dtypes import dtype_name
+from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name
 from modal_rl.weightsync.errors import LayoutMismatchError
 from modal_rl.weightsync.frames import (
     RECORD_HEADER,
     RECORD_TRAILER,
     TAG_CHUNK,
-    TAG_TENSOR,
+    TAG_GROUP,
     EndRecord,
+    GroupHeader,
     TensorHeader,
     VersionHeader,
     manifest_digest,
     record,
+    state_digest,
 )
 from modal_rl.weightsync.streams import MAX_CHUNK_ELEMS, ChunkSpec, encode_full_chunk, encode_xor_chunk
 
@@ -51,6 +53,10 @@ class CodecConfig:
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
 
+    def wire_params(self) -> dict[str, int]:
+        """What a reader may want to know; threads and window do not change the bytes."""
+        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level}
+
     @property
     def in_flight(self) -> int:
         return self.window or 2 * self.threads
@@ -61,13 +67,18 @@ def shape_of(tensor: Any) -> tuple[int, ...]:
 
 
 def chunk_specs(numel: int, chunk_elems: int) -> list[ChunkSpec]:
-    return [ChunkSpec(i, start, min(chunk_elems, numel - start)) for i, start in enumerate(range(0, numel, chunk_elems))]
+    return [
+        ChunkSpec(i, start, min(chunk_elems, numel - start))
+        for i, start in enumerate(range(0, numel, chunk_elems))
+    ]
 
 
 def check_same_layout(base: Mapping[str, Any], new: Mapping[str, Any]) -> None:
     if list(base) != list(new):
         missing, extra = sorted(set(new) - set(base)), sorted(set(base) - set(new))
-        detail = f"only in new: {missing[:3]}, only in base: {extra[:3]}" if missing or extra else "order differs"
+        detail = (
+            f"only in new: {missing[:3]}, only in base: {extra[:3]}" if missing or extra else "order differs"
+        )
         raise LayoutMismatchError(f"base and new hold different tensors ({detail})")
     for name, tensor in new.items():
         b = base[name]
@@ -102,45 +113,77 @@ class _OrderedPool:
         self.executor.shutdown(wait=True)
 
 
+@dataclass
+class _Member:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    differ: Differ
+    new: Any
+    base: Any | None
+
+
+def _groups(new: Mapping[str, Any], base: Mapping[str, Any] | None, chunk_elems: int, differ: Differ | None):
+    """Yield runs of tensors to code as one word space (see ``GroupHeader``), streaming:
+    a group is yielded as soon as the next tensor cannot join it."""
+    group: list[_Member] = []
+    total = 0
+    for name, tensor in new.items():
+        d = differ or default_differ(tensor)
+        new_h = d.prepare(tensor)
+        m = _Member(name, dtype_name(tensor), shape_of(tensor), _numel(new_h), d, new_h, None)
+        if base is not None:
+            m.base = d.prepare(base[name])
+        fits = (
+            group
+            and ITEMSIZE[group[0].dtype] == ITEMSIZE[m.dtype]
+            and type(group[0].differ) is type(d)
+            and total + m.numel <= chunk_elems
+        )
+        if group and not fits:
+            yield group
+            group, total = [], 0
+        group.append(m)
+        total += m.numel
+    if group:
+        yield group
+
+
 def _encode(
     new: Mapping[str, Any],
     base: Mapping[str, Any] | None,
     header: VersionHeader,
     config: CodecConfig,
-    base_checksums: Mapping[str, str] | None,
     checksums_out: dict[str, str] | None,
     differ: Differ | None,
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
-    tensor_bodies: list[bytes] = []
+    group_bodies: list[bytes] = []
+    ntensors = 0
 
     def emit(records: Iterator[bytes]) -> Iterator[bytes]:
         for rec in records:
-            if rec[:1] == TAG_TENSOR:
-                tensor_bodies.append(rec[RECORD_HEADER.size : -RECORD_TRAILER.size])
+            if rec[:1] == TAG_GROUP:
+                group_bodies.append(rec[RECORD_HEADER.size : -RECORD_TRAILER.size])
             yield rec
 
     try:
-        for name, tensor in new.items():
-            d = differ or default_differ(tensor)
-            new_h = d.prepare(tensor)
-            base_h = d.prepare(base[name]) if base is not None else None
-            meta = (name, dtype_name(tensor), shape_of(tensor))
-            specs = chunk_specs(_numel(new_h), config.chunk_elems)
-            # The tensor record goes through the ordered pool like a chunk: its hashing
-            # overlaps with the diffs of its own chunks and of the tensors around it.
-            known_base_sum = (base_checksums or {}).get(name)
-            yield from emit(
-                pool.submit(_tensor_task, d, new_h, base_h, meta, config, len(specs), known_base_sum, checksums_out)
-            )
+        for members in _groups(new, base, config.chunk_elems, differ):
+            ntensors += len(members)
+            total = sum(m.numel for m in members)
+            specs = chunk_specs(total, config.chunk_elems)
+            # The group record goes through the ordered pool like a chunk, so hashing the
+            # members overlaps with the diffs of this group's chunks and of its neighbours.
+            yield from emit(pool.submit(_group_task, members, config.chunk_elems, len(specs), checksums_out))
             for spec in specs:
-                if base_h is None:
-                    yield from emit(pool.submit(_full_chunk, d, new_h, spec, config.zstd_level))
+                if base is None:
+                    yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
                 else:
-                    yield from emit(pool.submit(_delta_chunk, d, base_h, new_h, spec, config.zstd_level))
+                    yield from emit(pool.submit(_delta_chunk, members, spec, config.zstd_level))
         yield from emit(pool.drain())
-        yield EndRecord(len(tensor_bodies), manifest_digest(tensor_bodies)).to_record()
+        yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
     finally:
         pool.close()
 
@@ -149,23 +192,35 @@ def _numel(handle: Any) -> int:
     return int(handle.numel()) if callable(getattr(handle, "numel", None)) else int(handle.size)
 
 
-def _tensor_task(d, new_h, base_h, meta, config, nchunks, known_base_sum, checksums_out) -> bytes:
-    name, dtype, shape = meta
-    new_sum = d.checksum(new_h)
-    base_sum = None if base_h is None else known_base_sum or d.checksum(base_h)
-    if checksums_out is not None:
-        checksums_out[name] = new_sum
-    th = TensorHeader(name, dtype, shape, config.chunk_elems, nchunks, new_sum, base_sum)
-    return record(TAG_TENSOR, th.body())
+def _group_task(members: list[_Member], chunk_elems: int, nchunks: int, checksums_out) -> bytes:
+    tensors = []
+    for m in members:
+        checksum = m.differ.checksum(m.new)
+        if checksums_out is not None:
+            checksums_out[m.name] = checksum
+        tensors.append(TensorHeader(m.name, m.dtype, m.shape, checksum))
+    return record(TAG_GROUP, GroupHeader(tuple(tensors), chunk_elems, nchunks).body())
 
 
-def _delta_chunk(d: Differ, base_h: Any, new_h: Any, spec: ChunkSpec, level: int) -> bytes:
-    positions, xor_words = d.diff(base_h, new_h, spec.elem_start, spec.elem_count)
+def _space(members: list[_Member], attr: str) -> Any:
+    """The group's word space: the tensor itself, or its members' words concatenated
+    (several members only ever share one chunk, so this copy is bounded by chunk_elems)."""
+    if len(members) == 1:
+        return getattr(members[0], attr)
+    return members[0].differ.concat([getattr(m, attr) for m in members])
+
+
+def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
+    d = members[0].differ
+    positions, xor_words = d.diff(
+        _space(members, "base"), _space(members, "new"), spec.elem_start, spec.elem_count
+    )
     return record(TAG_CHUNK, encode_xor_chunk(spec, positions, xor_words, level))
 
 
-def _full_chunk(d: Differ, new_h: Any, spec: ChunkSpec, level: int) -> bytes:
-    return record(TAG_CHUNK, encode_full_chunk(spec, d.read(new_h, spec.elem_start, spec.elem_count), level))
+def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
+    words = members[0].differ.read(_space(members, "new"), spec.elem_start, spec.elem_count)
+    return record(TAG_CHUNK, encode_full_chunk(spec, words, level))
 
 
 def encode_anchor(
@@ -178,8 +233,8 @@ def encode_anchor(
 ) -> Iterator[bytes]:
     """Records of a full (compressed) anchor of ``new`` at ``version``."""
     config = config or CodecConfig()
-    header = VersionHeader("anchor", version, None, codec=asdict(config) | {"window": config.in_flight})
-    return _encode(new, None, header, config, None, checksums_out, differ)
+    header = VersionHeader("anchor", version, None, codec=config.wire_params())
+    return _encode(new, None, header, config, checksums_out, differ)
 
 
 def encode_delta(
@@ -195,12 +250,32 @@ def encode_delta(
 ) -> Iterator[bytes]:
     """Records of the delta ``base`` (at ``base_version``) → ``new`` (at ``version``).
 
-    ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base.
+    ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base,
+    whose digest goes into the version header so a receiver refuses a delta for another base
+    before touching anything.
     Raises ``LayoutMismatchError`` before yielding anything if the layouts differ.
     """
     config = config or CodecConfig()
     check_same_layout(base, new)
     if version == base_version:
         raise ValueError(f"a delta must move to a new version (both are {version})")
-    header = VersionHeader("delta", version, base_version, codec=asdict(config) | {"window": config.in_flight})
-    return _encode(new, base, header, config, base_checksums, checksums_out, differ)
+    if base_checksums is None or set(base_checksums) != set(base):
+        base_checksums = _checksums(base, config, differ)
+    header = VersionHeader(
+        "delta",
+        version,
+        base_version,
+        base_digest=state_digest(dict(base_checksums)),
+        codec=config.wire_params(),
+    )
+    return _encode(new, base, header, config, checksums_out, differ)
+
+
+def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | None) -> dict[str, str]:
+    def one(item):
+        name, tensor = item
+        d = differ or default_differ(tensor)
+        return name, d.checksum(d.prepare(tensor))
+
+    with ThreadPoolExecutor(max_workers=config.threads) as pool:
+        return dict(pool.map(one, state.items()))

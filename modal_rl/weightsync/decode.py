@@ -30,14 +30,16 @@ from modal_rl.weightsync.errors import (
 from modal_rl.weightsync.frames import (
     TAG_CHUNK,
     TAG_END,
-    TAG_TENSOR,
+    TAG_GROUP,
     TAG_VERSION,
     EndRecord,
+    GroupHeader,
     TensorHeader,
     VersionHeader,
     _loads,
     manifest_digest,
     read_records,
+    state_digest,
 )
 from modal_rl.weightsync.streams import FULL, decode_chunk
 
@@ -54,18 +56,18 @@ class ApplyResult:
     tensors: list[TensorHeader] = field(default_factory=list)
 
 
-class _TensorJob:
-    """One tensor's in-flight chunk applies and its verification."""
+class _GroupJob:
+    """One group's in-flight chunk applies and its verification."""
 
-    def __init__(self, header: TensorHeader, words: Any) -> None:
+    def __init__(self, header: GroupHeader, segments: list[tuple[int, Any]]) -> None:
         self.header = header
-        self.words = words
-        self.itemsize = ITEMSIZE[header.dtype]
+        self.segments = segments
+        self.itemsize = ITEMSIZE[header.tensors[0].dtype]
         self.chunk_futures: list[Future] = []
         self.seen_chunks = 0
 
 
-def _read_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader:
+def read_version_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader:
     try:
         tag, body = next(records)
     except StopIteration:
@@ -79,12 +81,12 @@ class _Applier:
     def __init__(self, config: CodecConfig) -> None:
         self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="weightsync-apply")
         self.limit = config.in_flight
-        self.applied: list[tuple[Any, bytes, int, int]] = []  # (words, body, itemsize, chunk_elems)
+        self.applied: list[tuple[_GroupJob, bytes]] = []  # for rollback
         self.lock = threading.Lock()
         self.in_flight: list[Future] = []
         self.changed = 0
 
-    def submit_chunk(self, job: _TensorJob, body: bytes, is_anchor: bool) -> None:
+    def submit_chunk(self, job: _GroupJob, body: bytes, is_anchor: bool) -> None:
         self.in_flight = [f for f in self.in_flight if not f.done()]
         if len(self.in_flight) >= self.limit:
             wait(self.in_flight[: len(self.in_flight) - self.limit + 1])
@@ -93,42 +95,45 @@ class _Applier:
         job.chunk_futures.append(future)
         self.in_flight.append(future)
 
-    def _apply_chunk(self, job: _TensorJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
-        th = job.header
-        chunk = decode_chunk(body, job.itemsize, th.chunk_elems)
+    def _apply_chunk(self, job: _GroupJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
+        gh = job.header
+        where = f"group of {gh.tensors[0].name!r}"
+        chunk = decode_chunk(body, job.itemsize, gh.chunk_elems)
         if chunk.index != expected_index:
-            raise CorruptFrameError(f"tensor {th.name!r}: chunk {chunk.index} arrived as chunk {expected_index}")
-        if chunk.elem_count != min(th.chunk_elems, th.numel - chunk.elem_start):
-            raise CorruptFrameError(f"tensor {th.name!r}: chunk {chunk.index} has the wrong size")
+            raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
+        if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
+            raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
         if is_anchor != (chunk.encoding == FULL):
-            raise CorruptFrameError(f"tensor {th.name!r}: chunk encoding does not fit the frame kind")
-        chunk.apply(job.words)
+            raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
+        chunk.apply(job.segments)
         with self.lock:
             self.changed += chunk.nchanged
             if not is_anchor:
-                self.applied.append((job.words, body, job.itemsize, th.chunk_elems))
+                self.applied.append((job, body))
 
-    def verify(self, job: _TensorJob) -> Future:
+    def verify(self, job: _GroupJob) -> Future:
         def run() -> None:
             for future in job.chunk_futures:
                 future.result()
-            if job.seen_chunks != job.header.nchunks:
+            gh = job.header
+            if job.seen_chunks != gh.nchunks:
                 raise TruncatedFrameError(
-                    f"tensor {job.header.name!r}: {job.seen_chunks} of {job.header.nchunks} chunks arrived"
+                    f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
                 )
-            actual = checksum_words(job.words)
-            if actual != job.header.checksum:
-                raise ChecksumMismatchError(
-                    f"tensor {job.header.name!r}: rebuilt checksum {actual[:12]}… != sent {job.header.checksum[:12]}…"
-                )
+            for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
+                actual = checksum_words(words)
+                if actual != th.checksum:
+                    raise ChecksumMismatchError(
+                        f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
+                    )
 
         return self.pool.submit(run)
 
     def rollback(self) -> None:
         # Wait for every chunk still running, then undo all applied XOR chunks.
         wait(self.in_flight)
-        for words, body, itemsize, chunk_elems in self.applied:
-            decode_chunk(body, itemsize, chunk_elems).apply(words)
+        for job, body in self.applied:
+            decode_chunk(body, job.itemsize, job.header.chunk_elems).apply(job.segments)
         self.applied.clear()
 
     def close(self) -> None:
@@ -147,22 +152,27 @@ def apply_frame(
 
     A delta is applied in place onto ``state`` (which must be at ``held_version``); an
     anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
-    not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta's
-    base checksums be checked without hashing the held state.
+    not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta made
+    from other weights be refused up front, without hashing the held state.
     """
     config = config or CodecConfig()
     records = read_records(stream)
-    header = _read_header(records)
+    header = read_version_header(records)
     is_anchor = header.kind == "anchor"
     if not is_anchor and header.base_version != held_version:
         raise BaseMismatchError(
             f"delta {header.base_version}→{header.version} does not apply to held version {held_version}"
         )
+    known_base = not is_anchor and held_checksums is not None and set(held_checksums) == set(state)
+    if known_base and header.base_digest != state_digest(held_checksums):
+        raise BaseMismatchError(
+            f"delta {header.base_version}→{header.version} was made from other weights than the held ones"
+        )
     target: dict[str, Any] = {} if is_anchor else state  # type: ignore[assignment]
     applier = _Applier(config)
     result = ApplyResult(header=header, checksums={})
     try:
-        _apply_records(records, header, state, target, held_checksums, applier, result)
+        _apply_records(records, header, state, target, applier, result)
     except BaseException:
         if not is_anchor:
             applier.rollback()
@@ -175,34 +185,38 @@ def apply_frame(
     return result
 
 
-def _apply_records(records, header, state, target, held_checksums, applier, result) -> None:
+def _apply_records(records, header, state, target, applier, result) -> None:
     is_anchor = header.kind == "anchor"
-    job: _TensorJob | None = None
+    job: _GroupJob | None = None
     verifications: list[Future] = []
     bodies: list[bytes] = []
     for tag, body in records:
-        if tag == TAG_TENSOR:
+        if tag == TAG_GROUP:
             if job is not None:
                 verifications.append(applier.verify(job))
-            th = TensorHeader.from_body(body)
+            gh = GroupHeader.from_body(body)
             bodies.append(body)
-            _check_tensor(th, state, held_checksums, is_anchor, result)
-            if is_anchor:
-                target[th.name] = empty_like_spec(th.dtype, th.shape)
-            job = _TensorJob(th, words_of(target[th.name]))
-            result.tensors.append(th)
-            result.checksums[th.name] = th.checksum
-            result.total_words += th.numel
+            segments, offset = [], 0
+            for th in gh.tensors:
+                _check_tensor(th, state, is_anchor, result)
+                if is_anchor:
+                    target[th.name] = empty_like_spec(th.dtype, th.shape)
+                segments.append((offset, words_of(target[th.name])))
+                offset += th.numel
+                result.tensors.append(th)
+                result.checksums[th.name] = th.checksum
+            result.total_words += offset
+            job = _GroupJob(gh, segments)
         elif tag == TAG_CHUNK:
             if job is None:
-                raise CorruptFrameError("chunk record before any tensor header")
+                raise CorruptFrameError("chunk record before any group header")
             if job.seen_chunks >= job.header.nchunks:
-                raise CorruptFrameError(f"tensor {job.header.name!r}: more chunks than its header declares")
+                raise CorruptFrameError(f"group of {job.header.tensors[0].name!r}: more chunks than declared")
             applier.submit_chunk(job, body, is_anchor)
         elif tag == TAG_END:
             if job is not None:
                 verifications.append(applier.verify(job))
-            _check_end(body, bodies, state, is_anchor)
+            _check_end(body, bodies, result, state, is_anchor)
             _raise_first(verifications)
             return
         else:
@@ -210,11 +224,9 @@ def _apply_records(records, header, state, target, held_checksums, applier, resu
     raise TruncatedFrameError(f"frame for version {header.version} ends before its end record")
 
 
-def _check_tensor(th: TensorHeader, state, held_checksums, is_anchor: bool, result: ApplyResult) -> None:
+def _check_tensor(th: TensorHeader, state, is_anchor: bool, result: ApplyResult) -> None:
     if th.name in result.checksums:
         raise CorruptFrameError(f"tensor {th.name!r} appears twice in one frame")
-    if th.dtype not in ITEMSIZE:
-        raise CorruptFrameError(f"tensor {th.name!r}: unknown dtype {th.dtype!r}")
     if is_anchor:
         return
     if th.name not in state:
@@ -224,20 +236,15 @@ def _check_tensor(th: TensorHeader, state, held_checksums, is_anchor: bool, resu
         raise LayoutMismatchError(
             f"tensor {th.name!r}: delta is {th.dtype}{list(th.shape)}, held is {dtype_name(held)}{list(shape_of(held))}"
         )
-    held_sum = (held_checksums or {}).get(th.name)
-    if held_sum is not None and th.base_checksum != held_sum:
-        raise BaseMismatchError(f"tensor {th.name!r}: delta's base checksum differs from the held tensor's")
 
 
-def _check_end(body: bytes, bodies: list[bytes], state, is_anchor: bool) -> None:
+def _check_end(body: bytes, bodies: list[bytes], result: ApplyResult, state, is_anchor: bool) -> None:
     end = EndRecord(**_loads(body, "end record"))
-    if end.tensors != len(bodies) or end.manifest_digest != manifest_digest(bodies):
-        raise CorruptFrameError("end record does not match the tensors received (dropped or reordered tensors)")
-    if not is_anchor:
-        names = [TensorHeader.from_body(b).name for b in bodies]
-        if set(names) != set(state):
-            missing = sorted(set(state) - set(names))[:3]
-            raise LayoutMismatchError(f"delta does not cover every held tensor (missing {missing})")
+    if end.tensors != len(result.tensors) or end.manifest_digest != manifest_digest(bodies):
+        raise CorruptFrameError("end record does not match the groups received (dropped or reordered groups)")
+    if not is_anchor and set(result.checksums) != set(state):
+        missing = sorted(set(state) - set(result.checksums))[:3]
+        raise LayoutMismatchError(f"delta does not cover every held tensor (missing {missing})")
 
 
 def _raise_first(futures: list[Future]) -> None:

@@ -29,6 +29,9 @@ class Differ(Protocol):
     def checksum(self, handle: Any) -> str:
         """xxh3-128 hex digest of the tensor's bytes."""
 
+    def concat(self, handles: list[Any]) -> Any:
+        """One handle holding the given handles' words back to back."""
+
 
 def checksum_words(words: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(words.view(np.uint8)) if words.size else xxhash.xxh3_128_hexdigest(b"")
@@ -40,7 +43,9 @@ class NumpyDiffer:
     def prepare(self, tensor: Any) -> np.ndarray:
         return words_of(tensor)
 
-    def diff(self, base: np.ndarray, new: np.ndarray, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def diff(
+        self, base: np.ndarray, new: np.ndarray, start: int, count: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         b, n = base[start : start + count], new[start : start + count]
         # nonzero over a bool mask is ~2x faster than over the words themselves, and XOR-ing
         # only the changed words never writes a full-size XOR array.
@@ -52,6 +57,9 @@ class NumpyDiffer:
 
     def checksum(self, handle: np.ndarray) -> str:
         return checksum_words(handle)
+
+    def concat(self, handles: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(handles)
 
 
 class TorchDiffer:
@@ -85,6 +93,11 @@ class TorchDiffer:
 
     def read(self, handle: Any, start: int, count: int) -> np.ndarray:
         return handle[start : start + count].cpu().numpy().view(WORD_DTYPES[handle.element_size()])
+
+    def concat(self, handles: list[Any]) -> Any:
+        import torch
+
+        return torch.cat(handles)
 
     def checksum(self, handle: Any, copy_elems: int = 1 << 24) -> str:
         # Hash on the host in slices so a device tensor never needs a full host copy at once.

@@ -8,12 +8,12 @@ so a flipped bit or a cut anywhere is caught at the record it hits, before the r
 contents are used. The records of one version, in order:
 
 - ``V`` version header: ``b"MRLW"``, format version u16, then JSON (kind, version,
-  base_version, codec parameters);
-- per tensor, ``T`` tensor header (binary: dtype, shape, chunk_elems, nchunks, xxh3-128 of
-  the new state, xxh3-128 of the base for deltas, name), followed by its
-  ``nchunks`` ``C`` chunk records (see ``streams``);
-- ``E`` end: JSON with the tensor count and the xxh3-128 of all ``T`` bodies in order, so a
-  dropped, duplicated or reordered tensor is refused.
+  base_version, digest of the base's tensor checksums, codec parameters);
+- per group of tensors, a ``G`` group header (the manifest of its tensors: name, dtype,
+  shape, xxh3-128 of the new state; chunking), followed by its ``nchunks`` ``C`` chunk
+  records (see ``streams``) over the group's concatenated words;
+- ``E`` end: JSON with the tensor count and the xxh3-128 of all ``G`` bodies in order, so a
+  dropped, duplicated or reordered group is refused.
 
 The full specification is ``docs/weight-sync-format.md``.
 """
@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 import xxhash
+import zstandard
 
-from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES
+from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 from modal_rl.weightsync.errors import CorruptFrameError, TruncatedFrameError
 
 MAGIC = b"MRLW"
@@ -36,7 +37,7 @@ FORMAT_VERSION = 1
 RECORD_HEADER = struct.Struct("<cI")
 RECORD_TRAILER = struct.Struct("<Q")
 MAX_RECORD_BYTES = 1 << 31
-TAG_VERSION, TAG_TENSOR, TAG_CHUNK, TAG_END = b"V", b"T", b"C", b"E"
+TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END = b"V", b"G", b"C", b"E"
 
 
 def record(tag: bytes, body: bytes | memoryview) -> bytes:
@@ -55,6 +56,7 @@ class VersionHeader:
     kind: str  # "anchor" | "delta"
     version: int
     base_version: int | None
+    base_digest: str | None = None  # deltas: state_digest() of the base's tensor checksums
     codec: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> bytes:
@@ -66,7 +68,9 @@ class VersionHeader:
             raise CorruptFrameError("not a modal-rl weight-sync frame (bad magic)")
         (fmt,) = struct.unpack_from("<H", body, 4)
         if fmt != FORMAT_VERSION:
-            raise CorruptFrameError(f"frame format version {fmt} is not supported (this reader: {FORMAT_VERSION})")
+            raise CorruptFrameError(
+                f"frame format version {fmt} is not supported (this reader: {FORMAT_VERSION})"
+            )
         data = _loads(body[6:], "version header")
         if data.get("kind") not in ("anchor", "delta"):
             raise CorruptFrameError(f"unknown frame kind {data.get('kind')!r}")
@@ -75,21 +79,14 @@ class VersionHeader:
         return cls(**data)
 
 
-# dtype code u8, flags u8, ndim u8, name length u16, chunk_elems u32, nchunks u32,
-# checksum 16 bytes, base checksum 16 bytes; then ndim × u64 dims, then the UTF-8 name.
-TENSOR_HEADER = struct.Struct("<BBBHII16s16s")
-HAS_BASE_CHECKSUM = 1
-
-
 @dataclass(frozen=True)
 class TensorHeader:
+    """One tensor's manifest entry: its layout and the xxh3-128 of its new state."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
-    chunk_elems: int
-    nchunks: int
-    checksum: str  # xxh3-128 hex of the new state's bytes
-    base_checksum: str | None  # xxh3-128 hex of the base's bytes (deltas only)
+    checksum: str
 
     @property
     def numel(self) -> int:
@@ -98,47 +95,76 @@ class TensorHeader:
             n *= dim
         return n
 
+
+# ntensors u32, chunk_elems u32, nchunks u32, total words u64; then the zstd-compressed entries.
+GROUP_HEADER = struct.Struct("<IIIQ")
+MAX_GROUP_TENSORS = 1 << 20
+
+
+@dataclass(frozen=True)
+class GroupHeader:
+    """A run of tensors of one word width whose words are coded as one concatenated space.
+
+    Small tensors are grouped so that stream and table overheads are paid once per group,
+    not once per tensor; a large tensor is a group of its own, split into chunks. A group
+    of several tensors never exceeds one chunk.
+    """
+
+    tensors: tuple[TensorHeader, ...]
+    chunk_elems: int
+    nchunks: int
+
+    @property
+    def total(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
     def body(self) -> bytes:
-        name = self.name.encode()
-        flags = HAS_BASE_CHECKSUM if self.base_checksum is not None else 0
-        fixed = TENSOR_HEADER.pack(
-            DTYPE_CODES[self.dtype],
-            flags,
-            len(self.shape),
-            len(name),
-            self.chunk_elems,
-            self.nchunks,
-            bytes.fromhex(self.checksum),
-            bytes.fromhex(self.base_checksum or "00" * 16),
-        )
-        return fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + name
+        entries = []
+        for t in self.tensors:
+            name = t.name.encode()
+            entries.append(struct.pack("<BB", DTYPE_CODES[t.dtype], len(t.shape)))
+            entries.append(struct.pack(f"<{len(t.shape)}QH", *t.shape, len(name)) + name)
+            entries.append(bytes.fromhex(t.checksum))
+        packed = zstandard.ZstdCompressor(level=3).compress(b"".join(entries))
+        return GROUP_HEADER.pack(len(self.tensors), self.chunk_elems, self.nchunks, self.total) + packed
 
     @classmethod
-    def from_body(cls, body: bytes) -> TensorHeader:
-        if len(body) < TENSOR_HEADER.size:
-            raise CorruptFrameError("tensor header too short")
-        code, flags, ndim, name_len, chunk_elems, nchunks, checksum, base_checksum = TENSOR_HEADER.unpack_from(body)
-        if len(body) != TENSOR_HEADER.size + 8 * ndim + name_len:
-            raise CorruptFrameError("tensor header length does not match its fields")
-        if code not in DTYPE_BY_CODE:
-            raise CorruptFrameError(f"tensor header names unknown dtype code {code}")
-        shape = struct.unpack_from(f"<{ndim}Q", body, TENSOR_HEADER.size)
+    def from_body(cls, body: bytes) -> GroupHeader:
+        if len(body) < GROUP_HEADER.size:
+            raise CorruptFrameError("group header too short")
+        ntensors, chunk_elems, nchunks, total = GROUP_HEADER.unpack_from(body)
+        if not 0 < ntensors <= MAX_GROUP_TENSORS or chunk_elems == 0:
+            raise CorruptFrameError(f"group header declares {ntensors} tensors, chunk size {chunk_elems}")
         try:
-            name = bytes(body[TENSOR_HEADER.size + 8 * ndim :]).decode()
-        except UnicodeDecodeError as exc:
-            raise CorruptFrameError("tensor name is not UTF-8") from exc
-        header = cls(
-            name=name,
-            dtype=DTYPE_BY_CODE[code],
-            shape=tuple(shape),
-            chunk_elems=chunk_elems,
-            nchunks=nchunks,
-            checksum=checksum.hex(),
-            base_checksum=base_checksum.hex() if flags & HAS_BASE_CHECKSUM else None,
-        )
-        expected = -(-header.numel // chunk_elems) if chunk_elems > 0 else -1
-        if nchunks != expected:
-            raise CorruptFrameError(f"tensor {name!r}: {nchunks} chunks for {header.numel} elements")
+            raw = zstandard.ZstdDecompressor().decompress(
+                body[GROUP_HEADER.size :], max_output_size=ntensors * 4096
+            )
+        except zstandard.ZstdError as exc:
+            raise CorruptFrameError(f"group header entries do not decode: {exc}") from exc
+        tensors, offset = [], 0
+        try:
+            for _ in range(ntensors):
+                code, ndim = struct.unpack_from("<BB", raw, offset)
+                offset += 2
+                *shape, name_len = struct.unpack_from(f"<{ndim}QH", raw, offset)
+                offset += 8 * ndim + 2
+                name = raw[offset : offset + name_len].decode()
+                checksum = raw[offset + name_len : offset + name_len + 16].hex()
+                offset += name_len + 16
+                if code not in DTYPE_BY_CODE or len(checksum) != 32:
+                    raise CorruptFrameError(f"group header entry {name!r} is malformed")
+                tensors.append(TensorHeader(name, DTYPE_BY_CODE[code], tuple(shape), checksum))
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise CorruptFrameError(f"group header entries are malformed: {exc}") from exc
+        if offset != len(raw):
+            raise CorruptFrameError("trailing bytes after the group header entries")
+        header = cls(tuple(tensors), chunk_elems, nchunks)
+        if header.total != total or nchunks != -(-total // chunk_elems):
+            raise CorruptFrameError(f"group header: {nchunks} chunks of {chunk_elems} for {total} words")
+        if ntensors > 1 and total > chunk_elems:
+            raise CorruptFrameError("a group of several tensors spans more than one chunk")
+        if len({ITEMSIZE[t.dtype] for t in tensors}) != 1:
+            raise CorruptFrameError("a group mixes word widths")
         return header
 
 
@@ -149,6 +175,14 @@ class EndRecord:
 
     def to_record(self) -> bytes:
         return record(TAG_END, _json(asdict(self)))
+
+
+def state_digest(checksums: dict[str, str]) -> str:
+    """One xxh3-128 over every tensor's name and checksum, independent of order."""
+    h = xxhash.xxh3_128()
+    for name in sorted(checksums):
+        h.update(name.encode() + b"\0" + checksums[name].encode() + b"\n")
+    return h.hexdigest()
 
 
 def manifest_digest(tensor_bodies: Iterable[bytes]) -> str:
@@ -193,7 +227,7 @@ def read_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
         if len(header) < RECORD_HEADER.size:
             raise TruncatedFrameError("frame ends inside a record header")
         tag, length = RECORD_HEADER.unpack(header)
-        if tag not in (TAG_VERSION, TAG_TENSOR, TAG_CHUNK, TAG_END) or length > MAX_RECORD_BYTES:
+        if tag not in (TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END) or length > MAX_RECORD_BYTES:
             raise CorruptFrameError(f"bad record header (tag {tag!r}, length {length})")
         body = _read_exact(stream, length)
         trailer = _read_exact(stream, RECORD_TRAILER.size)

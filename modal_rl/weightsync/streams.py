@@ -190,18 +190,32 @@ class DecodedChunk:
     positions: np.ndarray | None
     values: np.ndarray | None  # XOR words (XOR_*) or new words (FULL)
 
-    def apply(self, words: np.ndarray) -> None:
-        """Write into the tensor's flat words. XOR encodings are involutions: applying the
-        same chunk twice restores the base, which is how a refused frame is rolled back."""
+    def apply(self, segments: list[tuple[int, np.ndarray]]) -> None:
+        """Write into the words of a group: ``segments`` are (offset in the group's word
+        space, that tensor's flat words), in order. XOR encodings are involutions: applying
+        the same chunk twice restores the base, which is how a refused frame is rolled back."""
         if self.encoding == UNCHANGED:
             return
-        window = words[self.elem_start : self.elem_start + self.elem_count]
+        lo, hi = self.elem_start, self.elem_start + self.elem_count
         if self.encoding == XOR_SPARSE:
-            window[self.positions] ^= self.values
-        elif self.encoding == XOR_DENSE:
-            np.bitwise_xor(window, self.values, out=window)
-        else:
-            window[:] = self.values
+            group_positions = self.positions + lo
+            starts = [start for start, _ in segments]
+            cuts = np.searchsorted(group_positions, starts + [hi])
+            for k, (start, words) in enumerate(segments):
+                a, b = cuts[k], cuts[k + 1]
+                if a < b:
+                    words[group_positions[a:b] - start] ^= self.values[a:b]
+            return
+        for start, words in segments:
+            a, b = max(lo, start), min(hi, start + words.size)
+            if a >= b:
+                continue
+            window = words[a - start : b - start]
+            values = self.values[a - lo : b - lo]
+            if self.encoding == XOR_DENSE:
+                np.bitwise_xor(window, values, out=window)
+            else:
+                window[:] = values
 
 
 def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes:

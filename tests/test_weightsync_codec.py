@@ -1,0 +1,165 @@
+"""Round trips of the codec: every dtype, odd shapes, densities 0–100%, numpy vs torch path."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modal_rl.weightsync import (
+    CodecConfig,
+    LayoutMismatchError,
+    NumpyDiffer,
+    TorchDiffer,
+    VersionChain,
+    apply_frame,
+    encode_anchor,
+    encode_delta,
+    frame_bytes,
+)
+from modal_rl.weightsync.streams import XOR_DENSE, XOR_SPARSE, decode_chunk
+from tests.weightsync_helpers import DTYPES, clone_state, model_state, perturb, random_tensor, same_state
+
+SMALL = CodecConfig(chunk_elems=4096, threads=2)
+
+
+def roundtrip(base, new, config=SMALL):
+    chain = VersionChain(config)
+    chain.apply(encode_anchor(base, version=0, config=config))
+    assert same_state(chain.state, base)
+    delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=config))
+    chain.apply(delta)
+    return chain, delta
+
+
+shapes = st.lists(st.integers(0, 37), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shapes=st.lists(shapes, min_size=1, max_size=4),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]),
+    chunk_elems=st.sampled_from([1, 7, 64, 4096]),
+    seed=st.integers(0, 2**16),
+)
+def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = {f"t{i}": random_tensor(s, dtype, gen) for i, s in enumerate(shapes)}
+    new = perturb(base, density, seed)
+    chain, _ = roundtrip(base, new, CodecConfig(chunk_elems=chunk_elems, threads=2))
+    assert same_state(chain.state, new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_density_changes_every_word(dtype):
+    gen = torch.Generator().manual_seed(1)
+    base = {"w": random_tensor((300, 17), dtype, gen)}
+    new = {"w": (base["w"].reshape(-1).view(torch.uint8) ^ 0xFF).view(dtype).reshape(300, 17)}
+    chain, delta = roundtrip(base, new)
+    assert same_state(chain.state, new)
+    assert chain.version == 1
+
+
+def test_unchanged_state_makes_a_tiny_delta():
+    base = model_state()
+    chain, delta = roundtrip(base, clone_state(base))
+    assert same_state(chain.state, base)
+    raw = sum(t.numel() * t.element_size() for t in base.values())
+    assert len(delta) < 0.02 * raw  # headers only: no word changed
+
+
+def test_sparse_and_dense_chunks_are_chosen_by_density():
+    gen = torch.Generator().manual_seed(2)
+    base = {"w": random_tensor((8192,), torch.bfloat16, gen)}
+    encodings = {}
+    for density in (0.01, 0.9):
+        delta = frame_bytes(
+            encode_delta(base, perturb(base, density), base_version=0, version=1, config=SMALL)
+        )
+        from tests.weightsync_helpers import records
+
+        chunk_bodies = [delta[o + 5 : o + s - 8] for o, s, tag in records(delta) if tag == b"C"]
+        encodings[density] = {decode_chunk(b, 2, SMALL.chunk_elems).encoding for b in chunk_bodies}
+    assert encodings[0.01] == {XOR_SPARSE}
+    assert encodings[0.9] == {XOR_DENSE}
+
+
+def test_torch_path_writes_the_same_bytes_as_numpy():
+    base = model_state()
+    new = perturb(base, 0.03)
+    numpy_frame = frame_bytes(
+        encode_delta(base, new, base_version=0, version=1, config=SMALL, differ=NumpyDiffer())
+    )
+    torch_frame = frame_bytes(
+        encode_delta(base, new, base_version=0, version=1, config=SMALL, differ=TorchDiffer())
+    )
+    assert numpy_frame == torch_frame
+    anchor_np = frame_bytes(encode_anchor(new, version=0, config=SMALL, differ=NumpyDiffer()))
+    anchor_torch = frame_bytes(encode_anchor(new, version=0, config=SMALL, differ=TorchDiffer()))
+    assert anchor_np == anchor_torch
+
+
+def test_threads_and_chunking_do_not_change_the_result():
+    base = model_state()
+    new = perturb(base, 0.02)
+    one = frame_bytes(
+        encode_delta(base, new, base_version=0, version=1, config=CodecConfig(chunk_elems=512, threads=1))
+    )
+    many = frame_bytes(
+        encode_delta(
+            base, new, base_version=0, version=1, config=CodecConfig(chunk_elems=512, threads=4, window=3)
+        )
+    )
+    assert one == many
+
+
+def test_delta_is_applied_in_place_on_the_held_tensors():
+    base = model_state()
+    new = perturb(base, 0.05)
+    held = clone_state(base)
+    storage = {k: v.data_ptr() for k, v in held.items() if v.numel()}
+    delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
+    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+    assert same_state(held, new)
+    assert {k: v.data_ptr() for k, v in held.items() if v.numel()} == storage
+
+
+def test_layout_mismatch_is_refused_before_encoding():
+    base = model_state()
+    new = clone_state(base)
+    new["layer.0.q.bias"] = torch.zeros(65, dtype=torch.bfloat16)
+    with pytest.raises(LayoutMismatchError, match="layer.0.q.bias"):
+        encode_delta(base, new, base_version=0, version=1)
+    with pytest.raises(LayoutMismatchError, match="only in"):
+        encode_delta(base, {**new, "extra": torch.zeros(1)}, base_version=0, version=1)
+
+
+def test_checksums_out_match_the_new_state():
+    base, new = model_state(), perturb(model_state(), 0.1)
+    sums: dict[str, str] = {}
+    frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL, checksums_out=sums))
+    d = NumpyDiffer()
+    assert sums == {k: d.checksum(d.prepare(v)) for k, v in new.items()}
+
+
+def test_numpy_arrays_are_accepted():
+    rng = np.random.default_rng(0)
+    base = {"a": rng.standard_normal((50, 3)).astype(np.float32)}
+    new = {"a": base["a"].copy()}
+    new["a"][3, 1] += 1.0
+    delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
+    held = {"a": base["a"].copy()}
+    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+    assert np.array_equal(held["a"].view(np.uint32), new["a"].view(np.uint32))
+
+
+def test_codec_config_is_validated():
+    with pytest.raises(ValueError, match="chunk_elems"):
+        CodecConfig(chunk_elems=0)
+    with pytest.raises(ValueError, match="threads"):
+        CodecConfig(threads=0)

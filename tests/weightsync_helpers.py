@@ -1,0 +1,85 @@
+"""Shared helpers for the weight-sync tests: states, bit-exact comparison, frame surgery."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from modal_rl.weightsync.frames import RECORD_HEADER, RECORD_TRAILER
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if list(a) != list(b):
+        return False
+    return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bits(a[k]) == bits(b[k]) for k in a)
+
+
+def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def random_tensor(shape, dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def perturb(state: dict[str, torch.Tensor], density: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A new version: ``density`` of each tensor's words get a different bit pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        words = t.detach().reshape(-1).view(torch.uint8).clone()
+        size = t.element_size()
+        grid = words.view(-1, size) if t.numel() else words.view(0, size)
+        chosen = torch.rand(grid.shape[0], generator=gen) < density
+        flips = torch.randint(1, 256, (int(chosen.sum()),), generator=gen, dtype=torch.uint8)
+        grid[chosen, 0] ^= flips
+        out[name] = words.view(t.dtype).reshape(t.shape)
+    return out
+
+
+def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small transformer-shaped bf16 state with an odd mix of shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {
+        "embed.weight": (1000, 64),
+        "layer.0.q.weight": (64, 64),
+        "layer.0.q.bias": (64,),
+        "layer.0.norm.weight": (64,),
+        "layer.0.mlp.weight": (257, 64),
+        "scalar": (),
+        "empty": (0, 5),
+        "head.weight": (3, 7, 11),
+    }
+    return {k: random_tensor(s, torch.bfloat16, gen) for k, s in shapes.items()}
+
+
+def records(frame: bytes) -> list[tuple[int, int, bytes]]:
+    """(offset, length, tag) of every record in a frame."""
+    out, offset = [], 0
+    while offset < len(frame):
+        tag, length = RECORD_HEADER.unpack_from(frame, offset)
+        size = RECORD_HEADER.size + length + RECORD_TRAILER.size
+        out.append((offset, size, tag))
+        offset += size
+    return out
+
+
+def reseal(frame: bytes, offset: int, body: bytes) -> bytes:
+    """Replace the body of the record at ``offset`` and recompute its checksum, so the
+    corruption gets past the record check and must be caught by a deeper one."""
+    import xxhash
+
+    tag, length = RECORD_HEADER.unpack_from(frame, offset)
+    header = RECORD_HEADER.pack(tag, len(body))
+    trailer = struct.pack("<Q", xxhash.xxh3_64_intdigest(header + body))
+    end = offset + RECORD_HEADER.size + length + RECORD_TRAILER.size
+    return frame[:offset] + header + body + trailer + frame[end:]
