@@ -51,7 +51,7 @@ def adam_trajectory(
     rng = random.Random(seed)
     path = minilm_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32)
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     snapshots: dict[int, State] = {}
@@ -64,7 +64,7 @@ def adam_trajectory(
         anchors = _sentences(tokenizer, batch, rng)
         positives = [_drop_words(s, rng) for s in anchors]
         enc = tokenizer(
-            anchors + positives, padding=True, truncation=True, max_length=32, return_tensors="pt"
+            anchors + positives, padding=True, truncation=True, max_length=24, return_tensors="pt"
         )
         hidden = model(**enc).last_hidden_state
         mask = enc["attention_mask"].unsqueeze(-1).float()

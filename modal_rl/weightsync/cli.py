@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from modal_rl.weightsync.chunks import CHUNK_HEADER, ENCODING_NAMES
 from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
 from modal_rl.weightsync.decode import apply_frame
 from modal_rl.weightsync.differ import NumpyDiffer
@@ -37,7 +38,6 @@ from modal_rl.weightsync.frames import (
     VersionHeader,
     read_records,
 )
-from modal_rl.weightsync.streams import CHUNK_HEADER, ENCODING_NAMES
 
 
 class CliError(Exception):

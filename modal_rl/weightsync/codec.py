@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from modal_rl.weightsync.chunks import MAX_CHUNK_ELEMS, ChunkSpec, encode_delta_chunk, encode_full_chunk
 from modal_rl.weightsync.differ import Differ, default_differ
 from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name
 from modal_rl.weightsync.errors import LayoutMismatchError
@@ -32,7 +33,6 @@ from modal_rl.weightsync.frames import (
     record,
     state_digest,
 )
-from modal_rl.weightsync.streams import MAX_CHUNK_ELEMS, ChunkSpec, encode_full_chunk, encode_xor_chunk
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,9 @@ def _space(members: list[_Member], attr: str) -> Any:
 
 def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
     d = members[0].differ
-    positions, xor_words = d.diff(
-        _space(members, "base"), _space(members, "new"), spec.elem_start, spec.elem_count
-    )
-    return record(TAG_CHUNK, encode_xor_chunk(spec, positions, xor_words, level))
+    base, new = _space(members, "base"), _space(members, "new")
+    positions, old_words, new_words = d.diff(base, new, spec.elem_start, spec.elem_count)
+    return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level))
 
 
 def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:

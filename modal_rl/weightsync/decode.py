@@ -3,8 +3,8 @@
 Invariant (the one that matters to a rollout engine): ``apply_frame`` either returns with
 every tensor at the frame's new version, each verified against its xxh3-128 checksum, or
 raises a ``WeightSyncError`` with the held state bit-identical to what it was before.
-Deltas get there by rollback: XOR chunks are involutions, so re-applying the chunks that
-were already applied restores the base exactly. Anchors never touch the held state; they
+Deltas get there by rollback: every applied chunk is undone exactly (XOR again, or
+subtract what was added). Anchors never touch the held state; they
 build new tensors that the caller swaps in.
 """
 
@@ -16,9 +16,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import numpy as np
+
+from modal_rl.weightsync.chunks import FULL, decode_chunk
 from modal_rl.weightsync.codec import CodecConfig, shape_of
-from modal_rl.weightsync.differ import checksum_words
-from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name, empty_like_spec, words_of
+from modal_rl.weightsync.differ import TorchDiffer, checksum_words
+from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name, empty_like_spec, is_torch, words_of
 from modal_rl.weightsync.errors import (
     BaseMismatchError,
     ChecksumMismatchError,
@@ -41,7 +44,6 @@ from modal_rl.weightsync.frames import (
     read_records,
     state_digest,
 )
-from modal_rl.weightsync.streams import FULL, decode_chunk
 
 
 @dataclass
@@ -65,6 +67,14 @@ class _GroupJob:
         self.itemsize = ITEMSIZE[header.tensors[0].dtype]
         self.chunk_futures: list[Future] = []
         self.seen_chunks = 0
+
+
+def _words(tensor: Any) -> Any:
+    """Host tensors as shared numpy words; device tensors as torch integer views, so a
+    delta is scattered on the device and only its sparse contents cross from the host."""
+    if is_torch(tensor) and tensor.device.type != "cpu":
+        return TorchDiffer().prepare(tensor)
+    return words_of(tensor)
 
 
 def read_version_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader:
@@ -121,7 +131,9 @@ class _Applier:
                     f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
                 )
             for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
-                actual = checksum_words(words)
+                actual = (
+                    checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+                )
                 if actual != th.checksum:
                     raise ChecksumMismatchError(
                         f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
@@ -133,7 +145,7 @@ class _Applier:
         # Wait for every chunk still running, then undo all applied XOR chunks.
         wait(self.in_flight)
         for job, body in self.applied:
-            decode_chunk(body, job.itemsize, job.header.chunk_elems).apply(job.segments)
+            decode_chunk(body, job.itemsize, job.header.chunk_elems).apply(job.segments, undo=True)
         self.applied.clear()
 
     def close(self) -> None:
@@ -201,7 +213,7 @@ def _apply_records(records, header, state, target, applier, result) -> None:
                 _check_tensor(th, state, is_anchor, result)
                 if is_anchor:
                     target[th.name] = empty_like_spec(th.dtype, th.shape)
-                segments.append((offset, words_of(target[th.name])))
+                segments.append((offset, _words(target[th.name])))
                 offset += th.numel
                 result.tensors.append(th)
                 result.checksums[th.name] = th.checksum

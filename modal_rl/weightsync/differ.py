@@ -1,7 +1,7 @@
 """Differs: where the bit-pattern diff and the gather of changed words run.
 
 A ``Differ`` turns a (base, new) pair of tensor chunks into chunk-local positions of the
-changed words and those words' XOR. ``NumpyDiffer`` runs on the CPU; ``TorchDiffer`` runs
+changed words and those words' old and new bit patterns. ``NumpyDiffer`` runs on the CPU; ``TorchDiffer`` runs
 on the tensors' own device (CUDA when present), so only the sparse result crosses to the
 host. Both hand the same arrays to the same packer, so their wire output is identical.
 """
@@ -20,8 +20,9 @@ class Differ(Protocol):
     def prepare(self, tensor: Any) -> Any:
         """A flat word handle of the tensor that ``diff``/``read``/``checksum`` accept."""
 
-    def diff(self, base: Any, new: Any, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(chunk-local int64 positions of changed words, their XOR words) on the host."""
+    def diff(self, base: Any, new: Any, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(chunk-local int64 positions of changed words, their old words, their new words),
+        all on the host."""
 
     def read(self, handle: Any, start: int, count: int) -> np.ndarray:
         """Host words of ``handle[start:start+count]``."""
@@ -43,14 +44,12 @@ class NumpyDiffer:
     def prepare(self, tensor: Any) -> np.ndarray:
         return words_of(tensor)
 
-    def diff(
-        self, base: np.ndarray, new: np.ndarray, start: int, count: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def diff(self, base: np.ndarray, new: np.ndarray, start: int, count: int):
         b, n = base[start : start + count], new[start : start + count]
-        # nonzero over a bool mask is ~2x faster than over the words themselves, and XOR-ing
-        # only the changed words never writes a full-size XOR array.
+        # nonzero over a bool mask is ~2x faster than over the words themselves, and only
+        # the changed words are gathered: no full-size residual array is ever written.
         positions = np.flatnonzero(np.not_equal(b, n))
-        return positions, np.bitwise_xor(b[positions], n[positions])
+        return positions, b[positions], n[positions]
 
     def read(self, handle: np.ndarray, start: int, count: int) -> np.ndarray:
         return handle[start : start + count]
@@ -82,14 +81,14 @@ class TorchDiffer:
             flat = flat.contiguous()
         return flat.view(getattr(torch, self._SIGNED[itemsize]))
 
-    def diff(self, base: Any, new: Any, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def diff(self, base: Any, new: Any, start: int, count: int):
         import torch
 
-        xor = torch.bitwise_xor(base[start : start + count], new[start : start + count])
-        positions = torch.nonzero(xor).reshape(-1)
-        changed = xor[positions]
-        word = WORD_DTYPES[xor.element_size()]
-        return positions.cpu().numpy().astype(np.int64, copy=False), changed.cpu().numpy().view(word)
+        b, n = base[start : start + count], new[start : start + count]
+        positions = torch.nonzero(torch.ne(b, n)).reshape(-1)
+        word = WORD_DTYPES[b.element_size()]
+        host = [t.cpu().numpy() for t in (positions, b[positions], n[positions])]
+        return host[0].astype(np.int64, copy=False), host[1].view(word), host[2].view(word)
 
     def read(self, handle: Any, start: int, count: int) -> np.ndarray:
         return handle[start : start + count].cpu().numpy().view(WORD_DTYPES[handle.element_size()])

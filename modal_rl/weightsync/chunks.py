@@ -1,0 +1,234 @@
+"""Chunk bodies: how one chunk of a group's word space is laid out on the wire.
+
+Chunk ``index`` of a group covers ``elem_count`` words starting at ``index × chunk_elems``.
+Its body is a fixed header followed by ``nstreams`` streams (see ``streams``). Encodings:
+
+- ``UNCHANGED``: no word differs; no streams.
+- ``*_SPARSE``: positions as gaps (``gap = pos[i] - pos[i-1] - 1``, ``pos[-1] = -1``),
+  escape-coded (one byte ``min(gap, 255)``; gaps >= 255 also put ``gap - 255`` as a u32
+  into four byte-plane exception streams), then the changed words' residuals, split into
+  byte planes (plane k = byte k of each little-endian word).
+- ``*_DENSE``: the residual of every word, byte-split; cheaper than gaps when most change.
+- ``FULL``: the new words themselves, byte-split (anchors).
+
+Two residuals, picked per chunk by the smaller order-0 entropy of their planes:
+
+- ``XOR``: ``base ^ new``. An involution, so applying it twice restores the base.
+- ``SUB``: ``zigzag(new - base)`` in wrapping word arithmetic. For floats of one sign the
+  bit pattern is monotonic in the value, so a small update is a small integer: a 1-ulp
+  step is 1 or 2, where its XOR is a carry run (1, 3, 7, 15, …). Undone by subtracting.
+
+Invariant: decoding validates every length and range before anything is written, so a
+malformed body raises ``CorruptFrameError`` and never touches the target words.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from modal_rl.weightsync.errors import CorruptFrameError
+from modal_rl.weightsync.streams import (
+    ZSTD,
+    byte_planes,
+    join_planes,
+    pack_streams,
+    pick_coder,
+    unpack_streams,
+)
+
+UNCHANGED, XOR_SPARSE, XOR_DENSE, FULL, SUB_SPARSE, SUB_DENSE = 0, 1, 2, 3, 4, 5
+ENCODING_NAMES = {
+    UNCHANGED: "unchanged",
+    XOR_SPARSE: "xor-sparse",
+    XOR_DENSE: "xor-dense",
+    FULL: "full",
+    SUB_SPARSE: "sub-sparse",
+    SUB_DENSE: "sub-dense",
+}
+SPARSE, DENSE = {XOR_SPARSE, SUB_SPARSE}, {XOR_DENSE, SUB_DENSE}
+# chunk_index u32, elem_count u32, nchanged u32, encoding u8, nstreams u8
+CHUNK_HEADER = struct.Struct("<IIIBB")
+MAX_CHUNK_ELEMS = 1 << 28
+GAP_ESCAPE = 255
+GAP_STREAMS = 5  # gap bytes + 4 exception planes
+# Above this density the gap stream costs more than byte-split dense planes
+# (measured by `python -m benchmarks weight-sync`, synthetic grid).
+DENSE_DENSITY = 0.35
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    index: int
+    elem_start: int
+    elem_count: int
+
+
+def _signed(word: np.dtype) -> np.dtype:
+    return np.dtype(f"<i{np.dtype(word).itemsize}")
+
+
+def zigzag(diff: np.ndarray) -> np.ndarray:
+    """Map wrapping differences to small unsigned words: 0, -1, 1, -2, … → 0, 1, 2, 3, …"""
+    s = diff.view(_signed(diff.dtype))
+    bits = 8 * diff.dtype.itemsize
+    return ((s << 1) ^ (s >> (bits - 1))).view(diff.dtype)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    one = z.dtype.type(1)
+    return (z >> one) ^ (z.dtype.type(0) - (z & one))
+
+
+def _plane_entropy_bits(planes: list[np.ndarray]) -> float:
+    total = 0.0
+    for plane in planes:
+        counts = np.bincount(plane, minlength=256)
+        counts = counts[counts > 0]
+        total -= float((counts * np.log2(counts / plane.size)).sum())
+    return total
+
+
+def gap_streams(positions: np.ndarray) -> list[np.ndarray]:
+    """Escape-coded gaps of strictly increasing positions: gap bytes, then 4 exception planes."""
+    gaps = np.diff(positions, prepend=-1) - 1
+    small = np.minimum(gaps, GAP_ESCAPE).astype(np.uint8)
+    exceptions = (gaps[gaps >= GAP_ESCAPE] - GAP_ESCAPE).astype("<u4")
+    return [small, *byte_planes(exceptions)]
+
+
+def encode_delta_chunk(
+    chunk: ChunkSpec, positions: np.ndarray, old: np.ndarray, new: np.ndarray, level: int
+) -> bytes:
+    """Body of a delta chunk from the changed positions (chunk-local), old and new words."""
+    nchanged = int(positions.size)
+    if nchanged == 0:
+        return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, 0, UNCHANGED, 0)
+    candidates = {"xor": byte_planes(old ^ new), "sub": byte_planes(zigzag(new - old))}
+    kind = min(candidates, key=lambda k: _plane_entropy_bits(candidates[k]))
+    if nchanged >= DENSE_DENSITY * chunk.elem_count:
+        dense = np.zeros(chunk.elem_count, dtype=new.dtype)
+        dense[positions] = (old ^ new) if kind == "xor" else zigzag(new - old)
+        streams = byte_planes(dense)
+        coders = [pick_coder(p) for p in streams]
+        encoding = XOR_DENSE if kind == "xor" else SUB_DENSE
+    else:
+        planes = candidates[kind]
+        streams = gap_streams(positions) + planes
+        coders = [ZSTD] * GAP_STREAMS + [pick_coder(p) for p in planes]
+        encoding = XOR_SPARSE if kind == "xor" else SUB_SPARSE
+    header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, encoding, len(streams))
+    return header + pack_streams(streams, coders, level)
+
+
+def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
+    streams = byte_planes(words)
+    header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, chunk.elem_count, FULL, len(streams))
+    # Anchors are large and dense: zstd only, for its speed (Huffman-only DEFLATE is ~5x slower).
+    return header + pack_streams(streams, [ZSTD] * len(streams), level)
+
+
+@dataclass
+class DecodedChunk:
+    """A validated chunk, ready to apply. ``positions`` are chunk-local; ``None`` = every word."""
+
+    index: int
+    elem_start: int
+    elem_count: int
+    nchanged: int
+    encoding: int
+    positions: np.ndarray | None
+    values: np.ndarray | None  # residual words (XOR: the XOR; SUB: new - old), or new words (FULL)
+
+    def apply(self, segments: list[tuple[int, Any]], undo: bool = False) -> None:
+        """Write into the words of a group: ``segments`` are (offset in the group's word
+        space, that tensor's flat words), in order. Words are numpy arrays, or torch integer
+        views of device tensors (decoded here on the host, written there on the device).
+        ``undo=True`` reverts an applied chunk exactly — how a refused frame rolls back."""
+        if self.encoding == UNCHANGED:
+            return
+        lo, hi = self.elem_start, self.elem_start + self.elem_count
+        op = "set" if self.encoding == FULL else "xor" if self.encoding in (XOR_SPARSE, XOR_DENSE) else "add"
+        values = self.values
+        if op == "add" and undo:
+            values = values.dtype.type(0) - values
+        if self.encoding in SPARSE:
+            group_positions = self.positions + lo
+            cuts = np.searchsorted(group_positions, [start for start, _ in segments] + [hi])
+            for k, (start, words) in enumerate(segments):
+                a, b = cuts[k], cuts[k + 1]
+                if a < b:
+                    _update(words, group_positions[a:b] - start, values[a:b], op)
+            return
+        for start, words in segments:
+            a, b = max(lo, start), min(hi, start + _size(words))
+            if a < b:
+                _update(words, slice(a - start, b - start), values[a - lo : b - lo], op)
+
+
+def _size(words: Any) -> int:
+    return int(words.size) if isinstance(words, np.ndarray) else int(words.numel())
+
+
+def _to_device(values: np.ndarray, like: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(values.view(_signed(values.dtype)))).to(like.device)
+
+
+def _update(words: Any, where: np.ndarray | slice, values: np.ndarray, op: str) -> None:
+    """``words[where] op= values`` with wrapping integer arithmetic, numpy or torch."""
+    if not isinstance(words, np.ndarray):
+        if not isinstance(where, slice):
+            where = _to_device(where.astype(np.int64), words)
+        values = _to_device(values, words)
+    if op == "set":
+        words[where] = values
+    elif op == "xor":
+        words[where] ^= values
+    else:
+        words[where] += values
+
+
+def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int) -> DecodedChunk:
+    """Parse and validate a chunk body. Raises ``CorruptFrameError`` on any inconsistency."""
+    body = memoryview(body)
+    if len(body) < CHUNK_HEADER.size:
+        raise CorruptFrameError("chunk body shorter than its header")
+    index, count, nchanged, encoding, nstreams = CHUNK_HEADER.unpack_from(body, 0)
+    word = np.dtype(f"<u{itemsize}")
+    if count > MAX_CHUNK_ELEMS or nchanged > count:
+        raise CorruptFrameError(f"chunk {index}: impossible sizes (count={count}, changed={nchanged})")
+    expected = {UNCHANGED: 0, FULL: itemsize} | dict.fromkeys(SPARSE, GAP_STREAMS + itemsize)
+    expected |= dict.fromkeys(DENSE, itemsize)
+    if encoding not in expected or nstreams != expected[encoding]:
+        raise CorruptFrameError(f"chunk {index}: bad encoding {encoding} with {nstreams} streams")
+    streams = unpack_streams(body, CHUNK_HEADER.size, nstreams, 4 * count)
+    positions = values = None
+    if encoding in SPARSE:
+        small = np.frombuffer(streams[0], dtype=np.uint8)
+        exception_planes = [np.frombuffer(s, np.uint8) for s in streams[1:GAP_STREAMS]]
+        planes = [np.frombuffer(s, np.uint8) for s in streams[GAP_STREAMS:]]
+        if small.size != nchanged or any(p.size != nchanged for p in planes):
+            raise CorruptFrameError(f"chunk {index}: stream lengths disagree with {nchanged} changes")
+        if len({p.size for p in exception_planes}) != 1:
+            raise CorruptFrameError(f"chunk {index}: exception planes differ in length")
+        gaps = small.astype(np.int64)
+        escaped = small == GAP_ESCAPE
+        if int(np.count_nonzero(escaped)) != exception_planes[0].size:
+            raise CorruptFrameError(f"chunk {index}: gap exceptions do not match their escapes")
+        gaps[escaped] += join_planes(exception_planes, np.dtype("<u4"))
+        positions = np.cumsum(gaps + 1) - 1
+        if positions.size and positions[-1] >= count:
+            raise CorruptFrameError(f"chunk {index}: a position lies past the chunk's end")
+        values = join_planes(planes, word)
+    elif encoding != UNCHANGED:
+        if any(len(s) != count for s in streams):
+            raise CorruptFrameError(f"chunk {index}: plane lengths disagree with {count} words")
+        values = join_planes([np.frombuffer(s, np.uint8) for s in streams], word)
+    if encoding in (SUB_SPARSE, SUB_DENSE):
+        values = unzigzag(values)
+    return DecodedChunk(index, index * chunk_elems, count, nchanged, encoding, positions, values)
