@@ -182,3 +182,15 @@ def test_device_apply_path_scatters_with_torch_and_rolls_back(monkeypatch):
     with pytest.raises(ChecksumMismatchError):
         apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
     assert same_state(held, new)
+
+
+def test_an_iterator_of_named_tensors_encodes_like_a_mapping():
+    base, new = model_state(), perturb(model_state(), 0.03)
+    from_map = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
+    from_iter = frame_bytes(
+        encode_delta(base, iter(list(new.items())), base_version=0, version=1, config=SMALL)
+    )
+    assert from_map == from_iter
+    short = iter(list(new.items())[:-1])
+    with pytest.raises(LayoutMismatchError, match="lacks"):
+        frame_bytes(encode_delta(base, short, base_version=0, version=1, config=SMALL))

@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("frame", type=Path)
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(fn=cmd_inspect)
+    from modal_rl.weightsync.receive import add_parser as add_receive
+
+    add_receive(sub)
     return parser
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,9 @@ from modal_rl.weightsync.frames import (
     record,
     state_digest,
 )
+
+# A state dict, or the (name, tensor) pairs of one as a framework streams them.
+Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,17 @@ def check_same_layout(base: Mapping[str, Any], new: Mapping[str, Any]) -> None:
         )
         raise LayoutMismatchError(f"base and new hold different tensors ({detail})")
     for name, tensor in new.items():
-        b = base[name]
-        if dtype_name(b) != dtype_name(tensor) or shape_of(b) != shape_of(tensor):
-            raise LayoutMismatchError(
-                f"tensor {name!r}: base is {dtype_name(b)}{list(shape_of(b))}, "
-                f"new is {dtype_name(tensor)}{list(shape_of(tensor))}"
-            )
+        _check_tensor_layout(name, base[name], tensor)
+
+
+def _check_tensor_layout(name: str, b: Any, tensor: Any) -> None:
+    if b is None:
+        raise LayoutMismatchError(f"tensor {name!r} is not in the base")
+    if dtype_name(b) != dtype_name(tensor) or shape_of(b) != shape_of(tensor):
+        raise LayoutMismatchError(
+            f"tensor {name!r}: base is {dtype_name(b)}{list(shape_of(b))}, "
+            f"new is {dtype_name(tensor)}{list(shape_of(tensor))}"
+        )
 
 
 class _OrderedPool:
@@ -124,16 +132,26 @@ class _Member:
     base: Any | None
 
 
-def _groups(new: Mapping[str, Any], base: Mapping[str, Any] | None, chunk_elems: int, differ: Differ | None):
+def _items(tensors: Tensors) -> Iterator[tuple[str, Any]]:
+    return iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
+
+
+def _groups(new: Tensors, base: Mapping[str, Any] | None, chunk_elems: int, differ: Differ | None):
     """Yield runs of tensors to code as one word space (see ``GroupHeader``), streaming:
-    a group is yielded as soon as the next tensor cannot join it."""
+    a group is yielded as soon as the next tensor cannot join it. With an iterator of
+    named tensors, layout is checked tensor by tensor; a mismatch aborts the frame."""
     group: list[_Member] = []
     total = 0
-    for name, tensor in new.items():
+    seen: set[str] = set()
+    for name, tensor in _items(new):
         d = differ or default_differ(tensor)
         new_h = d.prepare(tensor)
         m = _Member(name, dtype_name(tensor), shape_of(tensor), _numel(new_h), d, new_h, None)
+        if name in seen:
+            raise LayoutMismatchError(f"tensor {name!r} given twice")
+        seen.add(name)
         if base is not None:
+            _check_tensor_layout(name, base.get(name), tensor)
             m.base = d.prepare(base[name])
         fits = (
             group
@@ -148,10 +166,12 @@ def _groups(new: Mapping[str, Any], base: Mapping[str, Any] | None, chunk_elems:
         total += m.numel
     if group:
         yield group
+    if base is not None and seen != set(base):
+        raise LayoutMismatchError(f"new version lacks tensors of the base: {sorted(set(base) - seen)[:3]}")
 
 
 def _encode(
-    new: Mapping[str, Any],
+    new: Tensors,
     base: Mapping[str, Any] | None,
     header: VersionHeader,
     config: CodecConfig,
@@ -223,7 +243,7 @@ def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
 
 
 def encode_anchor(
-    new: Mapping[str, Any],
+    new: Tensors,
     *,
     version: int,
     config: CodecConfig | None = None,
@@ -238,7 +258,7 @@ def encode_anchor(
 
 def encode_delta(
     base: Mapping[str, Any],
-    new: Mapping[str, Any],
+    new: Tensors,
     *,
     base_version: int,
     version: int,
@@ -252,10 +272,14 @@ def encode_delta(
     ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base,
     whose digest goes into the version header so a receiver refuses a delta for another base
     before touching anything.
-    Raises ``LayoutMismatchError`` before yielding anything if the layouts differ.
+    ``new`` is a mapping or an iterator of ``(name, tensor)`` pairs (as frameworks stream
+    them). With a mapping, ``LayoutMismatchError`` is raised before anything is yielded;
+    with an iterator, when the mismatching tensor arrives (the frame is then incomplete,
+    and a receiver refuses it).
     """
     config = config or CodecConfig()
-    check_same_layout(base, new)
+    if isinstance(new, Mapping):
+        check_same_layout(base, new)
     if version == base_version:
         raise ValueError(f"a delta must move to a new version (both are {version})")
     if base_checksums is None or set(base_checksums) != set(base):

@@ -11,6 +11,7 @@ build new tensors that the caller swaps in.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class ApplyResult:
     state: dict[str, Any] | None = None
     changed_words: int = 0
     total_words: int = 0
+    verify_s: float = 0.0  # time spent hashing rebuilt tensors, summed over threads
     tensors: list[TensorHeader] = field(default_factory=list)
 
 
@@ -95,6 +97,7 @@ class _Applier:
         self.lock = threading.Lock()
         self.in_flight: list[Future] = []
         self.changed = 0
+        self.verify_s = 0.0
 
     def submit_chunk(self, job: _GroupJob, body: bytes, is_anchor: bool) -> None:
         self.in_flight = [f for f in self.in_flight if not f.done()]
@@ -126,6 +129,7 @@ class _Applier:
             for future in job.chunk_futures:
                 future.result()
             gh = job.header
+            t0 = time.perf_counter()
             if job.seen_chunks != gh.nchunks:
                 raise TruncatedFrameError(
                     f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
@@ -138,6 +142,8 @@ class _Applier:
                     raise ChecksumMismatchError(
                         f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
                     )
+            with self.lock:
+                self.verify_s += time.perf_counter() - t0
 
         return self.pool.submit(run)
 
@@ -192,6 +198,7 @@ def apply_frame(
     finally:
         applier.close()
     result.changed_words = applier.changed
+    result.verify_s = applier.verify_s
     if is_anchor:
         result.state = target
     return result

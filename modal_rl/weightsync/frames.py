@@ -239,3 +239,21 @@ def read_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
         if h.intdigest() != digest:
             raise CorruptFrameError(f"checksum mismatch in a {tag.decode()} record")
         yield tag, body
+
+
+def split_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
+    """Yield ``(tag, raw record bytes)`` without verifying digests: for transports that
+    only move records along (the receiver's ``VersionChain`` verifies everything)."""
+    while True:
+        header = _read_exact(stream, RECORD_HEADER.size)
+        if not header:
+            return
+        if len(header) < RECORD_HEADER.size:
+            raise TruncatedFrameError("stream ends inside a record header")
+        tag, length = RECORD_HEADER.unpack(header)
+        if tag not in (TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END) or length > MAX_RECORD_BYTES:
+            raise CorruptFrameError(f"bad record header (tag {tag!r}, length {length})")
+        rest = _read_exact(stream, length + RECORD_TRAILER.size)
+        if len(rest) < length + RECORD_TRAILER.size:
+            raise TruncatedFrameError(f"stream ends inside a {tag.decode()} record")
+        yield tag, header + rest

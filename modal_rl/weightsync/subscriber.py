@@ -1,0 +1,118 @@
+"""Subscriber: the rollout side of weight sync.
+
+The subscriber fetches the next frame, rebuilds and verifies it into its staging state (a
+``VersionChain``) while the engine keeps serving the live weights, and only then calls the
+activation callback — the framework's weight loader — which is the only moment the engine
+has to pause.
+
+Invariants:
+- the live weights change only inside ``activate(staged_state, version)``, and only to a
+  version whose every tensor matched the publisher's checksum;
+- a refused frame (stale, out of order, wrong base, corrupt, truncated) changes neither the
+  live weights nor the staging state; the subscriber records the error, drops the
+  connection and asks again for what it lacks (catch-up from the last anchor if needed);
+- after a restart the subscriber starts empty and catches up from the last anchor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from modal_rl.weightsync.chain import VersionChain
+from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.errors import WeightSyncError
+from modal_rl.weightsync.transport import FrameSource
+
+log = logging.getLogger(__name__)
+
+Activate = Callable[[dict[str, Any], int], None]
+
+
+@dataclass
+class SyncTiming:
+    version: int
+    kind: str
+    bytes: int
+    fetch_s: float
+    decode_s: float  # rebuild into staging, verification included
+    verify_s: float  # of decode_s: hashing the rebuilt tensors (summed over threads)
+    activate_s: float  # the engine pause
+    activated_at: float  # time.time() when activation finished
+
+
+@dataclass
+class Subscriber:
+    source: FrameSource
+    activate: Activate
+    config: CodecConfig = field(default_factory=CodecConfig)
+    chain: VersionChain = field(init=False)
+    timings: list[SyncTiming] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    live_version: int | None = None
+
+    def __post_init__(self) -> None:
+        self.chain = VersionChain(self.config, retain=False)
+
+    def poll(self, timeout: float | None = None) -> SyncTiming | None:
+        """Fetch, stage and activate at most one frame. None if nothing arrived in time or
+        the frame was refused (see ``refused``)."""
+        t0 = time.monotonic()
+        frame = self.source.next_frame(self.chain.version, timeout)
+        if frame is None:
+            return None
+        fetch_s = getattr(self.source, "last_fetch_s", None) or time.monotonic() - t0
+        t1 = time.monotonic()
+        try:
+            result = self.chain.apply(frame)
+        except WeightSyncError as exc:
+            self.refused.append(f"{type(exc).__name__}: {exc}")
+            log.warning("weight-sync frame refused: %s", exc)
+            reset = getattr(self.source, "reset", None)
+            if reset is not None:
+                reset()  # reconnect and ask for what we lack from our (unchanged) version
+            return None
+        decode_s = time.monotonic() - t1
+        t2 = time.monotonic()
+        self.activate(self.chain.state, self.chain.version)
+        activate_s = time.monotonic() - t2
+        self.live_version = self.chain.version
+        timing = SyncTiming(
+            version=result.header.version,
+            kind=result.header.kind,
+            bytes=len(frame),
+            fetch_s=fetch_s,
+            decode_s=decode_s,
+            verify_s=result.verify_s,
+            activate_s=activate_s,
+            activated_at=time.time(),
+        )
+        self.timings.append(timing)
+        return timing
+
+    def run_until(self, version: int, timeout: float) -> bool:
+        """Poll until ``version`` is live or ``timeout`` passes; True if it got there."""
+        deadline = time.monotonic() + timeout
+        while self.live_version is None or self.live_version < version:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.poll(remaining)
+        return True
+
+
+def copy_into(live: dict[str, Any]) -> Activate:
+    """An activation callback that copies the staged tensors into ``live`` in place, as an
+    engine's weight loader would (creating them on the first call)."""
+
+    def activate(staged: dict[str, Any], version: int) -> None:
+        for name, tensor in staged.items():
+            if name in live and live[name].shape == tensor.shape and live[name].dtype == tensor.dtype:
+                live[name].copy_(tensor)
+            else:
+                live[name] = tensor.clone()
+
+    return activate

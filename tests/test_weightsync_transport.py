@@ -1,0 +1,153 @@
+"""Publisher → transport → Subscriber, in process: store (directory, Modal Volume) and TCP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from modal_rl.weightsync import CodecConfig
+from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.subscriber import Subscriber, copy_into
+from modal_rl.weightsync.transport import TokenBucket
+from modal_rl.weightsync.transport_store import DirectoryStore, ModalVolumeStore
+from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from tests.weightsync_helpers import model_state, perturb, same_state
+
+CONFIG = CodecConfig(chunk_elems=4096, threads=2)
+
+
+def trajectory(n: int, density: float = 0.02):
+    states = [model_state()]
+    for i in range(1, n):
+        states.append(perturb(states[-1], density, seed=i))
+    return states
+
+
+def test_store_publish_subscribe_and_restart_catch_up(tmp_path):
+    states = trajectory(6)
+    publisher = Publisher(DirectoryStore(tmp_path), anchor_every=3, config=CONFIG)
+    live: dict = {}
+    subscriber = Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG)
+    kinds = []
+    for v, state in enumerate(states):
+        kinds.append(publisher.publish(state).kind)
+        assert subscriber.run_until(v, timeout=30)
+        assert same_state(live, state)
+    assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta"]
+    # Frames before the newest anchor are pruned; a fresh receiver starts from it.
+    assert sorted(p.name for p in (tmp_path / "frames").iterdir()) == [
+        "000000000003.anchor",
+        "000000000004.delta",
+        "000000000005.delta",
+    ]
+    restarted: dict = {}
+    fresh = Subscriber(DirectoryStore(tmp_path), copy_into(restarted), CONFIG)
+    assert fresh.run_until(5, timeout=30)
+    assert [t.kind for t in fresh.timings] == ["anchor", "delta", "delta"]
+    assert same_state(restarted, states[5])
+
+
+class RecordingVolume:
+    """Stands in for modal.Volume at the Modal-server boundary: records what a reader
+    would see at each commit (the frames present and the `latest` pointer)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.events: list[tuple[str, set[str], int | None]] = []
+
+    def _seen(self):
+        frames = {p.name for p in (self.root / "frames").iterdir() if not p.name.startswith(".")}
+        latest = self.root / "latest"
+        return frames, json.loads(latest.read_text())["version"] if latest.exists() else None
+
+    def commit(self):
+        self.events.append(("commit", *self._seen()))
+
+    def reload(self):
+        self.events.append(("reload", set(), None))
+
+
+def test_modal_volume_store_commits_bytes_before_the_pointer(tmp_path):
+    volume = RecordingVolume(tmp_path)
+    store = ModalVolumeStore(volume, tmp_path, keep_anchors=1)
+    publisher = Publisher(store, anchor_every=2, config=CONFIG)
+    for state in trajectory(4):
+        publisher.publish(state)
+    commits = [(frames, latest) for kind, frames, latest in volume.events if kind == "commit"]
+    for version in range(4):
+        first_pointing = next(i for i, (_, latest) in enumerate(commits) if latest == version)
+        name = f"{version:012d}.{'anchor' if version % 2 == 0 else 'delta'}"
+        # The frame was committed before any commit that publishes a pointer to it.
+        assert any(name in frames for frames, _ in commits[:first_pointing])
+    reader = ModalVolumeStore(volume, tmp_path)
+    before = len(volume.events)
+    assert reader.next_frame(None, timeout=1) is not None
+    assert ("reload", set(), None) in volume.events[before:]
+
+
+def test_tcp_fan_out_to_two_receivers_with_catch_up():
+    states = trajectory(5)
+    server = FrameServer(keep_anchors=1)
+    publisher = Publisher(server, anchor_every=10, config=CONFIG)
+    try:
+        publisher.publish(states[0])
+        publisher.publish(states[1])
+        lives = [{}, {}]
+        subs = [Subscriber(TcpSource(*server.address), copy_into(lv), CONFIG) for lv in lives]
+        for sub in subs:  # joining late: anchor 0 and delta 1 come from the retained frames
+            assert sub.run_until(1, timeout=30)
+        for v in range(2, 5):
+            publisher.publish(states[v])
+            for sub, live in zip(subs, lives, strict=True):
+                assert sub.run_until(v, timeout=30)
+                assert same_state(live, states[v])
+        assert [t.kind for t in subs[0].timings] == ["anchor", "delta", "delta", "delta", "delta"]
+    finally:
+        for sub in locals().get("subs", []):
+            sub.source.close()
+        server.close()
+
+
+def test_a_stalled_receiver_is_dropped_within_the_back_pressure_bound():
+    # Frames large enough (~6 MB each) that kernel socket buffers cannot hide the stall.
+    gen = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(3_000_000, generator=gen).to(torch.bfloat16)} for _ in range(4)]
+    server = FrameServer(max_buffer_bytes=1 << 20, slow_timeout_s=0.5)
+    publisher = Publisher(server, anchor_every=1, config=CONFIG)  # anchors: big frames
+    stalled = socket.create_connection(server.address)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.sendall(b'{"have": null}\n')  # then never reads
+    live: dict = {}
+    healthy = Subscriber(TcpSource(*server.address), copy_into(live), CONFIG)
+    got = threading.Thread(target=healthy.run_until, args=(3, 60))
+    got.start()
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        for state in states:
+            publisher.publish(state)
+        elapsed = time.monotonic() - started
+        got.join(60)
+        assert same_state(live, states[3])
+        assert server.dropped == 1
+        # One stall of at most slow_timeout_s, not one per frame or an unbounded one.
+        assert elapsed < 0.5 + 5.0
+    finally:
+        stalled.close()
+        healthy.source.close()
+        server.close()
+
+
+def test_token_bucket_limits_the_rate():
+    bucket = TokenBucket(bytes_per_s=2_000_000, burst_bytes=10_000)
+    started = time.monotonic()
+    for _ in range(50):
+        bucket.acquire_blocking(20_000)  # 1 MB at 2 MB/s
+    assert 0.4 < time.monotonic() - started < 2.0
+    with pytest.raises(ValueError):
+        TokenBucket(0)
