@@ -35,7 +35,13 @@ def add_parser(sub) -> None:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
+    import torch
+
     from modal_rl.weightsync.transport import gbps
+
+    # One receiver is one engine's sync agent: keep torch's intra-op pool from spinning
+    # on cores the engine (and, in tests, the other receivers) need.
+    torch.set_num_threads(args.threads)
 
     relay = None
     if args.store is not None:
