@@ -132,6 +132,8 @@ class LocalProvider(Provider):
             )
             tmp = ["--size", size, "--tmpfs", "/tmp"]
         args += root + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", wd] + tmp
+        # bwrap builds the root on a writable tmpfs; freeze it so only the work dir takes writes.
+        args += ["--remount-ro", "/"]
         env = {
             "PATH": ":".join(path),
             "HOME": wd,
