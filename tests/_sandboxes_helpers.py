@@ -50,3 +50,9 @@ def wait_gone(pids, timeout: float = 5.0) -> set[int]:
         time.sleep(0.02)
         left = {p for p in left if alive(p)}
     return left
+
+
+def no_processes_left(timeout: float = 5.0) -> None:
+    """Assert this test process has no live descendants (every sandbox is gone)."""
+    left = wait_gone(descendants(os.getpid()), timeout)
+    assert not left, f"processes left behind: {sorted(left)}"

@@ -118,6 +118,7 @@ class SandboxPool:
         self._failed: PoolFailedError | None = None
         self._closed = self._started = False
         self._tasks: set[asyncio.Task] = set()
+        self._reaping: set[asyncio.Task] = set()  # terminations: awaited on close, never cancelled
         self._wake: asyncio.Event | None = None
         self._prev_handlers: dict[int, object] = {}
 
@@ -153,7 +154,7 @@ class SandboxPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         handles = list(self._all.values())
-        await asyncio.gather(*(h.terminate() for h in handles), return_exceptions=True)
+        await asyncio.gather(*(h.terminate() for h in handles), *self._reaping, return_exceptions=True)
         self.metrics.terminated += len(handles)
         self._all.clear()
         self._warm.clear()
@@ -196,6 +197,13 @@ class SandboxPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _reap(self, handle: SandboxHandle) -> None:
+        """Kill now (sync) and collect in the background; close() waits for the collection."""
+        handle.kill_now()
+        task = asyncio.ensure_future(handle.terminate())
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     # -- claims ----------------------------------------------------------------------------
     def lease(self, *, reuse: bool = False) -> Lease:
@@ -252,7 +260,7 @@ class SandboxPool:
     def _retire(self, handle: SandboxHandle) -> None:
         self._all.pop(handle.id, None)
         self.metrics.terminated += 1
-        self._spawn(handle.terminate())
+        self._reap(handle)
 
     async def _release(self, handle: SandboxHandle, *, reuse: bool) -> None:
         self._leased.discard(handle)
@@ -301,6 +309,8 @@ class SandboxPool:
             for attempt in range(self.max_retries + 1):
                 if attempt:
                     await asyncio.sleep(self._backoff(attempt, last))
+                if self._failed is not None or self._closed:
+                    return  # the pool gave up meanwhile; its waiters already have the error
                 try:
                     handle, ready_s = await self._attempt_start()
                 except (TransientProviderError, SandboxStartTimeout) as exc:
@@ -325,10 +335,9 @@ class SandboxPool:
                 self.metrics.creates_ok += 1
                 self._deliver(handle)
                 return
+            cls = SandboxStartTimeout if isinstance(last, SandboxStartTimeout) else SandboxStartError
             self._fail_oldest_waiter(
-                SandboxStartError(
-                    f"pool {self.name}: sandbox start failed ({kind}): {last}", kind=kind, cause=last
-                )
+                cls(f"pool {self.name}: sandbox start failed ({kind}): {last}", kind=kind, cause=last)
             )
         finally:
             self._starting -= 1
@@ -353,8 +362,7 @@ class SandboxPool:
             await asyncio.wait_for(handle.ready(), self.ready_timeout_s)
         except BaseException as exc:
             self._all.pop(handle.id, None)
-            handle.kill_now()
-            self._spawn(handle.terminate())
+            self._reap(handle)
             if isinstance(exc, TimeoutError):
                 raise SandboxStartTimeout(
                     f"not ready within {self.ready_timeout_s}s", kind="ready_timeout"
