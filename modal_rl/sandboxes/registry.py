@@ -17,13 +17,14 @@ DEFAULT_DIR = Path(os.environ.get("MODAL_RL_SANDBOX_REGISTRY", "/tmp/modal-rl-sa
 
 
 def proc_starttime(pid: int) -> int | None:
-    """Kernel start time (clock ticks since boot) of ``pid``, or None if it does not exist."""
+    """Kernel start time (clock ticks since boot) of ``pid``; None if it is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name is parenthesised and may contain spaces: split after the last ')'.
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])  # a zombie is already dead
 
 
 def register(registry_dir: Path, sandbox_id: str, pid: int, tags: Mapping[str, str]) -> Path:
