@@ -52,7 +52,25 @@ def wait_gone(pids, timeout: float = 5.0) -> set[int]:
     return left
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def sandbox_processes() -> set[int]:
+    """Live bwrap processes below this test process, and everything below them.
+
+    (Other descendants, e.g. multiprocessing's resource tracker, are not sandboxes.)"""
+    out = set()
+    for pid in descendants(os.getpid()):
+        if _comm(pid) == "bwrap":
+            out |= {pid} | descendants(pid)
+    return out
+
+
 def no_processes_left(timeout: float = 5.0) -> None:
-    """Assert this test process has no live descendants (every sandbox is gone)."""
-    left = wait_gone(descendants(os.getpid()), timeout)
-    assert not left, f"processes left behind: {sorted(left)}"
+    """Assert no sandbox process of this test process is alive."""
+    left = wait_gone(sandbox_processes(), timeout)
+    assert not left, f"sandbox processes left behind: {sorted(left)}"
