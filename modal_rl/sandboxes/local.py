@@ -158,14 +158,27 @@ class LocalProvider(Provider):
     async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> LocalSandbox:
         sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
         argv = self.command(spec, sandbox_id)
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group: killpg reaches bwrap and the agent
-            limit=4 * self.output_cap_bytes + (1 << 20),
+        spawn = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group: killpg reaches bwrap and the agent
+                limit=4 * self.output_cap_bytes + (1 << 20),
+            )
         )
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            # Cancelling process creation midway hangs Python 3.11 (the child's exit is never
+            # watched); let the spawn finish, then kill what it started.
+            proc = await spawn
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            proc._transport.close()
+            raise
         registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
         return LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
 
