@@ -249,3 +249,17 @@ def test_close_terminates_leased_sandboxes(tmp_path):
 def test_bad_config_is_rejected(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SandboxPool(FailingProvider(), SPEC, **kw)
+
+
+def test_metrics_are_logged_periodically(tmp_path, caplog):
+    async def main():
+        async with pool(LocalProvider(registry_dir=tmp_path), min_warm=1, log_interval_s=0.2, name="logged") as p:
+            async with p.lease() as sb:
+                await sb.exec(["true"], timeout_s=10)
+            await asyncio.sleep(0.5)
+
+    with caplog.at_level("INFO", logger="modal_rl.sandboxes"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "sandbox pool" in r.getMessage()]
+    assert lines and '"pool": "logged"' in lines[-1] and '"claims": 1' in lines[-1]
+    no_processes_left()
