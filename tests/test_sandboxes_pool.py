@@ -101,7 +101,7 @@ def test_reuse_is_explicit_and_exception_terminates(tmp_path):
 
 def test_max_live_caps_concurrency(tmp_path):
     async def main():
-        peak = 0
+        peak = peak_starting = 0
         async with pool(LocalProvider(registry_dir=tmp_path), min_warm=2, max_live=3, max_starting=2) as p:
 
             async def consumer():
@@ -109,16 +109,17 @@ def test_max_live_caps_concurrency(tmp_path):
                     await sb.exec(["sleep", "0.2"], timeout_s=10)
 
             async def sample():
-                nonlocal peak
+                nonlocal peak, peak_starting
                 while True:
                     peak = max(peak, p.snapshot()["live"], len(p._all))
+                    peak_starting = max(peak_starting, p.snapshot()["starting"])
                     await asyncio.sleep(0.005)
 
             sampler = asyncio.ensure_future(sample())
             await asyncio.gather(*(consumer() for _ in range(8)))
             sampler.cancel()
             assert p.snapshot()["claims"] == 8
-        assert peak <= 3
+        assert peak <= 3 and peak_starting <= 2
         no_processes_left()
 
     asyncio.run(main())
@@ -253,7 +254,9 @@ def test_bad_config_is_rejected(kw, msg):
 
 def test_metrics_are_logged_periodically(tmp_path, caplog):
     async def main():
-        async with pool(LocalProvider(registry_dir=tmp_path), min_warm=1, log_interval_s=0.2, name="logged") as p:
+        async with pool(
+            LocalProvider(registry_dir=tmp_path), min_warm=1, log_interval_s=0.2, name="logged"
+        ) as p:
             async with p.lease() as sb:
                 await sb.exec(["true"], timeout_s=10)
             await asyncio.sleep(0.5)
@@ -263,3 +266,31 @@ def test_metrics_are_logged_periodically(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "sandbox pool" in r.getMessage()]
     assert lines and '"pool": "logged"' in lines[-1] and '"claims": 1' in lines[-1]
     no_processes_left()
+
+
+def test_create_timeout_is_typed(tmp_path):
+    async def main():
+        async with pool(
+            SlowCreateProvider(5.0, registry_dir=tmp_path), max_warm=0, create_timeout_s=0.3, max_retries=0
+        ) as p:
+            with pytest.raises(SandboxStartTimeout) as err:
+                await p.acquire()
+            assert err.value.kind == "create_timeout"
+            assert p.snapshot()["failures"] == {"create_timeout": 1}
+        no_processes_left()
+
+    asyncio.run(main())
+
+
+def test_dead_warm_sandbox_is_never_handed_out(tmp_path):
+    async def main():
+        async with pool(LocalProvider(registry_dir=tmp_path), min_warm=1, max_warm=1) as p:
+            await wait_for(lambda: p.snapshot()["warm"] == 1)
+            dead = p._warm[0]
+            dead.kill_now()
+            async with p.lease() as sb:
+                assert sb.id != dead.id
+                assert (await sb.exec(["true"], timeout_s=10)).returncode == 0
+        no_processes_left()
+
+    asyncio.run(main())
