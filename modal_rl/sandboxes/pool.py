@@ -16,13 +16,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import json
 import logging
 import os
-import signal
-import threading
 import time
 import uuid
 from collections import deque
@@ -41,6 +38,7 @@ from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHand
 from modal_rl.sandboxes.ratelimit import TokenBucket, host_bucket
 from modal_rl.sandboxes.sizing import WarmSizer
 from modal_rl.sandboxes.spec import SandboxSpec
+from modal_rl.sandboxes.teardown import EmergencyTeardown
 
 log = logging.getLogger("modal_rl.sandboxes")
 RUN_ID = os.environ.get("MODAL_RL_RUN_ID") or f"run-{uuid.uuid4().hex[:10]}"
@@ -120,7 +118,7 @@ class SandboxPool:
         self._tasks: set[asyncio.Task] = set()
         self._reaping: set[asyncio.Task] = set()  # terminations: awaited on close, never cancelled
         self._wake: asyncio.Event | None = None
-        self._prev_handlers: dict[int, object] = {}
+        self._teardown = EmergencyTeardown(self.kill_all_now, signals=handle_signals)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def __aenter__(self) -> SandboxPool:
@@ -138,8 +136,7 @@ class SandboxPool:
         self._spawn(self._refill_loop())
         if self.log_interval_s > 0:
             self._spawn(self._log_loop())
-        self._install_signal_handlers()
-        atexit.register(self.kill_all_now)
+        self._teardown.install()
 
     async def close(self) -> None:
         """Terminate every sandbox this pool created and stop all background work (idempotent)."""
@@ -159,38 +156,13 @@ class SandboxPool:
         self._all.clear()
         self._warm.clear()
         self._leased.clear()
-        self._restore_signal_handlers()
-        atexit.unregister(self.kill_all_now)
+        self._teardown.remove()
 
     def kill_all_now(self) -> None:
         """Synchronous last resort (signal handler, atexit): kill every sandbox of this pool."""
         for handle in list(self._all.values()):
             with contextlib.suppress(Exception):
                 handle.kill_now()
-
-    def _install_signal_handlers(self) -> None:
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            prev = signal.getsignal(sig)
-            self._prev_handlers[sig] = prev
-
-            def handler(signum, frame, prev=prev):
-                self.kill_all_now()
-                if callable(prev):
-                    prev(signum, frame)  # e.g. KeyboardInterrupt, or asyncio.run's SIGINT handling
-                elif prev == signal.SIG_DFL:
-                    signal.signal(signum, signal.SIG_DFL)
-                    os.kill(os.getpid(), signum)
-
-            signal.signal(sig, handler)
-            self._prev_handlers[sig] = (prev, handler)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, (prev, ours) in self._prev_handlers.items():
-            if signal.getsignal(sig) is ours:
-                signal.signal(sig, prev)
-        self._prev_handlers.clear()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
