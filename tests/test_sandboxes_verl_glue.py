@@ -106,3 +106,30 @@ def test_reward_never_scores_a_broken_sandbox(monkeypatch):
     monkeypatch.setattr(reward, "shared_pool", failing_pool)
     with pytest.raises(SandboxError):
         asyncio.run(reward.compute_score("x", GOOD, TESTS, {}, sandbox_retries=1))
+
+
+def test_tool_reports_broken_sandbox_without_reward(monkeypatch):
+    import verl_modal.tools as tools
+
+    async def failing_pool(**kw):
+        return SandboxPool(
+            FailingProvider(),
+            SandboxSpec(),
+            rate_limiter=False,
+            max_retries=0,
+            log_interval_s=0,
+            handle_signals=False,
+        )
+
+    monkeypatch.setattr(tools, "shared_pool", failing_pool)
+    tool = tools.SandboxCodeTool({"type": "native"})
+
+    async def main():
+        iid, _ = await tool.create()
+        resp, reward, metrics = await tool.execute(iid, {"code": "print(1)"})
+        await tool.release(iid)
+        return resp, reward, metrics
+
+    resp, reward, metrics = asyncio.run(main())
+    assert "sandbox unavailable" in resp.text and reward == 0.0 and metrics == {"sandbox_error": 1}
+    assert tool._leases == {}

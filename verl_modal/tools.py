@@ -75,7 +75,7 @@ class SandboxCodeTool(BaseTool):
             return (
                 ToolResponse(text=f"error: sandbox unavailable ({sb})"),
                 0.0,
-                {"sandbox_error": type(sb).__name__},
+                {"sandbox_error": 1},
             )
         try:
             await sb.write_file("main.py", code)
@@ -84,7 +84,7 @@ class SandboxCodeTool(BaseTool):
             return (
                 ToolResponse(text=f"error: sandbox failed ({exc})"),
                 0.0,
-                {"sandbox_error": type(exc).__name__},
+                {"sandbox_error": 1},
             )
         text = r.stdout + (f"\n[stderr]\n{r.stderr}" if r.stderr else "")
         if r.timed_out:
