@@ -230,3 +230,18 @@ def test_command_shape():
     assert "--unshare-net" not in LocalProvider().command(SandboxSpec(network=True), "x")
     with pytest.raises(ValueError, match="root-fs directory"):
         LocalProvider().command(SandboxSpec(image="/no/such/dir"), "x")
+
+
+def test_unread_stdin_and_concurrent_execs(tmp_path):
+    async def body(sb):
+        # 4 MiB of stdin to a command that never reads it: the timeout still fires on time.
+        r = await sb.exec(["sleep", "30"], timeout_s=1, stdin=b"x" * (4 << 20))
+        assert r.timed_out and r.duration_s < 5
+        results = await asyncio.gather(
+            *(sb.exec(["sh", "-c", f"sleep 0.3; echo {i}"], timeout_s=10) for i in range(4))
+        )
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+        big = await sb.exec(["python3", "-c", "print('y' * 3_000_000)"], timeout_s=20)
+        assert len(big.stdout) == 3_000_001
+
+    run(tmp_path, body)

@@ -93,6 +93,14 @@ def _drain(stream, buf):
             buf[0] += chunk[: OUT_CAP - len(buf[0])]
 
 
+def _feed(pipe, data):
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:
+        pass  # the command exited without reading its input
+
+
 def do_exec(req):
     global _active
     t0 = time.monotonic()
@@ -129,11 +137,8 @@ def do_exec(req):
         for r in readers:
             r.start()
         if stdin is not None:
-            try:
-                p.stdin.write(stdin)
-                p.stdin.close()
-            except OSError:
-                pass  # the command exited without reading its input
+            # A writer thread: a command that never reads must not block the timeout below.
+            threading.Thread(target=_feed, args=(p.stdin, stdin), daemon=True).start()
         timed_out = False
         try:
             rc = p.wait(timeout=req["timeout_s"])
