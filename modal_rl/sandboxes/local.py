@@ -179,7 +179,12 @@ class LocalProvider(Provider):
             await proc.wait()
             proc._transport.close()
             raise
-        registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
+        try:
+            registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)  # unregistered means unsweepable: never keep it
+            await proc.wait()
+            raise
         return LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
 
     async def sweep(self, tags: Mapping[str, str]) -> int:
