@@ -285,7 +285,7 @@ class SandboxPool:
                     return  # the pool gave up meanwhile; its waiters already have the error
                 try:
                     handle, ready_s = await self._attempt_start()
-                except (TransientProviderError, SandboxStartTimeout) as exc:
+                except (TransientProviderError, SandboxStartError) as exc:  # timeouts, readiness: retry
                     last, kind = (
                         exc,
                         getattr(
@@ -301,6 +301,10 @@ class SandboxPool:
                     last, kind = exc, getattr(exc, "kind", "create")
                     self._note_failure(kind, exc)
                     break
+                if self._closed:  # close() raced with this start: never let it outlive the pool
+                    self._all.pop(handle.id, None)
+                    self._reap(handle)
+                    return
                 self._consecutive_failures = 0
                 self.sizer.record_start(ready_s)
                 self.metrics.ready_s.append(ready_s)
