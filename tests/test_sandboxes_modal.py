@@ -79,3 +79,77 @@ def test_live_round_trip():
         assert await ModalProvider().sweep({"modal-rl-run": "modal-rl-live-test"}) == 0
 
     asyncio.run(main())
+
+
+class _Aio:
+    """A callable with an ``.aio`` coroutine twin, the shape of Modal's synchronicity methods."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def aio(self, *a, **kw):
+        return self.fn(*a, **kw)
+
+
+class _FakeProcess:
+    def __init__(self, rc, out, err):
+        self.fed = b""
+        self.stdin = type(
+            "W",
+            (),
+            {
+                "write": lambda _, d: setattr(self, "fed", self.fed + d),
+                "write_eof": lambda _: None,
+                "drain": _Aio(lambda: None),
+            },
+        )()
+        self.stdout, self.stderr = (
+            type("R", (), {"read": _Aio(lambda: out)})(),
+            type("R", (), {"read": _Aio(lambda: err)})(),
+        )
+        self.wait = _Aio(lambda: rc)
+
+
+class _FakeModalSandbox:
+    """Stands in for the Modal server side of one sandbox (the only fake in these tests)."""
+
+    object_id = "sb-fake"
+    returncode = None
+
+    def __init__(self, rc=0, out=b"out", err=b""):
+        self.calls, self.files, self.proc = [], {}, _FakeProcess(rc, out, err)
+        self.exec = _Aio(lambda *argv, **kw: self.calls.append((argv, kw)) or self.proc)
+        self.terminate = _Aio(lambda: self.calls.append("terminate"))
+        self.filesystem = type("FS", (), {})()
+        self.filesystem.write_bytes = _Aio(lambda data, path: self.files.__setitem__(path, data))
+        self.filesystem.read_bytes = _Aio(lambda path: self.files[path])
+
+
+def test_modal_handle_maps_exec_and_files():
+    from modal_rl.sandboxes.modal_provider import ModalSandbox
+
+    async def main():
+        fake = _FakeModalSandbox(rc=0, out=b"hi\n")
+        sb = ModalSandbox(fake, SandboxSpec(), {"t": "1"})
+        r = await sb.exec(["python3", "-c", "x"], timeout_s=2.5, stdin="abc", env={"A": "b"})
+        assert (r.returncode, r.stdout, r.timed_out) == (0, "hi\n", False)
+        (argv, kw) = fake.calls[0]
+        assert (
+            argv == ("python3", "-c", "x")
+            and kw["timeout"] == 3
+            and kw["env"] == {"A": "b"}
+            and kw["text"] is False
+        )
+        assert kw["workdir"] == "/workspace" and fake.proc.fed == b"abc"
+        await sb.write_file("a.txt", "data")
+        assert (
+            fake.files == {"/workspace/a.txt": b"data"} and await sb.read_file("/workspace/a.txt") == b"data"
+        )
+        timed = ModalSandbox(_FakeModalSandbox(rc=-1), SandboxSpec(), {})
+        r = await timed.exec(["sleep", "9"], timeout_s=1)
+        assert r.timed_out and r.returncode == -9  # Modal 1.6 reports an exec deadline as -1
+        await sb.terminate()
+        await sb.terminate()
+        assert fake.calls.count("terminate") == 1 and not sb.is_alive()
+
+    asyncio.run(main())
