@@ -50,6 +50,7 @@ def simulate(
     *,
     n_rollouts: int = 1000,
     rate: float = 2.0,
+    rates: tuple[float, ...] | None = None,
     seed: int = 0,
     provider: ProviderModel | None = None,
     min_warm: int = 4,
@@ -60,8 +61,9 @@ def simulate(
     p = provider or ProviderModel()
     rng_arr, rng_start = random.Random(seed), random.Random(seed + 10_007)
     arrivals, t = [], 0.0
-    for _ in range(n_rollouts):
-        t += rng_arr.expovariate(rate)
+    phases = rates or (rate,)  # equal shares of the rollouts arrive at each phase's rate
+    for i in range(n_rollouts):
+        t += rng_arr.expovariate(phases[i * len(phases) // n_rollouts])
         arrivals.append(t)
     # Start outcomes are drawn per start in order, so every policy faces the same provider luck.
     sizer = WarmSizer(min_warm, max_warm, policy=sizing, prior_ready_s=1.0) if policy == "adaptive" else None
@@ -152,15 +154,15 @@ def simulate(
     return SimResult(policy, wait_total, waited, max_wait, area / max(last_t, 1e-9), creates)
 
 
-def oracle(n_rollouts: int, rate: float, seed: int, upper: int = 200) -> tuple[int, SimResult]:
+def oracle(n_rollouts: int, rate: float, seed: int, upper: int = 200, rates=None) -> tuple[int, SimResult]:
     """Smallest fixed pool with zero consumer wait (binary search; wait is monotone in N)."""
     lo, hi = 0, upper
-    best = simulate(f"fixed:{hi}", n_rollouts=n_rollouts, rate=rate, seed=seed)
+    best = simulate(f"fixed:{hi}", n_rollouts=n_rollouts, rate=rate, seed=seed, rates=rates)
     if best.wait_s > 0:
         return hi, best
     while lo < hi:
         mid = (lo + hi) // 2
-        r = simulate(f"fixed:{mid}", n_rollouts=n_rollouts, rate=rate, seed=seed)
+        r = simulate(f"fixed:{mid}", n_rollouts=n_rollouts, rate=rate, seed=seed, rates=rates)
         if r.wait_s == 0:
             hi, best = mid, r
         else:

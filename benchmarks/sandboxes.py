@@ -135,6 +135,23 @@ def _simulate(quick: bool) -> dict:
     def mean(xs):
         return statistics.fmean(xs)
 
+    # A changing claim rate (1 → 4 → 1 claims/s, a third of the rollouts each): where sizing
+    # online pays, and where its lag after a rate jump shows.
+    phases = (1.0, 4.0, 1.0)
+    ph = {"none": [], "adaptive": [], "oracle": []}
+    for seed in seeds:
+        ph["none"].append(sim.simulate("none", seed=seed, rates=phases).wait_s)
+        a = sim.simulate("adaptive", seed=seed, rates=phases)
+        ph["adaptive"].append((a.mean_size, a.wait_s))
+        ph["oracle"].append(sim.oracle(1000, 2.0, seed, rates=phases)[0])
+    phased = {
+        "claims_per_s": list(phases),
+        "oracle_size": mean(ph["oracle"]),
+        "adaptive_mean_size": mean([m for m, _ in ph["adaptive"]]),
+        "adaptive_wait_s": mean([w for _, w in ph["adaptive"]]),
+        "no_pool_wait_s": mean(ph["none"]),
+    }
+
     return {
         "workload": {
             "rollouts": 1000,
@@ -150,6 +167,7 @@ def _simulate(quick: bool) -> dict:
         "p99_formula_mean_size": mean([r.mean_size for r in rows["p99"]]),
         "p99_formula_wait_s": mean([r.wait_s for r in rows["p99"]]),
         "fixed_wait_s": {str(n): mean(w) for n, w in fixed.items()},
+        "phased": phased,
     }
 
 
@@ -233,8 +251,17 @@ def run(quick: bool, out: Path) -> dict:
             ("oracle (smallest zero-wait fixed)", s["oracle_size"], 0.0),
         ],
     )
+    ph = s["phased"]
+    pt = markdown_table(
+        ["phased workload (claims/s 1 → 4 → 1)", "mean size", "wait per 1,000 rollouts [s]"],
+        [
+            ("no pool", 0, ph["no_pool_wait_s"]),
+            ("adaptive", ph["adaptive_mean_size"], ph["adaptive_wait_s"]),
+            ("oracle (smallest zero-wait fixed)", ph["oracle_size"], 0.0),
+        ],
+    )
     ct = markdown_table(["done-when check", "holds"], checks.items())
-    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{ct}\n"
+    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{pt}\n\n{ct}\n"
     md += "".join(f"\n![{p}]({p})\n" for p in plots)
     (out / f"{SUITE}.md").write_text(md)
     print(md)
