@@ -6,6 +6,7 @@ Every fault test also checks that no process of the sandbox survives it.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import threading
 
@@ -228,6 +229,8 @@ def test_command_shape():
     for flag in ("--unshare-net", "--unshare-pid", "--die-with-parent", "--cap-drop", "--clearenv"):
         assert flag in argv
     assert "--unshare-net" not in LocalProvider().command(SandboxSpec(network=True), "x")
+    if shutil.which("setpriv"):
+        assert argv[:4] == [shutil.which("setpriv"), "--pdeathsig", "KILL", "--"]
     with pytest.raises(ValueError, match="root-fs directory"):
         LocalProvider().command(SandboxSpec(image="/no/such/dir"), "x")
 

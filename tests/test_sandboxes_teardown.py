@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _sandboxes_helpers import alive, needs_bwrap, wait_gone
+from _sandboxes_helpers import alive, descendants, needs_bwrap, wait_gone
 
 from modal_rl.sandboxes import registry
 
@@ -48,6 +48,18 @@ def test_killed_pool_process_takes_sandboxes_down(tmp_path):
     # The registry still lists them (nobody could clean up); a sweep removes the stale entries.
     assert registry.sweep(tmp_path, {"modal-rl-run": "sigkill"}) == 0
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_killed_pool_process_takes_down_even_frozen_sandboxes(tmp_path):
+    proc, pids = start_child(tmp_path, "frozen", "plain")
+    inner = set().union(*(descendants(p) for p in pids))
+    assert inner
+    for pid in inner:  # a frozen agent cannot notice its host went away
+        os.kill(pid, signal.SIGSTOP)
+    proc.kill()
+    proc.wait(timeout=20)
+    assert not wait_gone(set(pids) | inner), "frozen sandboxes outlived their pool process"
+    registry.sweep(tmp_path, {"modal-rl-run": "frozen"})
 
 
 def test_sweep_cli_kills_orphans_of_a_wedged_run(tmp_path):

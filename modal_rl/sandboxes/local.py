@@ -100,6 +100,9 @@ class LocalProvider(Provider):
                 "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
             )
         self.bwrap = found
+        # bwrap's --die-with-parent guards the sandbox, not bwrap itself: a bwrap still setting
+        # up when the pool's process dies would linger. setpriv makes the kernel kill it too.
+        self.setpriv = shutil.which("setpriv")
         self.registry_dir = Path(registry_dir) if registry_dir is not None else registry.DEFAULT_DIR
         self.create_rate = create_rate
         self.create_burst = create_burst
@@ -109,7 +112,8 @@ class LocalProvider(Provider):
         """The full bwrap argv for one sandbox (pure; tested directly)."""
         wd = spec.workdir
         # A user namespace locks the read-only mounts; --cap-drop ALL because bwrap keeps root's caps.
-        args = [self.bwrap, "--die-with-parent", "--unshare-user", "--cap-drop", "ALL", "--unshare-pid"]
+        args = [self.setpriv, "--pdeathsig", "KILL", "--"] if self.setpriv else []
+        args += [self.bwrap, "--die-with-parent", "--unshare-user", "--cap-drop", "ALL", "--unshare-pid"]
         args += ["--unshare-ipc", "--unshare-uts"]
         args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
         if not spec.network:
