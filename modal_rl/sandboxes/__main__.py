@@ -1,0 +1,48 @@
+"""``python -m modal_rl.sandboxes sweep --tag KEY=VALUE ...``: terminate orphaned sandboxes.
+
+Local: every sandbox in the host registry whose tags include all given tags (by process group,
+checked against the leader's start time). Modal: ``modal.Sandbox.list(tags=...)`` + terminate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+
+def _tag(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(f"tags are KEY=VALUE (e.g. modal-rl-run=run-123), got {text!r}")
+    return key, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modal_rl.sandboxes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sweep = sub.add_parser("sweep", help="terminate every sandbox carrying all the given tags")
+    sweep.add_argument(
+        "--tag", type=_tag, action="append", required=True, help="KEY=VALUE; repeat to AND tags"
+    )
+    sweep.add_argument("--provider", choices=("local", "modal"), default="local")
+    sweep.add_argument("--registry", type=Path, default=None, help="local registry dir (default: the host's)")
+    sweep.add_argument("--app", default=None, help="Modal app name (modal provider)")
+    args = parser.parse_args(argv)
+    tags = dict(args.tag)
+    if args.provider == "local":
+        from modal_rl.sandboxes import registry
+
+        count = registry.sweep(args.registry or registry.DEFAULT_DIR, tags)
+    else:
+        from modal_rl.sandboxes.modal_provider import ModalProvider
+
+        provider = ModalProvider(app_name=args.app) if args.app else ModalProvider()
+        count = asyncio.run(provider.sweep(tags))
+    print(f"swept {count} sandbox(es) tagged {tags}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""In-sandbox agent for ``LocalProvider``: stdlib only, run as ``python3 -I -S -c <this file>``.
+
+Protocol: one JSON object per line on stdin (requests) and stdout (responses), matched by
+``id``. Ops: ``ping``, ``exec``, ``write``, ``read``. Byte payloads are base64.
+
+Invariants:
+- every command runs in its own process group with RLIMIT_AS / RLIMIT_CPU / RLIMIT_NPROC;
+  when the command's main process exits or its wall-clock timeout passes, the whole group is
+  SIGKILLed, so background children never outlive the exec;
+- while commands run, a watchdog counts the processes of this PID namespace and, above
+  ``max_procs``, kills every process but this agent (``kill(-1)`` only reaches this namespace);
+  RLIMIT_NPROC alone does not bind when the host runs as root;
+- at the sandbox's lifetime deadline or on EOF from the host the agent exits, and with it the
+  namespace (the kernel kills every process in a PID namespace whose init is gone).
+"""
+
+import base64
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+CFG = json.loads(sys.argv[1])
+OUT_CAP = int(CFG.get("output_cap", 8 << 20))
+_send_lock = threading.Lock()
+_active = 0
+_active_lock = threading.Lock()
+_limit_hit = threading.Event()
+
+
+def send(obj):
+    data = (json.dumps(obj) + "\n").encode()
+    with _send_lock:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+
+
+def kill_all_but_me():
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+
+
+def nprocs():
+    pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    if len(pids) <= CFG["max_procs"]:
+        return len(pids)
+    live = 0  # above the limit: look closer, killed-but-unreaped zombies do not count
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                live += f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            pass
+    return live
+
+
+def watchdog():
+    # Poll only while commands run: idle warm sandboxes must cost nothing.
+    while True:
+        with _active_lock:
+            busy = _active > 0
+        if busy and nprocs() > CFG["max_procs"]:
+            _limit_hit.set()
+            kill_all_but_me()
+        time.sleep(0.01 if busy else 0.05)
+
+
+def lifetime():
+    time.sleep(max(0.0, CFG["lifetime_s"]))
+    kill_all_but_me()
+    os._exit(3)
+
+
+def _limits(cpu):
+    mem = CFG["memory_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_NPROC, (CFG["max_procs"], CFG["max_procs"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _drain(stream, buf):
+    while True:
+        chunk = stream.read(65536)
+        if not chunk:
+            return
+        if len(buf[0]) < OUT_CAP:
+            buf[0] += chunk[: OUT_CAP - len(buf[0])]
+
+
+def _feed(pipe, data):
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:
+        pass  # the command exited without reading its input
+
+
+def do_exec(req):
+    global _active
+    t0 = time.monotonic()
+    env = dict(CFG["env"])
+    env.update(req.get("env") or {})
+    stdin = base64.b64decode(req["stdin"]) if req.get("stdin") is not None else None
+    with _active_lock:
+        _active += 1
+    try:
+        try:
+            p = subprocess.Popen(
+                req["argv"],
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=req.get("cwd") or CFG["workdir"],
+                env=env,
+                start_new_session=True,
+                preexec_fn=lambda: _limits(int(req["cpu_s"])),
+            )
+        except OSError as exc:
+            msg = f"{req['argv'][0]}: {exc.strerror or exc}\n"
+            return {
+                "rc": 127,
+                "stdout": "",
+                "stderr": base64.b64encode(msg.encode()).decode(),
+                "timed_out": False,
+            }
+        outs = [b""], [b""]
+        readers = [
+            threading.Thread(target=_drain, args=(s, b), daemon=True)
+            for s, b in zip((p.stdout, p.stderr), outs, strict=True)
+        ]
+        for r in readers:
+            r.start()
+        if stdin is not None:
+            # A writer thread: a command that never reads must not block the timeout below.
+            threading.Thread(target=_feed, args=(p.stdin, stdin), daemon=True).start()
+        timed_out = False
+        try:
+            rc = p.wait(timeout=req["timeout_s"])
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the group: background children die with the exec
+        if timed_out:
+            rc = p.wait()
+        for r in readers:
+            r.join(timeout=0.5)  # a setsid'ed grandchild may hold the pipe; do not wait for it
+        err = outs[1][0]
+        if _limit_hit.is_set():
+            err += b"\n[sandbox] process limit exceeded: all processes killed\n"
+        return {
+            "rc": rc,
+            "stdout": base64.b64encode(outs[0][0]).decode(),
+            "stderr": base64.b64encode(err).decode(),
+            "timed_out": timed_out,
+            "duration_s": time.monotonic() - t0,
+        }
+    finally:
+        with _active_lock:
+            _active -= 1
+            if _active == 0:
+                _limit_hit.clear()
+
+
+def resolve(path):
+    return path if path.startswith("/") else os.path.join(CFG["workdir"], path)
+
+
+def handle(req):
+    op = req.get("op")
+    try:
+        if op == "ping":
+            res = {"ok": True, "pid": os.getpid()}
+        elif op == "exec":
+            res = do_exec(req)
+        elif op == "write":
+            path = resolve(req["path"])
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(req["data"]))
+            res = {"ok": True}
+        elif op == "read":
+            with open(resolve(req["path"]), "rb") as f:
+                res = {"data": base64.b64encode(f.read()).decode()}
+        else:
+            res = {"error": "ValueError", "message": f"unknown op {op!r}"}
+    except OSError as exc:
+        res = {"error": type(exc).__name__, "message": str(exc), "errno": exc.errno}
+    except Exception as exc:  # report, never die: one bad request must not kill the sandbox
+        res = {"error": type(exc).__name__, "message": str(exc)}
+    res["id"] = req.get("id")
+    send(res)
+
+
+def main():
+    os.makedirs(os.path.join(CFG["workdir"], ".tmp"), exist_ok=True)
+    threading.Thread(target=watchdog, daemon=True).start()
+    threading.Thread(target=lifetime, daemon=True).start()
+    for line in sys.stdin.buffer:
+        threading.Thread(target=handle, args=(json.loads(line),), daemon=True).start()
+    kill_all_but_me()  # host went away: take the namespace down with us
+    os._exit(0)
+
+
+main()

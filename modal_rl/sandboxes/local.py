@@ -1,0 +1,338 @@
+"""``LocalProvider``: sandboxes as bubblewrap'd process trees on this host.
+
+Design: one long-lived ``bwrap`` per sandbox running a small stdlib agent (``_agent.py``) that
+speaks JSON lines over the bwrap process's stdin/stdout. ``exec`` is one round trip to the agent,
+which forks the command inside the sandbox; so a warm sandbox costs one idle Python process, a
+claim costs nothing, and an exec costs a fork (no per-exec bwrap start).
+
+Isolation: own PID/IPC/UTS (and, unless ``network=True``, network) namespaces; the root is
+read-only (host mode: /usr, a few /etc files and the running Python; image mode: a root-fs
+directory); the only writable place is a size-limited tmpfs work dir (``/tmp`` points into it
+in host mode). Limits: RLIMIT_AS (memory_mb per process), RLIMIT_CPU (cpu × exec timeout),
+a process-count watchdog, a wall-clock kill of each command's process group, and the
+sandbox lifetime (agent exit + host backstop). bwrap runs with ``--die-with-parent`` in its
+own session, so killing its process group - or the pool's process dying - ends it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from modal_rl.sandboxes import registry
+from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError
+from modal_rl.sandboxes.provider import Provider, SandboxHandle
+from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
+
+_AGENT_SRC = (Path(__file__).with_name("_agent.py")).read_text()
+_ETC_FILES = [
+    "passwd",
+    "group",
+    "hosts",
+    "nsswitch.conf",
+    "host.conf",
+    "resolv.conf",
+    "gai.conf",
+    "protocols",
+    "services",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "alternatives",
+    "ssl",
+    "ca-certificates",
+    "mime.types",
+]
+# Grace on top of a command's own timeout before the host declares the agent hung.
+_EXEC_GRACE_S = 10.0
+
+
+def _host_root_args() -> tuple[list[str], list[str]]:
+    """Read-only binds that make the host's userland and this Python usable; returns (args, PATH)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / top
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), str(host)]
+    for name in _ETC_FILES:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    path = ["/usr/local/bin", "/usr/bin", "/bin"]
+    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
+        if not prefix.startswith("/usr/"):
+            args += ["--ro-bind", prefix, prefix]
+    path.insert(0, os.path.dirname(os.path.realpath(sys.executable)))
+    return args, path
+
+
+class LocalProvider(Provider):
+    """Bubblewrap sandboxes. Raises ``ProviderUnavailableError`` at construction if bwrap is missing."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        bwrap: str = "bwrap",
+        registry_dir: Path | str | None = None,
+        create_rate: float = 50.0,
+        create_burst: int = 50,
+        output_cap_bytes: int = 8 << 20,
+    ):
+        found = shutil.which(bwrap)
+        if found is None:
+            raise ProviderUnavailableError(
+                f"bubblewrap ({bwrap!r}) not found on PATH: LocalProvider needs it "
+                "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
+            )
+        self.bwrap = found
+        # bwrap's --die-with-parent guards the sandbox, not bwrap itself: a bwrap still setting
+        # up when the pool's process dies would linger. setpriv makes the kernel kill it too.
+        self.setpriv = shutil.which("setpriv")
+        self.registry_dir = Path(registry_dir) if registry_dir is not None else registry.DEFAULT_DIR
+        self.create_rate = create_rate
+        self.create_burst = create_burst
+        self.output_cap_bytes = output_cap_bytes
+
+    def command(self, spec: SandboxSpec, sandbox_id: str) -> list[str]:
+        """The full bwrap argv for one sandbox (pure; tested directly)."""
+        wd = spec.workdir
+        # A user namespace locks the read-only mounts; --cap-drop ALL because bwrap keeps root's caps.
+        args = [self.setpriv, "--pdeathsig", "KILL", "--"] if self.setpriv else []
+        args += [self.bwrap, "--die-with-parent", "--unshare-user", "--cap-drop", "ALL", "--unshare-pid"]
+        args += ["--unshare-ipc", "--unshare-uts"]
+        args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
+        if not spec.network:
+            args.append("--unshare-net")
+        size = str(spec.disk_mb << 20)
+        if spec.image in (None, "host"):
+            root, path = _host_root_args()
+            python = os.path.realpath(sys.executable)
+            tmp = ["--dir", f"{wd}/.tmp", "--symlink", f"{wd}/.tmp", "/tmp"]
+        else:
+            image = Path(spec.image)
+            if not image.is_dir():
+                raise ValueError(
+                    f"LocalProvider: image must be None, 'host' or a root-fs directory, got {spec.image!r}"
+                )
+            root, path, python = (
+                ["--ro-bind", str(image), "/"],
+                ["/usr/local/bin", "/usr/bin", "/bin"],
+                "python3",
+            )
+            tmp = ["--size", size, "--tmpfs", "/tmp"]
+        args += root + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", wd] + tmp
+        # bwrap builds the root on a writable tmpfs; freeze it so only the work dir takes writes.
+        args += ["--remount-ro", "/"]
+        env = {
+            "PATH": ":".join(path),
+            "HOME": wd,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        env.update(spec.env)
+        args += ["--chdir", wd, "--clearenv"]
+        for k, v in env.items():
+            args += ["--setenv", k, v]
+        cfg = {
+            "workdir": wd,
+            "env": env,
+            "memory_mb": spec.memory_mb,
+            "max_procs": spec.max_procs,
+            "lifetime_s": spec.timeout_s,
+            "output_cap": self.output_cap_bytes,
+        }
+        return args + ["--", python, "-I", "-S", "-c", _AGENT_SRC, json.dumps(cfg)]
+
+    async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> LocalSandbox:
+        sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
+        argv = self.command(spec, sandbox_id)
+        spawn = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group: killpg reaches bwrap and the agent
+                limit=4 * self.output_cap_bytes + (1 << 20),
+            )
+        )
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            # Cancelling process creation midway hangs Python 3.11 (the child's exit is never
+            # watched); let the spawn finish, then kill what it started.
+            proc = await spawn
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            proc._transport.close()
+            raise
+        try:
+            registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)  # unregistered means unsweepable: never keep it
+            await proc.wait()
+            raise
+        return LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
+
+    async def sweep(self, tags: Mapping[str, str]) -> int:
+        return registry.sweep(self.registry_dir, tags)
+
+
+class LocalSandbox(SandboxHandle):
+    """Host side of one bubblewrap sandbox: request/response multiplexing to the agent."""
+
+    def __init__(
+        self,
+        provider: LocalProvider,
+        sandbox_id: str,
+        proc: asyncio.subprocess.Process,
+        spec: SandboxSpec,
+        tags: dict,
+    ):
+        self.id = sandbox_id
+        self.tags = tags
+        self.pid = proc.pid
+        self.spec = spec
+        self.expires_at = time.monotonic() + spec.timeout_s
+        self._provider = provider
+        self._proc = proc
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._stderr_tail = b""
+        self._dead_reason: str | None = None
+        self._reader = asyncio.ensure_future(self._read_loop())
+        self._errreader = asyncio.ensure_future(self._read_stderr())
+        # Backstop for the agent's own lifetime limit.
+        self._expiry = asyncio.get_running_loop().call_later(spec.timeout_s + 1.0, self.kill_now)
+
+    def is_alive(self) -> bool:
+        return self._dead_reason is None and self._proc.returncode is None
+
+    async def _read_stderr(self) -> None:
+        while chunk := await self._proc.stderr.read(4096):
+            self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
+
+    async def _read_loop(self) -> None:
+        try:
+            while line := await self._proc.stdout.readline():
+                msg = json.loads(line)
+                fut = self._pending.pop(msg.get("id"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except (ValueError, asyncio.LimitOverrunError) as exc:
+            self._dead_reason = f"protocol error from agent: {exc}"
+        finally:
+            rc = await self._proc.wait()
+            await asyncio.sleep(0)  # let the stderr reader catch the last words
+            if self._dead_reason is None:
+                tail = self._stderr_tail.decode(errors="replace").strip()
+                self._dead_reason = f"sandbox {self.id} exited (rc={rc})" + (f": {tail}" if tail else "")
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(SandboxLostError(self._dead_reason))
+            self._pending.clear()
+            self._expiry.cancel()
+            registry.unregister(self._provider.registry_dir, self.id)
+
+    async def _call(self, op: str, deadline_s: float, **fields) -> dict:
+        if not self.is_alive():
+            raise SandboxLostError(self._dead_reason or f"sandbox {self.id} is not running")
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            self._proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
+            await self._proc.stdin.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self._pending.pop(rid, None)
+            raise SandboxLostError(f"sandbox {self.id}: cannot reach agent: {exc}") from exc
+        try:
+            msg = await asyncio.wait_for(fut, deadline_s)
+        except TimeoutError:
+            self._pending.pop(rid, None)
+            self.kill_now()  # an agent that misses its own deadline is broken; do not reuse it
+            raise SandboxLostError(
+                f"sandbox {self.id}: agent did not answer {op!r} within {deadline_s:.1f}s"
+            ) from None
+        if "error" in msg:
+            if msg.get("errno") is not None:
+                raise OSError(msg["errno"], f"sandbox {self.id}: {msg['message']}")
+            raise SandboxLostError(f"sandbox {self.id}: agent error {msg['error']}: {msg['message']}")
+        return msg
+
+    async def ready(self) -> None:
+        await self._call("ping", 3600.0)  # the pool bounds this with its ready timeout
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"exec needs a non-empty list of str, e.g. ['sh', '-c', cmd]; got {argv!r}")
+        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"exec timeout_s must be a positive number, got {timeout_s!r}")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        msg = await self._call(
+            "exec",
+            timeout_s + _EXEC_GRACE_S,
+            argv=list(argv),
+            timeout_s=timeout_s,
+            cpu_s=math.ceil(timeout_s * self.spec.cpu) + 1,
+            stdin=base64.b64encode(data).decode() if data is not None else None,
+            env=dict(env or {}),
+            cwd=cwd,
+        )
+        return ExecResult(
+            returncode=int(msg["rc"]),
+            stdout=base64.b64decode(msg["stdout"]).decode(errors="replace"),
+            stderr=base64.b64decode(msg["stderr"]).decode(errors="replace"),
+            timed_out=bool(msg["timed_out"]),
+            duration_s=float(msg.get("duration_s", 0.0)),
+        )
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        await self._call("write", 60.0, path=str(path), data=base64.b64encode(raw).decode())
+
+    async def read_file(self, path: str) -> bytes:
+        msg = await self._call("read", 60.0, path=str(path))
+        return base64.b64decode(msg["data"])
+
+    def kill_now(self) -> None:
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        self._dead_reason = self._dead_reason or f"sandbox {self.id} was terminated"
+        registry.unregister(self._provider.registry_dir, self.id)
+
+    async def terminate(self) -> None:
+        self.kill_now()
+        with contextlib.suppress(ProcessLookupError):
+            await self._proc.wait()
+        await asyncio.gather(self._reader, self._errreader, return_exceptions=True)
+        # Close the pipes now, inside the loop; the transport's __del__ would do it after close.
+        transport = getattr(self._proc, "_transport", None)
+        if transport is not None:
+            transport.close()

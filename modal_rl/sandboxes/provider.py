@@ -1,0 +1,85 @@
+"""The provider port: how the pool creates, probes, uses and destroys one sandbox.
+
+One file per implementation: ``local.py`` (bubblewrap) and ``modal_provider.py`` (Modal). The
+pool only talks to these two ABCs, so a test double for fault injection is a subclass too.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Mapping, Sequence
+
+from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
+
+TAG_POOL = "modal-rl-pool"
+TAG_RUN = "modal-rl-run"
+
+
+class SandboxHandle(abc.ABC):
+    """One live sandbox. ``terminate`` is idempotent and never raises for an already-dead sandbox.
+
+    ``expires_at`` is a ``time.monotonic()`` deadline after which the provider kills it.
+    """
+
+    id: str
+    tags: dict[str, str]
+    expires_at: float
+
+    def remaining_s(self) -> float:
+        return self.expires_at - time.monotonic()
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """Cheap local check (no round trip): False once the sandbox is known dead."""
+
+    @abc.abstractmethod
+    async def ready(self) -> None:
+        """Readiness probe: returns once the sandbox can run commands; raises otherwise."""
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` to completion or until ``timeout_s``; raises ``SandboxLostError`` only if
+        the sandbox itself fails."""
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes | str) -> None: ...
+
+    @abc.abstractmethod
+    async def read_file(self, path: str) -> bytes: ...
+
+    @abc.abstractmethod
+    async def terminate(self) -> None: ...
+
+    @abc.abstractmethod
+    def kill_now(self) -> None:
+        """Synchronous best-effort kill, safe to call from a signal handler or atexit."""
+
+
+class Provider(abc.ABC):
+    """Creates sandboxes and sweeps orphans by tag.
+
+    ``create_rate`` / ``create_burst`` are the provider's published create-rate limit, used by
+    the pool's token bucket unless the caller passes its own.
+    """
+
+    name: str = "provider"
+    create_rate: float = 5.0
+    create_burst: int = 5
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> SandboxHandle:
+        """Start one sandbox (not necessarily ready yet). Raise ``TransientProviderError`` /
+        ``RateLimitedError`` for retryable failures, any other exception for permanent ones."""
+
+    @abc.abstractmethod
+    async def sweep(self, tags: Mapping[str, str]) -> int:
+        """Terminate every sandbox carrying all of ``tags``; returns how many were terminated."""

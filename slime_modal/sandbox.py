@@ -1,0 +1,78 @@
+"""A slime ``Sandbox`` (``slime/agent/sandbox.py`` protocol) backed by a modal_rl SandboxPool.
+
+    async with PoolSandbox() as sb:                 # leases a warm sandbox from the shared pool
+        rc, out, err = await sb.exec("python3 -V", timeout=30)
+        await sb.write_file("/workspace/a.txt", "hi")
+        text = await sb.read_file("/workspace/a.txt")
+
+Protocol details: ``cmd`` is a shell string (run with ``sh -c``); ``user`` other than root is
+switched with ``runuser`` (works where the sandbox has root, i.e. Modal; the local bubblewrap
+sandbox has no capabilities and reports the failure in ``err``); a timed-out command returns
+exit code 124; ``check=True`` raises ``RuntimeError`` on a non-zero exit; ``read_file`` of a
+missing file returns "" (as slime's E2B backend does). ``idempotent`` is accepted and ignored:
+the pool never replays a command. Infrastructure failures raise ``SandboxError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from modal_rl.sandboxes.errors import SandboxError
+from modal_rl.sandboxes.lease import Sandbox as Lease
+from modal_rl.sandboxes.pool import SandboxPool
+from modal_rl.sandboxes.shared import shared_pool
+
+
+class PoolSandbox:
+    """Satisfies ``slime.agent.sandbox.Sandbox``; one single-use lease per ``async with``."""
+
+    def __init__(self, pool: SandboxPool | None = None, **pool_settings: Any):
+        self._pool, self._settings = pool, pool_settings
+        self._lease: Lease | None = None
+        self.sandbox_id = ""
+
+    async def __aenter__(self) -> PoolSandbox:
+        pool = self._pool or await shared_pool(**self._settings)
+        self._lease = await pool.acquire()
+        self.sandbox_id = self._lease.id
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self._lease is not None:
+            await self._lease.release(failed=exc_type is not None)
+            self._lease = None
+
+    def _sb(self) -> Lease:
+        if self._lease is None:
+            raise SandboxError("PoolSandbox used outside 'async with'")
+        return self._lease
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+        idempotent: bool = True,
+    ) -> tuple[int, str, str]:
+        if not isinstance(cmd, str) or not cmd:
+            raise ValueError(f"exec needs a non-empty shell command string, got {cmd!r}")
+        argv = ["sh", "-c", cmd] if user == "root" else ["runuser", "-u", user, "--", "sh", "-c", cmd]
+        r = await self._sb().exec(argv, timeout_s=timeout, env=env)
+        rc = 124 if r.timed_out else r.returncode
+        if check and rc != 0:
+            raise RuntimeError(f"sandbox exec failed (exit={rc}): {cmd[:120]}\n{r.stderr[-400:]}")
+        return rc, r.stdout, r.stderr
+
+    async def write_file(self, sandbox_path: str, content: str | bytes | Path, *, user: str = "root") -> None:
+        data = content.read_bytes() if isinstance(content, Path) else content
+        await self._sb().write_file(sandbox_path, data)
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str:
+        try:
+            return (await self._sb().read_file(sandbox_path)).decode(errors="replace")
+        except FileNotFoundError:
+            return ""
