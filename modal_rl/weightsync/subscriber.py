@@ -22,8 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from modal_rl.weightsync.chain import VersionChain
 from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.dtypes import words_of
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.transport import FrameSource
 
@@ -110,8 +113,12 @@ def copy_into(live: dict[str, Any]) -> Activate:
 
     def activate(staged: dict[str, Any], version: int) -> None:
         for name, tensor in staged.items():
-            if name in live and live[name].shape == tensor.shape and live[name].dtype == tensor.dtype:
-                live[name].copy_(tensor)
+            held = live.get(name)
+            if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:
+                if held.device.type == "cpu":
+                    np.copyto(words_of(held), words_of(tensor))  # memcpy, no OpenMP pool
+                else:
+                    held.copy_(tensor)
             else:
                 live[name] = tensor.clone()
 
