@@ -220,21 +220,10 @@ def read_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
     Stops cleanly at end of stream between records; raises ``TruncatedFrameError`` when the
     stream ends inside a record and ``CorruptFrameError`` when a checksum fails.
     """
-    while True:
-        header = _read_exact(stream, RECORD_HEADER.size)
-        if not header:
-            return
-        if len(header) < RECORD_HEADER.size:
-            raise TruncatedFrameError("frame ends inside a record header")
-        tag, length = RECORD_HEADER.unpack(header)
-        if tag not in (TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END) or length > MAX_RECORD_BYTES:
-            raise CorruptFrameError(f"bad record header (tag {tag!r}, length {length})")
-        body = _read_exact(stream, length)
-        trailer = _read_exact(stream, RECORD_TRAILER.size)
-        if len(body) < length or len(trailer) < RECORD_TRAILER.size:
-            raise TruncatedFrameError(f"frame ends inside a {tag.decode()} record")
-        (digest,) = RECORD_TRAILER.unpack(trailer)
-        h = xxhash.xxh3_64(header)
+    for tag, raw in split_records(stream):
+        body = raw[RECORD_HEADER.size : -RECORD_TRAILER.size]
+        (digest,) = RECORD_TRAILER.unpack_from(raw, len(raw) - RECORD_TRAILER.size)
+        h = xxhash.xxh3_64(raw[: RECORD_HEADER.size])
         h.update(body)
         if h.intdigest() != digest:
             raise CorruptFrameError(f"checksum mismatch in a {tag.decode()} record")
