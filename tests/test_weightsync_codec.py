@@ -37,7 +37,7 @@ def roundtrip(base, new, config=SMALL):
     return chain, delta
 
 
-shapes = st.lists(st.integers(0, 37), min_size=0, max_size=3).map(tuple)
+shapes = st.lists(st.integers(0, 29), min_size=0, max_size=3).map(tuple)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -45,7 +45,7 @@ shapes = st.lists(st.integers(0, 37), min_size=0, max_size=3).map(tuple)
     dtype=st.sampled_from(DTYPES),
     shapes=st.lists(shapes, min_size=1, max_size=4),
     density=st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]),
-    chunk_elems=st.sampled_from([1, 7, 64, 4096]),
+    chunk_elems=st.sampled_from([7, 256, 4096]),
     seed=st.integers(0, 2**16),
 )
 def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
@@ -53,6 +53,15 @@ def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
     base = {f"t{i}": random_tensor(s, dtype, gen) for i, s in enumerate(shapes)}
     new = perturb(base, density, seed)
     chain, _ = roundtrip(base, new, CodecConfig(chunk_elems=chunk_elems, threads=2))
+    assert same_state(chain.state, new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_word_chunks(dtype):
+    gen = torch.Generator().manual_seed(3)
+    base = {"a": random_tensor((5, 3), dtype, gen), "b": random_tensor((), dtype, gen)}
+    new = perturb(base, 0.5, seed=3)
+    chain, _ = roundtrip(base, new, CodecConfig(chunk_elems=1, threads=2))
     assert same_state(chain.state, new)
 
 
