@@ -67,9 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         config = ov.compose(overrides)
         if cpu:
             ov.check_required(config)
-        _validate(config)
-    except (ov.OverrideError, ValueError, AssertionError) as exc:
+        check_local(config)
+    except ov.OverrideError as exc:
         print(f"verl_modal: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _validate(config)
+    except Exception as exc:  # verl raises assorted types; all mean "this config is invalid"
+        print(f"verl_modal: verl rejected the config: {_one_line(exc)}", file=sys.stderr)
         return 2
 
     if args.dry_run:
@@ -82,6 +87,22 @@ def main(argv: list[str] | None = None) -> int:
 
     run(config, env, cpu=cpu)
     return 0
+
+
+def check_local(config) -> None:
+    """``--backend local`` is one node: the cluster layer is what brings more."""
+    from verl_modal.cpu.overrides import OverrideError
+
+    if int(config.trainer.nnodes) != 1:
+        raise OverrideError(
+            f"--backend local runs one node, but trainer.nnodes={config.trainer.nnodes}; "
+            "use trainer.nnodes=1 (and trainer.n_gpus_per_node for more ranks)"
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _validate(config) -> None:
