@@ -169,3 +169,34 @@ def test_vllm_extension_wrapped_when_verl_imports_it():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True _update_weights"
+
+
+@pytest.mark.slow
+def test_local_bring_up_is_loopback_only_with_logical_gpus():
+    out = run_py(
+        """
+        from verl_modal.cpu import overrides as ov
+        from verl_modal.runner import prepare_process_env, start_local_ray
+        env = ov.worker_env()
+        prepare_process_env(env)
+        config = ov.compose(ov.cpu_overrides([], ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_cpus=2"]))
+        start_local_ray(config, env)
+        import ray
+
+        @ray.remote(num_gpus=1)
+        def probe():
+            import os
+            from verl.plugin.platform import get_platform
+            return os.environ["VERL_PLATFORM"], type(get_platform()).__name__, ray.util.get_node_ip_address()
+
+        print(sorted({n["NodeManagerAddress"] for n in ray.nodes()}), ray.cluster_resources()["GPU"])
+        print(ray.get(probe.remote()))
+        ray.shutdown()
+        """,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    nodes, probe = out.stdout.strip().splitlines()[-2:]
+    assert nodes == "['127.0.0.1'] 2.0"
+    # The env reached a Ray worker through the runtime env, and verl there picked our platform.
+    assert probe == "('cpu', 'PlatformCPU', '127.0.0.1')"

@@ -62,7 +62,7 @@ def test_one_grpo_step_with_weight_sync(tmp_path):
         timeout=1400,
     )
     assert code == 0, log[-6000:]
-    assert "[verl_modal] TaskRunner on verl platform 'cpu'" in log
+    assert "[verl_modal] TaskRunner on verl platform 'cpu', node 127.0.0.1;" in log
 
     metrics = parse_metrics(log)
     assert list(metrics) == [1], log[-6000:]
@@ -82,7 +82,3 @@ def test_one_grpo_step_with_weight_sync(tmp_path):
     assert len(reloads) >= 2, reloads
     assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99
     assert float(step["training/rollout_probs_diff_max"]) < 0.01
-
-    # Every Ray process verl started reported from the loopback address only.
-    ips = set(re.findall(r"\bip=(\d+\.\d+\.\d+\.\d+)", log))
-    assert ips <= {"127.0.0.1"}, ips

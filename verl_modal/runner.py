@@ -112,8 +112,10 @@ def make_task_runner(cpu: bool):
             platform = get_platform()
             if not isinstance(platform, cpu_platform.PlatformCPU):
                 raise RuntimeError(f"verl picked platform {type(platform).__name__}, not the cpu one")
+            node = ray.util.get_node_ip_address()
             print(
-                f"[verl_modal] TaskRunner on verl platform {platform.device_name!r}; fixes {patches.installed()}"
+                f"[verl_modal] TaskRunner on verl platform {platform.device_name!r}, node {node}; "
+                f"fixes {patches.installed()}"
             )
             return super().run(config)
 
