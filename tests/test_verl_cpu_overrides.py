@@ -113,9 +113,26 @@ def test_launcher_rejects_a_bad_override_in_one_line():
 
 
 def test_launcher_rejects_two_nodes_on_local_backend_before_ray(tmp_path):
-    out, _ = launcher("--device", "cpu", "--", "trainer.nnodes=2", "data.train_files=x", "data.val_files=x")
+    out, _ = launcher("--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--", "trainer.nnodes=2")
     assert out.returncode == 2
     assert "--backend local runs one node" in out.stderr
+
+
+def test_launcher_rejects_a_model_that_is_not_local(tmp_path):
+    out, elapsed = launcher("--device", "cpu", "--", f"actor_rollout_ref.model.path={tmp_path}/nope")
+    assert out.returncode == 2
+    assert "is not a local model directory" in out.stderr.strip().splitlines()[-1]
+    assert elapsed < 60
+
+
+def test_launcher_rejects_missing_data(tmp_path):
+    from verl_modal.cpu import tiny
+
+    model = tiny.overrides_for(tmp_path)[0]
+    tiny.make(tmp_path)
+    out, _ = launcher("--device", "cpu", "--", model, f"data.train_files={tmp_path}/missing.parquet")
+    assert out.returncode == 2
+    assert f"data.train_files: {tmp_path}/missing.parquet does not exist" in out.stderr
 
 
 def test_launcher_dry_run_lists_the_composed_overrides(tmp_path):

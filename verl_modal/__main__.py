@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ov.compose(overrides)
         if cpu:
             ov.check_required(config)
+            check_local_inputs(config)
         check_local(config)
     except ov.OverrideError as exc:
         print(f"verl_modal: {exc}", file=sys.stderr)
@@ -98,6 +99,29 @@ def check_local(config) -> None:
             f"--backend local runs one node, but trainer.nnodes={config.trainer.nnodes}; "
             "use trainer.nnodes=1 (and trainer.n_gpus_per_node for more ranks)"
         )
+
+
+def check_local_inputs(config) -> None:
+    """With no hub (``HF_HUB_OFFLINE=1``), the model and data must be on this machine."""
+    from pathlib import Path
+
+    from omegaconf import ListConfig
+
+    from verl_modal.cpu.overrides import OverrideError
+
+    model = Path(str(config.actor_rollout_ref.model.path)).expanduser()
+    if not (model / "config.json").is_file():
+        raise OverrideError(
+            f"actor_rollout_ref.model.path={model} is not a local model directory (no hub on the cpu "
+            "run); use --tiny DIR, or point it at a directory with config.json"
+        )
+    for key in ("train_files", "val_files"):
+        value = config.data[key]
+        for path in value if isinstance(value, (list, ListConfig)) else [value]:
+            if not Path(str(path)).expanduser().is_file():
+                raise OverrideError(
+                    f"data.{key}: {path} does not exist; use --tiny DIR or a local parquet file"
+                )
 
 
 def _one_line(exc: BaseException) -> str:
