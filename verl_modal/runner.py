@@ -9,7 +9,8 @@ Invariants:
   Every env var our pieces need is passed in the job's runtime env explicitly, because verl's
   ``get_ppo_ray_runtime_env`` drops keys the driver already has set, assuming workers inherit
   the driver's env, which is not true on a cluster started elsewhere.
-- The local Ray node listens on 127.0.0.1 only; :func:`start_local_ray` checks it.
+- The local Ray node is advertised and reached at 127.0.0.1 (no traffic leaves loopback);
+  :func:`start_local_ray` checks `ray.nodes()`.
 - Only the Ray instance this process started is shut down, by ``ray.shutdown()``.
 """
 
