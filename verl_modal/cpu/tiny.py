@@ -1,0 +1,173 @@
+"""Tiny local assets for a verl run without a hub: a ~0.4 M-parameter Qwen2, its tokenizer,
+and GSM8K-style arithmetic prompts in parquet.
+
+``python -m verl_modal.cpu.tiny DIR`` writes::
+
+    DIR/model/        config.json, model.safetensors, tokenizer files (chat template inside)
+    DIR/train.parquet DIR/test.parquet   verl RL rows: prompt (chat), reward_model.ground_truth
+    DIR/overrides.txt the Hydra overrides that point verl at all of the above
+
+Invariants: nothing is downloaded (works with ``HF_HUB_OFFLINE=1``); the same seed gives
+the same prompts and tokenizer; :func:`make` skips work when ``DIR/overrides.txt`` exists
+(it is written last, so its presence means the assets are complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+DATA_SOURCE = "verl_modal/tiny_arith"
+REWARD_MODULE = "pkg://verl_modal.cpu.arith_reward"
+INSTRUCTION = "Put the final answer after ####."
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2 shape giving ~0.4 M parameters; head_dim 32 is a size vLLM's CPU attention supports.
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def arithmetic_rows(n: int, seed: int, split: str) -> list[dict]:
+    """``n`` verl RL rows of two-operand integer arithmetic with decimal-string answers."""
+    rng = random.Random(f"{seed}-{split}")
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        op = rng.choice("+-*")
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        question = f"Tom has {a} apples. What is {a} {op} {b}? {INSTRUCTION}"
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": question}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": i, "question": question},
+            }
+        )
+    return rows
+
+
+def _corpus(rows: list[dict]) -> list[str]:
+    text = [r["prompt"][0]["content"] + f" #### {r['reward_model']['ground_truth']}" for r in rows]
+    return text + [" ".join(str(k) for k in range(start, start + 50)) for start in range(-100, 10000, 50)]
+
+
+def make_tokenizer(rows: list[dict], vocab_size: int):
+    """A byte-level BPE trained here on the task's text, as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(rows), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_model(tokenizer, seed: int):
+    """A random-init Qwen2 causal LM sized by :data:`MODEL_SHAPE`, vocab padded to 64."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    config = Qwen2Config(
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="bfloat16",
+        **MODEL_SHAPE,
+    )
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+# Batch and length sizes that fit the tiny model on a 2-core host (prompts are ~40 tokens).
+WORKLOAD_SIZES = [
+    "data.train_batch_size=4",
+    "data.max_prompt_length=64",
+    "data.max_response_length=32",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.max_num_seqs=16",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+    "actor_rollout_ref.rollout.max_model_len=128",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+]
+
+
+def overrides_for(out: Path) -> list[str]:
+    """Hydra overrides that point verl's model, data and reward at the assets in ``out``."""
+    out = Path(out).resolve()
+    return [
+        f"actor_rollout_ref.model.path={out / 'model'}",
+        f"data.train_files={out / 'train.parquet'}",
+        f"data.val_files={out / 'test.parquet'}",
+        f"reward.custom_reward_function.path={REWARD_MODULE}",
+        "reward.custom_reward_function.name=compute_score",
+        *WORKLOAD_SIZES,
+    ]
+
+
+def make(
+    out: Path, *, seed: int = 0, n_train: int = 256, n_test: int = 32, vocab_size: int = 1000
+) -> list[str]:
+    """Write the assets into ``out`` (skipped when complete) and return their overrides."""
+    import pandas as pd
+
+    out = Path(out)
+    marker = out / "overrides.txt"
+    if marker.exists():
+        return overrides_for(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = arithmetic_rows(n_train, seed, "train"), arithmetic_rows(n_test, seed, "test")
+    tokenizer = make_tokenizer(train + test, vocab_size)
+    model = make_model(tokenizer, seed)
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    pd.DataFrame(train).to_parquet(out / "train.parquet")
+    pd.DataFrame(test).to_parquet(out / "test.parquet")
+    overrides = overrides_for(out)
+    marker.write_text("\n".join(overrides) + "\n")
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_modal.cpu.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="directory for the model, tokenizer and parquet files")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for line in make(args.out, seed=args.seed):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

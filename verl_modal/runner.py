@@ -1,0 +1,136 @@
+"""Runs verl's PPO entry unchanged on a Ray cluster we bring up: ``run_ppo(config,
+task_runner_class=...)`` with a TaskRunner subclass that installs our CPU pieces.
+
+Invariants:
+- The process env (:func:`prepare_process_env`) is set before anything imports verl: verl
+  resolves its platform at import time (``verl.trainer.constants_ppo``).
+- Bring-up is one function, ``bring_up(config, env_vars)``, that leaves ``ray`` initialised;
+  :func:`start_local_ray` is the one-node local one (the cluster layer swaps in its own).
+  Every env var our pieces need is passed in the job's runtime env explicitly, because verl's
+  ``get_ppo_ray_runtime_env`` drops keys the driver already has set, assuming workers inherit
+  the driver's env, which is not true on a cluster started elsewhere.
+- The local Ray node is advertised and reached at 127.0.0.1 (no traffic leaves loopback);
+  :func:`start_local_ray` checks `ray.nodes()`.
+- Only the Ray instance this process started is shut down, by ``ray.shutdown()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+LOOPBACK = "127.0.0.1"
+# Ray resolves 127.0.0.1 to the host's routable address unless it believes it runs
+# single-node (its Windows/macOS mode); read by ``ray`` at import, so set before that.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+OBJECT_STORE_BYTES = 1 << 30  # verl's batches here are KiB; Ray's default is 30% of RAM
+
+
+def prepare_process_env(env: dict[str, str]) -> None:
+    """Put ``env`` and :data:`LOCAL_RAY_ENV` into this process before verl or Ray is imported."""
+    os.environ.update(LOCAL_RAY_ENV)
+    os.environ.update(env)
+
+
+def runtime_env_for(config, env_vars: dict[str, str]) -> dict:
+    """verl's default PPO runtime env, the user's ``ray_kwargs.ray_init.runtime_env``, and
+    ``env_vars`` (ours win), as ``run_ppo`` would build it plus our explicit env."""
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    runtime_env = get_ppo_ray_runtime_env(config)
+    if config.transfer_queue.enable:
+        runtime_env["env_vars"]["TRANSFER_QUEUE_ENABLE"] = "1"
+    user = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}).get("runtime_env", {}) or {})
+    user = {k: v for k, v in user.items() if v is not None}
+    runtime_env["env_vars"].update(user.pop("env_vars", {}) or {})
+    runtime_env.update(user)
+    runtime_env["env_vars"].update({**LOCAL_RAY_ENV, **env_vars})
+    return runtime_env
+
+
+def logical_gpus(config) -> int:
+    """Logical GPUs the local node declares: one per trainer rank on this one node."""
+    from omegaconf import OmegaConf
+
+    declared = OmegaConf.select(config, "ray_kwargs.ray_init.num_gpus", default=None)
+    wanted = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    return int(declared) if declared is not None else wanted
+
+
+def start_local_ray(config, env_vars: dict[str, str]) -> None:
+    """One Ray node on this machine, loopback only, with logical GPUs for the trainer ranks."""
+    import ray
+
+    if int(config.trainer.nnodes) != 1:
+        raise ValueError(
+            f"--backend local runs one node, but trainer.nnodes={config.trainer.nnodes}; "
+            "use trainer.nnodes=1 (and trainer.n_gpus_per_node for more ranks)"
+        )
+    ray_init = dict(config.ray_kwargs.get("ray_init", {}) or {})
+    ray_init.pop("runtime_env", None)
+    ray.init(
+        num_cpus=ray_init.pop("num_cpus", None),
+        num_gpus=logical_gpus(config),
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        object_store_memory=ray_init.pop("object_store_memory", OBJECT_STORE_BYTES),
+        runtime_env=runtime_env_for(config, env_vars),
+        **{k: v for k, v in ray_init.items() if k != "num_gpus"},
+    )
+    addresses = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+    if addresses != {LOOPBACK}:
+        ray.shutdown()
+        raise RuntimeError(f"local Ray node is not on {LOOPBACK} only: {sorted(addresses)}")
+
+
+def _task_runner_base():
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    return TaskRunnerV1.__ray_actor_class__
+
+
+def make_task_runner(cpu: bool):
+    """verl's V1 TaskRunner as a Ray actor class; with ``cpu``, one that first installs and
+    checks the cpu platform and fixes in its own process (and fails clearly if the env that
+    selects them did not arrive)."""
+    import ray
+
+    base = _task_runner_base()
+    if not cpu:
+        return ray.remote(base)
+
+    class CpuTaskRunner(base):
+        def run(self, config):
+            from verl.plugin.platform import get_platform
+
+            import verl_modal.cpu.platform as cpu_platform
+            from verl_modal.cpu import patches
+
+            if not cpu_platform.selected():
+                raise RuntimeError("VERL_PLATFORM=cpu did not reach the TaskRunner's Ray worker")
+            patches.install()
+            platform = get_platform()
+            if not isinstance(platform, cpu_platform.PlatformCPU):
+                raise RuntimeError(f"verl picked platform {type(platform).__name__}, not the cpu one")
+            node = ray.util.get_node_ip_address()
+            print(
+                f"[verl_modal] TaskRunner on verl platform {platform.device_name!r}, node {node}; "
+                f"fixes {patches.installed()}"
+            )
+            return super().run(config)
+
+    CpuTaskRunner.__qualname__ = CpuTaskRunner.__name__ = "CpuTaskRunner"
+    return ray.remote(CpuTaskRunner)
+
+
+def run(config, env_vars: dict[str, str], *, cpu: bool, bring_up: Callable | None = None) -> None:
+    """Bring up Ray, run verl's PPO on ``config``, shut down the Ray this process started."""
+    import ray
+    from verl.trainer.main_ppo import run_ppo
+
+    (bring_up or start_local_ray)(config, env_vars)
+    try:
+        run_ppo(config, task_runner_class=make_task_runner(cpu))
+    finally:
+        ray.shutdown()
