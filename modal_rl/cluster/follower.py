@@ -1,0 +1,68 @@
+"""Ranks 1..N-1: join rank 0's Ray cluster and stay until rank 0 says the job is over.
+
+A follower connects to rank 0's control port first (so even a node that never gets Ray up
+is heard of), waits until the head's GCS port accepts connections (``ray start --address``
+started earlier backs off for many seconds), runs ``ray start --block``, forwards each of its
+output lines, sends a heartbeat every ``heartbeat_s``, and exits:
+
+- 0 when rank 0 sends ``exit`` (its Ray node is stopped first);
+- the Ray node's exit code (or 1) when the node dies on its own (rank 0 is told first);
+- 1 when the control connection to rank 0 breaks (the head is gone: nothing to serve).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from modal_rl.cluster.control import ControlClient
+from modal_rl.cluster.plan import BootstrapPlan
+from modal_rl.cluster.raynode import RayNode, ray_start_argv, wait_for_port
+
+
+def _say(rank: int, msg: str) -> None:
+    print(f"[modal_rl.cluster rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_follower(plan: BootstrapPlan, rank: int) -> int:
+    head = plan.head_address()
+    deadline = time.monotonic() + plan.join_timeout_s
+    try:
+        control = ControlClient(
+            head, plan.control_port, rank, connect_timeout_s=plan.join_timeout_s, heartbeat_s=plan.heartbeat_s
+        )
+    except ConnectionError as exc:
+        _say(rank, str(exc))
+        return 1
+    if not wait_for_port(head, plan.gcs_port, deadline):
+        _say(rank, f"rank 0's GCS at port {plan.gcs_port} never opened")
+        control.send({"log": "GCS port never opened"})
+        control.close()
+        return 1
+
+    def forward(line: str) -> None:
+        print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)
+        control.send({"log": line})
+
+    node = RayNode(ray_start_argv(plan, rank), on_line=forward)
+    try:
+        return _serve(plan, rank, control, node)
+    finally:
+        node.stop()
+        control.close()
+
+
+def _serve(plan: BootstrapPlan, rank: int, control: ControlClient, node: RayNode) -> int:
+    while True:
+        code = node.poll()
+        if code is not None:
+            time.sleep(0.2)  # let the reader thread forward the node's last words first
+            control.send({"ray_exited": code})
+            _say(rank, f"Ray node exited with code {code}")
+            return code or 1
+        msg = control.poll(plan.heartbeat_s)
+        if msg is False or control.broken.is_set():
+            _say(rank, "rank 0 is gone (control connection closed); stopping")
+            return 1
+        if isinstance(msg, dict) and "exit" in msg:
+            return 0
