@@ -63,15 +63,23 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 class LocalBackend(ClusterBackend):
-    """``on_line`` receives rank 0's stdout (the job's logs) line by line; default: our stdout."""
+    """``on_line`` gets rank 0's stdout (the job's logs) line by line, ``on_err`` its stderr
+    (bring-up and failure reports); defaults: our stdout and stderr. Followers' output goes
+    to ``<temp_root>/rank-<i>.log`` (rank 0 reports their last lines when they fail)."""
 
     name = "local"
 
-    def __init__(self, on_line: Callable[[str], None] | None = None, object_store_mb: int = 80):
-        self.on_line = on_line
+    def __init__(
+        self,
+        on_line: Callable[[str], None] | None = None,
+        on_err: Callable[[str], None] | None = None,
+        object_store_mb: int = 80,
+    ):
+        self.on_line = on_line or _writer(sys.stdout)
+        self.on_err = on_err or _writer(sys.stderr)
         self.object_store_mb = object_store_mb
         self.last_run_id: str | None = None
-        self.started_pids: list[int] = []
+        self.started_pids: dict[int, int] = {}
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         n = spec.nodes
@@ -134,7 +142,13 @@ class LocalBackend(ClusterBackend):
                 cmd = node_command(temp / "plan.json", rank)
                 if rank == 0:
                     nodes[0] = subprocess.Popen(
-                        cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+                        cmd,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        bufsize=1,
+                        start_new_session=True,
                     )
                 else:
                     log = open(temp / f"rank-{rank}.log", "w")  # noqa: SIM115 - closed by the child's exit
@@ -142,13 +156,18 @@ class LocalBackend(ClusterBackend):
                         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                     )
                     log.close()
-            self.started_pids = [p.pid for p in nodes.values()]
+            self.started_pids = {rank: p.pid for rank, p in nodes.items()}
             if 0 not in nodes:
                 raise ValueError("run_plan needs rank 0 among the ranks it starts")
-            reader = threading.Thread(target=self._pump, args=(nodes[0],), daemon=True)
-            reader.start()
+            readers = [
+                threading.Thread(target=_pump, args=(nodes[0].stdout, self.on_line), daemon=True),
+                threading.Thread(target=_pump, args=(nodes[0].stderr, self.on_err), daemon=True),
+            ]
+            for reader in readers:
+                reader.start()
             code = nodes[0].wait()
-            reader.join(timeout=5.0)
+            for reader in readers:
+                reader.join(timeout=5.0)
             # Followers exit on rank 0's release; give them a moment before we end them.
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(p.poll() is None for p in nodes.values()):
@@ -162,17 +181,22 @@ class LocalBackend(ClusterBackend):
                 signal.signal(signal.SIGTERM, previous)
             if survivors:
                 print(f"[modal_rl.cluster] could not end PIDs {survivors}", file=sys.stderr)
-            if plan.temp_root:
+            # Ray's session dirs hold MBs of logs; keep them only when asked to.
+            if plan.temp_root and not os.environ.get("MODAL_RL_KEEP_LOGS"):
                 shutil.rmtree(plan.temp_root, ignore_errors=True)
 
-    def _pump(self, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if self.on_line is not None:
-                self.on_line(line.rstrip("\n"))
-            else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+
+def _pump(stream, sink: Callable[[str], None]) -> None:
+    for line in stream:
+        sink(line.rstrip("\n"))
+
+
+def _writer(stream) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    return write
 
 
 def node_command(plan_path: Path, rank: int) -> list[str]:

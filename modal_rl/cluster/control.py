@@ -9,7 +9,9 @@ nothing about *why*. Each follower keeps one connection to rank 0 and sends
     {"hb": t}                  every ``heartbeat_s``
     {"ray_exited": code}       when its Ray node's process ends on its own
 
-and rank 0 answers ``{"exit": code}`` when the job is over. A connection that closes
+and rank 0 sends ``{"joined": true}`` once every node is registered (until then a follower
+restarts a Ray node that fails to come up, within the join timeout) and ``{"exit": code}``
+when the job is over. A connection that closes
 without an ``exit`` from rank 0, or that stays silent for ``lost_after_s``, is a lost
 follower — reported with its rank and last lines within a second or two of the death.
 """
@@ -99,15 +101,18 @@ class ControlServer:
                 state.lost = f"no heartbeat for {silent:.1f} s"
         return [s for s in self.followers.values() if s.lost]
 
-    async def release(self, code: int) -> None:
-        """Tell every connected follower to stop its Ray node and exit."""
-        self.closing = True
+    async def broadcast(self, msg: dict) -> None:
         for writer in list(self._writers.values()):
             try:
-                writer.write((json.dumps({"exit": code}) + "\n").encode())
+                writer.write((json.dumps(msg) + "\n").encode())
                 await asyncio.wait_for(writer.drain(), 2.0)
             except (ConnectionError, TimeoutError):
                 pass
+
+    async def release(self, code: int) -> None:
+        """Tell every connected follower to stop its Ray node and exit."""
+        self.closing = True
+        await self.broadcast({"exit": code})
         if self._server is not None:
             self._server.close()
 

@@ -6,7 +6,8 @@ started earlier backs off for many seconds), runs ``ray start --block``, forward
 output lines, sends a heartbeat every ``heartbeat_s``, and exits:
 
 - 0 when rank 0 sends ``exit`` (its Ray node is stopped first);
-- the Ray node's exit code (or 1) when the node dies on its own (rank 0 is told first);
+- the Ray node's exit code (or 1) when the node dies on its own after rank 0 announced that
+  all nodes joined (rank 0 is told first); before that, a failed start is retried;
 - 1 when the control connection to rank 0 breaks (the head is gone: nothing to serve).
 """
 
@@ -44,19 +45,28 @@ def run_follower(plan: BootstrapPlan, rank: int) -> int:
         print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)
         control.send({"log": line})
 
-    node = RayNode(ray_start_argv(plan, rank), on_line=forward)
+    nodes = [RayNode(ray_start_argv(plan, rank), on_line=forward)]
     try:
-        return _serve(plan, rank, control, node)
+        return _serve(plan, rank, control, nodes, deadline, forward)
     finally:
-        node.stop()
+        nodes[-1].stop()
         control.close()
 
 
-def _serve(plan: BootstrapPlan, rank: int, control: ControlClient, node: RayNode) -> int:
+def _serve(
+    plan: BootstrapPlan, rank: int, control: ControlClient, nodes: list, deadline: float, forward
+) -> int:
+    joined = False
     while True:
-        code = node.poll()
+        code = nodes[-1].poll()
         if code is not None:
             time.sleep(0.2)  # let the reader thread forward the node's last words first
+            if not joined and time.monotonic() < deadline - 5.0:
+                # Before the cluster is complete a failed start is retried: on a busy host
+                # `ray start` gives up after a fixed 30 s wait for its raylet to register.
+                _say(rank, f"Ray node exited with code {code} during bring-up; starting it again")
+                nodes.append(RayNode(ray_start_argv(plan, rank), on_line=forward))
+                continue
             control.send({"ray_exited": code})
             _say(rank, f"Ray node exited with code {code}")
             return code or 1
@@ -64,5 +74,7 @@ def _serve(plan: BootstrapPlan, rank: int, control: ControlClient, node: RayNode
         if msg is False or control.broken.is_set():
             _say(rank, "rank 0 is gone (control connection closed); stopping")
             return 1
+        if isinstance(msg, dict) and msg.get("joined"):
+            joined = True
         if isinstance(msg, dict) and "exit" in msg:
             return 0

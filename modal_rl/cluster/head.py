@@ -183,6 +183,7 @@ class Head:
                 _say(str(exc))
                 return exc.exit_code
             _say(f"all {plan.nodes} nodes joined in {time.monotonic() - started:.1f} s")
+            await self.control.broadcast({"joined": True})
             if plan.collective_check:
                 code = await self.run_job(
                     [sys.executable, "-m", "modal_rl.cluster.collective", "--nodes", str(plan.nodes)],

@@ -58,6 +58,7 @@ class BootstrapPlan:
     gcs_port: int = GCS_PORT
     dashboard_port: int = DASHBOARD_PORT
     control_port: int = CONTROL_PORT
+    dashboard_host: str | None = None  # None: the head's cluster address
     # Extra ``ray start`` flags per rank (distinct ports when nodes share a host); may be empty.
     node_flags: list[list[str]] = field(default_factory=list)
     cpus_per_node: float | None = None

@@ -37,7 +37,10 @@ def ray_start_argv(plan: BootstrapPlan, rank: int) -> list[str]:
         argv.append(f"--temp-dir={plan.temp_root}/r{rank}")
     if rank == 0:
         argv += ["--head", f"--port={plan.gcs_port}", "--include-dashboard=true"]
-        argv += [f"--dashboard-host={address}", f"--dashboard-port={plan.dashboard_port}"]
+        argv += [
+            f"--dashboard-host={plan.dashboard_host or address}",
+            f"--dashboard-port={plan.dashboard_port}",
+        ]
     else:
         argv.append(f"--address={hostport(plan.head_address(), plan.gcs_port)}")
     if plan.node_flags:
