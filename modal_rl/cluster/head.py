@@ -85,8 +85,14 @@ class Head:
         return ranks
 
     async def wait_for_nodes(self) -> None:
+        """Wait for the head, then for every rank; the join clock starts once the head is up.
+
+        Followers cannot join before the head's GCS and dashboard answer, so the head's own
+        start-up (slow on a busy machine) is bounded separately, by ``head_timeout_s``.
+        """
         plan = self.plan
-        deadline = time.monotonic() + plan.join_timeout_s
+        deadline = time.monotonic() + plan.head_timeout_s
+        head_up = False
         ranks: dict[int, float] = {}
         while True:
             self._check_head()
@@ -95,17 +101,23 @@ class Head:
                 ranks = await asyncio.to_thread(self._alive_ranks)
             except Exception:  # dashboard not up yet: keep polling until the deadline
                 ranks = {}
+            if not head_up and 0 in ranks:
+                head_up = True
+                deadline = time.monotonic() + plan.join_timeout_s
             ready = [r for r, gpus in ranks.items() if gpus >= plan.gpus_per_node]
             if len(ready) == plan.nodes:
                 return
             if time.monotonic() > deadline:
-                raise BootstrapError(self._join_timeout_message(ranks), P.EXIT_JOIN_TIMEOUT)
+                raise BootstrapError(self._join_timeout_message(ranks, head_up), P.EXIT_JOIN_TIMEOUT)
             await asyncio.sleep(0.25)
 
-    def _join_timeout_message(self, ranks: dict[int, float]) -> str:
+    def _join_timeout_message(self, ranks: dict[int, float], head_up: bool) -> str:
         plan = self.plan
         missing = [r for r in range(plan.nodes) if ranks.get(r, -1) < plan.gpus_per_node]
-        lines = [f"ranks {missing} did not join within {plan.join_timeout_s:g} s:"]
+        if head_up:
+            lines = [f"ranks {missing} did not join within {plan.join_timeout_s:g} s of the head coming up:"]
+        else:
+            lines = [f"the head did not come up within {plan.head_timeout_s:g} s; ranks {missing} missing:"]
         for r in missing:
             if r in ranks:
                 why = f"Ray node up with {ranks[r]:g} GPUs, expected {plan.gpus_per_node}"

@@ -65,6 +65,7 @@ class BootstrapPlan:
     object_store_bytes: int | None = None
     temp_root: str | None = None  # per-rank Ray temp dir is temp_root/r<rank> (nodes sharing a host)
     join_timeout_s: float = 300.0
+    head_timeout_s: float = 180.0  # the head's own start-up; the join clock starts after it
     job_timeout_s: float = 24 * 3600.0
     collective_check: bool = False
     collective_timeout_s: float = 60.0
