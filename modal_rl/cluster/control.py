@@ -9,7 +9,9 @@ nothing about *why*. Each follower keeps one connection to rank 0 and sends
     {"hb": t}                  every ``heartbeat_s``
     {"ray_exited": code}       when its Ray node's process ends on its own
 
-and rank 0 sends ``{"joined": true}`` once every node is registered (until then a follower
+and rank 0 sends ``{"head_up": true}`` once its own node is registered (followers start
+Ray only then: joining a half-started head makes ``ray start`` back off for seconds, and
+on a small host the head's start-up competes with theirs), ``{"joined": true}`` once every node is registered (until then a follower
 restarts a Ray node that fails to come up, within the join timeout) and ``{"exit": code}``
 when the job is over. A connection that closes
 without an ``exit`` from rank 0, or that stays silent for ``lost_after_s``, is a lost
@@ -51,6 +53,7 @@ class ControlServer:
         self.followers = {r: FollowerState(r) for r in range(1, nodes)}
         self.lost_after_s = lost_after_s
         self.closing = False
+        self.head_up = False
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._server: asyncio.base_events.Server | None = None
 
@@ -72,6 +75,8 @@ class ControlServer:
                     state.connected_at = state.last_seen = time.monotonic()
                     state.lost = None
                     self._writers[state.rank] = writer
+                    if self.head_up:  # a late follower still needs the go signal
+                        writer.write(b'{"head_up": true}\n')
                     continue
                 if state is None:
                     continue
@@ -100,6 +105,10 @@ class ControlServer:
             if state.connected_at is not None and state.lost is None and silent > self.lost_after_s:
                 state.lost = f"no heartbeat for {silent:.1f} s"
         return [s for s in self.followers.values() if s.lost]
+
+    async def announce_head_up(self) -> None:
+        self.head_up = True
+        await self.broadcast({"head_up": True})
 
     async def broadcast(self, msg: dict) -> None:
         for writer in list(self._writers.values()):

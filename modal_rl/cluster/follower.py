@@ -1,8 +1,7 @@
 """Ranks 1..N-1: join rank 0's Ray cluster and stay until rank 0 says the job is over.
 
 A follower connects to rank 0's control port first (so even a node that never gets Ray up
-is heard of), waits until the head's GCS port accepts connections (``ray start --address``
-started earlier backs off for many seconds), runs ``ray start --block``, forwards each of its
+is heard of), waits until rank 0 announces that its head node is registered, runs ``ray start --block``, forwards each of its
 output lines, sends a heartbeat every ``heartbeat_s``, and exits:
 
 - 0 when rank 0 sends ``exit`` (its Ray node is stopped first);
@@ -18,7 +17,7 @@ import time
 
 from modal_rl.cluster.control import ControlClient
 from modal_rl.cluster.plan import BootstrapPlan
-from modal_rl.cluster.raynode import RayNode, ray_start_argv, wait_for_port
+from modal_rl.cluster.raynode import RayNode, ray_start_argv
 
 
 def _say(rank: int, msg: str) -> None:
@@ -27,19 +26,24 @@ def _say(rank: int, msg: str) -> None:
 
 def run_follower(plan: BootstrapPlan, rank: int) -> int:
     head = plan.head_address()
-    deadline = time.monotonic() + plan.join_timeout_s
     try:
         control = ControlClient(
-            head, plan.control_port, rank, connect_timeout_s=plan.join_timeout_s, heartbeat_s=plan.heartbeat_s
+            head, plan.control_port, rank, connect_timeout_s=plan.head_timeout_s, heartbeat_s=plan.heartbeat_s
         )
     except ConnectionError as exc:
         _say(rank, str(exc))
         return 1
-    if not wait_for_port(head, plan.gcs_port, deadline):
-        _say(rank, f"rank 0's GCS at port {plan.gcs_port} never opened")
-        control.send({"log": "GCS port never opened"})
-        control.close()
-        return 1
+    # Start Ray only once rank 0's own node is registered (see control.py for why).
+    deadline = time.monotonic() + plan.head_timeout_s
+    while True:
+        msg = control.poll(0.5)
+        if isinstance(msg, dict) and msg.get("head_up"):
+            break
+        if msg is False or time.monotonic() > deadline:
+            _say(rank, "rank 0 never announced its head node; stopping")
+            control.close()
+            return 1
+    deadline = time.monotonic() + plan.join_timeout_s
 
     def forward(line: str) -> None:
         print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import asyncio
 import re
 import shlex
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -48,6 +49,14 @@ class Head:
         self.node: RayNode | None = None
         self.client = None
         self.job_id: str | None = None
+        self.started = time.monotonic()
+        self.head_started = threading.Event()
+
+    def _head_line(self, line: str) -> None:
+        # `ray start` prints this once GCS and raylet are up, the point where a bare
+        # `ray start --head` returns and a user would start the workers.
+        if "Ray runtime started" in line:
+            self.head_started.set()
 
     # ---- bring-up -------------------------------------------------------------------
     def _check_head(self) -> None:
@@ -93,17 +102,24 @@ class Head:
         plan = self.plan
         deadline = time.monotonic() + plan.head_timeout_s
         head_up = False
+        polls = 0
         ranks: dict[int, float] = {}
         while True:
             self._check_head()
             self._check_followers()
             try:
-                ranks = await asyncio.to_thread(self._alive_ranks)
+                ranks = (
+                    await asyncio.to_thread(self._alive_ranks)
+                    if head_up or self.head_started.is_set()
+                    else {}
+                )
             except Exception:  # dashboard not up yet: keep polling until the deadline
                 ranks = {}
-            if not head_up and 0 in ranks:
+            if not head_up and (0 in ranks or self.head_started.is_set()):
                 head_up = True
                 deadline = time.monotonic() + plan.join_timeout_s
+                await self.control.announce_head_up()
+                _say(f"head node up after {time.monotonic() - self.started:.1f} s")
             ready = [r for r, gpus in ranks.items() if gpus >= plan.gpus_per_node]
             if len(ready) == plan.nodes:
                 return
@@ -186,8 +202,8 @@ class Head:
     async def run(self) -> int:
         plan = self.plan
         await self.control.start(plan.head_address(), plan.control_port)
-        started = time.monotonic()
-        self.node = RayNode(ray_start_argv(plan, 0), on_line=lambda line: None)
+        started = self.started = time.monotonic()
+        self.node = RayNode(ray_start_argv(plan, 0), on_line=self._head_line)
         try:
             try:
                 await self.wait_for_nodes()

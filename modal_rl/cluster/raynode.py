@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from modal_rl.cluster import procs
@@ -86,19 +85,6 @@ class RayNode:
             procs.signal_pids([self.proc.pid, *family], signal.SIGKILL)
             self.proc.wait()
         self._reader.join(timeout=2.0)
-
-
-def wait_for_port(host: str, port: int, deadline: float) -> bool:
-    """True once ``host:port`` accepts a TCP connection, False at ``deadline`` (monotonic)."""
-    import socket
-
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return True
-        except OSError:
-            time.sleep(0.1)
-    return False
 
 
 def node_environment(plan: BootstrapPlan, iface: str) -> dict[str, str]:
