@@ -33,7 +33,14 @@ def run_follower(plan: BootstrapPlan, rank: int) -> int:
     except ConnectionError as exc:
         _say(rank, str(exc))
         return 1
-    # Start Ray only once rank 0's own node is registered (see control.py for why).
+
+    def forward(line: str) -> None:
+        print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)
+        control.send({"log": line})
+
+    # Ray's CLI is imported now, but `ray start` runs only once rank 0 reports its head
+    # node up (see control.py for why).
+    nodes = [RayNode(ray_start_argv(plan, rank), on_line=forward, prewarm=True)]
     deadline = time.monotonic() + plan.head_timeout_s
     while True:
         msg = control.poll(0.5)
@@ -41,15 +48,11 @@ def run_follower(plan: BootstrapPlan, rank: int) -> int:
             break
         if msg is False or time.monotonic() > deadline:
             _say(rank, "rank 0 never announced its head node; stopping")
+            nodes[-1].stop()
             control.close()
             return 1
+    nodes[-1].go()
     deadline = time.monotonic() + plan.join_timeout_s
-
-    def forward(line: str) -> None:
-        print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)
-        control.send({"log": line})
-
-    nodes = [RayNode(ray_start_argv(plan, rank), on_line=forward)]
     try:
         return _serve(plan, rank, control, nodes, deadline, forward)
     finally:

@@ -108,11 +108,11 @@ class Head:
             self._check_head()
             self._check_followers()
             try:
-                ranks = (
-                    await asyncio.to_thread(self._alive_ranks)
-                    if head_up or self.head_started.is_set()
-                    else {}
-                )
+                # Before `ray start` reports the head up, poll rarely: each poll costs the
+                # starting dashboard CPU, and the output line is the faster signal anyway.
+                polls += 1
+                early = not (head_up or self.head_started.is_set())
+                ranks = await asyncio.to_thread(self._alive_ranks) if not early or polls % 8 == 0 else {}
             except Exception:  # dashboard not up yet: keep polling until the deadline
                 ranks = {}
             if not head_up and (0 in ranks or self.head_started.is_set()):

@@ -47,16 +47,30 @@ def ray_start_argv(plan: BootstrapPlan, rank: int) -> list[str]:
     return argv
 
 
-class RayNode:
-    """A running ``ray start --block``; ``lines`` holds its last output lines."""
+# Imports Ray's CLI (seconds of CPU), then waits for one line on stdin before running it.
+_PREWARM = (
+    "import sys; from ray.scripts.scripts import main; sys.stdin.readline(); sys.argv[0] = 'ray'; main()"
+)
 
-    def __init__(self, argv: list[str], on_line: Callable[[str], None], tail: int = 30):
+
+class RayNode:
+    """A running ``ray start --block``; ``lines`` holds its last output lines.
+
+    With ``prewarm=True`` the process starts at once but only imports Ray's CLI, and runs
+    ``ray start`` when ``go()`` is called: a follower pays the import while the head is
+    still starting instead of after it (the command line is the same as without prewarm).
+    """
+
+    def __init__(
+        self, argv: list[str], on_line: Callable[[str], None], tail: int = 30, prewarm: bool = False
+    ):
         self.argv = argv
         self.lines: collections.deque[str] = collections.deque(maxlen=tail)
         self._on_line = on_line
+        cmd = [argv[0], "-c", _PREWARM, *argv[3:]] if prewarm else argv
         self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
+            cmd,
+            stdin=subprocess.PIPE if prewarm else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -64,6 +78,13 @@ class RayNode:
         )
         self._reader = threading.Thread(target=self._read, daemon=True, name="ray-node-output")
         self._reader.start()
+
+    def go(self) -> None:
+        """Release a prewarmed node (no-op otherwise)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write("\n")
+                self.proc.stdin.close()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
