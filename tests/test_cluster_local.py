@@ -73,12 +73,16 @@ def test_smoke_three_nodes_prints_one_json_line_and_leaves_nothing():
     assert procs.pids_of_run(report["run_id"]) == []
 
 
-def test_failing_entrypoint_exit_code_propagates():
-    out = Lines()
-    backend = LocalBackend(on_line=out)
-    job = JobRequest([sys.executable, "-c", "import sys; print('about to fail', flush=True); sys.exit(7)"])
+def test_failing_entrypoint_exit_code_propagates_after_a_collective_check():
+    out, err = Lines(), Lines()
+    backend = LocalBackend(on_line=out, on_err=err)
+    job = JobRequest(
+        [sys.executable, "-c", "import sys; print('about to fail', flush=True); sys.exit(7)"],
+        collective_check=True,
+    )
     code = backend.run(ClusterSpec(nodes=2, join_timeout_s=JOIN_S), job)
     assert code == 7
+    assert "collective check passed" in err.text()  # all-reduce across both nodes ran first
     assert "about to fail" in out.text()  # the job's logs were tailed to us
     _assert_nothing_left(backend)
 

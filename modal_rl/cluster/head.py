@@ -171,6 +171,11 @@ class Head:
         deadline = time.monotonic() + timeout_s
         try:
             while True:
+                try:
+                    self._check_head()  # the head's Ray node dying ends the job with it
+                except BootstrapError as exc:
+                    _say(str(exc).replace("during bring-up", "during the job"))
+                    return P.EXIT_HEAD_FAILED
                 info = await asyncio.to_thread(client.get_job_info, self.job_id)
                 if info.status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
                     break
@@ -204,6 +209,8 @@ class Head:
         await self.control.start(plan.head_address(), plan.control_port)
         started = self.started = time.monotonic()
         self.node = RayNode(ray_start_argv(plan, 0), on_line=self._head_line)
+        # Import the Ray client modules while the head starts, not after it is up.
+        threading.Thread(target=_import_ray_clients, daemon=True).start()
         try:
             try:
                 await self.wait_for_nodes()
@@ -226,6 +233,11 @@ class Head:
         finally:
             await self.control.release(0)
             self.node.stop()
+
+
+def _import_ray_clients() -> None:
+    import ray.job_submission  # noqa: F401
+    import ray.util.state  # noqa: F401
 
 
 def _exit_code(info) -> int:
