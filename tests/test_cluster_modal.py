@@ -104,3 +104,51 @@ def test_plan_for_modal_leaves_addresses_to_the_containers():
     plan = ModalBackend().make_plan(ClusterSpec(nodes=2, gpu="H100:8"), JobRequest(["true"]))
     assert plan.addresses is None and plan.dashboard_host == "0.0.0.0"
     assert (plan.gcs_port, plan.dashboard_port) == (6379, 8265)
+
+
+@pytest.mark.slow
+def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch, capsys):
+    """The function body every Modal container runs, with only Modal's calls faked.
+
+    ``get_cluster_info`` and ``modal.forward`` need a Modal server; everything behind them
+    (plan parsing, the bootstrap, a real one-node Ray head and job, the returned tail) is real.
+    """
+    import contextlib
+    import sys
+
+    import modal
+    import modal.experimental
+
+    from modal_rl.cluster import procs
+    from modal_rl.cluster.backend_local import LOOPBACK, free_ports
+    from modal_rl.cluster.backend_modal import container_main
+
+    info = type("Info", (), {"rank": 0, "container_ips": ["fd00::9"], "container_ipv4_ips": [LOOPBACK]})()
+    monkeypatch.setattr(modal.experimental, "get_cluster_info", lambda: info)
+    forwarded = []
+
+    @contextlib.contextmanager
+    def fake_forward(port, **kwargs):
+        forwarded.append(port)
+        yield type("Tunnel", (), {"url": f"https://example.invalid:{port}"})()
+
+    monkeypatch.setattr(modal, "forward", fake_forward)
+    job = JobRequest([sys.executable, "-c", "print('hello from the job', flush=True)"])
+    plan = ModalBackend().make_plan(ClusterSpec(nodes=1, gpu="A10G:1", join_timeout_s=120), job)
+    # This machine is shared: other Ray clusters may own Modal's default ports.
+    plan.gcs_port, plan.dashboard_port, plan.control_port = free_ports(3)
+    plan.dashboard_host = None
+    plan.temp_root = f"/tmp/mrl-{plan.run_id}"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    saved_env = dict(os.environ)  # the bootstrap sets the node's variables in its own process
+    try:
+        result = container_main(plan.to_json(), forward_dashboard=True)
+    finally:
+        procs.end_run(plan.run_id)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    assert result["rank"] == 0 and result["exit_code"] == 0
+    assert any("hello from the job" in line for line in result["tail"])
+    assert forwarded == [plan.dashboard_port]
+    assert "Ray dashboard: https://example.invalid" in capsys.readouterr().err
+    assert procs.pids_of_run(plan.run_id) == []
