@@ -84,6 +84,7 @@ def test_failing_entrypoint_exit_code_propagates_after_a_collective_check():
     assert code == 7
     assert "collective check passed" in err.text()  # all-reduce across both nodes ran first
     assert "about to fail" in out.text()  # the job's logs were tailed to us
+    assert backend.follower_exit_codes == {1: 0}  # the follower left on rank 0's word, not by teardown
     _assert_nothing_left(backend)
 
 

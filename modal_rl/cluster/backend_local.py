@@ -80,6 +80,7 @@ class LocalBackend(ClusterBackend):
         self.object_store_mb = object_store_mb
         self.last_run_id: str | None = None
         self.started_pids: dict[int, int] = {}
+        self.follower_exit_codes: dict[int, int | None] = {}
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         n = spec.nodes
@@ -172,6 +173,8 @@ class LocalBackend(ClusterBackend):
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(p.poll() is None for p in nodes.values()):
                 time.sleep(0.1)
+            # Before teardown: None here means a follower did not exit when rank 0 told it to.
+            self.follower_exit_codes = {r: p.poll() for r, p in nodes.items() if r != 0}
             return code
         finally:
             survivors = procs.end_run(plan.run_id)

@@ -221,7 +221,8 @@ class Head:
             await self.control.broadcast({"joined": True})
             if plan.collective_check:
                 code = await self.run_job(
-                    [sys.executable, "-m", "modal_rl.cluster.collective", "--nodes", str(plan.nodes)],
+                    [sys.executable, "-m", "modal_rl.cluster.collective", "--nodes", str(plan.nodes)]
+                    + ["--timeout", str(plan.collective_timeout_s)],
                     timeout_s=plan.collective_timeout_s,
                     tail_logs=False,
                 )
