@@ -99,6 +99,9 @@ def test_cluster_flags_build_the_spec():
 
 def test_preflight_collects_every_problem_and_runs_adapter_validators():
     spec = ClusterSpec(nodes=2, env={"RAY_ADDRESS": "x"}, volumes={"a": "/m", "b": "/m/sub"})
+    plan = BootstrapPlan(
+        nodes=2, gpus_per_node=1, entrypoint=["true"], gcs_port=80, dashboard_port=9000, control_port=9000
+    )
 
     def verl_like(spec, argv):
         return [
@@ -111,15 +114,16 @@ def test_preflight_collects_every_problem_and_runs_adapter_validators():
         raise KeyError("boom")
 
     with pytest.raises(preflight.PreflightError) as err:
-        preflight.run_preflight(spec, "modal", ["trainer.nnodes=3"], [verl_like, broken], required_gpus=5)
+        preflight.run_preflight(spec, ["trainer.nnodes=3"], [verl_like, broken], plan=plan, required_gpus=5)
     problems = err.value.problems
     assert any("asks for 5 GPUs" in p for p in problems)
-    assert any("needs --gpu" in p for p in problems)
+    assert any("gcs port 80 is outside" in p for p in problems)
+    assert any("ports must be distinct" in p for p in problems)
     assert any("RAY_ADDRESS" in p for p in problems)
     assert any("contains another mount" in p for p in problems)
     assert any("trainer.nnodes=3 but the cluster has 2" in p for p in problems)
     assert any("raised KeyError" in p for p in problems)
-    assert preflight.run_preflight(ClusterSpec(nodes=2), "local", [], [verl_like], required_gpus=2) == []
+    assert preflight.run_preflight(ClusterSpec(nodes=2), [], [verl_like], required_gpus=2) == []
 
 
 def test_local_plan_pins_loopback_and_gives_each_node_its_own_ports():
@@ -154,6 +158,7 @@ def test_bad_spec_fails_before_any_process_starts(monkeypatch, capsys):
     assert code == 2
     assert "CUDA_VISIBLE_DEVICES must not be set" in capsys.readouterr().err
     assert cli.run_job(ClusterSpec(nodes=2), ["true"], detach=True) == 2
+    assert "--detach is not available with --backend local" in capsys.readouterr().err
 
 
 def test_local_dry_run_prints_a_plan_without_starting_anything(monkeypatch, capsys):

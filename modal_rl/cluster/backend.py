@@ -33,6 +33,8 @@ class ClusterBackend(ABC):
     """Port: ``describe`` (for --dry-run, touches nothing) and ``run`` (blocks until the job ends)."""
 
     name: str
+    can_detach: bool = False
+    detach_note: str = ""
 
     @abstractmethod
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
@@ -45,6 +47,10 @@ class ClusterBackend(ABC):
     @abstractmethod
     def run(self, spec: ClusterSpec, job: JobRequest) -> int:
         """Bring the cluster up, run the job, tear down; returns rank 0's exit code."""
+
+    def spawn(self, spec: ClusterSpec, job: JobRequest) -> str:
+        """Start the run and return an id without waiting (only where ``can_detach``)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot detach: {self.detach_note}")
 
 
 def plan_from(spec: ClusterSpec, job: JobRequest, **overrides: Any) -> BootstrapPlan:

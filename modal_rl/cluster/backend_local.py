@@ -68,6 +68,7 @@ class LocalBackend(ClusterBackend):
     to ``<temp_root>/rank-<i>.log`` (rank 0 reports their last lines when they fail)."""
 
     name = "local"
+    detach_note = "a local cluster lives as long as the process that started it"
 
     def __init__(
         self,

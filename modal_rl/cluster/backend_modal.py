@@ -102,6 +102,7 @@ class _Tee:
 
 class ModalBackend(ClusterBackend):
     name = "modal"
+    can_detach = True
 
     def __init__(self, app_name: str = "modal-rl-cluster", forward_dashboard: bool = True, on_line=None):
         self.app_name = app_name

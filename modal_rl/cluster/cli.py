@@ -137,14 +137,12 @@ def run_job(
     out = out or sys.stdout
     job = JobRequest(list(entrypoint), dict(runtime_env or {}), collective_check=collective_check)
     impl = get_backend(backend)
-    if detach and backend != "modal":
-        print(
-            "--detach needs --backend modal: a local cluster lives as long as this process", file=sys.stderr
-        )
+    if detach and not impl.can_detach:
+        print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
         return 2
     try:
         plan = impl.make_plan(spec, job)
-        run_preflight(spec, backend, framework_argv, preflight, plan=plan, required_gpus=required_gpus)
+        run_preflight(spec, framework_argv, preflight, plan=plan, required_gpus=required_gpus)
     except (PreflightError, ClusterSpecError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -31,8 +31,9 @@ class PreflightError(RuntimeError):
 
 
 def generic_checks(
-    spec: ClusterSpec, backend: str, plan: BootstrapPlan | None = None, required_gpus: int | None = None
+    spec: ClusterSpec, plan: BootstrapPlan | None = None, required_gpus: int | None = None
 ) -> list[str]:
+    """Backend-neutral checks; a backend's own limits are checked in its ``make_plan``."""
     problems = []
     total = spec.nodes * spec.gpus_per_node
     if required_gpus is not None and required_gpus > total:
@@ -40,8 +41,6 @@ def generic_checks(
             f"the job asks for {required_gpus} GPUs but the cluster has {spec.nodes} nodes x "
             f"{spec.gpus_per_node} = {total}"
         )
-    if backend == "modal" and not spec.gpu_spec.type:
-        problems.append("--backend modal needs --gpu (Modal clusters are GPU-only), e.g. --gpu H100:8")
     for key, why in _RESERVED_ENV.items():
         if key in spec.env:
             problems.append(f"env {key} must not be set: {why}")
@@ -64,14 +63,13 @@ def generic_checks(
 
 def run_preflight(
     spec: ClusterSpec,
-    backend: str,
     framework_argv: list[str] | None = None,
     validators: Iterable[Validator] = (),
     plan: BootstrapPlan | None = None,
     required_gpus: int | None = None,
 ) -> list[str]:
     """Every problem found; raises ``PreflightError`` listing them all if there is any."""
-    problems = generic_checks(spec, backend, plan, required_gpus)
+    problems = generic_checks(spec, plan, required_gpus)
     for validate in validators:
         try:
             problems += [str(p) for p in validate(spec, list(framework_argv or []))]

@@ -51,7 +51,7 @@ def run_smoke(spec: ClusterSpec, backend_name: str = "local") -> dict:
     )
     report["exit_code"] = code
     report["wall_s"] = round(time.monotonic() - started, 2)
-    if backend_name == "local" and getattr(backend, "last_run_id", None):
+    if getattr(backend, "last_run_id", None):  # a backend whose processes run here
         report["leftover_pids"] = len(procs.pids_of_run(backend.last_run_id))
         report["run_id"] = backend.last_run_id
     return report
