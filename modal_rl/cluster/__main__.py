@@ -1,0 +1,45 @@
+"""``python -m modal_rl.cluster smoke [--backend local|modal] [--nodes N] [--gpu T:C]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modal_rl.cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    smoke = sub.add_parser("smoke", help="bring up a cluster, all-reduce across its nodes, tear down")
+    smoke.add_argument("--backend", choices=("local", "modal"), default="local")
+    smoke.add_argument("--nodes", type=int, default=2)
+    smoke.add_argument("--gpu", default=None, help="per node, e.g. H100:8 (required for --backend modal)")
+    smoke.add_argument("--rdma", action=argparse.BooleanOptionalAction, default=False)
+    smoke.add_argument("--join-timeout", type=float, default=180.0)
+    args = parser.parse_args(argv)
+    try:
+        spec = ClusterSpec(
+            nodes=args.nodes,
+            gpu=args.gpu,
+            rdma=args.rdma,
+            join_timeout_s=args.join_timeout,
+            job_timeout_s=600,
+        )
+    except ClusterSpecError as exc:
+        parser.error(str(exc))
+    from modal_rl.cluster.smoke import run_smoke
+
+    report = run_smoke(spec, args.backend)
+    print(json.dumps(report), flush=True)
+    ok = (
+        report.get("allreduce_ok")
+        and report.get("nodes_alive") == args.nodes
+        and not report.get("leftover_pids")
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

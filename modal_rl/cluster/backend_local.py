@@ -1,0 +1,220 @@
+"""Local backend: N Ray nodes on this machine, each a ``python -m modal_rl.cluster.node`` process.
+
+Every node runs the same ``bootstrap`` as a Modal container. What differs, and why:
+
+- address ``127.0.0.2`` for every node. Ray rewrites the literal ``127.0.0.1``/``localhost``
+  to the host's outward address (``resolve_ip_for_localhost``, ``canonicalize_bootstrap_address``)
+  and would then send cluster traffic to it; any other 127/8 address is loopback too
+  (interface ``lo``) and Ray keeps it verbatim;
+- distinct ports per node (GCS, dashboard, control, node/object manager, agents, metrics),
+  picked free on the loopback address, since all nodes share one network namespace;
+- a Ray temp dir per node, because nodes sharing a session dir race for socket names;
+- logical GPUs (``--num-gpus``) so GPU-scheduled frameworks place their workers;
+- teardown at exit, on error and on Ctrl-C/SIGTERM ends exactly the processes whose
+  environment carries this run's ``MODAL_RL_RUN_ID`` (see ``procs.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import modal_rl
+from modal_rl.cluster import procs
+from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
+from modal_rl.cluster.plan import BootstrapPlan
+from modal_rl.cluster.raynode import node_environment, ray_start_argv
+from modal_rl.cluster.spec import ClusterSpec
+
+LOOPBACK = "127.0.0.2"
+REPO_ROOT = Path(modal_rl.__file__).resolve().parent.parent
+_PER_NODE_PORT_FLAGS = (
+    "--node-manager-port",
+    "--object-manager-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+)
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports free on ``host`` right now (all held open until all are picked)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class LocalBackend(ClusterBackend):
+    """``on_line`` gets rank 0's stdout (the job's logs) line by line, ``on_err`` its stderr
+    (bring-up and failure reports); defaults: our stdout and stderr. Followers' output goes
+    to ``<temp_root>/rank-<i>.log`` (rank 0 reports their last lines when they fail)."""
+
+    name = "local"
+    detach_note = "a local cluster lives as long as the process that started it"
+
+    def __init__(
+        self,
+        on_line: Callable[[str], None] | None = None,
+        on_err: Callable[[str], None] | None = None,
+        object_store_mb: int = 80,
+    ):
+        self.on_line = on_line or _writer(sys.stdout)
+        self.on_err = on_err or _writer(sys.stderr)
+        self.object_store_mb = object_store_mb
+        self.last_run_id: str | None = None
+        self.started_pids: dict[int, int] = {}
+        self.follower_exit_codes: dict[int, int | None] = {}
+
+    def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
+        n = spec.nodes
+        ports = free_ports(3 + n * len(_PER_NODE_PORT_FLAGS) + 1)
+        gcs, dashboard, control, client_port = ports[:4]
+        per_node = ports[4:]
+        flags = []
+        for rank in range(n):
+            mine = per_node[rank * len(_PER_NODE_PORT_FLAGS) : (rank + 1) * len(_PER_NODE_PORT_FLAGS)]
+            node = [f"{flag}={port}" for flag, port in zip(_PER_NODE_PORT_FLAGS, mine, strict=True)]
+            if rank == 0:
+                node.append(f"--ray-client-server-port={client_port}")
+            flags.append(node)
+        plan = plan_from(
+            spec,
+            job,
+            addresses=[LOOPBACK] * n,
+            gcs_port=gcs,
+            dashboard_port=dashboard,
+            control_port=control,
+            node_flags=flags,
+            cpus_per_node=spec.cpu if spec.cpu is not None else 1,
+            object_store_bytes=self.object_store_mb * 1024 * 1024,
+        )
+        # Short on purpose: Ray's unix socket paths live under it and must stay < 108 bytes.
+        plan.temp_root = f"/tmp/mrl-{plan.run_id}"
+        return plan
+
+    def describe(self, spec: ClusterSpec, job: JobRequest) -> dict[str, Any]:
+        plan = self.make_plan(spec, job)
+        return {
+            "backend": self.name,
+            "spec": spec.to_dict(),
+            "image": None,
+            "addresses": plan.addresses,
+            "commands": [node_command(Path(plan.temp_root) / "plan.json", r) for r in range(plan.nodes)],
+            "ray_start": [ray_start_argv(plan, r) for r in range(plan.nodes)],
+            "env": node_environment(plan, "lo"),
+            "entrypoint": plan.entrypoint,
+            "runtime_env": plan.runtime_env,
+        }
+
+    def run(self, spec: ClusterSpec, job: JobRequest) -> int:
+        plan = self.make_plan(spec, job)
+        return self.run_plan(plan)
+
+    def run_plan(self, plan: BootstrapPlan, ranks: list[int] | None = None) -> int:
+        """Start ``ranks`` (default: all) of ``plan`` as node processes and wait for rank 0."""
+        ranks = list(range(plan.nodes)) if ranks is None else ranks
+        self.last_run_id = plan.run_id
+        temp = Path(plan.temp_root or tempfile.mkdtemp(prefix="mrl-"))
+        temp.mkdir(parents=True, exist_ok=True)
+        (temp / "plan.json").write_text(plan.to_json())
+        env = node_process_env(plan.run_id)
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main else None
+        nodes: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in ranks:
+                cmd = node_command(temp / "plan.json", rank)
+                if rank == 0:
+                    nodes[0] = subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        bufsize=1,
+                        start_new_session=True,
+                    )
+                else:
+                    log = open(temp / f"rank-{rank}.log", "w")  # noqa: SIM115 - closed by the child's exit
+                    nodes[rank] = subprocess.Popen(
+                        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                    log.close()
+            self.started_pids = {rank: p.pid for rank, p in nodes.items()}
+            if 0 not in nodes:
+                raise ValueError("run_plan needs rank 0 among the ranks it starts")
+            readers = [
+                threading.Thread(target=_pump, args=(nodes[0].stdout, self.on_line), daemon=True),
+                threading.Thread(target=_pump, args=(nodes[0].stderr, self.on_err), daemon=True),
+            ]
+            for reader in readers:
+                reader.start()
+            code = nodes[0].wait()
+            for reader in readers:
+                reader.join(timeout=5.0)
+            # Followers exit on rank 0's release; give them a moment before we end them.
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(p.poll() is None for p in nodes.values()):
+                time.sleep(0.1)
+            # Before teardown: None here means a follower did not exit when rank 0 told it to.
+            self.follower_exit_codes = {r: p.poll() for r, p in nodes.items() if r != 0}
+            return code
+        finally:
+            survivors = procs.end_run(plan.run_id)
+            for proc in nodes.values():
+                proc.poll()
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+            if survivors:
+                print(f"[modal_rl.cluster] could not end PIDs {survivors}", file=sys.stderr)
+            # Ray's session dirs hold MBs of logs; keep them only when asked to.
+            if plan.temp_root and not os.environ.get("MODAL_RL_KEEP_LOGS"):
+                shutil.rmtree(plan.temp_root, ignore_errors=True)
+
+
+def _pump(stream, sink: Callable[[str], None]) -> None:
+    for line in stream:
+        sink(line.rstrip("\n"))
+
+
+def _writer(stream) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    return write
+
+
+def node_command(plan_path: Path, rank: int) -> list[str]:
+    return [sys.executable, "-m", "modal_rl.cluster.node", "--plan", str(plan_path), "--rank", str(rank)]
+
+
+def node_process_env(run_id: str) -> dict[str, str]:
+    """Our environment plus the run tag and an import path that finds this checkout."""
+    env = dict(os.environ)
+    env[procs.RUN_ID_ENV] = run_id
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

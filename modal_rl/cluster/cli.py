@@ -1,0 +1,162 @@
+"""Command-line plumbing shared by ``python -m verl_modal`` and ``python -m slime_modal``.
+
+An adapter's ``main`` does::
+
+    ours, framework_argv = split_passthrough(argv)      # everything after `--` is untouched
+    parser = argparse.ArgumentParser(...); add_cluster_args(parser); ...
+    args = parser.parse_args(ours)
+    spec = spec_from_args(args)
+    return run_job(spec, entrypoint, runtime_env, backend=args.backend, preflight=[check],
+                   framework_argv=framework_argv, **run_options(args))
+
+``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan as
+JSON), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
+return) or a blocking run whose exit code is the job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from modal_rl.cluster.backend import JobRequest, get_backend
+from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
+from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(our args, the framework's args): split at the first ``--``, which is dropped."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return list(argv), []
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--env {text!r}: expected KEY=VALUE")
+    return key, value
+
+
+def _volume(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition(":")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--volume {text!r}: expected NAME:/mount/path")
+    return name, path
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | None = None) -> None:
+    """Adds the cluster flags to ``parser`` (in an argument group named 'cluster')."""
+    d = defaults or ClusterSpec()
+    g = parser.add_argument_group("cluster")
+    g.add_argument(
+        "--backend", choices=("local", "modal"), default="local", help="where the Ray cluster runs"
+    )
+    g.add_argument("--nodes", type=int, default=d.nodes, help="nodes (Modal containers) in the cluster")
+    g.add_argument(
+        "--gpu", default=d.gpu, help="GPUs per node, TYPE:COUNT, e.g. H100:8 (Modal: all of a host)"
+    )
+    g.add_argument(
+        "--rdma", action=argparse.BooleanOptionalAction, default=d.rdma, help="RDMA fabric (Modal)"
+    )
+    g.add_argument("--image", default=d.image, help="container image (registry tag) for Modal")
+    g.add_argument("--volume", type=_volume, action="append", default=[], metavar="NAME:PATH")
+    g.add_argument("--secret", action="append", default=[], metavar="NAME", help="Modal Secret name")
+    g.add_argument("--env", type=_key_value, action="append", default=[], metavar="K=V")
+    g.add_argument("--join-timeout", type=float, default=d.join_timeout_s, metavar="S")
+    g.add_argument("--job-timeout", type=float, default=d.job_timeout_s, metavar="S")
+    g.add_argument("--retries", type=int, default=d.retries)
+    g.add_argument("--region", default=d.region)
+    g.add_argument("--cloud", default=d.cloud)
+    g.add_argument(
+        "--collective-check", action="store_true", help="all-reduce across all nodes before the job"
+    )
+    g.add_argument("--detach", action="store_true", help="Modal: start the run and return (it keeps running)")
+    g.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit; starts nothing")
+    g.add_argument("--preflight-only", action="store_true", help="run the checks and exit; starts nothing")
+
+
+def spec_from_args(args: argparse.Namespace, **overrides: Any) -> ClusterSpec:
+    """A ClusterSpec from the parsed flags; raises ClusterSpecError with the flag's problem."""
+    volumes: dict[str, str] = {}
+    for name, path in args.volume:
+        if name in volumes:
+            raise ClusterSpecError(f"--volume {name}: given twice")
+        volumes[name] = path
+    fields = dict(
+        nodes=args.nodes,
+        gpu=args.gpu,
+        rdma=args.rdma,
+        image=args.image,
+        volumes=volumes,
+        secrets=tuple(args.secret),
+        env=dict(args.env),
+        join_timeout_s=args.join_timeout,
+        job_timeout_s=args.job_timeout,
+        retries=args.retries,
+        region=args.region,
+        cloud=args.cloud,
+    )
+    fields.update(overrides)
+    return ClusterSpec(**fields)
+
+
+def run_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dry_run": args.dry_run,
+        "preflight_only": args.preflight_only,
+        "detach": args.detach,
+        "collective_check": args.collective_check,
+    }
+
+
+def run_job(
+    spec: ClusterSpec,
+    entrypoint: list[str],
+    runtime_env: dict[str, Any] | None = None,
+    *,
+    backend: str = "local",
+    preflight: Iterable[Validator] = (),
+    framework_argv: list[str] | None = None,
+    required_gpus: int | None = None,
+    dry_run: bool = False,
+    preflight_only: bool = False,
+    detach: bool = False,
+    collective_check: bool = False,
+    out: TextIO | None = None,
+) -> int:
+    """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
+
+    Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
+    failure (nothing was started), else rank 0's (the job's) exit code.
+    """
+    out = out or sys.stdout
+    job = JobRequest(list(entrypoint), dict(runtime_env or {}), collective_check=collective_check)
+    impl = get_backend(backend)
+    if detach and not impl.can_detach:
+        print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
+        return 2
+    try:
+        plan = impl.make_plan(spec, job)
+        run_preflight(spec, framework_argv, preflight, plan=plan, required_gpus=required_gpus)
+    except (PreflightError, ClusterSpecError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if dry_run:
+        description = impl.describe(spec, job)
+        description["framework_argv"] = list(framework_argv or [])
+        description["preflight"] = "ok"
+        out.write(json.dumps(description, indent=2, default=str) + "\n")
+        return 0
+    if preflight_only:
+        print("preflight ok", file=sys.stderr)
+        return 0
+    if detach:
+        call_id = impl.spawn(spec, job)
+        out.write(json.dumps({"detached": True, "function_call_id": call_id}) + "\n")
+        return 0
+    return impl.run(spec, job)

@@ -1,0 +1,193 @@
+"""The control channel between rank 0 and its followers: newline-delimited JSON over TCP.
+
+Why a channel of our own rather than only watching ``ray.nodes()``: the GCS marks a node
+dead only after its health checks fail (about 15 s by default), and a dead node tells
+nothing about *why*. Each follower keeps one connection to rank 0 and sends
+
+    {"hello": rank}            once, on connect
+    {"log": line}              every line its Ray node prints (rank 0 keeps the last ones)
+    {"hb": t}                  every ``heartbeat_s``
+    {"ray_exited": code}       when its Ray node's process ends on its own
+
+and rank 0 sends ``{"head_up": true}`` once its own node is registered (followers start
+Ray only then: joining a half-started head makes ``ray start`` back off for seconds, and
+on a small host the head's start-up competes with theirs), ``{"joined": true}`` once every node is registered (until then a follower
+restarts a Ray node that fails to come up, within the join timeout) and ``{"exit": code}``
+when the job is over. A connection that closes
+without an ``exit`` from rank 0, or that stays silent for ``lost_after_s``, is a lost
+follower — reported with its rank and last lines within a second or two of the death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+TAIL_LINES = 30
+
+
+@dataclass
+class FollowerState:
+    rank: int
+    connected_at: float | None = None
+    last_seen: float = 0.0
+    lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    lost: str | None = None  # why rank 0 considers this follower gone; None while healthy
+
+    def tail(self) -> str:
+        return (
+            "\n".join(f"    [rank {self.rank}] {line}" for line in self.lines) or "    (no output received)"
+        )
+
+
+class ControlServer:
+    """Rank 0's end. Runs inside rank 0's asyncio loop; ``failures()`` is polled by the supervisor."""
+
+    def __init__(self, nodes: int, lost_after_s: float):
+        self.followers = {r: FollowerState(r) for r in range(1, nodes)}
+        self.lost_after_s = lost_after_s
+        self.closing = False
+        self.head_up = False
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host=host, port=port, reuse_address=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state: FollowerState | None = None
+        try:
+            while True:
+                raw = await reader.readline()
+                if not raw:
+                    break
+                msg = json.loads(raw)
+                if "hello" in msg:
+                    state = self.followers.get(int(msg["hello"]))
+                    if state is None:
+                        break  # a rank this cluster does not have: drop it
+                    state.connected_at = state.last_seen = time.monotonic()
+                    state.lost = None
+                    self._writers[state.rank] = writer
+                    if self.head_up:  # a late follower still needs the go signal
+                        writer.write(b'{"head_up": true}\n')
+                    continue
+                if state is None:
+                    continue
+                state.last_seen = time.monotonic()
+                if "log" in msg:
+                    state.lines.append(str(msg["log"]))
+                elif "ray_exited" in msg and not self.closing:
+                    state.lost = f"its Ray node exited with code {msg['ray_exited']}"
+        except (ConnectionError, ValueError):
+            pass
+        except asyncio.CancelledError:
+            # The loop is shutting down; finishing normally keeps asyncio from logging it.
+            pass
+        finally:
+            if state is not None and not self.closing and state.lost is None:
+                state.lost = "its node process died (control connection closed)"
+            if state is not None:
+                self._writers.pop(state.rank, None)
+            writer.close()
+
+    def failures(self) -> list[FollowerState]:
+        """Followers that are gone: closed, reported a dead Ray node, or silent too long."""
+        now = time.monotonic()
+        for state in self.followers.values():
+            silent = now - state.last_seen
+            if state.connected_at is not None and state.lost is None and silent > self.lost_after_s:
+                state.lost = f"no heartbeat for {silent:.1f} s"
+        return [s for s in self.followers.values() if s.lost]
+
+    async def announce_head_up(self) -> None:
+        self.head_up = True
+        await self.broadcast({"head_up": True})
+
+    async def broadcast(self, msg: dict) -> None:
+        for writer in list(self._writers.values()):
+            try:
+                writer.write((json.dumps(msg) + "\n").encode())
+                await asyncio.wait_for(writer.drain(), 2.0)
+            except (ConnectionError, TimeoutError):
+                pass
+
+    async def release(self, code: int) -> None:
+        """Tell every connected follower to stop its Ray node and exit."""
+        self.closing = True
+        await self.broadcast({"exit": code})
+        if self._server is not None:
+            self._server.close()
+
+
+class ControlClient:
+    """A follower's end: a socket plus a lock, because log lines come from a reader thread."""
+
+    def __init__(self, host: str, port: int, rank: int, connect_timeout_s: float, heartbeat_s: float = 1.0):
+        deadline = time.monotonic() + connect_timeout_s
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.sock = socket.create_connection((host, port), timeout=2.0)
+                break
+            except OSError as exc:
+                last_error = exc
+                time.sleep(0.1)
+        else:
+            raise ConnectionError(
+                f"rank {rank}: could not reach rank 0's control port {host}:{port}: {last_error}"
+            )
+        self.sock.settimeout(None)
+        self._lock = threading.Lock()
+        self._buffer = b""
+        self.broken = threading.Event()
+        self.send({"hello": rank})
+        # Heartbeats from their own thread: the follower's main thread blocks for many
+        # seconds at a time (waiting for the head's GCS, starting Ray) and must not look dead.
+        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self, period_s: float) -> None:
+        while not self.broken.is_set():
+            if not self.send({"hb": time.time()}):
+                self.broken.set()
+            self.broken.wait(period_s)
+
+    def send(self, msg: dict) -> bool:
+        data = (json.dumps(msg) + "\n").encode()
+        with self._lock:
+            try:
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                self.broken.set()
+                return False
+
+    def poll(self, timeout_s: float) -> dict | None | bool:
+        """One message from rank 0, ``None`` on timeout, ``False`` when the connection closed."""
+        if b"\n" not in self._buffer:
+            self.sock.settimeout(timeout_s)
+            try:
+                chunk = self.sock.recv(4096)
+            except TimeoutError:
+                return None
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            self._buffer += chunk
+            if b"\n" not in self._buffer:
+                return None
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.broken.set()
+        with contextlib.suppress(OSError):
+            self.sock.close()

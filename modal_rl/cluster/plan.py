@@ -1,0 +1,91 @@
+"""``BootstrapPlan``: everything every rank needs to play its part, identical on all ranks.
+
+A backend turns (ClusterSpec, entrypoint, runtime env) into one plan, serialises it to JSON
+and hands it to each node together with that node's rank; only ``addresses`` may be filled
+in late (on Modal the cluster's IPs are known only inside the containers). Nothing in here
+depends on the backend, which is what makes the local cluster test the Modal code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# Default ports for nodes that each own a network namespace (Modal containers).
+GCS_PORT = 6379
+DASHBOARD_PORT = 8265
+CONTROL_PORT = 6390
+
+# Exit codes of rank 0 that are not the job's own.
+EXIT_FOLLOWER_LOST = 70
+EXIT_JOIN_TIMEOUT = 71
+EXIT_COLLECTIVE_FAILED = 72
+EXIT_HEAD_FAILED = 73
+EXIT_JOB_TIMEOUT = 124
+
+# Set on every node before Ray starts, and why (docs/clusters.md repeats this table).
+BASE_ENV = {
+    # Ray 2.60 writes and demands a token unless told otherwise; the cluster network is private.
+    "RAY_AUTH_MODE": "disabled",
+    # No usage reports leave the cluster.
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # On SIGTERM, stop at once instead of draining for 30 s: teardown is ours to time.
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    # Unbuffered Python output, so log lines reach rank 0 as they are printed.
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def hostport(host: str, port: int) -> str:
+    """``host:port`` with IPv6 hosts bracketed, as Ray and URLs expect."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class BootstrapPlan:
+    """The per-run bring-up plan. Invariant: ``len(addresses) == nodes`` once set."""
+
+    nodes: int
+    gpus_per_node: int
+    entrypoint: list[str]
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    addresses: list[str] | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    gcs_port: int = GCS_PORT
+    dashboard_port: int = DASHBOARD_PORT
+    control_port: int = CONTROL_PORT
+    dashboard_host: str | None = None  # None: the head's cluster address
+    # Extra ``ray start`` flags per rank (distinct ports when nodes share a host); may be empty.
+    node_flags: list[list[str]] = field(default_factory=list)
+    cpus_per_node: float | None = None
+    object_store_bytes: int | None = None
+    temp_root: str | None = None  # per-rank Ray temp dir is temp_root/r<rank> (nodes sharing a host)
+    join_timeout_s: float = 300.0
+    head_timeout_s: float = 180.0  # the head's own start-up; the join clock starts after it
+    job_timeout_s: float = 24 * 3600.0
+    collective_check: bool = False
+    collective_timeout_s: float = 60.0
+    heartbeat_s: float = 1.0
+    lost_after_s: float = 5.0
+
+    def head_address(self) -> str:
+        assert self.addresses, "addresses are filled in before bootstrap"
+        return self.addresses[0]
+
+    def dashboard_url(self) -> str:
+        return f"http://{hostport(self.head_address(), self.dashboard_port)}"
+
+    def rank_resource(self, rank: int) -> str:
+        """Custom Ray resource that tags rank ``rank``'s node, so a missing node has a name."""
+        return f"modal_rl_rank_{rank}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BootstrapPlan:
+        return cls(**json.loads(text))
