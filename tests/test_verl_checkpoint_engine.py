@@ -291,3 +291,195 @@ def test_a_registration_failure_is_loud(tmp_path):
     assert "could not register checkpoint engine 'modal_delta'" in out.stderr
     assert "ERROR" in out.stderr or "error" in out.stderr.lower()
     assert "GET:" in out.stdout and "verl_modal.checkpoint_engine" in out.stdout, out.stdout
+
+
+# -- through verl's CheckpointEngineManager and CheckpointEngineWorker, on a local Ray -----
+
+
+class _Replica:
+    """The part of ``RolloutReplica`` the manager uses: its workers, and the request
+    gate it closes and reopens around a sync (no inference server here)."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+    async def release_kv_cache(self) -> None:
+        pass
+
+    async def resume_kv_cache(self) -> None:
+        pass
+
+
+def _ray_classes():
+    """Ray-side classes, built lazily so that collecting this file does not import Ray."""
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.workers.rollout import BaseRollout
+    from verl.workers.rollout.utils import ensure_async_iterator
+
+    class TrainerWorker(Worker):
+        """The trainer side as verl's ``ActorRolloutRefWorker`` does it: the engine from the
+        registry (``is_master`` on rank 0), ``send_weights`` of its per-tensor params in
+        ``update_weights``, its result returned as the sync's metrics."""
+
+        def __init__(self, engine_kwargs: dict) -> None:
+            super().__init__()
+            self.state: dict[str, torch.Tensor] = {}
+            self.checkpoint_engine = registry().new(
+                "modal_delta", is_master=self.rank == 0, bucket_size=1 << 20, **engine_kwargs
+            )
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_state(self, state: dict) -> None:
+            self.state = state
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def corrupt_next_frame(self) -> None:
+            publisher = self.checkpoint_engine._publisher
+            publisher.sink = CorruptNext(publisher.sink)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+            return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
+            metrics = await self.checkpoint_engine.send_weights(
+                iter(self.state.items()), global_steps=global_steps
+            )
+            return metrics or {}
+
+    class RecordingRollout(BaseRollout):
+        """A rollout adapter whose "model" is a dict: it loads what ``update_weights`` streams."""
+
+        def __init__(self) -> None:
+            self.live: dict[str, torch.Tensor] = {}
+            self.replica_rank, self.is_leader_rank = 0, True
+
+        async def resume(self, tags: list[str]) -> None:
+            pass
+
+        async def release(self) -> None:
+            pass
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
+            assert wire_format == "named_tensors", wire_format
+            async for name, tensor in ensure_async_iterator(weights):
+                self.live[name] = tensor.clone()
+
+    class InspectableWorker(CheckpointEngineWorker):
+        """verl's ``CheckpointEngineWorker``, plus read-only access for the assertions."""
+
+        def live_state(self) -> dict:
+            return self.server_adapter.live
+
+        def engine_metrics(self) -> dict:
+            return self.checkpoint_engine.metrics
+
+    return TrainerWorker, RecordingRollout, InspectableWorker
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray runtime is already initialized in this process")
+    plugin_dir = tmp_path_factory.mktemp("plugins")
+    env = _plugin_path(plugin_dir)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"], "RAY_AUTH_MODE": "disabled"}},
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(rank: int = 0, world: int = 1) -> dict:
+    port = str(_free_port())
+    return {
+        "env_vars": {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+    }
+
+
+@pytest.mark.slow
+def test_manager_and_workers_move_a_trajectory_bit_identically(local_ray):
+    ray = local_ray
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    TrainerWorker, RecordingRollout, InspectableWorker = _ray_classes()
+    kwargs = {"anchor_every": 3, "max_refusals": 1, "receive_timeout_s": 60}
+    config = CheckpointEngineConfig(
+        backend="modal_delta", update_weights_bucket_megabytes=1, engine_kwargs={"modal_delta": kwargs}
+    )
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config)
+
+    trainer_cls = ray.remote(TrainerWorker)
+    trainer = trainer_cls.options(num_cpus=0, runtime_env=_worker_env()).remote(kwargs)
+    trainer_wg = RayWorkerGroup(
+        worker_handles=[trainer], ray_cls_with_init=RayClassWithInitArgs(cls=trainer_cls)
+    )
+    rollout_cls = ray.remote(InspectableWorker)
+    rollouts = [
+        rollout_cls.options(num_cpus=0, runtime_env=_worker_env()).remote(
+            rollout_config, None, server_adapter=RecordingRollout()
+        )
+        for _ in range(2)
+    ]
+    manager = CheckpointEngineManager(
+        config=config, actor_wg=trainer_wg, replicas=[_Replica([w]) for w in rollouts]
+    )
+
+    states = trajectory(5)
+    for step, state in enumerate(states, start=1):
+        trainer_wg.set_state(state)
+        metrics = manager.update_weights(global_steps=step)
+        assert metrics["checkpoint_engine/version"] == step - 1, metrics
+        for w in rollouts:
+            assert same_state(ray.get(w.live_state.remote()), state), f"version {step - 1} differs"
+    assert metrics["checkpoint_engine/anchor"] == 0.0 and metrics["checkpoint_engine/compression_ratio"] > 5
+    receiver = ray.get(rollouts[0].engine_metrics.remote())
+    assert (
+        receiver["checkpoint_engine/version"] == len(states) - 1
+        and receiver["checkpoint_engine/refused"] == 0
+    )
+
+    # A corrupt frame: every receiver refuses it, the sync fails with the reason, weights stay.
+    trainer_wg.set_state(perturb(states[-1], 0.02, seed=999))
+    trainer_wg.corrupt_next_frame()
+    with pytest.raises(Exception, match="refused") as info:
+        manager.update_weights(global_steps=len(states) + 1)
+    assert "ModalDeltaSyncError" in repr(info.value) or "ModalDeltaSyncError" in str(info.value)
+    for w in rollouts:
+        assert same_state(ray.get(w.live_state.remote()), states[-1])
+    for h in [trainer, *rollouts]:
+        ray.kill(h)
