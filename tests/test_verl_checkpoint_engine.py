@@ -483,3 +483,20 @@ def test_manager_and_workers_move_a_trajectory_bit_identically(local_ray):
         assert same_state(ray.get(w.live_state.remote()), states[-1])
     for h in [trainer, *rollouts]:
         ray.kill(h)
+
+
+def test_restarted_trainer_on_the_same_port_reseeds_the_receivers():
+    states = trajectory(4)
+    cluster = Cluster(n_rollout=1, actor_ranks=1, anchor_every=100)
+    try:
+        for step, state in enumerate(states[:3], start=1):
+            assert cluster.sync(state, step)[1] == [None]
+        port = cluster.actors[0]._server.address[1]
+        cluster.actors[0].close()  # the trainer restarts: same address, version counter from 0
+        cluster.actors = [registry().new("modal_delta", bucket_size=1 << 20, is_master=True, port=port)]
+        assert cluster.sync(states[3], 4)[1] == [None]
+        rollout = cluster.rollouts[0]
+        assert same_state(rollout.live, states[3])
+        assert rollout.engine.metrics["checkpoint_engine/version"] == 0
+    finally:
+        cluster.close()

@@ -171,13 +171,18 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
 
     def init_process_group(self, rank: int, endpoint: dict) -> None:
         """Receivers (rank >= 1) connect to the master once and keep the connection and their
-        staged state across syncs; a moved master (new host/port) gets a fresh subscriber."""
+        staged state across syncs."""
         self.rank, self.endpoint = rank, endpoint
         if rank < 1:
             return
         addr = (endpoint["host"], int(endpoint["port"]))
         sub = self._subscriber
-        if sub is not None and sub.source.addr != addr:
+        held = None if sub is None else sub.live_version
+        # A moved master, or one that announces a version we already hold (it restarted and
+        # counts from 0 again), starts a fresh chain: catch up from its first anchor.
+        if sub is not None and (
+            sub.source.addr != addr or (held is not None and endpoint["version"] <= held)
+        ):
             sub.source.close()
             sub = None
         if sub is None:
