@@ -1,0 +1,502 @@
+"""The ``modal_delta`` verl checkpoint engine, with the real verl 0.9.1 classes, on CPU.
+
+Every sync goes through the methods verl's ``CheckpointEngineManager`` calls, in its order:
+``prepare`` on all workers → ``build_topology`` → ``init_process_group`` → ``send_weights``
+(trainer) concurrently with ``receive_weights`` (rollout) → ``finalize``. Transport: real
+sockets on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from tests.test_weightsync_faults_e2e import FlakyProxy  # noqa: E402
+from tests.weightsync_helpers import bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
+from verl_modal.checkpoint_engine import ModalDeltaSyncError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def registry():
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    return CheckpointEngineRegistry
+
+
+def trajectory(versions: int, density: float = 0.02) -> list[dict[str, torch.Tensor]]:
+    """A bf16 state and its next versions, each with ``density`` of its words changed."""
+    states = [model_state(seed=1)]
+    for v in range(1, versions):
+        states.append(perturb(states[-1], density, seed=100 + v))
+    return states
+
+
+class Rollout:
+    """What verl's rollout adapter does with ``receive_weights``: iterate it and copy every
+    tensor into the live model (here a dict), only after the iterator yields."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.live: dict[str, torch.Tensor] = {}
+
+    def update(self, global_steps: int) -> None:
+        async def consume() -> None:
+            async for name, tensor in self.engine.receive_weights(global_steps=global_steps):
+                self.live[name] = tensor.clone()
+
+        asyncio.run(consume())
+
+
+class Cluster:
+    """One trainer (rank 0 publishes, rank 1 only walks its generator) and ``n`` rollout workers."""
+
+    def __init__(self, n_rollout: int = 2, actor_ranks: int = 2, **engine_kwargs) -> None:
+        reg = registry()
+        self.cls = reg.get("modal_delta")
+        self.actors = [
+            reg.new("modal_delta", bucket_size=1 << 20, is_master=(r == 0), **engine_kwargs)
+            for r in range(actor_ranks)
+        ]
+        self.rollouts = [
+            Rollout(reg.new("modal_delta", bucket_size=1 << 20, **engine_kwargs)) for _ in range(n_rollout)
+        ]
+        self.pool = ThreadPoolExecutor(n_rollout)
+
+    def build(self, rewrite_endpoint=None) -> None:
+        engines = self.actors + [r.engine for r in self.rollouts]
+        metadata = [e.prepare() for e in engines]
+        if rewrite_endpoint is not None:  # e.g. route receivers through a proxy
+            metadata[0] = {"endpoint": rewrite_endpoint(metadata[0]["endpoint"])}
+        actor_kw, rollout_kw = self.cls.build_topology(len(self.actors), len(self.rollouts), metadata)
+        for i, e in enumerate(self.actors):
+            e.init_process_group(**{k: v[i] for k, v in actor_kw.items()})
+        for i, r in enumerate(self.rollouts):
+            r.engine.init_process_group(**{k: v[i] for k, v in rollout_kw.items()})
+
+    def sync(self, state: dict[str, torch.Tensor], step: int, **build_kw) -> tuple[dict, list]:
+        """One ``CheckpointEngineManager.update_weights``: returns the trainer's metrics and
+        each receiver's outcome (None, or the exception it raised)."""
+        self.build(**build_kw)
+        futures = [self.pool.submit(r.update, step) for r in self.rollouts]
+
+        async def send_all() -> list:
+            return await asyncio.gather(
+                *(e.send_weights(iter(state.items()), global_steps=step) for e in self.actors)
+            )
+
+        metrics = asyncio.run(send_all())[0]
+        outcomes = [f.exception(timeout=60) for f in futures]
+        for e in self.actors + [r.engine for r in self.rollouts]:
+            e.finalize()
+        return metrics, outcomes
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for e in self.actors + [r.engine for r in self.rollouts]:
+            e.close()
+
+
+def test_trajectory_is_bit_identical_every_version_with_verl_metrics():
+    states = trajectory(6)
+    cluster = Cluster(n_rollout=2, anchor_every=3)
+    try:
+        for step, state in enumerate(states, start=1):
+            metrics, outcomes = cluster.sync(state, step)
+            assert outcomes == [None, None]
+            for r in cluster.rollouts:
+                assert same_state(r.live, state), f"version {step - 1} differs on a receiver"
+                assert r.engine.metrics["checkpoint_engine/version"] == step - 1
+            assert metrics["checkpoint_engine/version"] == step - 1
+            is_anchor = (step - 1) % 3 == 0
+            assert metrics["checkpoint_engine/anchor"] == float(is_anchor)
+            assert metrics["checkpoint_engine/send_s"] > 0
+            if not is_anchor:  # ~2% of bf16 words changed: the delta is far smaller than the state
+                assert metrics["checkpoint_engine/compression_ratio"] > 5, metrics
+        print("last delta metrics:", metrics)
+    finally:
+        cluster.close()
+
+
+def test_late_receiver_catches_up_from_the_last_anchor():
+    states = trajectory(4)
+    cluster = Cluster(n_rollout=1, anchor_every=2)
+    late = None
+    try:
+        for step, state in enumerate(states[:3], start=1):
+            assert cluster.sync(state, step)[1] == [None]
+        late = Rollout(registry().new("modal_delta", bucket_size=1 << 20))
+        cluster.rollouts.append(late)  # elastic scale-up: joins before version 3
+        cluster.pool = ThreadPoolExecutor(2)
+        assert cluster.sync(states[3], 4)[1] == [None, None]
+        assert same_state(late.live, states[3])
+        assert late.engine.metrics["checkpoint_engine/frames"] == 2  # anchor 2, then delta 3
+    finally:
+        cluster.close()
+
+
+def test_damaged_stream_is_refused_then_healed_by_reconnecting():
+    states = trajectory(3)
+    cluster = Cluster(n_rollout=1, actor_ranks=1, anchor_every=100)
+    proxy = None
+    try:
+        for step, state in enumerate(states[:2], start=1):
+            assert cluster.sync(state, step)[1] == [None]
+        upstream = cluster.actors[0]._server.address
+        proxy = FlakyProxy(upstream, "flip", at_byte=300)  # the receiver reconnects through it
+
+        def via_proxy(ep):
+            return {**ep, "host": proxy.address[0], "port": proxy.address[1]}
+
+        assert cluster.sync(states[2], 3, rewrite_endpoint=via_proxy)[1] == [None]
+        rollout = cluster.rollouts[0]
+        assert rollout.engine.metrics["checkpoint_engine/refused"] >= 1
+        assert proxy.connections >= 2
+        assert same_state(rollout.live, states[2])
+    finally:
+        if proxy is not None:
+            proxy.close()
+        cluster.close()
+
+
+class CorruptNext:
+    """A frame sink that flips one byte inside the next frame's first chunk record (its own
+    record checksum catches it), then passes frames through unchanged."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, True
+
+    def send(self, header, recs):
+        recs = list(recs)
+        if self.armed:
+            self.armed = False
+            frame = b"".join(recs)
+            offsets = [off for off, _size, _tag in records(frame)]
+            i = len(recs) // 2  # a record in the middle of the frame
+            body = bytearray(recs[i])
+            body[len(body) // 2] ^= 0x10
+            recs[i] = bytes(body)
+            assert len(offsets) == len(recs)
+        return self.inner.send(header, recs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_corrupt_frame_is_refused_and_the_receiver_keeps_its_weights():
+    states = trajectory(3)
+    cluster = Cluster(n_rollout=1, actor_ranks=1, anchor_every=100, max_refusals=1, receive_timeout_s=20)
+    try:
+        for step, state in enumerate(states[:2], start=1):
+            assert cluster.sync(state, step)[1] == [None]
+        rollout = cluster.rollouts[0]
+        before_live = clone_state(rollout.live)
+        before_staged = clone_state(rollout.engine._subscriber.chain.state)
+        publisher = cluster.actors[0]._publisher
+        publisher.sink = CorruptNext(publisher.sink)
+        _metrics, outcomes = cluster.sync(states[2], 3)
+        err = outcomes[0]
+        assert isinstance(err, ModalDeltaSyncError), err
+        assert "refused" in str(err) and "stay at version 1" in str(err), str(err)
+        assert same_state(rollout.live, before_live)  # the rollout's weights: untouched
+        assert same_state(rollout.engine._subscriber.chain.state, before_staged)
+        assert rollout.engine._subscriber.live_version == 1
+        assert not same_state(rollout.live, states[2])
+        assert bits(rollout.live["embed.weight"]) == bits(states[1]["embed.weight"])
+    finally:
+        cluster.close()
+
+
+def test_topology_rejects_a_missing_master():
+    cls = registry().get("modal_delta")
+    with pytest.raises(ValueError, match="rank 0 must be the master"):
+        cls.build_topology(1, 1, [{"endpoint": None}, {"endpoint": None}])
+    with pytest.raises(ValueError, match="expected 3 prepare"):
+        cls.build_topology(2, 1, [{"endpoint": {"host": "127.0.0.1", "port": 1, "version": 0}}])
+
+
+# -- registration through the verl.plugins entry point, in fresh interpreters -----------
+
+
+def _plugin_path(tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``modal-rl`` distribution metadata carries this checkout's
+    ``[project.entry-points."verl.plugins"]`` table (what ``pip install -e .`` would write),
+    ahead of any installed copy, with this checkout first on the import path."""
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
+    dist = tmp_path / "modal_rl-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: modal-rl\nVersion: 0.1.0\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in table.items())
+    (dist / "entry_points.txt").write_text("[verl.plugins]\n" + lines)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    return env
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
+    out = _run(
+        """
+        import sys
+        import verl
+        assert "verl_modal.checkpoint_engine" not in sys.modules  # deferred: import verl stays light
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+        print(sorted(CheckpointEngineRegistry._registry))
+        print(CheckpointEngineRegistry.get("modal_delta").__module__)
+        """,
+        _plugin_path(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    listed, module = out.stdout.strip().splitlines()[-2:]
+    assert "'modal_delta'" in listed
+    assert module == "verl_modal.checkpoint_engine"
+
+
+def test_a_registration_failure_is_loud(tmp_path):
+    out = _run(
+        """
+        import sys
+        sys.modules["modal_rl.weightsync.transport_tcp"] = None  # make the engine's import fail
+        import verl
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+        try:
+            CheckpointEngineRegistry.get("modal_delta")
+        except ValueError as exc:
+            print("GET:", exc)
+        """,
+        _plugin_path(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "could not register checkpoint engine 'modal_delta'" in out.stderr
+    assert "ERROR" in out.stderr or "error" in out.stderr.lower()
+    assert "GET:" in out.stdout and "verl_modal.checkpoint_engine" in out.stdout, out.stdout
+
+
+# -- through verl's CheckpointEngineManager and CheckpointEngineWorker, on a local Ray -----
+
+
+class _Replica:
+    """The part of ``RolloutReplica`` the manager uses: its workers, and the request
+    gate it closes and reopens around a sync (no inference server here)."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+    async def release_kv_cache(self) -> None:
+        pass
+
+    async def resume_kv_cache(self) -> None:
+        pass
+
+
+def _ray_classes():
+    """Ray-side classes, built lazily so that collecting this file does not import Ray."""
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.workers.rollout import BaseRollout
+    from verl.workers.rollout.utils import ensure_async_iterator
+
+    class TrainerWorker(Worker):
+        """The trainer side as verl's ``ActorRolloutRefWorker`` does it: the engine from the
+        registry (``is_master`` on rank 0), ``send_weights`` of its per-tensor params in
+        ``update_weights``, its result returned as the sync's metrics."""
+
+        def __init__(self, engine_kwargs: dict) -> None:
+            super().__init__()
+            self.state: dict[str, torch.Tensor] = {}
+            self.checkpoint_engine = registry().new(
+                "modal_delta", is_master=self.rank == 0, bucket_size=1 << 20, **engine_kwargs
+            )
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_state(self, state: dict) -> None:
+            self.state = state
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def corrupt_next_frame(self) -> None:
+            publisher = self.checkpoint_engine._publisher
+            publisher.sink = CorruptNext(publisher.sink)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+            return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
+            metrics = await self.checkpoint_engine.send_weights(
+                iter(self.state.items()), global_steps=global_steps
+            )
+            return metrics or {}
+
+    class RecordingRollout(BaseRollout):
+        """A rollout adapter whose "model" is a dict: it loads what ``update_weights`` streams."""
+
+        def __init__(self) -> None:
+            self.live: dict[str, torch.Tensor] = {}
+            self.replica_rank, self.is_leader_rank = 0, True
+
+        async def resume(self, tags: list[str]) -> None:
+            pass
+
+        async def release(self) -> None:
+            pass
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
+            assert wire_format == "named_tensors", wire_format
+            async for name, tensor in ensure_async_iterator(weights):
+                self.live[name] = tensor.clone()
+
+    class InspectableWorker(CheckpointEngineWorker):
+        """verl's ``CheckpointEngineWorker``, plus read-only access for the assertions."""
+
+        def live_state(self) -> dict:
+            return self.server_adapter.live
+
+        def engine_metrics(self) -> dict:
+            return self.checkpoint_engine.metrics
+
+    return TrainerWorker, RecordingRollout, InspectableWorker
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray runtime is already initialized in this process")
+    plugin_dir = tmp_path_factory.mktemp("plugins")
+    env = _plugin_path(plugin_dir)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"], "RAY_AUTH_MODE": "disabled"}},
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(rank: int = 0, world: int = 1) -> dict:
+    port = str(_free_port())
+    return {
+        "env_vars": {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+    }
+
+
+@pytest.mark.slow
+def test_manager_and_workers_move_a_trajectory_bit_identically(local_ray):
+    ray = local_ray
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+
+    TrainerWorker, RecordingRollout, InspectableWorker = _ray_classes()
+    kwargs = {"anchor_every": 3, "max_refusals": 1, "receive_timeout_s": 60}
+    config = CheckpointEngineConfig(
+        backend="modal_delta", update_weights_bucket_megabytes=1, engine_kwargs={"modal_delta": kwargs}
+    )
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config)
+
+    trainer_cls = ray.remote(TrainerWorker)
+    trainer = trainer_cls.options(num_cpus=0, runtime_env=_worker_env()).remote(kwargs)
+    trainer_wg = RayWorkerGroup(
+        worker_handles=[trainer], ray_cls_with_init=RayClassWithInitArgs(cls=trainer_cls)
+    )
+    rollout_cls = ray.remote(InspectableWorker)
+    rollouts = [
+        rollout_cls.options(num_cpus=0, runtime_env=_worker_env()).remote(
+            rollout_config, None, server_adapter=RecordingRollout()
+        )
+        for _ in range(2)
+    ]
+    manager = CheckpointEngineManager(
+        config=config, actor_wg=trainer_wg, replicas=[_Replica([w]) for w in rollouts]
+    )
+
+    states = trajectory(5)
+    for step, state in enumerate(states, start=1):
+        trainer_wg.set_state(state)
+        metrics = manager.update_weights(global_steps=step)
+        assert metrics["checkpoint_engine/version"] == step - 1, metrics
+        for w in rollouts:
+            assert same_state(ray.get(w.live_state.remote()), state), f"version {step - 1} differs"
+    assert metrics["checkpoint_engine/anchor"] == 0.0 and metrics["checkpoint_engine/compression_ratio"] > 5
+    receiver = ray.get(rollouts[0].engine_metrics.remote())
+    assert (
+        receiver["checkpoint_engine/version"] == len(states) - 1
+        and receiver["checkpoint_engine/refused"] == 0
+    )
+
+    # A corrupt frame: every receiver refuses it, the sync fails with the reason, weights stay.
+    trainer_wg.set_state(perturb(states[-1], 0.02, seed=999))
+    trainer_wg.corrupt_next_frame()
+    with pytest.raises(Exception, match="refused") as info:
+        manager.update_weights(global_steps=len(states) + 1)
+    assert "ModalDeltaSyncError" in repr(info.value) or "ModalDeltaSyncError" in str(info.value)
+    for w in rollouts:
+        assert same_state(ray.get(w.live_state.remote()), states[-1])
+    for h in [trainer, *rollouts]:
+        ray.kill(h)
+
+
+def test_restarted_trainer_on_the_same_port_reseeds_the_receivers():
+    states = trajectory(4)
+    cluster = Cluster(n_rollout=1, actor_ranks=1, anchor_every=100)
+    try:
+        for step, state in enumerate(states[:3], start=1):
+            assert cluster.sync(state, step)[1] == [None]
+        port = cluster.actors[0]._server.address[1]
+        cluster.actors[0].close()  # the trainer restarts: same address, version counter from 0
+        cluster.actors = [registry().new("modal_delta", bucket_size=1 << 20, is_master=True, port=port)]
+        assert cluster.sync(states[3], 4)[1] == [None]
+        rollout = cluster.rollouts[0]
+        assert same_state(rollout.live, states[3])
+        assert rollout.engine.metrics["checkpoint_engine/version"] == 0
+    finally:
+        cluster.close()

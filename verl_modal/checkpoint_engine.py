@@ -1,0 +1,295 @@
+"""``modal_delta``: a verl checkpoint engine on ``modal_rl.weightsync`` (codec + TCP transport).
+
+The trainer's rank 0 publishes each weight update as one verified frame — a compressed
+anchor now and then, lossless deltas against the previous version otherwise — on a
+``FrameServer``; every rollout worker holds a ``Subscriber`` that rebuilds the frame into its
+staging state, checks every tensor against the sender's xxh3-128, and only then yields the
+tensors to verl's stock rollout adapter (``wire_format = "named_tensors"``).
+
+How verl drives it (``CheckpointEngineManager.update_weights``, every sync):
+``prepare()`` on all workers → ``build_topology(...)`` → ``init_process_group(**kwargs)``
+→ ``send_weights`` (actor) ‖ ``receive_weights`` (rollout) → ``finalize()``.
+
+Invariants:
+- wire versions are the engine's own counter (0, 1, 2, …), not verl's ``global_steps``
+  (which may repeat or be None); the master announces the version it will publish in
+  ``prepare()``, so each receiver knows exactly which version ends this sync and catches
+  up to it (a late or restarted receiver gets the last anchor and the deltas after it);
+- ``receive_weights`` yields nothing until the target version is staged and verified: a
+  refused frame (corrupt, truncated, wrong base) leaves the receiver's staged state and
+  the rollout's weights unchanged; after ``max_refusals`` refusals it raises
+  ``ModalDeltaSyncError`` naming the last refusal;
+- the frame server and the receivers' staged state live across syncs (``finalize`` keeps
+  them): that is what makes deltas possible; ``close()`` releases them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.errors import WeightSyncError
+from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.subscriber import Subscriber
+from modal_rl.weightsync.transport import gbps
+from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+
+log = logging.getLogger(__name__)
+
+BACKEND = "modal_delta"
+METRIC_PREFIX = "checkpoint_engine/"
+
+
+class ModalDeltaSyncError(WeightSyncError):
+    """A sync did not reach its target version; the receiver's weights are unchanged."""
+
+
+def _endpoint(meta: Any) -> dict | None:
+    return meta.get("endpoint") if isinstance(meta, dict) else None
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class ModalDeltaCheckpointEngine(CheckpointEngine):
+    """Delta weight sync over TCP. Constructor kwargs come from
+    ``rollout.checkpoint_engine.engine_kwargs.modal_delta`` (plus ``bucket_size`` and, on the
+    trainer, ``is_master`` from verl).
+
+    Args:
+        bucket_size: verl's bucket size; unused (frames are streamed record by record).
+        is_master: trainer rank 0, the one that publishes.
+        anchor_every: a full anchor every K versions (the rest are deltas).
+        bind_host / port: where the master's frame server listens (port 0: any free one).
+        advertise_host: the address receivers dial; defaults to ``bind_host`` (for a
+            wildcard bind, the Ray node's IP).
+        rate_gbps: optional cap on the master's outgoing rate (models a WAN link).
+        receive_timeout_s: how long a receiver waits for the target version.
+        max_refusals: refused frames tolerated per sync (each one reconnects and asks again,
+            which heals corruption on the wire) before the sync fails.
+        codec_threads: encode/decode threads.
+    """
+
+    wire_format = "named_tensors"
+
+    def __init__(
+        self,
+        bucket_size: int = 0,
+        is_master: bool = False,
+        *,
+        anchor_every: int = 16,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        rate_gbps: float | None = None,
+        receive_timeout_s: float = 600.0,
+        max_refusals: int = 2,
+        codec_threads: int | None = None,
+    ) -> None:
+        if max_refusals < 0:
+            raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.anchor_every = anchor_every
+        self.bind_host, self.port, self.advertise_host = bind_host, port, advertise_host
+        self.rate_gbps = rate_gbps
+        self.receive_timeout_s = receive_timeout_s
+        self.max_refusals = max_refusals
+        self.config = CodecConfig(threads=codec_threads) if codec_threads else CodecConfig()
+        self.rank: int | None = None
+        self.endpoint: dict | None = None  # the master's {"host", "port", "version"} for this sync
+        self.metrics: dict[str, float] = {}  # last sync's numbers, on either side
+        self._server: FrameServer | None = None
+        self._publisher: Publisher | None = None
+        self._subscriber: Subscriber | None = None
+
+    # -- topology ----------------------------------------------------------------------
+    def _ensure_server(self) -> None:
+        if self._server is None:
+            self._server = FrameServer(self.bind_host, self.port, rate_bytes_per_s=gbps(self.rate_gbps))
+            self._publisher = Publisher(self._server, anchor_every=self.anchor_every, config=self.config)
+
+    def _advertised(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.bind_host in ("0.0.0.0", "::", ""):
+            import ray
+
+            return ray.util.get_node_ip_address()
+        return self.bind_host
+
+    def prepare(self) -> dict[str, Any]:
+        """Master: start the frame server once and announce where it is and which version this
+        sync publishes. Everyone else: nothing to announce."""
+        if not self.is_master:
+            return {"endpoint": None}
+        self._ensure_server()
+        last = self._publisher.version
+        return {
+            "endpoint": {
+                "host": self._advertised(),
+                "port": int(self._server.address[1]),
+                "version": 0 if last is None else last + 1,
+            }
+        }
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Actor rank 0 publishes; other actor ranks only walk their weight generator (rank
+        -1); every rollout worker subscribes to rank 0's endpoint."""
+        if len(metadata) != actor_wg_world_size + rollout_world_size:
+            raise ValueError(
+                f"{BACKEND}: expected {actor_wg_world_size + rollout_world_size} prepare() results, "
+                f"got {len(metadata)}"
+            )
+        endpoint = _endpoint(metadata[0]) if metadata else None
+        if endpoint is None:
+            raise ValueError(
+                f"{BACKEND}: actor rank 0 must be the master (its prepare() announced no endpoint)"
+            )
+        others = [i for i, m in enumerate(metadata) if i > 0 and _endpoint(m) is not None]
+        if others:
+            raise ValueError(
+                f"{BACKEND}: only actor rank 0 may publish, but workers {others} announced endpoints"
+            )
+        actor = {
+            "rank": [0] + [-1] * (actor_wg_world_size - 1),
+            "endpoint": [endpoint] * actor_wg_world_size,
+        }
+        rollout = {
+            "rank": list(range(1, rollout_world_size + 1)),
+            "endpoint": [endpoint] * rollout_world_size,
+        }
+        return actor, rollout
+
+    def init_process_group(self, rank: int, endpoint: dict) -> None:
+        """Receivers (rank >= 1) connect to the master once and keep the connection and their
+        staged state across syncs."""
+        self.rank, self.endpoint = rank, endpoint
+        if rank < 1:
+            return
+        addr = (endpoint["host"], int(endpoint["port"]))
+        sub = self._subscriber
+        held = None if sub is None else sub.live_version
+        # A moved master, or one that announces a version we already hold (it restarted and
+        # counts from 0 again), starts a fresh chain: catch up from its first anchor.
+        if sub is not None and (
+            sub.source.addr != addr or (held is not None and endpoint["version"] <= held)
+        ):
+            sub.source.close()
+            sub = None
+        if sub is None:
+            self._subscriber = Subscriber(TcpSource(*addr), lambda _state, _version: None, config=self.config)
+
+    def finalize(self) -> None:
+        """Per-sync cleanup: nothing to free — the server's retained frames and the receivers'
+        staged state are the bases of the next delta."""
+        self.endpoint = None
+
+    def close(self) -> None:
+        """Release the frame server and the receiver's connection (end of the run)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = self._publisher = None
+        if self._subscriber is not None:
+            self._subscriber.source.close()
+            self._subscriber = None
+
+    # -- trainer side ------------------------------------------------------------------
+    async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, float]:
+        """Publish one version from ``weights`` ((name, tensor) pairs, sync or async).
+        Returns verl metrics (the manager merges the actor workers' return values)."""
+        if not self.is_master:
+            # Producing each tensor may be collective over the actor group: walk it anyway.
+            if hasattr(weights, "__aiter__"):
+                async for _ in weights:
+                    pass
+            else:
+                for _ in weights:
+                    pass
+            return {}
+        self._ensure_server()
+        expected = None if self.endpoint is None else self.endpoint["version"]
+        pairs = _synced(weights, asyncio.get_running_loop()) if hasattr(weights, "__aiter__") else weights
+        t0 = time.perf_counter()
+        if hasattr(weights, "__aiter__"):
+            report = await asyncio.to_thread(self._publisher.publish, pairs, expected)
+        else:
+            # In the caller's thread: the generator may run collectives bound to this thread.
+            report = self._publisher.publish(pairs, expected)
+        seconds = time.perf_counter() - t0
+        self.metrics = {
+            f"{METRIC_PREFIX}version": float(report.version),
+            f"{METRIC_PREFIX}anchor": 1.0 if report.kind == "anchor" else 0.0,
+            f"{METRIC_PREFIX}payload_mbytes": report.bytes / (1 << 20),
+            f"{METRIC_PREFIX}raw_mbytes": report.raw_bytes / (1 << 20),
+            f"{METRIC_PREFIX}compression_ratio": report.raw_bytes / max(report.bytes, 1),
+            f"{METRIC_PREFIX}send_s": seconds,
+        }
+        log.info("%s sent v=%d (%s, global_steps=%s) %.2f MiB in %.2fs", BACKEND, report.version,
+                 report.kind, global_steps, report.bytes / (1 << 20), seconds)  # fmt: skip
+        return dict(self.metrics)
+
+    # -- rollout side ------------------------------------------------------------------
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Stage and verify the version announced for this sync (or, without an announcement,
+        the next one), then yield every tensor of it. Network reads and decoding run in a
+        thread so the worker's event loop stays responsive. Yielded tensors are the staged
+        state itself: read them, do not modify them."""
+        if self._subscriber is None:
+            raise ModalDeltaSyncError(
+                f"{BACKEND}: receive_weights before init_process_group (no master endpoint)"
+            )
+        state = await asyncio.to_thread(self._stage)
+        for name, tensor in state.items():
+            yield name, tensor
+
+    def _stage(self) -> dict[str, torch.Tensor]:
+        sub = self._subscriber
+        held = sub.live_version
+        target = self.endpoint["version"] if self.endpoint else (0 if held is None else held + 1)
+        deadline = time.monotonic() + self.receive_timeout_s
+        refused_before = len(sub.refused)
+        first_timing = len(sub.timings)
+        while sub.live_version is None or sub.live_version < target:
+            if len(sub.refused) - refused_before > self.max_refusals:
+                raise ModalDeltaSyncError(
+                    f"{BACKEND}: version {target} refused {len(sub.refused) - refused_before} times; "
+                    f"weights stay at version {sub.live_version}; last: {sub.refused[-1]}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ModalDeltaSyncError(
+                    f"{BACKEND}: version {target} did not arrive within {self.receive_timeout_s}s; "
+                    f"weights stay at version {sub.live_version}"
+                )
+            sub.poll(remaining)
+        timings = sub.timings[first_timing:]
+        self.metrics = {
+            f"{METRIC_PREFIX}version": float(sub.live_version),
+            f"{METRIC_PREFIX}frames": float(len(timings)),
+            f"{METRIC_PREFIX}payload_mbytes": sum(t.bytes for t in timings) / (1 << 20),
+            f"{METRIC_PREFIX}fetch_s": sum(t.fetch_s for t in timings),
+            f"{METRIC_PREFIX}decode_s": sum(t.decode_s for t in timings),
+            f"{METRIC_PREFIX}refused": float(len(sub.refused) - refused_before),
+        }
+        return sub.chain.state
+
+
+def _synced(agen, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pull an async iterator from a worker thread, one item at a time, on its own loop."""
+    it = agen.__aiter__()
+    while True:
+        try:
+            yield asyncio.run_coroutine_threadsafe(it.__anext__(), loop).result()
+        except StopAsyncIteration:
+            return
