@@ -77,14 +77,36 @@ def one_line(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def compose(overrides: list[str]):
-    """verl's ``ppo_trainer`` with ``overrides``; Hydra's errors as one-line preflight errors."""
-    from verl_modal.cpu.overrides import OverrideError
-    from verl_modal.cpu.overrides import compose as hydra_compose
+def verl_config_dir() -> str:
+    """verl's Hydra config directory, found without importing verl (seconds of torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise VerlPreflightError("verl is not installed here; preflight composes verl's own config")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
+
+
+def compose(overrides: list[str], config_name: str = "ppo_trainer"):
+    """verl's ``ppo_trainer`` with ``overrides``; Hydra's errors as one-line preflight errors
+    (an unknown key is named as such, with the ``+key=`` form that adds one on purpose)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     try:
-        return hydra_compose(overrides)
-    except OverrideError as exc:
+        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError) and "not in struct" in str(cause):
+            key = getattr(cause, "full_key", None) or "?"
+            raise VerlPreflightError(
+                f"unknown key {key}: verl's {config_name} config has no such key "
+                f"(to add a new key on purpose, write +{key}=...)"
+            ) from None
         raise VerlPreflightError(one_line(exc)) from None
 
 
