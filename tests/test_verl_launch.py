@@ -157,3 +157,17 @@ def test_cluster_job_carries_the_cpu_env_only_for_cpu_runs():
     assert entry == ["/py", "-m", "verl_modal.launch", "--cpu", "--", "a=1"]
     assert runtime_env["env_vars"]["VERL_PLATFORM"] == "cpu"
     assert "verl_modal.cpu.platform" in runtime_env["env_vars"]["VERL_USE_EXTERNAL_MODULES"]
+
+
+def test_driver_runtime_env_leaves_what_the_job_sets_to_the_job(monkeypatch):
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from verl_modal.runner import driver_runtime_env
+
+    ours = {"env_vars": {"A": "1", "B": "2"}, "working_dir": None}
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR, raising=False)
+    assert driver_runtime_env(ours) == ours  # not under a Ray job: unchanged
+    job = {"runtime_env": {"env_vars": {"A": "1"}, "working_dir": "/src"}}
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps(job))
+    # Ray refuses a driver env that repeats the job's keys; the job's working_dir stays.
+    assert driver_runtime_env(ours) == {"env_vars": {"B": "2"}}

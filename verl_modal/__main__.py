@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOCAL_RAY_CPUS_PER_NODE = 8
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     from modal_rl.cluster import split_passthrough
 
@@ -62,6 +65,10 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
     given = explicit_values(user_overrides).get(NGPUS)
     if args.backend == "local" and not args.gpu and given is not None and given.isdigit():
         extra["local_gpus_per_node"] = int(given)
+    if args.backend == "local" and args.nodes > 1:
+        # Ray CPUs per local node: verl's placement bundles take max_colocate_count CPUs per
+        # GPU, plus the TaskRunner, agent-loop and reward actors (logical, like the GPUs).
+        extra["cpu"] = LOCAL_RAY_CPUS_PER_NODE
     return spec_from_args(args, **extra)
 
 
@@ -92,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     env = ov.worker_env() if cpu else {}
     from verl_modal.runner import prepare_process_env
 
-    prepare_process_env(env)  # before verl is imported: it picks its platform at import
+    in_process = args.backend == "local" and spec.nodes == 1  # else the cluster layer brings Ray up
+    # Before verl is imported (it picks its platform then); the one-node Ray env only for the
+    # in-process Ray: it would make `ray start` of a multi-node cluster refuse to join.
+    prepare_process_env(env, local=in_process)
 
     workload = []
     if args.tiny is not None:
@@ -107,14 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
         checks = [ov.check_required, check_local_inputs] if cpu else []
-        if args.backend == "local":
-            checks.append(check_local)
         config = pf.preflight(shape, overrides, checks)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
 
-    if args.backend == "modal":
-        return run_on_cluster(args, spec, overrides, user_overrides, cpu=False, gpus=pf.required_gpus(config))
+    if not in_process:
+        return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=pf.required_gpus(config))
 
     if args.dry_run:
         print("verl_modal: overrides (in order):")
@@ -166,17 +174,6 @@ def run_on_cluster(
             text = json.dumps(plan, indent=2, default=str) + "\n"
         sys.stdout.write(text)
     return code
-
-
-def check_local(config) -> None:
-    """``--backend local`` is one node: the cluster layer is what brings more."""
-    from verl_modal.cpu.overrides import OverrideError
-
-    if int(config.trainer.nnodes) != 1:
-        raise OverrideError(
-            f"--backend local runs one node, but trainer.nnodes={config.trainer.nnodes}; "
-            "use trainer.nnodes=1 (and trainer.n_gpus_per_node for more ranks)"
-        )
 
 
 def check_local_inputs(config) -> None:

@@ -87,10 +87,26 @@ def start_local_ray(config, env_vars: dict[str, str]) -> None:
 
 def attach_ray(config, env_vars: dict[str, str]) -> None:
     """Bring-up on a cluster the cluster layer started: attach to it (``RAY_ADDRESS``, set by
-    the Ray job that runs us) with verl's runtime env plus ``env_vars``."""
+    the Ray job that runs us) with verl's runtime env plus ``env_vars``, less what the job's
+    own runtime env already sets (Ray refuses a driver runtime env that repeats a job's field
+    or env key; the job's was built by the same launcher, and its ``working_dir`` is kept
+    rather than cleared as verl's default would)."""
     import ray
 
-    ray.init(runtime_env=runtime_env_for(config, env_vars, local=False))
+    ray.init(runtime_env=driver_runtime_env(runtime_env_for(config, env_vars, local=False)))
+
+
+def driver_runtime_env(runtime_env: dict) -> dict:
+    """``runtime_env`` minus the fields and env keys the enclosing Ray job already sets."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR, "{}")).get("runtime_env") or {}
+    job_env = job.get("env_vars") or {}
+    out = {k: v for k, v in runtime_env.items() if k == "env_vars" or k not in job}
+    out["env_vars"] = {k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in job_env}
+    return out
 
 
 def _task_runner_base():
