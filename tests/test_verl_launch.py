@@ -171,3 +171,42 @@ def test_driver_runtime_env_leaves_what_the_job_sets_to_the_job(monkeypatch):
     monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps(job))
     # Ray refuses a driver env that repeats the job's keys; the job's working_dir stays.
     assert driver_runtime_env(ours) == {"env_vars": {"B": "2"}}
+
+
+def test_local_two_node_dry_run_plans_the_cpu_job_on_the_cluster(tmp_path):
+    out, _ = launcher(
+        "--backend", "local", "--nodes", "2", "--device", "cpu", "--tiny", str(tmp_path / "tiny"),
+        "--dry-run", "--", "trainer.total_training_steps=1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout)
+    assert plan["backend"] == "local"
+    assert plan["addresses"] == ["127.0.0.2", "127.0.0.2"]  # loopback only
+    for argv in plan["ray_start"]:  # one logical GPU per node; CPUs for verl's bundles
+        assert "--num-gpus=1" in argv and "--num-cpus=8" in argv
+    entry = plan["entrypoint"]
+    assert entry[:5] == [sys.executable, "-m", "verl_modal.launch", "--cpu", "--"]
+    assert "trainer.nnodes=2" in entry and "trainer.n_gpus_per_node=1" in entry
+    assert entry[-1] == "trainer.total_training_steps=1"
+    env = plan["runtime_env"]["env_vars"]
+    assert env["VERL_PLATFORM"] == "cpu" and env[WAIT_ENV] == "300"
+
+
+def test_cluster_runs_do_not_inherit_the_one_node_ray_env(monkeypatch):
+    """Local nodes inherit the launcher's env; Ray's single-node switch would make followers'
+    ``ray start`` refuse to join ("Multi-node Ray clusters are not supported")."""
+    from verl_modal.runner import prepare_process_env
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    prepare_process_env({"X_TEST": "1"}, local=False)
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+    assert os.environ["X_TEST"] == "1" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    prepare_process_env({}, local=True)
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+def test_detach_is_refused_for_a_local_in_process_run(tmp_path):
+    out, _ = launcher("--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--detach", "--")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("verl_modal: --detach is not available")

@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if not in_process:
         return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=pf.required_gpus(config))
 
+    if args.detach:
+        return _fail(
+            "--detach is not available with --backend local (a local run lives as long as this process)"
+        )
     if args.dry_run:
         print("verl_modal: overrides (in order):")
         for override in overrides:
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from verl_modal.runner import run
 
-    run(config, env, cpu=cpu)
+    run(config, {**spec.env, **env}, cpu=cpu)  # --env reaches every Ray worker, as on a cluster
     return 0
 
 
