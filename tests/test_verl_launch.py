@@ -91,22 +91,18 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     assert plan["preflight"] == "ok"
 
 
-def test_nnodes_and_gpus_per_node_default_from_the_cluster():
-    out, _ = launcher("--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--dry-run", "--", *VERL_LINE)
+def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():
+    out, _ = launcher(
+        "--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--image", "me/verl:mine",
+        "--dry-run", "--", *VERL_LINE,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     entry = plan["entrypoint"]
     assert "trainer.nnodes=4" in entry and "trainer.n_gpus_per_node=8" in entry
     assert plan["modal_function"]["cluster_size"] == 4
     assert plan["verl"]["cpu"] is False
-
-
-def test_user_image_replaces_verls():
-    out, _ = launcher(
-        "--backend", "modal", "--gpu", "H100:8", "--image", "me/verl:mine", "--dry-run", "--", *VERL_LINE
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout)["image"] == "me/verl:mine"
+    assert plan["image"] == "me/verl:mine"
 
 
 def test_disagreeing_nnodes_exits_2_in_one_line_fast():
@@ -206,7 +202,10 @@ def test_cluster_runs_do_not_inherit_the_one_node_ray_env(monkeypatch):
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
 
 
-def test_detach_is_refused_for_a_local_in_process_run(tmp_path):
-    out, _ = launcher("--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--detach", "--")
+def test_detach_is_refused_for_a_local_in_process_run():
+    out, elapsed = launcher("--device", "cpu", "--detach", "--")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("verl_modal: --detach is not available")
+    assert out.stderr.strip().splitlines() == [
+        "verl_modal: --detach is not available with --backend local (a local run lives as long as this process)"
+    ]
+    assert elapsed < 10.0

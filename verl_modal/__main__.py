@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
     except (ClusterSpecError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
+    if args.detach and args.backend == "local" and spec.nodes == 1:
+        return _fail(
+            "--detach is not available with --backend local (a local run lives as long as this process)"
+        )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
 
@@ -124,10 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     if not in_process:
         return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=pf.required_gpus(config))
 
-    if args.detach:
-        return _fail(
-            "--detach is not available with --backend local (a local run lives as long as this process)"
-        )
     if args.dry_run:
         print("verl_modal: overrides (in order):")
         for override in overrides:
