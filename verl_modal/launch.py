@@ -1,0 +1,78 @@
+"""verl on a ``modal_rl.cluster`` cluster: the job we hand the cluster, and the job's driver.
+
+Two halves of one launch:
+
+- on the launching machine, :func:`cluster_job` turns a composed verl command line into the
+  ``(entrypoint, runtime_env)`` the cluster layer runs as its Ray job (``run_job``), and
+  :data:`VERL_IMAGE` is the default container image on Modal;
+- on the cluster's rank 0, ``python -m verl_modal.launch [--cpu] -- <overrides>`` is that
+  job's driver (:func:`job_main`): it composes verl's ``ppo_trainer`` again from the same
+  overrides, attaches to the running cluster and calls verl's ``run_ppo`` with our TaskRunner.
+
+Invariants:
+- The overrides the driver gets are the complete, already preflighted list (cluster layer,
+  CPU layers, workload, user) in Hydra order, so the driver's config is the one that passed.
+- Every env var our pieces need is in the job's runtime env explicitly (verl's runtime env
+  drops keys the driver has set; see ``runner.runtime_env_for``); the resource-pool wait
+  (:data:`verl_modal.pools.WAIT_ENV`) is the cluster's join timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# verl's published application image (docs/start/install.rst: "All pre-built images are
+# available in dockerhub: verlai/verl", tags named <engine><version>.<stage>). vLLM 0.12 build.
+VERL_IMAGE = "verlai/verl:vllm012.dev3"
+
+
+def cluster_job(
+    overrides: list[str], *, cpu: bool, join_timeout_s: float, python: str = "python"
+) -> tuple[list[str], dict]:
+    """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster."""
+    from verl_modal.pools import WAIT_ENV
+
+    entrypoint = [python, "-m", "verl_modal.launch", *(["--cpu"] if cpu else []), "--", *overrides]
+    env = {WAIT_ENV: f"{join_timeout_s:g}"}
+    if cpu:
+        from verl_modal.cpu.overrides import worker_env
+
+        env.update(worker_env())
+    return entrypoint, {"env_vars": env}
+
+
+def job_main(argv: list[str] | None = None) -> int:
+    """The Ray job's driver on rank 0: compose, attach to the cluster, ``run_ppo``."""
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    flags, overrides = argv[:cut], argv[cut + 1 :]
+    unknown = [f for f in flags if f != "--cpu"]
+    if unknown:
+        print(f"verl_modal.launch: unknown flags {unknown}", file=sys.stderr)
+        return 2
+    cpu = "--cpu" in flags
+
+    from verl_modal.runner import attach_ray, prepare_process_env, run
+
+    env: dict[str, str] = {}
+    if cpu:
+        from verl_modal.cpu.overrides import worker_env
+
+        env = worker_env()
+    prepare_process_env(env, local=False)  # before verl is imported: it picks its platform then
+
+    from verl_modal.pools import WAIT_ENV
+    from verl_modal.preflight import compose, validate
+
+    config = compose(overrides)
+    validate(config)
+    import os
+
+    if WAIT_ENV in os.environ:
+        env[WAIT_ENV] = os.environ[WAIT_ENV]
+    run(config, env, cpu=cpu, bring_up=attach_ray)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(job_main())

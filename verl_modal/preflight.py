@@ -1,0 +1,175 @@
+"""verl preflight: everything about a verl command line that can be checked before anything
+is provisioned, in one process, in seconds.
+
+Order (the first failure is the one reported, as one line):
+1. every override is ``key=value`` Hydra syntax;
+2. ``trainer.nnodes`` / ``trainer.n_gpus_per_node`` agree with the cluster: absent ones are
+   filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
+3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
+   is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
+4. verl's own ``validate_config`` (batch sizes, parallelism, strategy);
+5. the GPUs the config asks for fit the cluster.
+
+Invariant: nothing here starts Ray, a process or a container; importing this is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+
+class VerlPreflightError(ValueError):
+    """A verl command line that cannot run on the cluster; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What verl sees of a cluster: nodes and (possibly logical) GPUs per node."""
+
+    nodes: int
+    gpus_per_node: int
+    flag_hint: str = "--nodes/--gpu"
+
+
+NNODES = "trainer.nnodes"
+NGPUS = "trainer.n_gpus_per_node"
+
+
+def explicit_values(overrides: list[str]) -> dict[str, str]:
+    """``key -> value`` of the last override for each key (``+``/``++`` prefixes dropped)."""
+    from verl_modal.cpu.overrides import OverrideError, override_key
+
+    values: dict[str, str] = {}
+    for override in overrides:
+        try:
+            key = override_key(override)
+        except OverrideError as exc:
+            raise VerlPreflightError(str(exc)) from None
+        values[key] = override.partition("=")[2]
+    return values
+
+
+def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
+    """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` from the cluster, to go *before* the
+    user's overrides; raises :class:`VerlPreflightError` if the user's disagree."""
+    given = explicit_values(user)
+    wanted = {NNODES: shape.nodes, NGPUS: shape.gpus_per_node}
+    names = {NNODES: "nodes", NGPUS: "GPUs per node"}
+    for key, want in wanted.items():
+        if key not in given:
+            continue
+        try:
+            got = int(given[key])
+        except ValueError:
+            raise VerlPreflightError(f"{key}={given[key]!r} is not an integer") from None
+        if got != want:
+            raise VerlPreflightError(
+                f"{key}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
+                f"GPUs); the cluster has {want} {names[key]}: drop {key} or change {shape.flag_hint}"
+            )
+    return [f"{NNODES}={shape.nodes}", f"{NGPUS}={shape.gpus_per_node}"]
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def verl_config_dir() -> str:
+    """verl's Hydra config directory, found without importing verl (seconds of torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise VerlPreflightError("verl is not installed here; preflight composes verl's own config")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
+
+
+def compose(overrides: list[str], config_name: str = "ppo_trainer"):
+    """verl's ``ppo_trainer`` with ``overrides``; Hydra's errors as one-line preflight errors
+    (an unknown key is named as such, with the ``+key=`` form that adds one on purpose)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError) and "not in struct" in str(cause):
+            key = getattr(cause, "full_key", None) or "?"
+            raise VerlPreflightError(
+                f"unknown key {key}: verl's {config_name} config has no such key "
+                f"(to add a new key on purpose, write +{key}=...)"
+            ) from None
+        raise VerlPreflightError(one_line(exc)) from None
+
+
+def validate(config) -> None:
+    """verl's own checks, as ``verl.trainer.main_ppo.main`` runs them before ``run_ppo``."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    try:
+        # verl prints its verdict; stdout is for our plan/metrics, so it goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            auto_set_device(config)
+            validate_config(
+                config=config,
+                use_reference_policy=need_reference_policy(config),
+                use_critic=need_critic(config),
+            )
+    except Exception as exc:  # verl raises assorted types; all mean "this config is invalid"
+        raise VerlPreflightError(f"verl rejected the config: {one_line(exc)}") from None
+
+
+def required_gpus(config) -> int:
+    """GPUs verl's resource pools ask for: ``nnodes x n_gpus_per_node`` plus the separate reward
+    and teacher pools when enabled (as ``_init_resource_pool_mgr`` builds them)."""
+    from omegaconf import OmegaConf
+
+    total = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    pools = {"reward.reward_model": "enable_resource_pool", "distillation": "enabled"}
+    for pool, flag in pools.items():
+        if OmegaConf.select(config, f"{pool}.{flag}", default=False):
+            nodes = OmegaConf.select(config, f"{pool}.nnodes", default=0) or 0
+            per = OmegaConf.select(config, f"{pool}.n_gpus_per_node", default=0) or 0
+            total += int(nodes) * int(per)
+    return total
+
+
+def check_gpus(config, shape: ClusterShape) -> None:
+    want = required_gpus(config)
+    have = shape.nodes * shape.gpus_per_node
+    if want > have:
+        raise VerlPreflightError(
+            f"the config asks for {want} GPUs but the cluster has {shape.nodes} nodes x "
+            f"{shape.gpus_per_node} = {have}; change {shape.flag_hint} or the pool sizes"
+        )
+    from omegaconf import OmegaConf
+
+    tp = int(OmegaConf.select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", default=1) or 1)
+    if tp > have:
+        raise VerlPreflightError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} exceeds the cluster's {have} GPUs"
+        )
+
+
+def preflight(shape: ClusterShape, overrides: list[str], checks=()):
+    """Compose, validate and size-check ``overrides`` (already aligned with the cluster);
+    ``checks`` (each ``config -> None``, raising) run between composition and verl's
+    validation. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
+    or whatever a check raises."""
+    explicit_values(overrides)  # syntax first: a malformed override is named as such
+    config = compose(overrides)
+    for check in checks:
+        check(config)
+    validate(config)
+    check_gpus(config, shape)
+    return config
