@@ -48,17 +48,24 @@ def validate_for_modal(spec: ClusterSpec) -> None:
         raise ClusterSpecError("--backend modal needs --gpu (Modal clusters are GPU-only), e.g. --gpu H100:8")
 
 
+# This project's packages, shipped as source into every container: the core and the thin
+# adapters (they import their framework lazily, so unused ones cost nothing).
+LOCAL_PACKAGES = ("modal_rl", "verl_modal", "slime_modal")
+
+
 def build_image(spec: ClusterSpec):
-    """The user's registry image, or Debian slim with Ray and torch; modal_rl is added as source."""
+    """The user's registry image, or Debian slim with Ray and torch, plus this project's
+    packages as source. A registry image keeps its own Python: framework images (verl's,
+    slime's) carry the framework, torch and Ray in it, and a second interpreter would not."""
     import modal
 
     if spec.image:
-        image = modal.Image.from_registry(spec.image, add_python="3.11")
+        image = modal.Image.from_registry(spec.image)
     else:
         image = modal.Image.debian_slim(python_version="3.11").pip_install(
             f"ray[default]=={RAY_VERSION}", "torch"
         )
-    return image.add_local_python_source("modal_rl")
+    return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
 def container_main(plan_json: str, forward_dashboard: bool = True) -> dict:
