@@ -151,3 +151,24 @@ def test_token_bucket_limits_the_rate():
     assert 0.4 < time.monotonic() - started < 2.0
     with pytest.raises(ValueError):
         TokenBucket(0)
+
+
+def test_a_relay_re_serves_what_it_receives():
+    states = trajectory(4)
+    upstream, relay_server = FrameServer(), FrameServer()
+    relay = Subscriber(TcpSource(*upstream.address, on_record=relay_server.forward), copy_into({}), CONFIG)
+    live: dict = {}
+    downstream = Subscriber(TcpSource(*relay_server.address), copy_into(live), CONFIG)
+    publisher = Publisher(upstream, anchor_every=10, config=CONFIG)
+    try:
+        for v, state in enumerate(states):
+            publisher.publish(state)
+            assert relay.run_until(v, timeout=30)
+            assert downstream.run_until(v, timeout=30)
+            assert same_state(live, state)
+        assert [t.kind for t in downstream.timings] == ["anchor", "delta", "delta", "delta"]
+    finally:
+        relay.source.close()
+        downstream.source.close()
+        upstream.close()
+        relay_server.close()

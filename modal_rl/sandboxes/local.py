@@ -33,7 +33,7 @@ from pathlib import Path
 
 from modal_rl.sandboxes import registry
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError
-from modal_rl.sandboxes.provider import Provider, SandboxHandle
+from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 
 _AGENT_SRC = (Path(__file__).with_name("_agent.py")).read_text()
@@ -289,8 +289,7 @@ class LocalSandbox(SandboxHandle):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"exec needs a non-empty list of str, e.g. ['sh', '-c', cmd]; got {argv!r}")
+        check_argv(argv)
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"exec timeout_s must be a positive number, got {timeout_s!r}")
         data = stdin.encode() if isinstance(stdin, str) else stdin

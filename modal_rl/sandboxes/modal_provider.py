@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modal_rl.sandboxes.errors import RateLimitedError, SandboxLostError, TransientProviderError
-from modal_rl.sandboxes.provider import Provider, SandboxHandle
+from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 
 _TRANSIENT = ("ConnectionError", "InternalError", "InternalFailure", "ServiceError", "TimeoutError")
@@ -153,8 +153,7 @@ class ModalSandbox(SandboxHandle):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"exec needs a non-empty list of str, e.g. ['sh', '-c', cmd]; got {argv!r}")
+        check_argv(argv)
         t0 = time.monotonic()
         try:
             proc = await self._sb.exec.aio(

@@ -16,6 +16,12 @@ TAG_POOL = "modal-rl-pool"
 TAG_RUN = "modal-rl-run"
 
 
+def check_argv(argv: Sequence[str]) -> None:
+    """Every provider's exec takes the same argv: a non-empty list of str, never a shell string."""
+    if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"exec needs a non-empty list of str, e.g. ['sh', '-c', cmd]; got {argv!r}")
+
+
 class SandboxHandle(abc.ABC):
     """One live sandbox. ``terminate`` is idempotent and never raises for an already-dead sandbox.
 

@@ -82,10 +82,8 @@ def words_of(tensor: Any) -> np.ndarray:
     return array.view(word)
 
 
-def empty_like_spec(name: str, shape: tuple[int, ...], like_torch: bool = True) -> Any:
-    """A new zeroed CPU tensor of a given dtype name and shape (torch when available)."""
-    if like_torch:
-        import torch
+def empty_like_spec(name: str, shape: tuple[int, ...]) -> Any:
+    """A new zeroed CPU torch tensor of a given dtype name and shape."""
+    import torch
 
-        return torch.zeros(shape, dtype=getattr(torch, name))
-    return np.zeros(shape, dtype=WORD_DTYPES[ITEMSIZE[name]])
+    return torch.zeros(shape, dtype=getattr(torch, name))

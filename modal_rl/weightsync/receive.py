@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -57,7 +58,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
         source = TcpSource(host, int(port), on_record=relay.forward if relay else None)
     live: dict = {}
     subscriber = Subscriber(source, copy_into(live), CodecConfig(threads=args.threads))
-    print(json.dumps({"event": "ready", "pid": __import__("os").getpid()}), flush=True)
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     deadline = time.monotonic() + args.timeout
     try:
         while subscriber.live_version is None or subscriber.live_version < args.until:

@@ -33,7 +33,6 @@ from modal_rl.weightsync.frames import (
     TAG_END,
     TAG_VERSION,
     VersionHeader,
-    read_records,
 )
 from modal_rl.weightsync.transport import TokenBucket
 
@@ -74,6 +73,7 @@ class FrameServer:
         self.dropped = 0
         self.in_frame = False
         self._frame_parts: list[bytes] = []
+        self._frame_header: VersionHeader | None = None
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run_loop, args=(host, port, ready), daemon=True)
@@ -171,6 +171,10 @@ class FrameServer:
         anchors = [i for i, (h, _) in enumerate(self.retained) if h.kind == "anchor"]
         if len(anchors) > self.keep_anchors:
             del self.retained[: anchors[-self.keep_anchors]]
+        await self._frame_closed()
+
+    async def _frame_closed(self) -> None:
+        """A frame boundary: receivers that connected mid-frame join now."""
         self.in_frame = False
         pending, self.pending = self.pending, []
         for conn in pending:
@@ -199,29 +203,22 @@ class FrameServer:
                 self._call(self._broadcast(rec))
         except BaseException:
             # An aborted frame: receivers got a prefix they will refuse; do not retain it.
-            self._call(self._abort())
+            self._call(self._frame_closed())
             raise
         frame = b"".join(parts)
         self._call(self._end(header, frame))
         return len(frame)
 
-    async def _abort(self) -> None:
-        self.in_frame = False
-        pending, self.pending = self.pending, []
-        for conn in pending:
-            self._admit(conn)
-
     def forward(self, tag: bytes, raw: bytes) -> None:
         """Relay: re-serve one record received from upstream (call in arrival order)."""
         if tag == TAG_VERSION:
             self._frame_parts = []
+            self._frame_header = VersionHeader.from_body(raw[RECORD_HEADER.size : -RECORD_TRAILER.size])
             self._call(self._begin())
         self._frame_parts.append(raw)
         self._call(self._broadcast(raw))
         if tag == TAG_END:
-            frame = b"".join(self._frame_parts)
-            header = next(VersionHeader.from_body(body) for t, body in _records(frame) if t == TAG_VERSION)
-            self._call(self._end(header, frame))
+            self._call(self._end(self._frame_header, b"".join(self._frame_parts)))
 
     @property
     def receivers(self) -> int:
@@ -239,12 +236,6 @@ class FrameServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
         self.loop.close()
-
-
-def _records(frame: bytes):
-    import io
-
-    return read_records(io.BytesIO(frame))
 
 
 class TcpSource:
