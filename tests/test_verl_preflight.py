@@ -95,6 +95,14 @@ def test_unknown_key_exits_2_in_one_line_in_under_10_s():
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
 
+def test_too_few_gpus_exits_2_before_verl_is_imported():
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size=32"
+    out, elapsed = launcher(*MODAL_2x8, "--preflight-only", "--", *VERL_LINE, tp)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"verl_modal: {tp} exceeds the cluster's 16 GPUs"]
+    assert elapsed < 10.0, f"took {elapsed:.1f} s"
+
+
 def test_verl_rejection_exits_2_naming_verl():
     out, _ = launcher(*MODAL_2x8, "--preflight-only", "--", *VERL_LINE, "data.train_batch_size=32")
     assert out.returncode == 2

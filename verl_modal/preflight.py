@@ -7,8 +7,11 @@ Order (the first failure is the one reported, as one line):
    filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
 3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
    is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
-4. verl's own ``validate_config`` (batch sizes, parallelism, strategy);
-5. the GPUs the config asks for fit the cluster.
+4. the GPUs the config asks for fit the cluster;
+5. verl's own ``validate_config`` (batch sizes, parallelism, strategy).
+
+Steps 1-4 need no verl import and fail in about a second; step 5 imports verl (torch and
+tensordict: 8-10 s on a 2-core machine), so it runs last.
 
 Invariant: nothing here starts Ray, a process or a container; importing this is cheap.
 """
@@ -162,14 +165,13 @@ def check_gpus(config, shape: ClusterShape) -> None:
 
 
 def preflight(shape: ClusterShape, overrides: list[str], checks=()):
-    """Compose, validate and size-check ``overrides`` (already aligned with the cluster);
-    ``checks`` (each ``config -> None``, raising) run between composition and verl's
-    validation. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
+    """Compose, size-check and validate ``overrides`` (already aligned with the cluster);
+    ``checks`` (each ``config -> None``, raising) run right after composition. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
     or whatever a check raises."""
     explicit_values(overrides)  # syntax first: a malformed override is named as such
     config = compose(overrides)
     for check in checks:
         check(config)
+    check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
     validate(config)
-    check_gpus(config, shape)
     return config
