@@ -43,6 +43,18 @@ def test_compose_applies_cpu_layers_then_user():
     assert config.data.train_batch_size == 8
 
 
+def test_local_node_declares_the_standalone_rollout_pool_too():
+    from verl_modal.runner import logical_gpus
+
+    colocated = ov.compose(ov.cpu_overrides([], ["trainer.n_gpus_per_node=2"]))
+    assert logical_gpus(colocated) == 2
+    standalone = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1"]
+    standalone.append("actor_rollout_ref.rollout.n_gpus_per_node=3")
+    assert logical_gpus(ov.compose(ov.cpu_overrides([], ["trainer.n_gpus_per_node=2", *standalone]))) == 5
+    declared = ov.compose(ov.cpu_overrides([], [*standalone, "++ray_kwargs.ray_init.num_gpus=7"]))
+    assert logical_gpus(declared) == 7
+
+
 def test_user_may_replace_an_added_key_with_plus():
     config = ov.compose(
         ov.cpu_overrides([], ["+actor_rollout_ref.model.override_config.attn_implementation=eager"])

