@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from verl_modal.launch import VERL_IMAGE, cluster_job
-from verl_modal.pools import WAIT_ENV
+from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,25 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     assert plan["verl"]["overrides"] == entry[4:]
     assert plan["framework_argv"] == overrides
     assert plan["runtime_env"]["env_vars"][WAIT_ENV] == "240"  # pools wait as long as the join
+    assert plan["verl"]["pool_placement"] == {"global_pool": [0, 1]}
+    assert json.loads(plan["runtime_env"]["env_vars"][PLACEMENT_ENV]) == {"global_pool": [0, 1]}
     assert plan["preflight"] == "ok"
+
+
+def test_standalone_rollout_replicas_get_the_last_nodes():
+    line = [*VERL_LINE, "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]
+    line += [
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
+    ]
+    out, _ = launcher("--backend", "modal", "--nodes", "3", "--gpu", "H100:8", "--dry-run", "--", *line)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout)
+    assert "trainer.nnodes=2" in plan["entrypoint"]
+    # tensor_model_parallel_size=2 in VERL_LINE: 4 replicas of 2 GPUs on rank 2's 8 GPUs
+    want = {"global_pool": [0, 1], **{f"rollout_pool_{i}": [2] for i in range(4)}}
+    assert plan["verl"]["pool_placement"] == want
+    assert json.loads(plan["runtime_env"]["env_vars"][PLACEMENT_ENV]) == want
 
 
 def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():

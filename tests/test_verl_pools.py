@@ -8,6 +8,7 @@ those processes (``modal_rl.cluster.procs.end_run``), never ``ray stop``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,7 +66,7 @@ class LocalRay:
         self.children: list[subprocess.Popen] = []
         self.env = {**os.environ, procs.RUN_ID_ENV: self.run_id, "RAY_AUTH_MODE": "disabled"}
 
-    def start_node(self, gpus: int, cpus: int, head: bool = False) -> subprocess.Popen:
+    def start_node(self, gpus: int, cpus: int, head: bool = False, resources=None) -> subprocess.Popen:
         ports = free_ports(6)
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
         argv += [f"--node-ip-address={ADDRESS}", f"--num-gpus={gpus}", f"--num-cpus={cpus}"]
@@ -73,6 +74,8 @@ class LocalRay:
         argv += [f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}"]
         argv += [f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}"]
         argv += [f"--metrics-export-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}"]
+        if resources:
+            argv += [f"--resources={json.dumps(resources)}"]
         if head:
             argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
         else:
@@ -180,3 +183,36 @@ def test_gpus_that_register_late_are_waited_for_and_usable(cluster):
     assert ray.available_resources().get("GPU", 0.0) == 0.0
     for pg in pgs:
         ray.util.remove_placement_group(pg)
+
+
+def test_planned_pools_land_on_their_ranks(cluster, monkeypatch):
+    import ray
+
+    from verl_modal.pools import PLACEMENT_ENV, rank_resource
+
+    # Two cluster ranks with one GPU each (the earlier test's untagged 2-GPU node is free too,
+    # so Ray alone could put both pools there). Plan: trainer on rank 2, replica on rank 1.
+    for rank in (1, 2):
+        cluster.start_node(gpus=1, cpus=8, resources={rank_resource(rank): 1})
+    _wait_for(
+        lambda: all(ray.cluster_resources().get(rank_resource(r)) for r in (1, 2)), 90, "the ranked nodes"
+    )
+    monkeypatch.setenv(PLACEMENT_ENV, json.dumps({"global_pool": [2], "rollout_pool_0": [1]}))
+    node_of_rank = {
+        r: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and rank_resource(r) in n["Resources"])
+        for r in (1, 2)
+    }
+    pools = {}
+    for name in ("global_pool", "rollout_pool_0"):
+        manager = _manager({name: [1]}, wait_s=60.0)
+        manager.create_resource_pool()
+        pools[name] = manager.resource_pool_dict[name]
+    try:
+        for name, rank in (("global_pool", 2), ("rollout_pool_0", 1)):
+            (pg,) = pools[name].get_placement_groups()
+            bundles = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            assert set(bundles.values()) == {node_of_rank[rank]}, (name, bundles)
+    finally:
+        for pool in pools.values():
+            for pg in pool.pgs or []:
+                ray.util.remove_placement_group(pg)

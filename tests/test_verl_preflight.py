@@ -53,6 +53,30 @@ def test_verls_own_validation_runs():
     )
 
 
+STANDALONE = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1"]
+
+
+def test_standalone_rollout_nodes_are_taken_from_the_trainers_share():
+    three = pf.ClusterShape(3, 8)
+    assert pf.cluster_overrides(three, STANDALONE) == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
+    with pytest.raises(pf.VerlPreflightError, match=r"the cluster has 2 nodes for the trainer"):
+        pf.cluster_overrides(three, [*STANDALONE, "trainer.nnodes=3"])
+    # One node (local, logical GPUs): replicas share it with the trainer.
+    assert pf.cluster_overrides(pf.ClusterShape(1, 1), STANDALONE)[0] == "trainer.nnodes=1"
+    # hybrid_engine on (the default): rollout.nnodes is not a pool of its own.
+    assert pf.cluster_overrides(three, STANDALONE[1:])[0] == "trainer.nnodes=3"
+
+
+def test_standalone_rollout_pool_counts_against_the_cluster():
+    line = [*VERL_LINE, *STANDALONE, "trainer.v1.trainer_mode=separate_async"]
+    line += ["actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"]
+    config = pf.compose([*pf.cluster_overrides(TWO_BY_EIGHT, line), *line])
+    assert pf.required_gpus(config) == 16  # 1 trainer node + 1 rollout node
+    too_many = [*line, "actor_rollout_ref.rollout.nnodes=2"]
+    with pytest.raises(pf.VerlPreflightError, match=r"asks for 32 GPUs but the cluster has 2 nodes x 8 = 16"):
+        pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, too_many), *too_many])
+
+
 def test_separate_pools_count_against_the_cluster():
     reward_pool = ["reward.reward_model.enable_resource_pool=True", "reward.reward_model.nnodes=1"]
     reward_pool.append("reward.reward_model.n_gpus_per_node=8")

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             from modal_rl.cluster.backend_modal import validate_for_modal
 
             validate_for_modal(spec)
-        shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node)
+        logical_node = args.backend == "local" and spec.nodes == 1 and not args.gpu
+        shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node, declares_what_is_asked=logical_node)
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
     except (ClusterSpecError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
@@ -126,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
 
     if not in_process:
-        return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=pf.required_gpus(config))
+        from verl_modal.pools import placement_plan
+
+        placement = placement_plan(config, spec.nodes)
+        gpus = pf.required_gpus(config)
+        return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=gpus, placement=placement)
 
     if args.dry_run:
         print("verl_modal: overrides (in order):")
@@ -144,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_on_cluster(
-    args, spec, overrides: list[str], user_overrides: list[str], *, cpu: bool, gpus: int
+    args,
+    spec,
+    overrides: list[str],
+    user_overrides: list[str],
+    *,
+    cpu: bool,
+    gpus: int,
+    placement: dict[str, list[int]] | None = None,
 ) -> int:
     """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
-    gets a ``verl`` section (the composed overrides and the job's driver)."""
+    gets a ``verl`` section (the composed overrides, the pools' placement on ranks)."""
     import io
 
     from modal_rl.cluster import run_job
@@ -156,7 +168,7 @@ def run_on_cluster(
 
     python = sys.executable if args.backend == "local" else "python"
     entrypoint, runtime_env = cluster_job(
-        overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python
+        overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python, placement=placement
     )
     options = run_options(args)
     out = io.StringIO() if options["dry_run"] else None
@@ -174,7 +186,7 @@ def run_on_cluster(
         text = out.getvalue()
         if code == 0 and text.strip():
             plan = json.loads(text)
-            plan["verl"] = {"overrides": overrides, "cpu": cpu}
+            plan["verl"] = {"overrides": overrides, "cpu": cpu, "pool_placement": placement or {}}
             text = json.dumps(plan, indent=2, default=str) + "\n"
         sys.stdout.write(text)
     return code

@@ -14,7 +14,8 @@ Invariants:
   CPU layers, workload, user) in Hydra order, so the driver's config is the one that passed.
 - Every env var our pieces need is in the job's runtime env explicitly (verl's runtime env
   drops keys the driver has set; see ``runner.runtime_env_for``); the resource-pool wait
-  (:data:`verl_modal.pools.WAIT_ENV`) is the cluster's join timeout.
+  (:data:`verl_modal.pools.WAIT_ENV`) is the cluster's join timeout, and the pools' placement
+  on ranks (:data:`verl_modal.pools.PLACEMENT_ENV`) is the launcher's plan.
 """
 
 from __future__ import annotations
@@ -27,13 +28,22 @@ VERL_IMAGE = "verlai/verl:vllm012.dev3"
 
 
 def cluster_job(
-    overrides: list[str], *, cpu: bool, join_timeout_s: float, python: str = "python"
+    overrides: list[str],
+    *,
+    cpu: bool,
+    join_timeout_s: float,
+    python: str = "python",
+    placement: dict[str, list[int]] | None = None,
 ) -> tuple[list[str], dict]:
     """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster."""
-    from verl_modal.pools import WAIT_ENV
+    import json
+
+    from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
     entrypoint = [python, "-m", "verl_modal.launch", *(["--cpu"] if cpu else []), "--", *overrides]
     env = {WAIT_ENV: f"{join_timeout_s:g}"}
+    if placement:
+        env[PLACEMENT_ENV] = json.dumps(placement, sort_keys=True)
     if cpu:
         from verl_modal.cpu.overrides import worker_env
 
@@ -61,15 +71,16 @@ def job_main(argv: list[str] | None = None) -> int:
         env = worker_env()
     prepare_process_env(env, local=False)  # before verl is imported: it picks its platform then
 
-    from verl_modal.pools import WAIT_ENV
+    from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
     from verl_modal.preflight import compose, validate
 
     config = compose(overrides)
     validate(config)
     import os
 
-    if WAIT_ENV in os.environ:
-        env[WAIT_ENV] = os.environ[WAIT_ENV]
+    for key in (WAIT_ENV, PLACEMENT_ENV):  # to the TaskRunner, which builds the pools
+        if key in os.environ:
+            env[key] = os.environ[key]
     run(config, env, cpu=cpu, bring_up=attach_ray)
     return 0
 

@@ -12,6 +12,12 @@ Invariants:
   Logical GPUs (``ray start --num-gpus`` on the local backend) count like real ones.
 - The wait bound is the ``wait_timeout_s`` field, default ``$VERL_MODAL_POOL_WAIT_S`` (the
   launcher sets it to the cluster's join timeout), else :data:`DEFAULT_WAIT_S`.
+- Placement: with a plan in ``$VERL_MODAL_POOL_PLACEMENT`` (JSON ``{pool name: [cluster rank
+  per node entry]}``, written by the launcher from :func:`placement_plan`), each node entry
+  of a planned pool gets its placement group on that rank's node: verl's own bundles plus a
+  sliver of the rank's custom resource ``modal_rl_rank_<r>`` (every cluster node carries
+  its own). Trainer pools take the first ranks, standalone rollout replicas the ranks after.
+  Pools without a plan, or whose plan does not match their node entries, are left to Ray.
 - :func:`install` swaps our class in for the names verl's trainer and standalone rollout
   replicas construct, in this process only; installed files are never edited.
 """
@@ -23,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 WAIT_ENV = "VERL_MODAL_POOL_WAIT_S"
+PLACEMENT_ENV = "VERL_MODAL_POOL_PLACEMENT"
 DEFAULT_WAIT_S = 300.0
 # Modules that construct ``ResourcePoolManager`` by the name they imported.
 _USERS = ("verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.ray_trainer", "verl.workers.rollout.replica")
@@ -55,6 +62,48 @@ def available_gpus_per_node() -> dict[str, float]:
     return {node: float(res.get("GPU", res.get("NPU", 0))) for node, res in per_node.items()}
 
 
+def rank_resource(rank: int) -> str:
+    """The custom resource only cluster rank ``rank``'s node has (``modal_rl.cluster.plan``)."""
+    from modal_rl.cluster.plan import rank_resource as cluster_rank_resource
+
+    return cluster_rank_resource(rank)
+
+
+def placement_plan(config, cluster_nodes: int) -> dict[str, list[int]]:
+    """``{pool name: [rank per node entry]}`` for verl's pools on a ``cluster_nodes`` cluster:
+    the trainer's ``global_pool`` on ranks ``0..trainer.nnodes-1`` (rank 0 runs the driver),
+    each standalone rollout replica (``hybrid_engine=false``) on the ranks after, replica by
+    replica as verl numbers them. Empty when the pools do not get nodes of their own (one
+    node, or more pool nodes than the cluster has): then Ray places them."""
+    from omegaconf import OmegaConf
+
+    trainer_nodes = int(config.trainer.nnodes)
+    plan: dict[str, list[int]] = {"global_pool": list(range(trainer_nodes))}
+    if not OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True):
+        rollout = config.actor_rollout_ref.rollout
+        nodes, per_node = int(rollout.nnodes or 0), int(rollout.n_gpus_per_node or 0)
+        world = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size)
+        world *= int(OmegaConf.select(rollout, "pipeline_model_parallel_size", default=1) or 1)
+        if nodes and per_node and world:
+            replicas = nodes * per_node // world
+            for i in range(replicas):
+                first = i * world // per_node
+                span = max(1, world // per_node)
+                plan[f"rollout_pool_{i}"] = [trainer_nodes + first + k for k in range(span)]
+    used = {rank for ranks in plan.values() for rank in ranks}
+    if cluster_nodes < 2 or max(used) >= cluster_nodes:
+        return {}
+    return plan
+
+
+def _planned_ranks(pool: str, entries: list[int]) -> list[int] | None:
+    import json
+
+    plan = json.loads(os.environ.get(PLACEMENT_ENV) or "{}")
+    ranks = plan.get(pool)
+    return ranks if ranks is not None and len(ranks) == len(entries) else None
+
+
 def _default_wait() -> float:
     value = os.environ.get(WAIT_ENV)
     return float(value) if value else DEFAULT_WAIT_S
@@ -75,6 +124,13 @@ def _make_class():
 
         wait_timeout_s: float = field(default_factory=_default_wait)
         poll_s: float = 0.5
+
+        def create_resource_pool(self):
+            super().create_resource_pool()  # verl's pools, then our (waiting) availability check
+            for name, pool in list(self.resource_pool_dict.items()):
+                ranks = _planned_ranks(name, list(self.resource_pool_spec[name]))
+                if ranks is not None:
+                    self.resource_pool_dict[name] = placed_pool(pool, ranks)
 
         def required(self) -> list[int]:
             return [n for nodes in self.resource_pool_spec.values() for n in nodes if n > 0]
@@ -114,6 +170,43 @@ def _make_class():
             )
 
     return WaitingResourcePoolManager
+
+
+def placed_pool(pool, ranks: list[int]):
+    """``pool`` (a verl ``RayResourcePool``) whose i-th node entry is placed on rank ``ranks[i]``."""
+    from verl.single_controller.ray.base import RayResourcePool
+
+    class PlacedResourcePool(RayResourcePool):
+        """One placement group per node entry, each built by verl's own code with the entry's
+        rank resource as its ``accelerator_type``; kept in rank order."""
+
+        def get_placement_groups(self, strategy="STRICT_PACK", name=None, device_name="cuda"):
+            if self.pgs is None:
+                groups = []
+                for i, (count, rank) in enumerate(zip(self._store, ranks, strict=True)):
+                    one = RayResourcePool(
+                        [count],
+                        use_gpu=self.use_gpu,
+                        name_prefix=f"{self.name_prefix}_rank{rank}_",
+                        max_colocate_count=self.max_colocate_count,
+                        detached=self.detached,
+                        accelerator_type=rank_resource(rank),
+                    )
+                    groups += one.get_placement_groups(
+                        strategy, name=name and f"{name}{i}_", device_name=device_name
+                    )
+                self.pgs = groups
+            return self.pgs
+
+    placed = PlacedResourcePool(
+        list(pool._store),
+        use_gpu=pool.use_gpu,
+        name_prefix=pool.name_prefix,
+        max_colocate_count=pool.max_colocate_count,
+        detached=pool.detached,
+    )
+    placed.ranks = list(ranks)
+    return placed
 
 
 _CLASS = None

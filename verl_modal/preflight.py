@@ -34,6 +34,9 @@ class ClusterShape:
     nodes: int
     gpus_per_node: int
     flag_hint: str = "--nodes/--gpu"
+    # A single local node started for this run declares as many logical GPUs as the config's
+    # pools ask for (``runner.logical_gpus``), so its GPU count cannot fall short.
+    declares_what_is_asked: bool = False
 
 
 NNODES = "trainer.nnodes"
@@ -54,12 +57,33 @@ def explicit_values(overrides: list[str]) -> dict[str, str]:
     return values
 
 
+STANDALONE = "actor_rollout_ref.hybrid_engine"
+ROLLOUT_NODES = "actor_rollout_ref.rollout.nnodes"
+
+
+def standalone_rollout_nodes(given: dict[str, str]) -> int:
+    """Nodes the user gives verl's standalone rollout pool (``hybrid_engine=false``), else 0."""
+    if given.get(STANDALONE, "true").strip().lower() not in ("false", "0"):
+        return 0
+    value = given.get(ROLLOUT_NODES, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise VerlPreflightError(f"{ROLLOUT_NODES}={value!r} is not an integer") from None
+
+
 def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
     """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` from the cluster, to go *before* the
-    user's overrides; raises :class:`VerlPreflightError` if the user's disagree."""
+    user's overrides; raises :class:`VerlPreflightError` if the user's disagree.
+
+    The trainer gets every node, except that standalone rollout replicas (``hybrid_engine=false``
+    with ``rollout.nnodes=R``) get the last R nodes of a cluster with more than R nodes; on a
+    smaller one (a single local node with logical GPUs) they share the trainer's nodes."""
     given = explicit_values(user)
-    wanted = {NNODES: shape.nodes, NGPUS: shape.gpus_per_node}
-    names = {NNODES: "nodes", NGPUS: "GPUs per node"}
+    rollout_nodes = standalone_rollout_nodes(given)
+    trainer_nodes = shape.nodes - rollout_nodes if shape.nodes > rollout_nodes > 0 else shape.nodes
+    wanted = {NNODES: trainer_nodes, NGPUS: shape.gpus_per_node}
+    names = {NNODES: "nodes for the trainer", NGPUS: "GPUs per node"}
     for key, want in wanted.items():
         if key not in given:
             continue
@@ -72,7 +96,7 @@ def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
                 f"{key}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
                 f"GPUs); the cluster has {want} {names[key]}: drop {key} or change {shape.flag_hint}"
             )
-    return [f"{NNODES}={shape.nodes}", f"{NGPUS}={shape.gpus_per_node}"]
+    return [f"{NNODES}={trainer_nodes}", f"{NGPUS}={shape.gpus_per_node}"]
 
 
 def one_line(exc: BaseException) -> str:
@@ -134,10 +158,14 @@ def validate(config) -> None:
 
 def required_gpus(config) -> int:
     """GPUs verl's resource pools ask for: ``nnodes x n_gpus_per_node`` plus the separate reward
-    and teacher pools when enabled (as ``_init_resource_pool_mgr`` builds them)."""
+    and teacher pools when enabled (as ``_init_resource_pool_mgr`` builds them), plus the
+    standalone rollout replicas' pool when ``hybrid_engine=false``."""
     from omegaconf import OmegaConf
 
     total = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    if not OmegaConf.select(config, STANDALONE, default=True):
+        rollout = config.actor_rollout_ref.rollout
+        total += int(rollout.nnodes or 0) * int(rollout.n_gpus_per_node or 0)
     pools = {"reward.reward_model": "enable_resource_pool", "distillation": "enabled"}
     for pool, flag in pools.items():
         if OmegaConf.select(config, f"{pool}.{flag}", default=False):
@@ -148,6 +176,8 @@ def required_gpus(config) -> int:
 
 
 def check_gpus(config, shape: ClusterShape) -> None:
+    if shape.declares_what_is_asked:
+        return
     want = required_gpus(config)
     have = shape.nodes * shape.gpus_per_node
     if want > have:

@@ -65,11 +65,13 @@ class _Member:
 def check(nodes: int, timeout_s: float) -> dict:
     import ray
 
+    from modal_rl.cluster.plan import rank_resource
+
     started = time.monotonic()
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     alive = [n for n in ray.nodes() if n["Alive"]]
     member = ray.remote(num_cpus=0)(_Member)
-    actors = [member.options(resources={f"modal_rl_rank_{r}": 0.001}).remote() for r in range(nodes)]
+    actors = [member.options(resources={rank_resource(r): 0.001}).remote() for r in range(nodes)]
     master, port = ray.get(actors[0].address.remote(), timeout=timeout_s)
     refs = [a.all_reduce.remote(r, nodes, master, port, timeout_s) for r, a in enumerate(actors)]
     results = ray.get(refs, timeout=timeout_s)

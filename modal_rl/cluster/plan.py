@@ -44,6 +44,12 @@ def hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def rank_resource(rank: int) -> str:
+    """Custom Ray resource that tags rank ``rank``'s node (and only it): a missing node has a
+    name, and work can be placed on a chosen rank."""
+    return f"modal_rl_rank_{rank}"
+
+
 @dataclass
 class BootstrapPlan:
     """The per-run bring-up plan. Invariant: ``len(addresses) == nodes`` once set."""
@@ -80,8 +86,7 @@ class BootstrapPlan:
         return f"http://{hostport(self.head_address(), self.dashboard_port)}"
 
     def rank_resource(self, rank: int) -> str:
-        """Custom Ray resource that tags rank ``rank``'s node, so a missing node has a name."""
-        return f"modal_rl_rank_{rank}"
+        return rank_resource(rank)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
