@@ -123,6 +123,7 @@ def run_job(
     preflight: Iterable[Validator] = (),
     framework_argv: list[str] | None = None,
     required_gpus: int | None = None,
+    address_env: dict[str, str] | None = None,
     dry_run: bool = False,
     preflight_only: bool = False,
     detach: bool = False,
@@ -131,11 +132,17 @@ def run_job(
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
-    Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
+    ``address_env`` names env vars filled with cluster addresses at bring-up (see
+    ``plan.address_env_values``). Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
     failure (nothing was started), else rank 0's (the job's) exit code.
     """
     out = out or sys.stdout
-    job = JobRequest(list(entrypoint), dict(runtime_env or {}), collective_check=collective_check)
+    job = JobRequest(
+        list(entrypoint),
+        dict(runtime_env or {}),
+        collective_check=collective_check,
+        address_env=dict(address_env or {}),
+    )
     impl = get_backend(backend)
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
