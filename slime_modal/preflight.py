@@ -28,11 +28,12 @@ import os
 from dataclasses import dataclass
 
 # Flags whose value is a file or directory the job reads; they must exist before the run.
-INPUT_PATH_FLAGS = ("--hf-checkpoint", "--ref-load", "--load", "--prompt-data")
-# Flags whose value is a directory the job writes and that must survive or be shared: on
-# Modal they belong on a Volume. (--update-weight-local-checkpoint-dir is host-local NVMe on
-# purpose and is not in this list.)
-SHARED_OUTPUT_FLAGS = ("--save", "--update-weight-disk-dir")
+INPUT_PATH_FLAGS = ("--hf-checkpoint", "--ref-load", "--prompt-data")
+# Flags whose value is a directory that must survive or be shared: on Modal they belong on a
+# Volume. ``--load`` is here, not above: slime's scripts pass --load = --save, which does not
+# exist on a first run (Megatron then starts from --ref-load). --update-weight-local-checkpoint-dir
+# is host-local NVMe on purpose and is in neither list.
+SHARED_OUTPUT_FLAGS = ("--load", "--save", "--update-weight-disk-dir")
 
 
 class SlimeArgs:
