@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     code, text = _run(
         spec,
         [python, entry, *job_argv],
-        L.runtime_env(spec.env, args.slime_path, args.megatron_path, spec.volumes),
+        L.runtime_env(spec.env, args.slime_path, args.megatron_path, spec.volumes, args.backend),
         args,
         L.address_env(spec.env),
         slime_argv,

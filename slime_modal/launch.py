@@ -15,7 +15,8 @@ scripts build (``slime/utils/external_utils/command_utils.py``, the examples' ru
   ``get_host_info`` otherwise guesses the default-route address, which on Modal is not the
   cluster network), ``MASTER_ADDR`` = the head's, ``no_proxy``/``NO_PROXY`` = loopback + all
   node addresses (slime and sglang talk HTTP between nodes);
-- ``MODAL_RL_VOLUMES`` = ``{mount path: volume name}`` as JSON, for the weight-sync hooks.
+- ``MODAL_RL_VOLUMES`` = ``{mount path: volume name}`` as JSON, for the weight-sync hooks;
+- on Modal, ``MODAL_RL_SANDBOX_BACKEND=modal`` (``slime_modal.reward``'s sandboxes).
 
 A ``--env`` value always wins over these defaults. The user's slime argv is passed through
 unchanged except for one documented addition (:func:`with_volume_hooks`).
@@ -64,7 +65,11 @@ def entry_path(entry: str, slime_path: str) -> str:
 
 
 def runtime_env(
-    user_env: dict[str, str], slime_path: str, megatron_path: str, volumes: dict[str, str]
+    user_env: dict[str, str],
+    slime_path: str,
+    megatron_path: str,
+    volumes: dict[str, str],
+    backend: str = "local",
 ) -> dict:
     """The Ray job's runtime env (see the module docstring); keys the user set with ``--env``
     are left out, so the user's value (in every node's env) reaches the job unchanged."""
@@ -76,6 +81,10 @@ def runtime_env(
     }
     if any(path == HF_CACHE_PATH for path in volumes.values()):
         env["HF_HOME"] = HF_CACHE_PATH
+    if backend == "modal":
+        # Sandboxes for slime_modal.reward from inside a Modal container are Modal Sandboxes
+        # (the pool's local default needs bubblewrap, which slime's image lacks).
+        env["MODAL_RL_SANDBOX_BACKEND"] = "modal"
     return {"env_vars": {k: v for k, v in env.items() if k not in user_env}}
 
 

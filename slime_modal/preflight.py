@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 
 # Flags whose value is a file or directory the job reads; they must exist before the run.
-INPUT_PATH_FLAGS = ("--hf-checkpoint", "--ref-load", "--prompt-data")
+INPUT_PATH_FLAGS = ("--hf-checkpoint", "--ref-load", "--prompt-data", "--custom-config-path")
 # Flags whose value is a directory that must survive or be shared: on Modal they belong on a
 # Volume. ``--load`` is here, not above: slime's scripts pass --load = --save, which does not
 # exist on a first run (Megatron then starts from --ref-load). --update-weight-local-checkpoint-dir

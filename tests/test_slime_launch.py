@@ -78,6 +78,7 @@ def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
     assert env["PYTHONPATH"] == "/root/Megatron-LM:/root/slime:${PYTHONPATH}"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
     assert env["HF_HOME"] == "/root/.cache/huggingface"
+    assert env["MODAL_RL_SANDBOX_BACKEND"] == "modal"
     assert json.loads(env[L.VOLUMES_ENV]) == volumes
     assert plan["slime"]["address_env"] == {
         "SLIME_HOST_IP": "node",
