@@ -19,7 +19,6 @@ anything starts; see ``preflight.py``), otherwise the job's own exit code.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -76,7 +75,8 @@ def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from modal_rl.cluster import ClusterSpecError, spec_from_args, split_passthrough
+    from modal_rl.cluster import ClusterSpecError, run_job, spec_from_args, split_passthrough
+    from modal_rl.cluster.cli import run_options
     from slime_modal import launch as L
     from slime_modal import preflight as pf
 
@@ -127,51 +127,23 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--rollout-engines is not wired yet; use --dry-run to see the plan")
 
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
-    python = sys.executable if args.backend == "local" else "python3"
-    code, text = _run(
+    slime_plan = {
+        "entry": entry,
+        "argv": job_argv,
+        "added_argv": hooks,
+        "address_env": L.address_env(spec.env),
+        "gpus": {"required": need.total, "why": need.why},
+    }
+    return run_job(
         spec,
-        [python, entry, *job_argv],
+        [sys.executable if args.backend == "local" else "python3", entry, *job_argv],
         L.runtime_env(spec.env, args.slime_path, args.megatron_path, spec.volumes, args.backend),
-        args,
-        L.address_env(spec.env),
-        slime_argv,
-    )
-    if text is not None:
-        if code == 0 and text.strip():
-            plan = json.loads(text)
-            plan["slime"] = {
-                "entry": entry,
-                "argv": job_argv,
-                "added_argv": hooks,
-                "address_env": L.address_env(spec.env),
-                "gpus": {"required": need.total, "why": need.why},
-            }
-            plan["rollout_engines"] = engines
-            text = json.dumps(plan, indent=2, default=str) + "\n"
-        sys.stdout.write(text)
-    return code
-
-
-def _run(spec, entrypoint, runtime_env, args, address_env, slime_argv) -> tuple[int, str | None]:
-    """``run_job`` with the slime job; a dry run's JSON comes back as text to extend."""
-    import io
-
-    from modal_rl.cluster import run_job
-    from modal_rl.cluster.cli import run_options
-
-    options = run_options(args)
-    out = io.StringIO() if options["dry_run"] else None
-    code = run_job(
-        spec,
-        entrypoint,
-        runtime_env,
         backend=args.backend,
         framework_argv=slime_argv,
-        out=out,
-        address_env=address_env,
-        **options,
+        address_env=L.address_env(spec.env),
+        plan_extra={"slime": slime_plan, "rollout_engines": engines},
+        **run_options(args),
     )
-    return code, (out.getvalue() if out is not None else None)
 
 
 if __name__ == "__main__":

@@ -8,37 +8,21 @@ would be asked for. No Modal server, Ray or container is touched.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from _launcher import run_module
 from _slime_lines import GLM47_DISK_DIR, glm47_delta, qwen3_4b
 
 from modal_rl.cluster.plan import BootstrapPlan, address_env_values
 from slime_modal import launch as L
 
-ROOT = Path(__file__).resolve().parents[1]
 GLM_VOLUMES = ["--volume", "models:/root/models", "--volume", "datasets:/root/datasets"]
 GLM_VOLUMES += ["--volume", "glm-delta:/shared/fs"]
 
 
 def launcher(*argv: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("MODAL_TOKEN_ID", None)  # offline: nothing may reach Modal
-    env.pop("MODAL_TOKEN_SECRET", None)
-    t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "slime_modal", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return out, time.monotonic() - t0
+    return run_module("slime_modal", *argv, timeout=timeout)
 
 
 def dry_plan(*argv: str) -> dict:
