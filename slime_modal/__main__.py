@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     for warning in pf.launcher_flag_warnings(slime_argv, ours_flags - {"--help"}):
         print(f"slime_modal: {warning}", file=sys.stderr)
 
-    mounts = list(spec.volumes.values())
+    # The local backend mounts no Volumes (it accepts and ignores them): nothing to commit there.
+    volumes = spec.volumes if args.backend == "modal" else {}
+    mounts = list(volumes.values())
     need, problems = pf.check(
         slime_argv,
         backend=args.backend,
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_job(
         spec,
         [sys.executable if args.backend == "local" else "python3", entry, *job_argv],
-        L.runtime_env(spec.env, args.slime_path, args.megatron_path, spec.volumes, args.backend),
+        L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend),
         backend=args.backend,
         framework_argv=slime_argv,
         address_env=L.address_env(spec.env),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 from _launcher import run_module
@@ -126,6 +127,21 @@ def test_volume_hooks_only_for_disk_sync_into_a_volume_and_never_twice():
     assert L.with_volume_hooks(full, ["/shared/fs"])[1][1] == L.POST_WRITE_HOOK
 
 
+def test_local_backend_mounts_no_volumes_so_no_hooks(tmp_path):
+    entry = tmp_path / "train.py"
+    entry.write_text("")
+    line = [*glm47_delta(), "--colocate"]  # refused: delta with colocate
+    out, _ = launcher("--backend", "local", "--entry", str(entry), *GLM_VOLUMES, "--dry-run", "--", *line)
+    assert out.returncode == 2 and "--colocate" in out.stderr
+    line = [x for x in glm47_delta() if not x.startswith("/root/")]  # drop the paths' values
+    line = [x for x in line if x not in ("--hf-checkpoint", "--ref-load", "--prompt-data")]
+    plan = dry_plan("--backend", "local", "--nodes", "4", "--gpu", "H100:8", "--entry", str(entry),
+                    *GLM_VOLUMES, "--dry-run", "--", *line)  # fmt: skip
+    assert plan["slime"]["added_argv"] == [] and plan["entrypoint"] == [sys.executable, str(entry), *line]
+    assert json.loads(plan["runtime_env"]["env_vars"][L.VOLUMES_ENV]) == {}
+    assert "MODAL_RL_SANDBOX_BACKEND" not in plan["runtime_env"]["env_vars"]
+
+
 def test_launcher_flags_after_the_separator_are_named_in_a_warning():
     line = qwen3_4b(root="/data")
     out, _ = launcher(
@@ -146,3 +162,10 @@ def test_address_env_is_per_node_for_the_host_ip_and_shared_for_the_rest():
     assert shared["MASTER_ADDR"] == "10.0.0.5"
     assert shared["no_proxy"] == shared["NO_PROXY"] == "127.0.0.1,localhost,10.0.0.5,10.0.0.6,10.0.0.7"
     assert L.address_env({"MASTER_ADDR": "x"}).keys() == {"SLIME_HOST_IP", "no_proxy", "NO_PROXY"}
+
+
+def test_job_request_refuses_an_unknown_address_kind():
+    from modal_rl.cluster.backend import JobRequest
+
+    with pytest.raises(ValueError, match="address_env kinds"):
+        JobRequest(["x"], address_env={"SLIME_HOST_IP": "rank"})
