@@ -11,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _launcher import run_module
 
 from verl_modal.launch import VERL_IMAGE, cluster_job
 from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
@@ -42,19 +43,7 @@ VERL_LINE = [
 
 
 def launcher(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("MODAL_TOKEN_ID", None)  # offline: nothing may reach Modal
-    env.pop("MODAL_TOKEN_SECRET", None)
-    t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "verl_modal", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return out, time.monotonic() - t0
+    return run_module("verl_modal", *argv, timeout=timeout)
 
 
 def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():

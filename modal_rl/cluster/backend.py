@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from modal_rl.cluster.plan import BootstrapPlan
+from modal_rl.cluster.plan import ADDRESS_KINDS, BootstrapPlan
 from modal_rl.cluster.spec import ClusterSpec
 
 
@@ -23,8 +23,14 @@ class JobRequest:
     runtime_env: dict[str, Any] = field(default_factory=dict)
     collective_check: bool = False
     collective_timeout_s: float = 60.0
+    # Env var name -> which cluster address it gets at bring-up ("node", "head" or "no_proxy";
+    # see ``plan.address_env_values``): addresses exist only once the nodes do.
+    address_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.address_env.items() if v not in ADDRESS_KINDS}
+        if bad:
+            raise ValueError(f"address_env kinds must be one of {ADDRESS_KINDS}, got {bad}")
         if not self.entrypoint or not all(isinstance(a, str) for a in self.entrypoint):
             raise ValueError(f"entrypoint must be a non-empty list of strings, got {self.entrypoint!r}")
 
@@ -66,6 +72,7 @@ def plan_from(spec: ClusterSpec, job: JobRequest, **overrides: Any) -> Bootstrap
         collective_check=job.collective_check,
         collective_timeout_s=job.collective_timeout_s,
         cpus_per_node=spec.cpu,
+        address_env=dict(job.address_env),
     )
     fields.update(overrides)
     return BootstrapPlan(**fields)

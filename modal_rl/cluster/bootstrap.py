@@ -14,7 +14,7 @@ import sys
 from typing import TextIO
 
 from modal_rl.cluster.netif import interface_for
-from modal_rl.cluster.plan import BootstrapPlan
+from modal_rl.cluster.plan import BootstrapPlan, address_env_values
 from modal_rl.cluster.raynode import node_environment
 
 
@@ -31,7 +31,10 @@ def bootstrap(rank: int, addresses: list[str], plan: BootstrapPlan, out: TextIO 
     # binds to whatever the hostname resolves to, NCCL to the first non-loopback interface.
     iface = interface_for(addresses[rank])
     env = node_environment(plan, iface)
+    per_node, shared = address_env_values(plan, rank)
+    env.update(shared)  # rank 0 also hands ``env`` to the job's runtime env: shared values only
     os.environ.update(env)  # inherited by `ray start` and hence by every Ray worker here
+    os.environ.update(per_node)
     if rank == 0:
         from modal_rl.cluster.head import Head
 

@@ -123,6 +123,8 @@ def run_job(
     preflight: Iterable[Validator] = (),
     framework_argv: list[str] | None = None,
     required_gpus: int | None = None,
+    address_env: dict[str, str] | None = None,
+    plan_extra: dict[str, Any] | None = None,
     dry_run: bool = False,
     preflight_only: bool = False,
     detach: bool = False,
@@ -131,11 +133,18 @@ def run_job(
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
-    Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
+    ``address_env`` names env vars filled with cluster addresses at bring-up (see
+    ``plan.address_env_values``); ``plan_extra`` adds the adapter's own sections to a dry run's
+    plan. Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
     failure (nothing was started), else rank 0's (the job's) exit code.
     """
     out = out or sys.stdout
-    job = JobRequest(list(entrypoint), dict(runtime_env or {}), collective_check=collective_check)
+    job = JobRequest(
+        list(entrypoint),
+        dict(runtime_env or {}),
+        collective_check=collective_check,
+        address_env=dict(address_env or {}),
+    )
     impl = get_backend(backend)
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
@@ -150,6 +159,7 @@ def run_job(
         description = impl.describe(spec, job)
         description["framework_argv"] = list(framework_argv or [])
         description["preflight"] = "ok"
+        description.update(plan_extra or {})
         out.write(json.dumps(description, indent=2, default=str) + "\n")
         return 0
     if preflight_only:

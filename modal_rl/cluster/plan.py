@@ -39,6 +39,33 @@ BASE_ENV = {
 }
 
 
+ADDRESS_KINDS = ("node", "head", "no_proxy")
+
+
+def address_env_values(plan: BootstrapPlan, rank: int) -> tuple[dict[str, str], dict[str, str]]:
+    """``(per_node, shared)`` values of ``plan.address_env`` on ``rank``.
+
+    ``node``: this node's cluster address (differs per node, so it is kept out of the job's
+    runtime env, which every worker of the job shares; Ray workers inherit it from their
+    node instead). ``head``: rank 0's address. ``no_proxy``: loopback plus every node's
+    address, so HTTP clients inside the cluster never go through a proxy.
+    """
+    assert plan.addresses, "addresses are filled in before bootstrap"
+    per_node: dict[str, str] = {}
+    shared: dict[str, str] = {}
+    bypass = ",".join(dict.fromkeys(["127.0.0.1", "localhost", *plan.addresses]))
+    for name, kind in plan.address_env.items():
+        if kind == "node":
+            per_node[name] = plan.addresses[rank]
+        elif kind == "head":
+            shared[name] = plan.addresses[0]
+        elif kind == "no_proxy":
+            shared[name] = bypass
+        else:
+            raise ValueError(f"address_env {name}: unknown kind {kind!r}; one of {ADDRESS_KINDS}")
+    return per_node, shared
+
+
 def hostport(host: str, port: int) -> str:
     """``host:port`` with IPv6 hosts bracketed, as Ray and URLs expect."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -77,6 +104,7 @@ class BootstrapPlan:
     collective_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
     lost_after_s: float = 5.0
+    address_env: dict[str, str] = field(default_factory=dict)  # name -> kind, see address_env_values
 
     def head_address(self) -> str:
         assert self.addresses, "addresses are filled in before bootstrap"

@@ -1,0 +1,152 @@
+"""``python -m slime_modal [cluster flags] -- <train.py args>``: run a slime job on a cluster.
+
+Everything after ``--`` is slime's command line, the one that follows ``python3 train.py`` in
+a ``ray job submit`` script; it reaches slime byte for byte (one documented addition: the
+Volume weight-sync hooks, see ``launch.with_volume_hooks``). Before ``--``: the cluster flags
+of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ...) and:
+
+- ``--entry`` (``train.py``; ``train_async.py`` or any script; relative to ``--slime-path``);
+- ``--slime-path`` / ``--megatron-path``: the checkouts in the image (slime's image layout);
+- ``--hf-cache-volume`` / ``--data-volume`` / ``--ckpt-volume`` ``NAME[:PATH]``: Modal Volumes
+  for the Hugging Face cache (default on Modal: ``slime-hf-cache``), data and checkpoints;
+- ``--rollout-engines modal:N[:GPU]``: rollout engines outside the cluster (not wired yet).
+
+Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags or
+a slime command line that cannot run on the cluster (one line per problem on stderr, before
+anything starts; see ``preflight.py``), otherwise the job's own exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _named_volume(default_path: str):
+    def parse(text: str) -> tuple[str, str] | bool:
+        if text.lower() == "none":
+            return False  # off on purpose (None: not given)
+        name, _, path = text.partition(":")
+        if not name:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected NAME or NAME:/mount/path")
+        return name, path or default_path
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from modal_rl.cluster import ClusterSpec, add_cluster_args
+    from slime_modal import launch as L
+
+    parser = argparse.ArgumentParser(prog="python -m slime_modal", description=__doc__.split("\n")[0])
+    add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
+    g = parser.add_argument_group("slime")
+    g.add_argument("--entry", default="train.py", help="script to run; relative paths are in --slime-path")
+    g.add_argument("--slime-path", default=L.SLIME_PATH, help="slime checkout in the image")
+    g.add_argument("--megatron-path", default=L.MEGATRON_PATH, help="Megatron-LM checkout in the image")
+    g.add_argument(
+        "--hf-cache-volume",
+        type=_named_volume(L.HF_CACHE_PATH),
+        metavar="NAME[:PATH]",
+        help=f"Volume for the HF cache at {L.HF_CACHE_PATH} (Modal default {L.HF_CACHE_VOLUME}; 'none': off)",
+    )
+    g.add_argument("--data-volume", type=_named_volume(L.DATA_PATH), metavar="NAME[:PATH]")
+    g.add_argument("--ckpt-volume", type=_named_volume(L.CKPT_PATH), metavar="NAME[:PATH]")
+    g.add_argument(
+        "--rollout-engines",
+        metavar="modal:N[:GPU]",
+        help="N SGLang engines as separate Modal functions (planned; a real run refuses it for now)",
+    )
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"slime_modal: {message}", file=sys.stderr)
+    return 2
+
+
+def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from slime_modal import launch as L
+
+    hf = args.hf_cache_volume
+    if hf is None and args.backend == "modal":
+        hf = (L.HF_CACHE_VOLUME, L.HF_CACHE_PATH)
+    return [v for v in (hf, args.data_volume, args.ckpt_volume) if v] + list(args.volume)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modal_rl.cluster import ClusterSpecError, run_job, spec_from_args, split_passthrough
+    from modal_rl.cluster.cli import run_options
+    from slime_modal import launch as L
+    from slime_modal import preflight as pf
+
+    argv = sys.argv[1:] if argv is None else argv
+    ours, slime_argv = split_passthrough(argv)
+    parser = build_parser()
+    args = parser.parse_args(ours)
+    args.volume = _volumes(args)
+    engines = None
+    try:
+        if args.rollout_engines:
+            engines = L.parse_rollout_engines(args.rollout_engines)
+        spec = spec_from_args(
+            args, **({"image": L.SLIME_IMAGE} if args.backend == "modal" and not args.image else {})
+        )
+        if args.backend == "modal":
+            from modal_rl.cluster.backend_modal import validate_for_modal
+
+            validate_for_modal(spec)
+    except (ValueError, ClusterSpecError) as exc:
+        return _fail(str(exc))
+
+    ours_flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    for warning in pf.launcher_flag_warnings(slime_argv, ours_flags - {"--help"}):
+        print(f"slime_modal: {warning}", file=sys.stderr)
+
+    # The local backend mounts no Volumes (it accepts and ignores them): nothing to commit there.
+    volumes = spec.volumes if args.backend == "modal" else {}
+    mounts = list(volumes.values())
+    need, problems = pf.check(
+        slime_argv,
+        backend=args.backend,
+        cluster_gpus=spec.nodes * spec.gpus_per_node,
+        mounts=mounts,
+        image_roots=[args.slime_path, args.megatron_path],
+        external_engines=engines is not None,
+    )
+    entry = L.entry_path(args.entry, args.slime_path)
+    if args.backend == "local":
+        import os
+
+        if not os.path.isfile(entry):
+            problems.insert(0, f"--entry {entry}: no such file (set --slime-path to a slime checkout)")
+    if problems:
+        for problem in problems:
+            print(f"slime_modal: {problem}", file=sys.stderr)
+        return 2
+    if engines is not None and not args.dry_run and not args.preflight_only:
+        # Seam: the lead wires slime_modal.engines (Modal SGLang engines) in here.
+        return _fail("--rollout-engines is not wired yet; use --dry-run to see the plan")
+
+    job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
+    slime_plan = {
+        "entry": entry,
+        "argv": job_argv,
+        "added_argv": hooks,
+        "address_env": L.address_env(spec.env),
+        "gpus": {"required": need.total, "why": need.why},
+    }
+    return run_job(
+        spec,
+        [sys.executable if args.backend == "local" else "python3", entry, *job_argv],
+        L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend),
+        backend=args.backend,
+        framework_argv=slime_argv,
+        address_env=L.address_env(spec.env),
+        plan_extra={"slime": slime_plan, "rollout_engines": engines},
+        **run_options(args),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

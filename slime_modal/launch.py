@@ -1,0 +1,111 @@
+"""slime on a ``modal_rl.cluster`` cluster: the Ray job we submit, and the argv rewrites.
+
+slime is launched as ``ray job submit --runtime-env-json=... -- python3 train.py <args>``; we
+submit the same job, through ``modal_rl.cluster.run_job``, with the runtime env slime's own
+scripts build (``slime/utils/external_utils/command_utils.py``, the examples' run scripts):
+
+- ``PYTHONPATH`` = Megatron-LM checkout : slime checkout : whatever the node had (Ray expands
+  ``${PYTHONPATH}`` on the node), because Megatron's ``megatron.training`` is not pip-installed;
+- ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's TP/SP overlap relies on it);
+- ``NCCL_NVLS_ENABLE=0``: slime sets it from ``nvidia-smi topo`` on the submitting host; we
+  submit from a host that has no view of the cluster's GPUs, and NVLS (NVLink SHARP) needs
+  multicast support that containers do not reliably get, so off unless ``--env`` sets it;
+- cluster addresses, known only once the nodes exist, filled in at bring-up
+  (``JobRequest.address_env``): ``SLIME_HOST_IP`` = each node's own cluster address (slime's
+  ``get_host_info`` otherwise guesses the default-route address, which on Modal is not the
+  cluster network), ``MASTER_ADDR`` = the head's, ``no_proxy``/``NO_PROXY`` = loopback + all
+  node addresses (slime and sglang talk HTTP between nodes);
+- ``MODAL_RL_VOLUMES`` = ``{mount path: volume name}`` as JSON, for the weight-sync hooks;
+- on Modal, ``MODAL_RL_SANDBOX_BACKEND=modal`` (``slime_modal.reward``'s sandboxes).
+
+A ``--env`` value always wins over these defaults. The user's slime argv is passed through
+unchanged except for one documented addition (:func:`with_volume_hooks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from slime_modal.preflight import SlimeArgs, under
+
+# slime's published image (docker/README.md: "`slimerl/slime:latest` tracks the CUDA 12 build");
+# docker/Dockerfile clones slime to /root/slime and Megatron-LM to /root/Megatron-LM.
+SLIME_IMAGE = "slimerl/slime:latest"
+SLIME_PATH = "/root/slime"
+MEGATRON_PATH = "/root/Megatron-LM"
+HF_CACHE_PATH = "/root/.cache/huggingface"
+HF_CACHE_VOLUME = "slime-hf-cache"
+DATA_PATH = "/data"
+CKPT_PATH = "/ckpt"
+
+POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
+PRE_READ_FLAG = "--sglang-custom-pull-weights-pre-read-hook"
+POST_WRITE_HOOK = "slime_modal.weight_hooks.post_write_commit"
+PRE_READ_HOOK = "slime_modal.weight_hooks.pre_read_reload"
+
+ADDRESS_ENV = {"SLIME_HOST_IP": "node", "MASTER_ADDR": "head", "no_proxy": "no_proxy", "NO_PROXY": "no_proxy"}
+VOLUMES_ENV = "MODAL_RL_VOLUMES"
+
+_ENGINES_RE = re.compile(r"^modal:(?P<count>[1-9][0-9]*)(?::(?P<gpu>[A-Za-z0-9-]+(?::[1-9][0-9]*)?))?$")
+
+
+def parse_rollout_engines(text: str) -> dict:
+    """``modal:N`` or ``modal:N:GPU`` (GPU as in ``--gpu``, e.g. ``H100`` or ``H100:2``)."""
+    match = _ENGINES_RE.match(text)
+    if not match:
+        raise ValueError(f"--rollout-engines {text!r}: expected modal:N or modal:N:GPU, e.g. modal:4:H100")
+    return {"provider": "modal", "engines": int(match["count"]), "gpu": match["gpu"]}
+
+
+def entry_path(entry: str, slime_path: str) -> str:
+    """``train.py`` and friends live in the slime checkout; an absolute path is used as is."""
+    return entry if os.path.isabs(entry) else os.path.join(slime_path, entry)
+
+
+def runtime_env(
+    user_env: dict[str, str],
+    slime_path: str,
+    megatron_path: str,
+    volumes: dict[str, str],
+    backend: str = "local",
+) -> dict:
+    """The Ray job's runtime env (see the module docstring); keys the user set with ``--env``
+    are left out, so the user's value (in every node's env) reaches the job unchanged."""
+    env = {
+        "PYTHONPATH": f"{megatron_path}:{slime_path}:${{PYTHONPATH}}",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        VOLUMES_ENV: json.dumps({path: name for name, path in volumes.items()}, sort_keys=True),
+    }
+    if any(path == HF_CACHE_PATH for path in volumes.values()):
+        env["HF_HOME"] = HF_CACHE_PATH
+    if backend == "modal":
+        # Sandboxes for slime_modal.reward from inside a Modal container are Modal Sandboxes
+        # (the pool's local default needs bubblewrap, which slime's image lacks).
+        env["MODAL_RL_SANDBOX_BACKEND"] = "modal"
+    return {"env_vars": {k: v for k, v in env.items() if k not in user_env}}
+
+
+def address_env(user_env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in ADDRESS_ENV.items() if k not in user_env}
+
+
+def with_volume_hooks(argv: list[str], mounts: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv, added)``: with disk weight sync (full or delta) into a Modal Volume, append our
+    Volume commit / reload hooks, unless the user chose hooks of their own.
+
+    A Volume shows one container's writes to another only after ``commit`` on the writer and
+    ``reload`` on the reader; slime's hooks are exactly those two points. ``added`` lists the
+    appended tokens (empty: argv unchanged)."""
+    args = SlimeArgs(argv)
+    disk_dir = args.get("--update-weight-disk-dir")
+    if args.get("--update-weight-transport") != "disk" or not disk_dir or not under(disk_dir, mounts):
+        return list(argv), []
+    added: list[str] = []
+    if not args.has(POST_WRITE_FLAG):
+        added += [POST_WRITE_FLAG, POST_WRITE_HOOK]
+    if not args.has(PRE_READ_FLAG):
+        added += [PRE_READ_FLAG, PRE_READ_HOOK]
+    return [*argv, *added], added
