@@ -1,6 +1,6 @@
 """A slime ``Sandbox`` (``slime/agent/sandbox.py`` protocol) backed by a modal_rl SandboxPool.
 
-    async with PoolSandbox() as sb:                 # leases a warm sandbox from the shared pool
+    async with PoolSandbox(args) as sb:             # leases a warm sandbox from the process's pool
         rc, out, err = await sb.exec("python3 -V", timeout=30)
         await sb.write_file("/workspace/a.txt", "hi")
         text = await sb.read_file("/workspace/a.txt")
@@ -11,6 +11,9 @@ sandbox has no capabilities and reports the failure in ``err``); a timed-out com
 exit code 124; ``check=True`` raises ``RuntimeError`` on a non-zero exit; ``read_file`` of a
 missing file returns "" (as slime's E2B backend does). ``idempotent`` is accepted and ignored:
 the pool never replays a command. Infrastructure failures raise ``SandboxError``.
+
+Pool settings: ``args.modal_rl_sandbox`` (slime ``--custom-config-path``), then keyword
+arguments, then the ``MODAL_RL_SANDBOX_*`` environment (``slime_modal.config``).
 """
 
 from __future__ import annotations
@@ -21,19 +24,19 @@ from typing import Any
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.lease import Sandbox as Lease
 from modal_rl.sandboxes.pool import SandboxPool
-from modal_rl.sandboxes.shared import shared_pool
+from slime_modal.config import rollout_pool
 
 
 class PoolSandbox:
     """Satisfies ``slime.agent.sandbox.Sandbox``; one single-use lease per ``async with``."""
 
-    def __init__(self, pool: SandboxPool | None = None, **pool_settings: Any):
-        self._pool, self._settings = pool, pool_settings
+    def __init__(self, args: Any = None, *, pool: SandboxPool | None = None, **pool_settings: Any):
+        self._args, self._pool, self._settings = args, pool, pool_settings
         self._lease: Lease | None = None
         self.sandbox_id = ""
 
     async def __aenter__(self) -> PoolSandbox:
-        pool = self._pool or await shared_pool(**self._settings)
+        pool = self._pool or await rollout_pool(self._args, **self._settings)
         self._lease = await pool.acquire()
         self.sandbox_id = self._lease.id
         return self
