@@ -27,7 +27,7 @@ from typing import Any
 
 from modal_rl.sandboxes.coderun import extract_code, score_code
 from modal_rl.sandboxes.errors import SandboxError
-from slime_modal.config import reward_settings, rollout_pool
+from slime_modal.config import on_pool_loop, reward_settings, rollout_pool
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,13 @@ def sample_tests(sample: Any) -> Any:
 async def _score(args: Any, sample: Any) -> float:
     tests = sample_tests(sample)
     timeout_s, partial = reward_settings(args)
-    pool = await rollout_pool(args)
+
+    async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
+        pool = await rollout_pool(args)
+        return await score_code(pool, extract_code(sample.response), tests, timeout_s=timeout_s)
+
     try:
-        result = await score_code(pool, extract_code(sample.response), tests, timeout_s=timeout_s)
+        result = await on_pool_loop(run())
     except SandboxError as exc:
         log.warning("sample %s masked: sandbox failure: %s", sample.index, exc)
         sample.remove_sample = True
