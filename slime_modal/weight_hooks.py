@@ -11,7 +11,8 @@ Trainer side: slime calls the post-write hook on every trainer rank after a barr
 the writes (full and delta mode), and on rank 0 only after it empties the directory at the
 delta baseline. Each node commits once (``modal_rl.weightsync.volumes.publish``: a node-local
 file lock; the other co-located ranks return once that commit is done), leaving a commit marker
-that lists the files the node wrote.
+that lists the files the node wrote. A node that cannot see the version directory wrote nothing
+into it (delta mode: only PP-source ranks write) and commits nothing.
 
 Engine side: sglang's ``/pull_weights`` calls the pre-read hook on each host with
 ``(source_dir, target_version)`` for ``target_version > 0``. It reloads the volume until

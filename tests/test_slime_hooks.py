@@ -286,8 +286,16 @@ def test_volume_mapping(monkeypatch, tmp_path):
         volumes.sync_for("/vol/x")
 
 
-def test_bad_calls_fail_clearly(tmp_path):
-    with pytest.raises(ValueError, match="non-negative int"):
-        pre_read_reload(str(tmp_path), -1)
-    with pytest.raises(FileNotFoundError, match="not a directory"):
-        post_write_commit(ARGS, str(tmp_path / "missing"), [])
+def test_node_that_wrote_nothing_commits_nothing(modal_env):
+    """Delta mode: only PP-source ranks create the version dir; on a node with none of them the
+    directory is not even visible, and its ranks still call the hook."""
+    server, enter = modal_env
+    mount = enter("trainer")
+    post_write_commit(ARGS, str(version_dir(mount / "delta", 1)), [])
+    assert server.calls == [] and not (mount / "delta").exists()
+
+
+def test_bad_target_version_fails_clearly(tmp_path):
+    for bad in (-1, "3", 1.0):
+        with pytest.raises(ValueError, match="non-negative int"):
+            pre_read_reload(str(tmp_path), bad)

@@ -165,10 +165,13 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 
 def publish(path: str | Path, sync: DirSync | None = None) -> bool:
-    """Commit what this node wrote under ``path`` (once per node per state); True if it committed."""
+    """Commit what this node wrote under ``path`` (once per node per state); True if it committed.
+
+    A ``path`` this node cannot see holds nothing it wrote (on a volume, another node's mkdir
+    is invisible until a reload): nothing to publish, False."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"cannot publish {path}: not a directory")
+        return False
     sync = sync or sync_for(path)
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
     with _node_lock(key) as state_file:
