@@ -1,51 +1,84 @@
-"""slime reward for ``--custom-rm-path slime_modal.reward.reward_func``: sandboxed test cases.
+"""slime rewards that run the model's program against test cases in sandboxes.
 
-Reads the program from ``sample.response`` (last fenced block) and the tests from
-``sample.label`` or ``sample.metadata["tests"]`` (formats: ``modal_rl.sandboxes.coderun``).
-Score: 1.0 if every test passes, else 0.0 (``MODAL_RL_REWARD_PARTIAL=1``: the pass fraction).
-Pool settings: ``MODAL_RL_SANDBOX_*`` environment variables (``modal_rl.sandboxes.shared``).
+    --custom-rm-path slime_modal.reward.reward_func                        # one sample per call
+    --group-rm --custom-rm-path slime_modal.reward.batched_reward_func     # a list per call
 
-A sandbox that fails to start or dies masks the sample (``sample.remove_sample = True``, which
-zeroes its loss mask in slime) instead of scoring it. Works for single samples and for the
-batched call (a list of samples).
+The program is the last fenced code block of ``sample.response`` (the whole response if there
+is none). The test cases are ``sample.metadata["tests"]`` if present, else ``sample.label``:
+
+- a test spec (``modal_rl.sandboxes.coderun``): JSON text or an object, ``{"inputs": [...],
+  "outputs": [...]}``, ``[{"input": ..., "output": ...}]`` or ``{"assert": "<python>"}``;
+- any other text (not a JSON object or list) is the expected standard output of the program run
+  with empty standard input (one test case).
+
+Score: 1.0 if every case passes, else 0.0; with ``modal_rl_reward.partial`` (custom config) or
+``MODAL_RL_REWARD_PARTIAL=1``, the fraction passed. A sample with neither label nor tests is a
+``ValueError``. A sandbox that fails to start or dies masks the sample (``sample.remove_sample =
+True``, which zeroes its loss mask in slime) and scores 0.0, which then carries no signal.
+Pool settings: ``slime_modal.config``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import os
 from typing import Any
 
 from modal_rl.sandboxes.coderun import extract_code, score_code
 from modal_rl.sandboxes.errors import SandboxError
-from modal_rl.sandboxes.shared import shared_pool
+from slime_modal.config import on_pool_loop, reward_settings, rollout_pool
 
 log = logging.getLogger(__name__)
 
 
-async def _one(sample: Any) -> float:
-    tests = sample.label if sample.label else (sample.metadata or {}).get("tests")
-    if tests is None:
-        raise ValueError(f"sample {sample.index}: no test cases in sample.label or sample.metadata['tests']")
-    pool = await shared_pool()
+def sample_tests(sample: Any) -> Any:
+    """The test cases of ``sample`` in a form ``coderun.parse_tests`` accepts."""
+    meta = sample.metadata if isinstance(sample.metadata, dict) else {}
+    if meta.get("tests") is not None:
+        return meta["tests"]
+    label = sample.label
+    if label is None or label == "":
+        raise ValueError(f"sample {sample.index}: no test cases in sample.metadata['tests'] or sample.label")
+    if not isinstance(label, str):
+        return label
     try:
-        result = await score_code(
-            pool,
-            extract_code(sample.response),
-            tests,
-            timeout_s=float(os.environ.get("MODAL_RL_REWARD_TIMEOUT_S", "10")),
-        )
+        spec = json.loads(label)
+    except ValueError:
+        spec = None
+    if isinstance(spec, dict | list):
+        return spec
+    return [{"input": "", "output": label}]  # plain text: the expected stdout
+
+
+async def _score(args: Any, sample: Any) -> float:
+    tests = sample_tests(sample)
+    timeout_s, partial = reward_settings(args)
+
+    async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
+        pool = await rollout_pool(args)
+        return await score_code(pool, extract_code(sample.response), tests, timeout_s=timeout_s)
+
+    try:
+        result = await on_pool_loop(run())
     except SandboxError as exc:
         log.warning("sample %s masked: sandbox failure: %s", sample.index, exc)
         sample.remove_sample = True
-        return 0.0  # carries no signal: the sample's loss mask is zeroed
-    if os.environ.get("MODAL_RL_REWARD_PARTIAL") == "1":
-        return result.fraction
-    return float(result.all_passed)
+        return 0.0
+    return result.fraction if partial else float(result.all_passed)
 
 
-async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float | list[float]:
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:
+    """Score one sample (slime's ``async_rm``)."""
     if isinstance(sample, list):
-        return list(await asyncio.gather(*(_one(s) for s in sample)))
-    return await _one(sample)
+        raise TypeError(
+            "reward_func scores one sample; with --group-rm use slime_modal.reward.batched_reward_func"
+        )
+    return await _score(args, sample)
+
+
+async def batched_reward_func(args: Any, samples: list[Any], **kwargs: Any) -> list[float]:
+    """Score a list of samples concurrently (slime's ``batched_async_rm``, ``--group-rm``)."""
+    if not isinstance(samples, list):
+        raise TypeError("batched_reward_func takes a list of samples; for one sample use reward_func")
+    return list(await asyncio.gather(*(_score(args, s) for s in samples)))
