@@ -28,6 +28,16 @@ GOOD = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\
 BAD = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
 
 
+def test_shipped_tool_config_loads_by_class_path():
+    from verl_modal.cpu.sandbox_run import TOOL_CONFIG
+    from verl_modal.tools import SandboxCodeTool
+
+    (tool,) = initialize_tools_from_config(str(TOOL_CONFIG))  # verl has no tool registry
+    assert type(tool) is SandboxCodeTool and tool.name == "code_interpreter"
+    assert tool.pool_settings == {"backend": "local", "min_warm": 0, "max_live": 8}
+    assert tool.exec_timeout_s == 5.0 and tool.max_output_chars == 2000
+
+
 def test_tool_lifecycle_via_verl_tool_config(tmp_path):
     cfg = tmp_path / "tools.yaml"
     cfg.write_text(
@@ -84,8 +94,8 @@ def test_reward_loads_as_async_custom_reward_function():
         return good, bad, asserts
 
     good, bad, asserts = asyncio.run(main())
-    assert good == {"score": 1.0, "passed": 2, "total": 2}
-    assert bad["score"] == 0.0 and bad["passed"] == 0
+    assert good == {"score": 1.0, "passed": 2, "total": 2, "execs": 2}
+    assert bad["score"] == 0.0 and bad["passed"] == 0 and bad["execs"] == 1  # stops at the first failure
     assert asserts["score"] == 1.0
     no_processes_left()
 

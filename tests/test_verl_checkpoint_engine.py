@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import textwrap
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +18,9 @@ import torch
 pytest.importorskip("verl")
 
 from tests.test_weightsync_faults_e2e import FlakyProxy  # noqa: E402
+from tests.verl_plugin_helpers import plugin_env, run_python  # noqa: E402
 from tests.weightsync_helpers import bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
 from verl_modal.checkpoint_engine import ModalDeltaSyncError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def registry():
@@ -229,34 +223,8 @@ def test_topology_rejects_a_missing_master():
 # -- registration through the verl.plugins entry point, in fresh interpreters -----------
 
 
-def _plugin_path(tmp_path: Path) -> dict[str, str]:
-    """An environment whose ``modal-rl`` distribution metadata carries this checkout's
-    ``[project.entry-points."verl.plugins"]`` table (what ``pip install -e .`` would write),
-    ahead of any installed copy, with this checkout first on the import path."""
-    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
-    dist = tmp_path / "modal_rl-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: modal-rl\nVersion: 0.1.0\n")
-    lines = "".join(f"{k} = {v}\n" for k, v in table.items())
-    (dist / "entry_points.txt").write_text("[verl.plugins]\n" + lines)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    return env
-
-
-def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-
-
 def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
-    out = _run(
+    out = run_python(
         """
         import sys
         import verl
@@ -265,7 +233,7 @@ def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
         print(sorted(CheckpointEngineRegistry._registry))
         print(CheckpointEngineRegistry.get("modal_delta").__module__)
         """,
-        _plugin_path(tmp_path),
+        plugin_env(tmp_path),
     )
     assert out.returncode == 0, out.stderr
     listed, module = out.stdout.strip().splitlines()[-2:]
@@ -274,7 +242,7 @@ def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
 
 
 def test_a_registration_failure_is_loud(tmp_path):
-    out = _run(
+    out = run_python(
         """
         import sys
         sys.modules["modal_rl.weightsync.transport_tcp"] = None  # make the engine's import fail
@@ -285,7 +253,7 @@ def test_a_registration_failure_is_loud(tmp_path):
         except ValueError as exc:
             print("GET:", exc)
         """,
-        _plugin_path(tmp_path),
+        plugin_env(tmp_path),
     )
     assert out.returncode == 0, out.stderr
     assert "could not register checkpoint engine 'modal_delta'" in out.stderr
@@ -394,7 +362,7 @@ def local_ray(tmp_path_factory):
     if ray.is_initialized():
         pytest.skip("a Ray runtime is already initialized in this process")
     plugin_dir = tmp_path_factory.mktemp("plugins")
-    env = _plugin_path(plugin_dir)
+    env = plugin_env(plugin_dir)
     ray.init(
         address="local",
         num_cpus=2,

@@ -33,9 +33,10 @@ def parse_metrics(log: str) -> dict[int, dict[str, str]]:
     return steps
 
 
-def run_launcher(args: list[str], timeout: int) -> tuple[int, str]:
+def run_launcher(args: list[str], timeout: int, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``python -m verl_modal ARGS`` in its own process group; ``extra_env`` wins over ours."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "VLLM_"))}
-    env.update(PYTHONPATH=str(ROOT), RAY_DEDUP_LOGS="0")
+    env.update({"PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0", **(extra_env or {})})
     proc = subprocess.Popen(
         [sys.executable, "-m", "verl_modal", *args],
         cwd=ROOT,

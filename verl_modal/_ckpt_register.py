@@ -1,15 +1,11 @@
 """``verl.plugins`` entry point: registers the ``modal_delta`` checkpoint engine with verl.
 
-verl loads every ``verl.plugins`` entry point at the end of ``import verl`` and logs a failing
-one at DEBUG only. Importing verl's checkpoint-engine stack here would add seconds (Ray,
-tensordict, the rollout adapters) to every process that imports verl, so registration is
-deferred: a one-shot import hook runs it right after ``verl.checkpoint_engine.base`` — where
-``CheckpointEngineRegistry`` lives — finishes loading. Whoever can see the registry
-therefore sees ``modal_delta`` in it.
+The registration is deferred (see ``verl_modal._register``) until
+``verl.checkpoint_engine.base`` — where ``CheckpointEngineRegistry`` lives — finishes
+loading, so ``import verl`` does not pay for Ray, tensordict and the rollout adapters.
 
 Invariants:
-- registration happens exactly once per process, and never changes what the base module
-  defines (the hook only runs code after the real loader);
+- registration happens at most once per process, after the base module executed;
 - a registration failure is logged at ERROR and recorded with verl's own
   ``CheckpointEngineRegistry.record_import_error``, so asking for ``modal_delta`` names the
   cause instead of "not registered".
@@ -17,62 +13,24 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import logging
 import sys
 
-log = logging.getLogger("verl_modal")
+from verl_modal._register import after_import, as_import_error, loudly
 
 TARGET = "verl.checkpoint_engine.base"
 ENGINE_MODULE = "verl_modal.checkpoint_engine"
 
 
-def register() -> None:
-    """Import the engine module (its class decorator registers it); make a failure loud."""
-    try:
-        __import__(ENGINE_MODULE)
-    except Exception as exc:
-        log.error("verl_modal: could not register checkpoint engine 'modal_delta': %r", exc)
-        base = sys.modules.get(TARGET)
-        if base is not None:
-            err = exc if isinstance(exc, ImportError) else ImportError(f"{type(exc).__name__}: {exc}")
-            base.CheckpointEngineRegistry.record_import_error(ENGINE_MODULE, err)
+def _import_engine() -> None:
+    __import__(ENGINE_MODULE)  # its class decorator registers it
 
 
-class _RunAfter(importlib.abc.Loader):
-    """Wraps the real loader of ``TARGET``; calls ``register`` once the module has executed."""
-
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name):  # get_source, get_filename, … for tools that ask
-        return getattr(self.inner, name)
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.inner.exec_module(module)
-        register()
+def _record(exc: Exception) -> None:
+    base = sys.modules.get(TARGET)
+    if base is not None:
+        base.CheckpointEngineRegistry.record_import_error(ENGINE_MODULE, as_import_error(exc))
 
 
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
-            return None
-        sys.meta_path.remove(self)  # one shot, and lets the real finders answer below
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RunAfter(spec.loader)
-        return spec
+register = loudly("checkpoint engine 'modal_delta'", _import_engine, _record)
 
-
-def install() -> None:
-    if TARGET in sys.modules:
-        register()  # the registry already exists (e.g. this module was imported late)
-    elif not any(isinstance(f, _Hook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Hook())
-
-
-install()
+after_import(TARGET, register)

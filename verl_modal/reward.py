@@ -5,7 +5,9 @@
     +reward.custom_reward_function.reward_kwargs.backend=local
 
 ``ground_truth`` holds the test cases (see ``modal_rl.sandboxes.coderun.parse_tests``).
-Returns ``{"score": 1.0/0.0 (or the pass fraction with partial=True), "passed", "total"}``.
+Returns ``{"score": 1.0/0.0 (or the pass fraction with partial=True), "passed", "total",
+"execs"}`` (``execs``: programs run in the sandbox). By name, the same scoring is verl's
+``reward.reward_manager.name=modal_sandbox`` (``verl_modal.reward_manager``).
 
 Sandbox failures never become a reward: a failed evaluation is retried with a fresh sandbox
 (``sandbox_retries``), and if the infrastructure still fails the ``SandboxError`` propagates
@@ -20,7 +22,8 @@ from modal_rl.sandboxes.coderun import extract_code, score_code
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.shared import shared_pool
 
-_POOL_KEYS = ("backend", "image", "min_warm", "max_live", "memory_mb", "network", "app", "timeout_s", "cpu")
+POOL_KEYS = ("backend", "image", "min_warm", "max_live", "memory_mb", "network", "app", "timeout_s", "cpu")
+SCORE_KEYS = ("exec_timeout_s", "partial", "sandbox_retries")
 
 
 async def compute_score(
@@ -34,7 +37,7 @@ async def compute_score(
     sandbox_retries: int = 2,
     **kwargs: Any,
 ) -> dict:
-    pool = await shared_pool(**{k: kwargs[k] for k in _POOL_KEYS if k in kwargs})
+    pool = await shared_pool(**{k: kwargs[k] for k in POOL_KEYS if k in kwargs})
     code = extract_code(solution_str)
     for attempt in range(sandbox_retries + 1):
         try:
@@ -46,4 +49,4 @@ async def compute_score(
             if attempt == sandbox_retries:
                 raise
     score = result.fraction if partial else float(result.all_passed)
-    return {"score": score, "passed": result.passed, "total": result.total}
+    return {"score": score, "passed": result.passed, "total": result.total, "execs": len(result.details)}

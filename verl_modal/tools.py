@@ -1,6 +1,8 @@
 """verl tool: a sandboxed Python code interpreter backed by a modal_rl SandboxPool.
 
-Use in a verl tool config (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
+verl 0.9.1 has no tool registry: a tool is named by its class path in a tool config
+(``actor_rollout_ref.rollout.multi_turn.tool_config_path``). A ready one ships as
+``verl_modal/configs/sandbox_code_tool.yaml``; the minimal form is::
 
     tools:
       - class_name: verl_modal.tools.SandboxCodeTool
@@ -22,8 +24,7 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.shared import shared_pool
-
-_POOL_KEYS = ("backend", "image", "min_warm", "max_live", "memory_mb", "network", "app", "timeout_s", "cpu")
+from verl_modal.reward import POOL_KEYS
 
 DEFAULT_SCHEMA = {
     "type": "function",
@@ -43,7 +44,7 @@ class SandboxCodeTool(BaseTool):
     """``code_interpreter`` tool; one single-use sandbox per tool instance."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
-        self.pool_settings = {k: config[k] for k in _POOL_KEYS if k in config}
+        self.pool_settings = {k: config[k] for k in POOL_KEYS if k in config}
         self.exec_timeout_s = float(config.get("exec_timeout_s", 10.0))
         self.max_output_chars = int(config.get("max_output_chars", 4000))
         self._leases: dict[str, Any] = {}

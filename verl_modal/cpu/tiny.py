@@ -1,7 +1,13 @@
 """Tiny local assets for a verl run without a hub: a ~0.4 M-parameter Qwen2, its tokenizer,
-and GSM8K-style arithmetic prompts in parquet.
+and prompts in parquet for one of two tasks:
 
-``python -m verl_modal.cpu.tiny DIR`` writes::
+- ``arith`` (default): GSM8K-style arithmetic, scored by the shaping reward in ``arith_reward``;
+- ``code``: "write a program" prompts whose ``ground_truth`` holds stdin/stdout test cases
+  (``modal_rl.sandboxes.coderun`` format), scored by running the response in bubblewrap
+  sandboxes through the ``modal_sandbox`` reward manager, with the sandboxed
+  ``code_interpreter`` tool offered to verl's ``tool_agent`` loop.
+
+``python -m verl_modal.cpu.tiny DIR [--task code]`` writes::
 
     DIR/model/        config.json, model.safetensors, tokenizer files (chat template inside)
     DIR/train.parquet DIR/test.parquet   verl RL rows: prompt (chat), reward_model.ground_truth
@@ -9,18 +15,22 @@ and GSM8K-style arithmetic prompts in parquet.
 
 Invariants: nothing is downloaded (works with ``HF_HUB_OFFLINE=1``); the same seed gives
 the same prompts and tokenizer; :func:`make` skips work when ``DIR/overrides.txt`` exists
-(it is written last, so its presence means the assets are complete).
+(it is written last, so its presence means the assets are complete) and refuses a DIR made
+for the other task (``DIR/task.txt``; absent means ``arith``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
 
 DATA_SOURCE = "verl_modal/tiny_arith"
+CODE_DATA_SOURCE = "verl_modal/tiny_code"
 REWARD_MODULE = "pkg://verl_modal.cpu.arith_reward"
+TASKS = ("arith", "code")
 INSTRUCTION = "Put the final answer after ####."
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -60,8 +70,36 @@ def arithmetic_rows(n: int, seed: int, split: str) -> list[dict]:
     return rows
 
 
+_CODE_OPS = {"+": "sum", "-": "difference", "*": "product"}
+
+
+def code_rows(n: int, seed: int, split: str, n_cases: int = 2) -> list[dict]:
+    """``n`` verl RL rows asking for a program that reads ``a b`` on stdin and prints
+    ``a op b``; ``ground_truth`` is the JSON ``{"inputs": [...], "outputs": [...]}``."""
+    rng = random.Random(f"{seed}-{split}-code")
+    rows = []
+    for i in range(n):
+        op = rng.choice("+-*")
+        pairs = [(rng.randint(-50, 99), rng.randint(-50, 99)) for _ in range(n_cases)]
+        results = [{"+": a + b, "-": a - b, "*": a * b}[op] for a, b in pairs]
+        tests = {"inputs": [f"{a} {b}\n" for a, b in pairs], "outputs": [f"{r}\n" for r in results]}
+        question = f"Write Python: read a b, print their {_CODE_OPS[op]}. Reply with a python block."
+        solution = f"a, b = map(int, input().split())\nprint(a {op} b)"
+        rows.append(
+            {
+                "data_source": CODE_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": question}],
+                "ability": "code",
+                "reward_model": {"style": "rule", "ground_truth": json.dumps(tests)},
+                "extra_info": {"split": split, "index": i, "question": question, "solution": solution},
+            }
+        )
+    return rows
+
+
 def _corpus(rows: list[dict]) -> list[str]:
     text = [r["prompt"][0]["content"] + f" #### {r['reward_model']['ground_truth']}" for r in rows]
+    text += [f"```python\n{r['extra_info']['solution']}\n```" for r in rows if "solution" in r["extra_info"]]
     return text + [" ".join(str(k) for k in range(start, start + 50)) for start in range(-100, 10000, 50)]
 
 
@@ -123,48 +161,84 @@ WORKLOAD_SIZES = [
 ]
 
 
-def overrides_for(out: Path) -> list[str]:
+def overrides_for(out: Path, task: str = "arith") -> list[str]:
     """Hydra overrides that point verl's model, data and reward at the assets in ``out``."""
     out = Path(out).resolve()
-    return [
+    assets = [
         f"actor_rollout_ref.model.path={out / 'model'}",
         f"data.train_files={out / 'train.parquet'}",
         f"data.val_files={out / 'test.parquet'}",
+    ]
+    if task == "code":
+        from verl_modal.cpu.sandbox_run import code_task_overrides
+
+        return [*assets, *code_task_overrides(), *WORKLOAD_SIZES]
+    return [
+        *assets,
         f"reward.custom_reward_function.path={REWARD_MODULE}",
         "reward.custom_reward_function.name=compute_score",
         *WORKLOAD_SIZES,
     ]
 
 
+def task_of(out: Path) -> str | None:
+    """The task ``out`` was made for; None when it holds no complete assets."""
+    out = Path(out)
+    if not (out / "overrides.txt").exists():
+        return None
+    marker = out / "task.txt"
+    return marker.read_text().strip() if marker.exists() else "arith"
+
+
 def make(
-    out: Path, *, seed: int = 0, n_train: int = 256, n_test: int = 32, vocab_size: int = 1000
+    out: Path,
+    *,
+    task: str = "arith",
+    seed: int = 0,
+    n_train: int = 256,
+    n_test: int = 32,
+    vocab_size: int = 1000,
 ) -> list[str]:
-    """Write the assets into ``out`` (skipped when complete) and return their overrides."""
+    """Write the assets into ``out`` (skipped when complete) and return their overrides.
+
+    Raises ``ValueError`` for an unknown task or a DIR already made for the other task."""
     import pandas as pd
 
+    if task not in TASKS:
+        raise ValueError(f"unknown tiny task {task!r}; choose one of {', '.join(TASKS)}")
     out = Path(out)
-    marker = out / "overrides.txt"
-    if marker.exists():
-        return overrides_for(out)
+    made = task_of(out)
+    if made is not None:
+        if made != task:
+            raise ValueError(f"{out} holds tiny assets for task {made!r}, not {task!r}; use another DIR")
+        return overrides_for(out, task)
     out.mkdir(parents=True, exist_ok=True)
-    train, test = arithmetic_rows(n_train, seed, "train"), arithmetic_rows(n_test, seed, "test")
+    rows = code_rows if task == "code" else arithmetic_rows
+    train, test = rows(n_train, seed, "train"), rows(n_test, seed, "test")
     tokenizer = make_tokenizer(train + test, vocab_size)
     model = make_model(tokenizer, seed)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     pd.DataFrame(train).to_parquet(out / "train.parquet")
     pd.DataFrame(test).to_parquet(out / "test.parquet")
-    overrides = overrides_for(out)
-    marker.write_text("\n".join(overrides) + "\n")
+    (out / "task.txt").write_text(task + "\n")
+    overrides = overrides_for(out, task)
+    (out / "overrides.txt").write_text("\n".join(overrides) + "\n")
     return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_modal.cpu.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="directory for the model, tokenizer and parquet files")
+    parser.add_argument("--task", choices=TASKS, default="arith")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for line in make(args.out, seed=args.seed):
+    try:
+        lines = make(args.out, task=args.task, seed=args.seed)
+    except ValueError as exc:
+        print(f"verl_modal.cpu.tiny: {exc}", file=sys.stderr)
+        return 2
+    for line in lines:
         print(line)
     return 0
 

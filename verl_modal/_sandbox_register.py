@@ -1,0 +1,43 @@
+"""``verl.plugins`` entry point: registers the ``modal_sandbox`` reward manager with verl.
+
+verl 0.9.1 selects a reward manager by name (``reward.reward_manager.name``, source
+``register``) from ``REWARD_MANAGER`` in ``verl.experimental.reward_loop.reward_manager``;
+``RewardManagerConfig`` checks the name against it. Registration is deferred (see
+``verl_modal._register``) until that package has loaded, so ``import verl`` stays light.
+
+Tools have no by-name registry in verl 0.9.1 (a tool config names its class path), so the
+sandboxed tool needs no registration: ``verl_modal.tools.SandboxCodeTool``.
+
+Invariant: if registration fails, the failure is logged at ERROR and ``modal_sandbox`` is
+still listed, bound to a stand-in whose construction raises ``ImportError`` with the cause,
+so a run asking for it fails with the reason instead of "not registered".
+"""
+
+from __future__ import annotations
+
+import sys
+
+from verl_modal._register import after_import, as_import_error, loudly
+
+TARGET = "verl.experimental.reward_loop.reward_manager"
+NAME = "modal_sandbox"
+MANAGER_MODULE = "verl_modal.reward_manager"
+
+
+def _import_manager() -> None:
+    __import__(MANAGER_MODULE)  # its @register(NAME) class decorator registers it
+
+
+def _record(exc: Exception) -> None:
+    cause = as_import_error(exc)
+
+    class UnavailableRewardManager:
+        def __init__(self, *args, **kwargs):
+            raise ImportError(f"reward manager {NAME!r} failed to register: {cause}") from cause
+
+    sys.modules[f"{TARGET}.registry"].REWARD_MANAGER.setdefault(NAME, UnavailableRewardManager)
+
+
+register = loudly(f"reward manager {NAME!r}", _import_manager, _record)
+
+after_import(TARGET, register)
