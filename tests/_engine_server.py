@@ -1,7 +1,7 @@
 """A tiny inference-server stand-in for engine-pool tests: real process, real HTTP, real port.
 
 ``python tests/_engine_server.py --port P [--mode ok|crash-first|hang|crash] [--state DIR]
-[--setsid-child]``. It answers ``GET /health`` and the vLLM / SGLang endpoints the adapters
+[--setsid-child] [SGLang flags...]``. It answers ``GET /health`` and the vLLM / SGLang endpoints the adapters
 call, records every request it gets to ``DIR/<port>.jsonl`` (so tests can check what reached
 the server), and, for ``/v1/completions``, echoes the prompt's token ids plus one as the output.
 ``crash-first``: the first process to start (an O_EXCL flag file in DIR) exits 3 at start.
@@ -26,7 +26,19 @@ def main() -> None:
     ap.add_argument("--mode", default="ok")
     ap.add_argument("--state", default=None)
     ap.add_argument("--setsid-child", action="store_true")
-    args = ap.parse_args()
+    # SGLang's own flags, reported back by /server_info as SGLang does.
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--enable-memory-saver", action="store_true")
+    args, unknown = ap.parse_known_args()
+    info = {
+        "model_path": args.model_path,
+        "tp_size": args.tp_size,
+        "pp_size": args.pp_size,
+        "enable_memory_saver": args.enable_memory_saver,
+        "unknown_args": unknown,
+    }
     print(f"fake engine starting on {args.host}:{args.port} mode={args.mode}", flush=True)
     if args.setsid_child:
         subprocess.Popen(["setsid", "sleep", "600"])
@@ -57,7 +69,7 @@ def main() -> None:
             if self.path in ("/health", "/health_generate"):
                 return self._reply({})
             if self.path in ("/server_info", "/get_server_info"):
-                return self._reply({"tp_size": 1, "num_gpus": 1})
+                return self._reply(info)
             return self._reply({"error": "not found"}, 404)
 
         def do_POST(self):  # noqa: N802
