@@ -21,6 +21,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger("verl_modal")
 
@@ -41,10 +42,11 @@ def register() -> None:
 
 
 class _RunAfter(importlib.abc.Loader):
-    """Wraps the real loader of ``TARGET``; calls ``register`` once the module has executed."""
+    """Wraps the real loader of a module; calls ``callback`` once the module has executed."""
 
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[], None]) -> None:
         self.inner = inner
+        self.callback = callback
 
     def __getattr__(self, name):  # get_source, get_filename, … for tools that ask
         return getattr(self.inner, name)
@@ -54,25 +56,34 @@ class _RunAfter(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
-        register()
+        self.callback()
 
 
 class _Hook(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str, callback: Callable[[], None]) -> None:
+        self.target = target
+        self.callback = callback
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)  # one shot, and lets the real finders answer below
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _RunAfter(spec.loader)
+            spec.loader = _RunAfter(spec.loader, self.callback)
         return spec
 
 
+def run_after_import(target: str, callback: Callable[[], None]) -> None:
+    """Call ``callback`` right after module ``target`` loads (now, if it already has); once."""
+    if target in sys.modules:
+        callback()  # the module already exists (e.g. this module was imported late)
+    elif not any(isinstance(f, _Hook) and f.target == target for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hook(target, callback))
+
+
 def install() -> None:
-    if TARGET in sys.modules:
-        register()  # the registry already exists (e.g. this module was imported late)
-    elif not any(isinstance(f, _Hook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Hook())
+    run_after_import(TARGET, register)
 
 
 install()

@@ -54,7 +54,9 @@ def build_image(spec: EngineSpec):
 
     if not spec.image:
         raise ValueError("a Modal engine pool needs an image with the inference server (spec.image)")
-    return modal.Image.from_registry(spec.image).add_local_python_source(*LOCAL_PACKAGES)
+    # Server images (vllm/vllm-openai, sglang) set ENTRYPOINT to the server; Modal runs its own.
+    image = modal.Image.from_registry(spec.image).entrypoint([])
+    return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
 def build_function(spec: EngineSpec, app_name: str = APP_NAME):
