@@ -152,3 +152,22 @@ def test_modal_engines_live():
     with running(spec, "modal") as addresses:
         assert len(addresses) == 2
         assert [get(a + "/") for a in addresses] == [200, 200]
+
+
+def test_engines_outlive_the_thread_that_started_them(tmp_path):
+    """The parent-death signal is per thread: a pool started from a short-lived thread keeps
+    its engines (they are forked by the spawner thread) until it is stopped."""
+    import threading
+    import time
+
+    pool = LocalEnginePool(fake_spec(tmp_path, count=1))
+    starter = threading.Thread(target=pool.start)
+    starter.start()
+    starter.join()
+    try:
+        time.sleep(0.5)
+        assert pool.procs[0].poll() is None
+        assert get(pool.addresses[0] + "/health") == 200
+    finally:
+        pool.stop()
+    assert procs.pids_of_run(pool.run_id) == []

@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -242,7 +244,7 @@ class LocalEnginePool(EnginePool):
             for index, port in enumerate(self.ports):
                 with open(self.log_path(index), "wb") as log:
                     self.procs.append(
-                        subprocess.Popen(
+                        spawn(
                             prefix + self.spec.argv(self.host, port),
                             stdout=log,
                             stderr=subprocess.STDOUT,
@@ -305,6 +307,40 @@ class LocalEnginePool(EnginePool):
             print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)
         self.procs = []
         self.addresses = []
+
+
+_spawn_requests: queue.Queue = queue.Queue()
+_spawner_lock = threading.Lock()
+_spawner: threading.Thread | None = None
+
+
+def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``Popen`` from one long-lived daemon thread.
+
+    The kernel's parent-death signal fires when the *thread* that forked the child exits, not
+    the process. Callers start pools from short-lived threads (``asyncio.to_thread``, executor
+    threads torn down by ``asyncio.run``); forking from them would kill the engines early.
+    """
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_spawn_loop, name="modal-rl-engine-spawner", daemon=True)
+            _spawner.start()
+    done: queue.Queue = queue.Queue(maxsize=1)
+    _spawn_requests.put((argv, popen_kwargs, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _spawn_loop() -> None:
+    while True:
+        argv, kwargs, done = _spawn_requests.get()
+        try:
+            done.put((True, subprocess.Popen(argv, **kwargs)))
+        except BaseException as exc:  # handed to the caller's thread
+            done.put((False, exc))
 
 
 def tail_of(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
