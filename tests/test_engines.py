@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from modal_rl.cluster import procs
-from modal_rl.cluster.engines import EngineSpec, EngineStartError, LocalEnginePool, running
+from modal_rl.cluster.engines import EngineSpec, EngineStartError, LocalEnginePool, probe, running
 from modal_rl.cluster.spec import ClusterSpecError
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
@@ -23,8 +22,8 @@ def fake_spec(tmp_path, count=2, mode="ok", extra=(), **kw) -> EngineSpec:
 
 
 def get(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.status
+    ok, what = probe(url, timeout_s=5)
+    return 200 if ok else what
 
 
 def test_local_pool_starts_serves_and_leaves_nothing(tmp_path):

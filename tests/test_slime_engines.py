@@ -137,7 +137,9 @@ def _slime_external():
     return module
 
 
-def test_local_engines_pass_slimes_discovery(tmp_path):
+def test_local_engines_pass_slimes_discovery(tmp_path, monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)  # slime's requests would send 127.0.0.1 to a proxy
     slime_external = _slime_external()
     argv = ["--hf-checkpoint", "/models/tiny", "--rollout-num-gpus-per-engine", "1", "--offload"]
     request = parse_engines("modal:2")

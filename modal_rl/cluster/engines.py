@@ -136,10 +136,14 @@ class EngineSpec:
         return cls(**data)
 
 
+# Engines are reached directly: an http_proxy in the environment must not reroute health checks.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
     """One GET; (answered 2xx, what happened)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with _NO_PROXY.open(url, timeout=timeout_s) as resp:
             return 200 <= resp.status < 300, f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"
