@@ -32,8 +32,9 @@ from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
 from modal_rl.cluster.engines import EnginePool, EngineSpec, EngineStartError, engine_failure, probe
 
 APP_NAME = "modal-rl-engines"
-# The container's own bring-up margin beyond the caller's health deadline (tunnel, log flush).
 CONTAINER_POLL_S = 1.0
+# Engines bind every interface of their container; the tunnel reaches them from outside it.
+CONTAINER_HOST = "0.0.0.0"
 
 
 def function_kwargs(spec: EngineSpec) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
     spec = EngineSpec.from_dict(spec_json)
     tail: deque[str] = deque(maxlen=30)
     proc = subprocess.Popen(
-        spec.argv("0.0.0.0", spec.port),
+        spec.argv(CONTAINER_HOST, spec.port),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -144,7 +145,7 @@ class ModalEnginePool(EnginePool):
             "app": self.app_name,
             "spec": self.spec.to_dict(),
             "modal_function": {**function_kwargs(self.spec), "inspected": inspect_function(fn)},
-            "commands": [self.spec.argv("0.0.0.0", self.spec.port) for _ in range(self.spec.count)],
+            "commands": [self.spec.argv(CONTAINER_HOST, self.spec.port) for _ in range(self.spec.count)],
             "reachable_as": "http://<modal tunnel host>:<tunnel port> per engine (modal.forward, unencrypted)",
         }
 
