@@ -81,6 +81,7 @@ def test_keyboard_interrupt_in_body_stops_engines(tmp_path):
         ({"min_containers": 5, "count": 2}, "min_containers=5"),
         ({"serve_timeout_s": 10 * 24 * 3600}, "at most 24 h"),
         ({"env": {"1X": "y"}}, "shell identifier"),
+        ({"secrets": ["bad name"]}, "engine secret name"),
     ],
 )
 def test_spec_validation(kwargs, needle):

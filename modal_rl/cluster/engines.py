@@ -115,6 +115,9 @@ class EngineSpec:
                 raise ClusterSpecError(
                     f"volume {vol!r} at {path!r}: Modal-valid name and absolute path needed"
                 )
+        for secret in self.secrets:
+            if not isinstance(secret, str) or not _NAME_RE.match(secret):
+                raise ClusterSpecError(f"engine secret name {secret!r}: use letters, digits, '.', '_' or '-'")
         for key in self.env:
             if not _ENV_RE.match(key):
                 raise ClusterSpecError(f"engine env key {key!r}: must be a shell identifier")
