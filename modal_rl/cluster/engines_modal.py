@@ -1,0 +1,224 @@
+"""Modal engine pool: one GPU container per engine, reachable through a raw TCP tunnel.
+
+The engines are their own ``modal.App`` (``modal-rl-engines``) with one function, scaled
+apart from the trainer cluster: ``@app.function(gpu=spec.gpu, image=..., max_containers=
+spec.max_containers, timeout=spec.serve_timeout_s)``. ``start`` opens the app, creates an
+ephemeral ``modal.Dict`` as the pool's mailbox and spawns the function once per engine.
+
+Each container (``engine_container_main``) starts the server command bound to 0.0.0.0,
+waits for its health endpoint locally, opens ``modal.forward(port, unencrypted=True)`` (a raw
+TCP socket: slime and verl speak plain ``http://host:port``) and writes ``addr/<i>`` to the
+mailbox; on a failed start it writes ``error/<i>`` with the last log lines instead. Then it
+serves until the mailbox holds ``stop``, its server exits, or Modal cancels the call.
+
+``start`` waits until every engine has an address that answers health from here too, within
+``startup_timeout_s``; the first error, an early-finished call or the deadline stops every
+engine (mailbox ``stop``, then ``FunctionCall.cancel``) and raises ``EngineStartError``.
+Closing the app is the backstop: Modal stops the app's containers when ``app.run()`` exits.
+
+Nothing contacts Modal before ``start``; ``build_function`` works offline for spec tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
+from modal_rl.cluster.engines import EnginePool, EngineSpec, EngineStartError, engine_failure, probe
+
+APP_NAME = "modal-rl-engines"
+CONTAINER_POLL_S = 1.0
+# Engines bind every interface of their container; the tunnel reaches them from outside it.
+CONTAINER_HOST = "0.0.0.0"
+
+
+def function_kwargs(spec: EngineSpec) -> dict[str, Any]:
+    """Plain settings of the engine function, derived from the spec only."""
+    kwargs: dict[str, Any] = {
+        "gpu": spec.gpu,
+        "timeout": int(spec.serve_timeout_s),
+        "startup_timeout": int(spec.startup_timeout_s),
+        "max_containers": spec.max_containers,
+    }
+    if spec.min_containers is not None:
+        kwargs["min_containers"] = spec.min_containers
+    return kwargs
+
+
+def build_image(spec: EngineSpec):
+    import modal
+
+    if not spec.image:
+        raise ValueError("a Modal engine pool needs an image with the inference server (spec.image)")
+    # Server images (vllm/vllm-openai, sglang) set ENTRYPOINT to the server; Modal runs its own.
+    image = modal.Image.from_registry(spec.image).entrypoint([])
+    return image.add_local_python_source(*LOCAL_PACKAGES)
+
+
+def build_function(spec: EngineSpec, app_name: str = APP_NAME):
+    """(app, function) defined offline."""
+    import modal
+
+    app = modal.App(app_name)
+    volumes = {
+        path: modal.Volume.from_name(name, create_if_missing=True) for name, path in spec.volumes.items()
+    }
+    fn = app.function(
+        image=build_image(spec),
+        volumes=volumes,
+        secrets=[modal.Secret.from_name(s) for s in spec.secrets],
+        env=dict(spec.env),
+        serialized=True,
+        **function_kwargs(spec),
+    )(engine_container_main)
+    return app, fn
+
+
+def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
+    """Body of one engine container; see the module docstring for the mailbox protocol."""
+    import modal
+
+    spec = EngineSpec.from_dict(spec_json)
+    tail: deque[str] = deque(maxlen=30)
+    proc = subprocess.Popen(
+        spec.argv(CONTAINER_HOST, spec.port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True).start()
+    local = f"http://127.0.0.1:{spec.port}{spec.health_path}"
+    deadline = time.monotonic() + spec.startup_timeout_s
+    try:
+        while not probe(local)[0]:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
+                mailbox[f"error/{index}"] = {"why": why, "tail": list(tail)}
+                return {"index": index, "exit": why}
+            time.sleep(CONTAINER_POLL_S)
+        with modal.forward(spec.port, unencrypted=True) as tunnel:
+            host, port = tunnel.tcp_socket
+            mailbox[f"addr/{index}"] = f"http://{host}:{port}"
+            while proc.poll() is None and not mailbox.get("stop", False):
+                time.sleep(CONTAINER_POLL_S)
+        if proc.poll() is not None:
+            mailbox[f"error/{index}"] = {"why": f"exited with code {proc.returncode}", "tail": list(tail)}
+        return {"index": index, "exit": proc.poll()}
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            proc.kill()
+
+
+def _pump(stream, tail: deque) -> None:
+    for line in stream:
+        print(line, end="", flush=True)  # Modal's logs keep the full output
+        tail.append(line.rstrip("\n"))
+
+
+class ModalEnginePool(EnginePool):
+    backend = "modal"
+
+    def __init__(
+        self, spec: EngineSpec, app_name: str = APP_NAME, poll_s: float = 2.0, grace_s: float = 20.0
+    ):
+        super().__init__(spec)
+        self.app_name = app_name
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self.calls: list = []
+        self._stack: contextlib.ExitStack | None = None
+        self._mailbox = None
+
+    def describe(self) -> dict[str, Any]:
+        _, fn = build_function(self.spec, self.app_name)
+        return {
+            "backend": self.backend,
+            "app": self.app_name,
+            "spec": self.spec.to_dict(),
+            "modal_function": {**function_kwargs(self.spec), "inspected": inspect_function(fn)},
+            "commands": [self.spec.argv(CONTAINER_HOST, self.spec.port) for _ in range(self.spec.count)],
+            "reachable_as": "http://<modal tunnel host>:<tunnel port> per engine (modal.forward, unencrypted)",
+        }
+
+    def start(self) -> list[str]:
+        import modal
+
+        app, fn = build_function(self.spec, self.app_name)
+        self._stack = contextlib.ExitStack()
+        try:
+            self._stack.enter_context(app.run())
+            self._mailbox = self._stack.enter_context(modal.Dict.ephemeral())
+            spec_json = self.spec.to_dict()
+            self.calls = [fn.spawn(spec_json, i, self._mailbox) for i in range(self.spec.count)]
+            self.addresses = self._wait_all()
+        except BaseException:
+            self.stop()
+            raise
+        return list(self.addresses)
+
+    def _wait_all(self) -> list[str]:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        found: dict[int, str] = {}
+        while len(found) < self.spec.count:
+            for index in range(self.spec.count):
+                if index in found:
+                    continue
+                error = self._mailbox.get(f"error/{index}")
+                if error is not None:
+                    raise EngineStartError(engine_failure(self.spec.name, index, error["why"], error["tail"]))
+                self._check_call(index)
+                address = self._mailbox.get(f"addr/{index}")
+                if address is not None and probe(address + self.spec.health_path, timeout_s=5.0)[0]:
+                    found[index] = address
+            if len(found) == self.spec.count:
+                break
+            if time.monotonic() > deadline:
+                missing = [i for i in range(self.spec.count) if i not in found]
+                raise EngineStartError(
+                    engine_failure(
+                        self.spec.name,
+                        missing[0],
+                        f"(and {len(missing) - 1} more) not reachable within {self.spec.startup_timeout_s:g} s",
+                        ["see the app's logs: modal app logs " + self.app_name],
+                    )
+                )
+            time.sleep(self.poll_s)
+        return [found[i] for i in range(self.spec.count)]
+
+    def _check_call(self, index: int) -> None:
+        """An engine's call that already finished (crash, OOM, cancel) fails the start."""
+        try:
+            result = self.calls[index].get(timeout=0)
+        except TimeoutError:
+            return
+        except Exception as exc:
+            raise EngineStartError(
+                engine_failure(self.spec.name, index, f"container failed: {exc!r}", [])
+            ) from exc
+        raise EngineStartError(engine_failure(self.spec.name, index, f"container ended early: {result}", []))
+
+    def stop(self) -> None:
+        if self._mailbox is not None:
+            with contextlib.suppress(Exception):
+                self._mailbox["stop"] = True
+        deadline = time.monotonic() + self.grace_s
+        for call in self.calls:
+            with contextlib.suppress(Exception):
+                call.get(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(Exception):
+                call.cancel(terminate_containers=True)
+        self.calls = []
+        self._mailbox = None
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+        self.addresses = []

@@ -1,0 +1,204 @@
+"""slime's rollout engines on their own machines: ``--rollout-engines modal:N[:GPU]``.
+
+The launcher parses the flag with ``parse_engines``, prints ``describe`` in its dry-run plan,
+and wraps the training job in ``running_engines``; the addresses it yields go to slime as
+``external_engine_args(addresses)``, i.e. slime's ``--rollout-external-engine-addrs`` (nargs
+"+", ``host:port`` or ``http://host:port``). slime then treats them as pre-launched external
+SGLang engines: it reads ``/server_info`` and checks the fields it would have set itself.
+
+The engine command line is derived from slime's own flags, so the engines match what slime
+would have launched: ``--hf-checkpoint`` (model), ``--rollout-num-gpus-per-engine`` and
+``--sglang-pp-size`` (tensor/pipeline parallel sizes), ``--offload``/``--offload-rollout``
+(memory saver, which slime checks on external engines), ``--fp16``, ``--use-rollout-routing-
+replay``, and every other ``--sglang-<flag>`` passed through as SGLang's ``--<flag>``. Each
+engine's GPU count is its tensor x pipeline size; a GPU count in the flag must agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
+
+DEFAULT_GPU = "H100"
+DEFAULT_IMAGE = "slimerl/slime:latest"
+SGLANG_PORT = 30000
+SERVER = ("python3", "-m", "sglang.launch_server")
+# slime sets these itself for an external engine, or they are per-engine: never passed through.
+_NOT_PASSED = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config"}
+
+
+@dataclass(frozen=True)
+class EnginesRequest:
+    """``modal:N[:TYPE[:COUNT]]``: N engines of ``gpu_type``; ``gpu_count`` None = from slime's flags."""
+
+    count: int
+    gpu_type: str
+    gpu_count: int | None = None
+
+    def __str__(self) -> str:
+        gpu = self.gpu_type + (f":{self.gpu_count}" if self.gpu_count else "")
+        return f"modal:{self.count}:{gpu}"
+
+
+def parse_engines(text: str) -> EnginesRequest:
+    """``modal:4`` / ``modal:4:H100`` / ``modal:2:H100:2``; ValueError says what is wrong."""
+    parts = str(text).split(":")
+    usage = "use modal:N[:GPU], e.g. modal:4 or modal:4:H100 or modal:2:H100:2"
+    if parts[0] != "modal" or not 2 <= len(parts) <= 4:
+        raise ValueError(f"--rollout-engines {text!r}: {usage}")
+    try:
+        count = int(parts[1])
+    except ValueError:
+        raise ValueError(
+            f"--rollout-engines {text!r}: engine count {parts[1]!r} is not an integer; {usage}"
+        ) from None
+    if count < 1:
+        raise ValueError(f"--rollout-engines {text!r}: need at least one engine")
+    gpu_text = ":".join(parts[2:]) or DEFAULT_GPU
+    try:
+        gpu = GpuSpec.parse(gpu_text)
+    except ClusterSpecError as exc:
+        raise ValueError(f"--rollout-engines {text!r}: {exc}") from None
+    return EnginesRequest(count, gpu.type, gpu.count if len(parts) == 4 else None)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """Value of ``name`` in argv (``--x v`` or ``--x=v``), last one wins."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _int_flag(argv: list[str], name: str, default: int) -> int:
+    value = _flag(argv, name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} {value!r}: not an integer") from None
+
+
+def _sglang_passthrough(argv: list[str]) -> list[str]:
+    """``--sglang-foo[ v...]`` -> ``--foo[ v...]``, values being the following non-flag tokens."""
+    out: list[str] = []
+    taking = False
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            taking = name.startswith("--sglang-") and name not in _NOT_PASSED and name != "--sglang-pp-size"
+            if taking:
+                out.append("--" + arg[len("--sglang-") :])
+        elif taking:
+            out.append(arg)
+    return out
+
+
+def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> tuple[list[str], int]:
+    """(SGLang server argv template with ``{host}``/``{port}``, GPUs per engine), from slime's flags."""
+    argv = list(slime_argv)
+    model = _flag(argv, "--hf-checkpoint")
+    if not model:
+        raise ValueError("--rollout-engines needs --hf-checkpoint: the engines load the model from it")
+    if "--colocate" in argv:
+        raise ValueError("--rollout-engines puts engines on their own GPUs; it contradicts --colocate")
+    if _flag(argv, "--rollout-external-engine-addrs") is not None:
+        raise ValueError(
+            "--rollout-engines sets --rollout-external-engine-addrs itself; pass one or the other"
+        )
+    gpus = _int_flag(argv, "--rollout-num-gpus-per-engine", 1)
+    pp = _int_flag(argv, "--sglang-pp-size", 1)
+    if gpus < 1 or pp < 1 or gpus % pp:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {gpus} must be a positive multiple of --sglang-pp-size {pp}"
+        )
+    cmd = [*server, "--model-path", model, "--host", "{host}", "--port", "{port}", "--trust-remote-code"]
+    cmd += ["--tp-size", str(gpus // pp), "--pp-size", str(pp), "--skip-server-warmup", "--enable-metrics"]
+    offload = ("--offload" in argv or "--offload-rollout" in argv) and "--no-offload-rollout" not in argv
+    if offload:
+        cmd.append("--enable-memory-saver")  # slime checks this field on external engines
+    if "--fp16" in argv:
+        cmd += ["--dtype", "float16"]
+    if "--use-rollout-routing-replay" in argv:
+        cmd.append("--enable-return-routed-experts")
+    return cmd + _sglang_passthrough(argv), gpus
+
+
+def engine_spec(
+    request: EnginesRequest,
+    slime_argv: list[str],
+    *,
+    image: str | None = None,
+    volumes: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    startup_timeout_s: float = 1800.0,
+    server: tuple[str, ...] = SERVER,
+) -> EngineSpec:
+    command, gpus = sglang_command(slime_argv, server)
+    if request.gpu_count is not None and request.gpu_count != gpus:
+        raise ValueError(
+            f"--rollout-engines {request}: {request.gpu_count} GPUs per engine, but "
+            f"--rollout-num-gpus-per-engine is {gpus}; make them agree"
+        )
+    return EngineSpec(
+        command=command,
+        count=request.count,
+        gpu=f"{request.gpu_type}:{gpus}",
+        image=image or DEFAULT_IMAGE,
+        port=SGLANG_PORT,
+        health_path="/health",
+        volumes=volumes or {},
+        env=env or {},
+        startup_timeout_s=startup_timeout_s,
+        name="sglang-engine",
+    )
+
+
+def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[str, Any]:
+    """The engines' part of the dry-run plan (touches nothing)."""
+    engines = engine_spec(spec, slime_argv, **opts)
+    return {
+        "rollout_engines": str(spec),
+        "count": engines.count,
+        "gpu_per_engine": engines.gpu,
+        "image": engines.image,
+        "command": engines.argv("0.0.0.0", engines.port),
+        "health": engines.health_path,
+        "slime_args": ["--rollout-external-engine-addrs", "<http://host:port of each engine>"],
+    }
+
+
+@contextlib.contextmanager
+def running_engines(
+    spec: EnginesRequest, slime_argv: list[str], backend: str = "modal", **opts: Any
+) -> Iterator[list[str]]:
+    """Start the engines, yield their ``http://host:port`` addresses, stop them on any exit."""
+    pool_kwargs = opts.pop("pool_kwargs", {})
+    with get_engine_pool(engine_spec(spec, slime_argv, **opts), backend, **pool_kwargs) as addresses:
+        yield addresses
+
+
+def external_engine_args(addresses: list[str]) -> list[str]:
+    """slime's flag for pre-launched engines: one flag, every address after it (nargs "+")."""
+    if not addresses:
+        raise ValueError("external_engine_args: no engine addresses")
+    for address in addresses:
+        parsed = urlparse(address)
+        if (
+            parsed.scheme != "http"
+            or not parsed.hostname
+            or parsed.port is None
+            or parsed.path not in ("", "/")
+        ):
+            raise ValueError(f"engine address {address!r}: slime needs http://host:port")
+    return ["--rollout-external-engine-addrs", *addresses]

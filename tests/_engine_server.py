@@ -1,0 +1,102 @@
+"""A tiny inference-server stand-in for engine-pool tests: real process, real HTTP, real port.
+
+``python tests/_engine_server.py --port P [--mode ok|crash-first|hang|crash] [--state DIR]
+[--setsid-child] [SGLang flags...]``. It answers ``GET /health`` and the vLLM / SGLang endpoints the adapters
+call, records every request it gets to ``DIR/<port>.jsonl`` (so tests can check what reached
+the server), and, for ``/v1/completions``, echoes the prompt's token ids plus one as the output.
+``crash-first``: the first process to start (an O_EXCL flag file in DIR) exits 3 at start.
+``--setsid-child`` forks a ``sleep`` into its own session, to test that teardown finds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--mode", default="ok")
+    ap.add_argument("--state", default=None)
+    ap.add_argument("--setsid-child", action="store_true")
+    # SGLang's own flags, reported back by /server_info as SGLang does.
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--enable-memory-saver", action="store_true")
+    args, unknown = ap.parse_known_args()
+    info = {
+        "model_path": args.model_path,
+        "tp_size": args.tp_size,
+        "pp_size": args.pp_size,
+        "enable_memory_saver": args.enable_memory_saver,
+        "unknown_args": unknown,
+    }
+    print(f"fake engine starting on {args.host}:{args.port} mode={args.mode}", flush=True)
+    if args.setsid_child:
+        subprocess.Popen(["setsid", "sleep", "600"])
+    if args.mode == "crash" or (args.mode == "crash-first" and _first(args.state)):
+        print("RuntimeError: could not load model weights", flush=True)
+        sys.exit(3)
+    if args.mode == "hang":
+        print("loading model ...", flush=True)
+        time.sleep(3600)
+    record = os.path.join(args.state, f"{args.port}.jsonl") if args.state else None
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _log(self, body):
+            if record:
+                with open(record, "a") as f:
+                    f.write(json.dumps({"method": self.command, "path": self.path, "body": body}) + "\n")
+
+        def _reply(self, payload, code=200):
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self._log(None)
+            if self.path in ("/health", "/health_generate"):
+                return self._reply({})
+            if self.path in ("/server_info", "/get_server_info"):
+                return self._reply(info)
+            return self._reply({"error": "not found"}, 404)
+
+        def do_POST(self):  # noqa: N802
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"null")
+            self._log(body)
+            if self.path == "/v1/completions":
+                ids = [t + 1 for t in body["prompt"]][: body.get("max_tokens", 16)]
+                choice = {"token_ids": ids, "finish_reason": "length", "text": ""}
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {"token_logprobs": [-0.5] * len(ids)}
+                return self._reply({"choices": [choice]})
+            return self._reply({"status": "ok"})
+
+        def log_message(self, *a):
+            pass
+
+    http.server.ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+
+
+def _first(state: str | None) -> bool:
+    try:
+        os.close(os.open(os.path.join(state or "/tmp", "first"), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""``modal_vllm`` rollout replica: real verl classes and config, the engine spec it would deploy,
+and a local engine (a real HTTP server process) behind a real Ray proxy actor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_verl_checkpoint_engine import _plugin_path, _run
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = Path(__file__).with_name("_engine_server.py")
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def compose(*extra: str):
+    from verl_modal.cpu.overrides import compose as verl_compose
+
+    return verl_compose(
+        [
+            "actor_rollout_ref.rollout.name=modal_vllm",
+            f"actor_rollout_ref.model.path={MODEL}",
+            "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def config():
+    return compose()
+
+
+@pytest.fixture(scope="module")
+def replica_cls():
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    import verl_modal._replica_register  # noqa: F401 - what the entry point runs
+
+    return get_rollout_replica_class("modal_vllm")
+
+
+def make(replica_cls, config, rank=0):
+    rollout = config.actor_rollout_ref.rollout
+    # As verl's LLMServerManager builds them.
+    return replica_cls(
+        replica_rank=rank,
+        config=rollout,
+        model_config=config.actor_rollout_ref.model,
+        gpus_per_node=rollout.n_gpus_per_node,
+    )
+
+
+def test_registry_lookup_by_name(replica_cls):
+    from verl.workers.rollout.replica import RolloutReplica
+
+    from verl_modal.replica import ModalVLLMReplica
+
+    assert replica_cls is ModalVLLMReplica and issubclass(replica_cls, RolloutReplica)
+
+
+def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
+    monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "H200")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_VOLUMES", "hf-cache:/root/.cache/huggingface")
+    spec = make(replica_cls, config).engine_spec()
+    cmd = list(spec.command)
+    assert cmd[:3] == ["vllm", "serve", MODEL]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--max-model-len") + 1] == "1024"  # prompt 512 + response 512
+    assert "--enable-sleep-mode" in cmd  # free_cache_engine defaults to True
+    assert spec.gpu == "H200:2" and spec.count == 1 and spec.env["VLLM_SERVER_DEV_MODE"] == "1"
+
+    from modal_rl.cluster.backend_modal import inspect_function
+    from modal_rl.cluster.engines_modal import build_function
+
+    _, fn = build_function(spec)
+    inspected = inspect_function(fn)
+    assert inspected["gpu"] == "H200:2"
+    assert inspected["volumes"] == {"/root/.cache/huggingface": "hf-cache"}
+
+
+def test_custom_config_wins_over_env_and_bad_settings_are_refused(replica_cls, monkeypatch):
+    monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "H200")
+    config = compose("+actor_rollout_ref.rollout.custom={modal_engines:{gpu:A100-80GB}}")
+    assert make(replica_cls, config).engine_spec().gpu == "A100-80GB:2"
+    monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "kubernetes")
+    with pytest.raises(ValueError, match="choose 'modal' or 'local'"):
+        make(replica_cls, config)
+
+
+def test_hybrid_mode_is_refused_with_the_way_out(replica_cls, config):
+    with pytest.raises(RuntimeError, match="hybrid_engine=False"):
+        asyncio.run(make(replica_cls, config).init_hybrid(None))
+
+
+def test_multi_node_replica_is_refused(replica_cls):
+    config = compose("actor_rollout_ref.rollout.n_gpus_per_node=1")
+    with pytest.raises(ValueError, match="spans 2 nodes"):
+        make(replica_cls, config)
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray runtime is already initialized in this process")
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}},
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_path, monkeypatch):
+    from modal_rl.cluster import procs
+
+    monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "local")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_SERVER", f"{sys.executable} {SERVER} --state {tmp_path}")
+    replica = make(replica_cls, compose())
+
+    async def scenario():
+        await replica.init_standalone()
+        host, port = replica.server_address.split(":")
+        assert host == "127.0.0.1" and replica.server_handle is replica.servers[0]
+        out = await replica.server_handle.generate.remote(
+            prompt_ids=[5, 6, 7], sampling_params={"temperature": 0.7, "logprobs": True}, request_id="r1"
+        )
+        await replica.sleep()
+        await replica.wake_up()
+        await replica.abort_all_requests()
+        await replica.resume_generation()
+        await replica.clear_kv_cache()
+        pid = replica.pool.procs[0].pid
+        await replica.shutdown()
+        return out, int(port), pid
+
+    out, port, pid = asyncio.run(scenario())
+    assert out.token_ids == [6, 7, 8] and out.log_probs == [-0.5] * 3 and out.stop_reason == "completed"
+    seen = [json.loads(line) for line in (tmp_path / f"{port}.jsonl").read_text().splitlines()]
+    posts = [r for r in seen if r["method"] == "POST"]
+    completion = posts[0]["body"]
+    assert posts[0]["path"] == "/v1/completions"
+    assert completion["model"] == MODEL and completion["prompt"] == [5, 6, 7]
+    assert completion["max_tokens"] == 512 and completion["logprobs"] == 0 and completion["return_token_ids"]
+    assert [r["path"] for r in posts[1:]] == [
+        "/sleep?level=1",
+        "/wake_up",
+        "/pause?clear_cache=true",
+        "/resume",
+        "/reset_prefix_cache",
+    ]
+    assert procs.alive([pid]) == []
+
+
+def test_entry_point_registers_modal_vllm_lazily(tmp_path):
+    out = _run(
+        """
+        import sys
+        import verl
+        from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
+        assert "modal_vllm" in RolloutReplicaRegistry._registry
+        assert "verl_modal.replica" not in sys.modules  # registration imports nothing heavy of ours
+        print(get_rollout_replica_class("modal_vllm").__module__)
+        """,
+        _plugin_path(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "verl_modal.replica"
+
+
+def test_a_registration_failure_is_logged_at_error(monkeypatch, caplog):
+    import verl_modal._replica_register as reg
+
+    monkeypatch.setitem(sys.modules, reg.TARGET, object())  # a replica module without the registry
+    with caplog.at_level("ERROR", logger="verl_modal"):
+        reg.register()
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert "could not register rollout replica 'modal_vllm'" in caplog.text
+
+
+@pytest.mark.modal_live
+@pytest.mark.skipif(not os.environ.get("MODAL_TOKEN_ID"), reason="needs MODAL_TOKEN_ID")
+def test_modal_engine_live(replica_cls, local_ray, monkeypatch):
+    """One real vLLM engine on a Modal L4 serving a 0.5B model, reached through its tunnel."""
+    monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "L4")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_IMAGE", "vllm/vllm-openai:v0.12.0")
+    config = compose(
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    )
+    replica = make(replica_cls, config)
+
+    async def scenario():
+        await replica.init_standalone()
+        try:
+            return await replica.server_handle.generate.remote(
+                prompt_ids=[9707, 11, 1879],
+                sampling_params={"max_tokens": 8, "logprobs": True},
+                request_id="live",
+            )
+        finally:
+            await replica.shutdown()
+
+    out = asyncio.run(scenario())
+    assert 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)

@@ -1,0 +1,328 @@
+"""``modal_vllm``: a verl rollout replica whose vLLM server runs in its own (Modal) container.
+
+``actor_rollout_ref.rollout.name=modal_vllm`` makes verl's ``LLMServerManager`` build these
+replicas (registered by the ``verl.plugins`` entry point, ``_replica_register``). They are
+standalone replicas only: ``init_standalone`` starts one engine per replica through
+``modal_rl.cluster.engines`` (its own Modal app and GPU function, or a local process), with a
+``vllm serve`` command built from the rollout config, and allocates nothing on the trainer
+cluster. A small Ray actor, ``VLLMHttpProxy``, is the replica's server handle: verl's agent
+loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, over vLLM's
+``/v1/completions``), and the replica's control calls map to vLLM's HTTP endpoints:
+
+    sleep -> POST /sleep?level=1          wake_up -> POST /wake_up[?tags=..]
+    abort_all_requests -> POST /pause     resume_generation -> POST /resume
+    clear_kv_cache -> POST /reset_prefix_cache
+    release_kv_cache -> /sleep + /wake_up?tags=weights; resume_kv_cache -> /wake_up?tags=kv_cache
+
+(sleep and the kv-cache calls only when ``free_cache_engine``, as verl's vLLM server does;
+those endpoints need ``VLLM_SERVER_DEV_MODE=1``, which the engine's env sets.)
+
+Engine settings, first found wins: ``rollout.custom.modal_engines.<key>``, then the env var
+``VERL_MODAL_ENGINE_<KEY>``, then the default: ``backend`` (modal | local), ``gpu`` (GPU type;
+the count is the replica's TP x DP x PP), ``image``, ``volumes`` ("name:/path,..."),
+``startup_timeout_s``, ``server`` (the command before the model, default ``vllm serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import weakref
+from typing import Any
+
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+
+log = logging.getLogger("verl_modal")
+
+DEFAULTS = {
+    "backend": "modal",
+    "gpu": "H100",
+    "image": "verlai/verl:vllm012.dev3",
+    "volumes": "",
+    "startup_timeout_s": "1800",
+    "server": "vllm serve",
+}
+VLLM_PORT = 8000
+
+
+def engine_settings(config) -> dict[str, str]:
+    custom = dict((getattr(config, "custom", None) or {}).get("modal_engines") or {})
+    out = {}
+    for key, default in DEFAULTS.items():
+        value = custom.get(key, os.environ.get(f"VERL_MODAL_ENGINE_{key.upper()}", default))
+        out[key] = str(value)
+    if out["backend"] not in ("modal", "local"):
+        raise ValueError(f"modal_vllm: engine backend {out['backend']!r}; choose 'modal' or 'local'")
+    return out
+
+
+def parse_volumes(text: str) -> dict[str, str]:
+    volumes = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, path = item.partition(":")
+        if not sep:
+            raise ValueError(f"modal_vllm: volume {item!r}: use name:/mount/path")
+        volumes[name] = path
+    return volumes
+
+
+def max_model_len(config) -> int:
+    return int(config.max_model_len or config.prompt_length + config.response_length)
+
+
+def vllm_command(
+    config, model_path: str, served_name: str, server: str, trust_remote_code: bool
+) -> list[str]:
+    """``vllm serve`` for one replica, from verl's rollout config (``{host}``/``{port}`` left open)."""
+    memory = config.standalone_gpu_memory_utilization or config.gpu_memory_utilization
+    cmd = [*shlex.split(server), model_path, "--host", "{host}", "--port", "{port}"]
+    cmd += ["--served-model-name", served_name, "--dtype", str(config.dtype), "--seed", str(config.seed)]
+    cmd += ["--tensor-parallel-size", str(config.tensor_model_parallel_size)]
+    cmd += ["--data-parallel-size", str(config.data_parallel_size)]
+    cmd += ["--pipeline-parallel-size", str(config.pipeline_model_parallel_size)]
+    cmd += ["--gpu-memory-utilization", str(memory), "--max-model-len", str(max_model_len(config))]
+    cmd += [
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(config.max_num_batched_tokens),
+    ]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    if config.free_cache_engine:
+        cmd.append("--enable-sleep-mode")
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    for key, value in dict((config.engine_kwargs or {}).get("vllm") or {}).items():
+        if value is None or value is False:
+            continue
+        flag = "--" + str(key).replace("_", "-")
+        cmd += [flag] if value is True else [flag, str(value)]
+    return cmd
+
+
+class VLLMHttpProxy:
+    """The replica's server handle (a Ray actor): verl's server calls, as HTTP to one vLLM server."""
+
+    def __init__(self, base_url: str, served_name: str, rollout: dict, replica_rank: int = 0):
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name
+        self.rollout = rollout  # max_model_len, prompt/response length, free_cache_engine, ...
+        self.replica_rank = replica_rank
+        self.global_steps = None
+        self._session = None
+
+    async def _post(self, path: str, payload: dict | None = None, params: dict | None = None) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+        async with self._session.post(self.base_url + path, json=payload or {}, params=params) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise RuntimeError(f"vLLM {self.base_url}{path} answered HTTP {resp.status}: {text[:500]}")
+            return (await resp.json(content_type=None)) if text else None
+
+    def max_tokens(self, prompt_len: int, sampling_params: dict) -> int:
+        room = self.rollout["max_model_len"] - prompt_len
+        if room < 1:
+            raise ValueError(f"prompt of {prompt_len} tokens leaves no room within max_model_len")
+        wanted = sampling_params.pop("max_tokens", sampling_params.pop("max_new_tokens", None))
+        if wanted is None:
+            r = self.rollout
+            wanted = min(r["response_length"], r["prompt_length"] + r["response_length"] - prompt_len)
+        return max(1, min(int(wanted), room))
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        mm_processor_kwargs=None,
+        priority: int = 0,
+        **_: Any,
+    ) -> TokenOutput:
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise NotImplementedError("modal_vllm: multimodal prompts are not supported by the HTTP proxy")
+        params = dict(sampling_params)
+        prompt = [int(t) for t in prompt_ids]
+        body = {
+            "model": self.served_name,
+            "prompt": prompt,
+            "max_tokens": self.max_tokens(len(prompt), params),
+        }
+        body["logprobs"] = 0 if params.pop("logprobs", False) else None
+        body.update(params)
+        body.update({"return_token_ids": True, "request_id": request_id, "priority": priority})
+        body.setdefault("ignore_eos", self.rollout["ignore_eos"])
+        choice = (await self._post("/v1/completions", body))["choices"][0]
+        token_ids = list(choice.get("token_ids") or [])
+        log_probs = None
+        if body["logprobs"] is not None and choice.get("logprobs"):
+            log_probs = list(choice["logprobs"]["token_logprobs"])
+        finish = choice.get("finish_reason")
+        stop_reason = (
+            "aborted" if finish == "abort" else "completed" if finish in ("stop", "length") else finish
+        )
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            stop_reason=stop_reason,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.rollout["free_cache_engine"]:
+            await self._post("/wake_up", params=[("tags", t) for t in tags] if tags else None)
+
+    async def sleep(self) -> None:
+        if self.rollout["free_cache_engine"]:
+            await self._post("/sleep", params={"level": 1})
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        # vLLM's pause aborts in-flight requests and holds new ones until /resume.
+        await self._post("/pause", params={"clear_cache": str(bool(reset_prefix_cache)).lower()})
+        return {"aborted_count": None, "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        await self._post("/resume")
+
+    async def clear_kv_cache(self) -> None:
+        await self._post("/reset_prefix_cache")
+
+    async def release_kv_cache(self) -> None:
+        if self.rollout["free_cache_engine"]:
+            await self._post("/sleep", params={"level": 1})
+            await self._post("/wake_up", params={"tags": "weights"})
+
+    async def resume_kv_cache(self) -> None:
+        if self.rollout["free_cache_engine"]:
+            await self._post("/wake_up", params={"tags": "kv_cache"})
+            await self._post("/reset_prefix_cache")
+
+    async def start_profile(self, **kwargs) -> None:
+        log.warning("modal_vllm: profiling a remote engine is not supported; ignored")
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class ModalVLLMReplica(RolloutReplica):
+    """One vLLM engine per replica, on GPUs of its own; see the module docstring."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = engine_settings(self.config)
+        self.pool = None
+        if self.nnodes != 1:
+            raise ValueError(
+                f"modal_vllm: a replica of {self.world_size} GPUs spans {self.nnodes} nodes; one engine "
+                "container holds one node's GPUs (lower TP x DP x PP or raise rollout.n_gpus_per_node)"
+            )
+
+    def _refuse(self, mode: str) -> None:
+        raise RuntimeError(
+            f"modal_vllm runs engines on GPUs of their own and cannot start in {mode} mode; use a "
+            "standalone rollout (actor_rollout_ref.hybrid_engine=False with a separate-rollout trainer)"
+        )
+
+    async def init_hybrid(self, worker_group) -> None:
+        self._refuse("hybrid")
+
+    async def init_hybrid_colocated(self, worker_group, resource_pool) -> None:
+        self._refuse("hybrid")
+
+    async def init_colocated(self, resource_pool) -> None:
+        self._refuse("colocated")
+
+    async def init_standalone(self) -> None:
+        """No resource pool on the trainer cluster: the engine brings its own GPUs."""
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    @property
+    def model_path(self) -> str:
+        return str(self.model_config.path)
+
+    @property
+    def served_name(self) -> str:
+        return self.model_path  # what /v1/completions' "model" must name
+
+    def engine_spec(self) -> EngineSpec:
+        cmd = vllm_command(
+            self.config,
+            self.model_path,
+            self.served_name,
+            self.settings["server"],
+            bool(getattr(self.model_config, "trust_remote_code", False)),
+        )
+        return EngineSpec(
+            command=cmd,
+            count=1,
+            gpu=f"{self.settings['gpu']}:{self.world_size}",
+            image=self.settings["image"],
+            port=VLLM_PORT,
+            health_path="/health",
+            volumes=parse_volumes(self.settings["volumes"]),
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            startup_timeout_s=float(self.settings["startup_timeout_s"]),
+            name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",
+        )
+
+    def proxy_settings(self) -> dict:
+        c = self.config
+        return {
+            "max_model_len": max_model_len(c),
+            "prompt_length": c.prompt_length,
+            "response_length": c.response_length,
+            "free_cache_engine": bool(c.free_cache_engine),
+            "ignore_eos": bool(c.ignore_eos),
+        }
+
+    async def launch_servers(self) -> None:
+        import ray
+
+        self.pool = get_engine_pool(self.engine_spec(), self.settings["backend"])
+        (address,) = await asyncio.to_thread(self.pool.start)
+        weakref.finalize(self, self.pool.stop)  # a dropped replica still ends its engine
+        proxy = (
+            ray.remote(VLLMHttpProxy)
+            .options(
+                name=f"modal_vllm_server_{self.replica_rank}{self.name_suffix}",
+                max_concurrency=self.max_concurrency,
+                num_cpus=0,
+            )
+            .remote(address, self.served_name, self.proxy_settings(), self.replica_rank)
+        )
+        self.servers = [proxy]
+        self._server_handle = proxy
+        self._server_address = address.removeprefix("http://")
+        log.info("modal_vllm replica %d serving at %s", self.replica_rank, address)
+
+    async def shutdown(self) -> None:
+        """Stop the engine and the proxy (verl has no replica teardown hook; call at the end)."""
+        import ray
+
+        for proxy in self.servers:
+            try:
+                await proxy.close.remote()
+            finally:
+                ray.kill(proxy)
+        self.servers, self._server_handle = [], None
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.stop)
