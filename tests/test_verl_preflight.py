@@ -63,6 +63,9 @@ def test_standalone_rollout_nodes_are_taken_from_the_trainers_share():
         pf.cluster_overrides(three, [*STANDALONE, "trainer.nnodes=3"])
     # One node (local, logical GPUs): replicas share it with the trainer.
     assert pf.cluster_overrides(pf.ClusterShape(1, 1), STANDALONE)[0] == "trainer.nnodes=1"
+    # Replicas on Modal GPUs of their own (modal_vllm) take no cluster node.
+    modal_replicas = [*STANDALONE, "actor_rollout_ref.rollout.name=modal_vllm"]
+    assert pf.cluster_overrides(three, modal_replicas)[0] == "trainer.nnodes=3"
     # hybrid_engine on (the default): rollout.nnodes is not a pool of its own.
     assert pf.cluster_overrides(three, STANDALONE[1:])[0] == "trainer.nnodes=3"
 
@@ -72,6 +75,9 @@ def test_standalone_rollout_pool_counts_against_the_cluster():
     line += ["actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"]
     config = pf.compose([*pf.cluster_overrides(TWO_BY_EIGHT, line), *line])
     assert pf.required_gpus(config) == 16  # 1 trainer node + 1 rollout node
+    off_cluster = [*line, "actor_rollout_ref.rollout.name=modal_vllm"]
+    config = pf.compose([*pf.cluster_overrides(TWO_BY_EIGHT, off_cluster), *off_cluster])
+    assert pf.required_gpus(config) == 16  # 2 trainer nodes; the replicas' GPUs are Modal's
     too_many = [*line, "actor_rollout_ref.rollout.nnodes=2"]
     with pytest.raises(pf.VerlPreflightError, match=r"asks for 32 GPUs but the cluster has 2 nodes x 8 = 16"):
         pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, too_many), *too_many])

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.test_verl_checkpoint_engine import _plugin_path, _run
+from verl_plugin_helpers import plugin_env, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).with_name("_engine_server.py")
@@ -169,7 +168,7 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
 
 
 def test_entry_point_registers_modal_vllm_lazily(tmp_path):
-    out = _run(
+    out = run_python(
         """
         import sys
         import verl
@@ -178,7 +177,7 @@ def test_entry_point_registers_modal_vllm_lazily(tmp_path):
         assert "verl_modal.replica" not in sys.modules  # registration imports nothing heavy of ours
         print(get_rollout_replica_class("modal_vllm").__module__)
         """,
-        _plugin_path(tmp_path),
+        plugin_env(tmp_path),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "verl_modal.replica"

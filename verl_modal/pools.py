@@ -77,9 +77,11 @@ def placement_plan(config, cluster_nodes: int) -> dict[str, list[int]]:
     node, or more pool nodes than the cluster has): then Ray places them."""
     from omegaconf import OmegaConf
 
+    from verl_modal.preflight import standalone_pool_gpus
+
     trainer_nodes = int(config.trainer.nnodes)
     plan: dict[str, list[int]] = {"global_pool": list(range(trainer_nodes))}
-    if not OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True):
+    if standalone_pool_gpus(config):
         rollout = config.actor_rollout_ref.rollout
         nodes, per_node = int(rollout.nnodes or 0), int(rollout.n_gpus_per_node or 0)
         world = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size)

@@ -59,11 +59,18 @@ def explicit_values(overrides: list[str]) -> dict[str, str]:
 
 STANDALONE = "actor_rollout_ref.hybrid_engine"
 ROLLOUT_NODES = "actor_rollout_ref.rollout.nnodes"
+ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
+# Rollout replicas that bring GPUs of their own (Modal containers; ``verl_modal.replica``):
+# their pool takes nothing from the trainer's cluster.
+OFF_CLUSTER_ROLLOUTS = ("modal_vllm",)
 
 
 def standalone_rollout_nodes(given: dict[str, str]) -> int:
-    """Nodes the user gives verl's standalone rollout pool (``hybrid_engine=false``), else 0."""
+    """Cluster nodes the user gives verl's standalone rollout pool (``hybrid_engine=false``
+    with replicas that run on the cluster), else 0."""
     if given.get(STANDALONE, "true").strip().lower() not in ("false", "0"):
+        return 0
+    if given.get(ROLLOUT_NAME) in OFF_CLUSTER_ROLLOUTS:
         return 0
     value = given.get(ROLLOUT_NODES, "0")
     try:
@@ -83,7 +90,10 @@ def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
     rollout_nodes = standalone_rollout_nodes(given)
     trainer_nodes = shape.nodes - rollout_nodes if shape.nodes > rollout_nodes > 0 else shape.nodes
     wanted = {NNODES: trainer_nodes, NGPUS: shape.gpus_per_node}
-    names = {NNODES: "nodes for the trainer", NGPUS: "GPUs per node"}
+    names = {
+        NNODES: "nodes for the trainer" if trainer_nodes < shape.nodes else "nodes",
+        NGPUS: "GPUs per node",
+    }
     for key, want in wanted.items():
         if key not in given:
             continue
@@ -162,10 +172,7 @@ def required_gpus(config) -> int:
     standalone rollout replicas' pool when ``hybrid_engine=false``."""
     from omegaconf import OmegaConf
 
-    total = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
-    if not OmegaConf.select(config, STANDALONE, default=True):
-        rollout = config.actor_rollout_ref.rollout
-        total += int(rollout.nnodes or 0) * int(rollout.n_gpus_per_node or 0)
+    total = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) + standalone_pool_gpus(config)
     pools = {"reward.reward_model": "enable_resource_pool", "distillation": "enabled"}
     for pool, flag in pools.items():
         if OmegaConf.select(config, f"{pool}.{flag}", default=False):
@@ -173,6 +180,19 @@ def required_gpus(config) -> int:
             per = OmegaConf.select(config, f"{pool}.n_gpus_per_node", default=0) or 0
             total += int(nodes) * int(per)
     return total
+
+
+def standalone_pool_gpus(config) -> int:
+    """GPUs of the standalone rollout replicas' pool on the cluster: ``rollout.nnodes x
+    rollout.n_gpus_per_node`` with ``hybrid_engine=false``, unless the replicas bring their own."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, STANDALONE, default=True):
+        return 0
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name in OFF_CLUSTER_ROLLOUTS:
+        return 0
+    return int(rollout.nnodes or 0) * int(rollout.n_gpus_per_node or 0)
 
 
 def check_gpus(config, shape: ClusterShape) -> None:

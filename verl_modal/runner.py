@@ -55,11 +55,10 @@ def logical_gpus(config) -> int:
     standalone rollout pool's when replicas are not colocated (``hybrid_engine=false``)."""
     from omegaconf import OmegaConf
 
+    from verl_modal.preflight import standalone_pool_gpus
+
     declared = OmegaConf.select(config, "ray_kwargs.ray_init.num_gpus", default=None)
-    wanted = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    if not OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True):
-        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default={}) or {}
-        wanted += int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
+    wanted = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes) + standalone_pool_gpus(config)
     return int(declared) if declared is not None else wanted
 
 
