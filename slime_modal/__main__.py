@@ -9,7 +9,8 @@ of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ..
 - ``--slime-path`` / ``--megatron-path``: the checkouts in the image (slime's image layout);
 - ``--hf-cache-volume`` / ``--data-volume`` / ``--ckpt-volume`` ``NAME[:PATH]``: Modal Volumes
   for the Hugging Face cache (default on Modal: ``slime-hf-cache``), data and checkpoints;
-- ``--rollout-engines modal:N[:GPU]``: rollout engines outside the cluster (not wired yet).
+- ``--rollout-engines modal:N[:GPU]``: N SGLang engines as their own Modal function, started
+  before the job; their addresses reach slime as ``--rollout-external-engine-addrs``.
 
 Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags or
 a slime command line that cannot run on the cluster (one line per problem on stderr, before
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--rollout-engines",
         metavar="modal:N[:GPU]",
-        help="N SGLang engines as separate Modal functions (planned; a real run refuses it for now)",
+        help="N SGLang engines as their own Modal function (GPU per engine from slime's flags)",
     )
     return parser
 
@@ -77,6 +78,7 @@ def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     from modal_rl.cluster import ClusterSpecError, run_job, spec_from_args, split_passthrough
     from modal_rl.cluster.cli import run_options
+    from slime_modal import engines as E
     from slime_modal import launch as L
     from slime_modal import preflight as pf
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = None
     try:
         if args.rollout_engines:
-            engines = L.parse_rollout_engines(args.rollout_engines)
+            engines = E.parse_engines(args.rollout_engines)
         spec = spec_from_args(
             args, **({"image": L.SLIME_IMAGE} if args.backend == "modal" and not args.image else {})
         )
@@ -124,11 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)
         return 2
-    if engines is not None and not args.dry_run and not args.preflight_only:
-        # Seam: the lead wires slime_modal.engines (Modal SGLang engines) in here.
-        return _fail("--rollout-engines is not wired yet; use --dry-run to see the plan")
-
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
+    runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
+    engine_opts = {
+        "image": spec.image,  # the cluster's image: slime's carries SGLang and slime's patches
+        "volumes": volumes,
+        "env": {k: v for k, v in runtime_env["env_vars"].items() if k == L.VOLUMES_ENV},
+    }
+    try:
+        engines_plan = E.describe(engines, slime_argv, **engine_opts) if engines is not None else None
+    except ValueError as exc:
+        return _fail(str(exc))
     slime_plan = {
         "entry": entry,
         "argv": job_argv,
@@ -136,16 +144,33 @@ def main(argv: list[str] | None = None) -> int:
         "address_env": L.address_env(spec.env),
         "gpus": {"required": need.total, "why": need.why},
     }
-    return run_job(
-        spec,
-        [sys.executable if args.backend == "local" else "python3", entry, *job_argv],
-        L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend),
-        backend=args.backend,
-        framework_argv=slime_argv,
-        address_env=L.address_env(spec.env),
-        plan_extra={"slime": slime_plan, "rollout_engines": engines},
-        **run_options(args),
-    )
+
+    def submit(extra_argv: list[str]) -> int:
+        return run_job(
+            spec,
+            [sys.executable if args.backend == "local" else "python3", entry, *job_argv, *extra_argv],
+            runtime_env,
+            backend=args.backend,
+            framework_argv=slime_argv,
+            address_env=L.address_env(spec.env),
+            plan_extra={"slime": slime_plan, "rollout_engines": engines_plan},
+            **run_options(args),
+        )
+
+    if engines is None or args.dry_run or args.preflight_only:
+        return submit([])
+    # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
+    from modal_rl.cluster.engines import EngineStartError
+
+    try:
+        with E.running_engines(engines, slime_argv, backend=args.backend, **engine_opts) as addresses:
+            print(
+                f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
+            )
+            return submit(E.external_engine_args(addresses))
+    except EngineStartError as exc:
+        print(f"slime_modal: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def parse_engines(text: str) -> EnginesRequest:
     """``modal:4`` / ``modal:4:H100`` / ``modal:2:H100:2``; ValueError says what is wrong."""
     parts = str(text).split(":")
     usage = "use modal:N[:GPU], e.g. modal:4 or modal:4:H100 or modal:2:H100:2"
-    if parts[0] != "modal" or not 2 <= len(parts) <= 4:
+    if parts[0] != "modal" or not 2 <= len(parts) <= 4 or "" in parts:
         raise ValueError(f"--rollout-engines {text!r}: {usage}")
     try:
         count = int(parts[1])

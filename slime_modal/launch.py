@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from slime_modal.preflight import SlimeArgs, under
 
@@ -47,16 +46,6 @@ PRE_READ_HOOK = "slime_modal.weight_hooks.pre_read_reload"
 
 ADDRESS_ENV = {"SLIME_HOST_IP": "node", "MASTER_ADDR": "head", "no_proxy": "no_proxy", "NO_PROXY": "no_proxy"}
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
-
-_ENGINES_RE = re.compile(r"^modal:(?P<count>[1-9][0-9]*)(?::(?P<gpu>[A-Za-z0-9-]+(?::[1-9][0-9]*)?))?$")
-
-
-def parse_rollout_engines(text: str) -> dict:
-    """``modal:N`` or ``modal:N:GPU`` (GPU as in ``--gpu``, e.g. ``H100`` or ``H100:2``)."""
-    match = _ENGINES_RE.match(text)
-    if not match:
-        raise ValueError(f"--rollout-engines {text!r}: expected modal:N or modal:N:GPU, e.g. modal:4:H100")
-    return {"provider": "modal", "engines": int(match["count"]), "gpu": match["gpu"]}
 
 
 def entry_path(entry: str, slime_path: str) -> str:

@@ -73,28 +73,43 @@ def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
     }
 
 
-def test_rollout_engines_seam_plans_the_pool_and_refuses_a_real_run():
+def test_rollout_engines_are_planned_off_the_cluster():
     line = glm47_delta()
     flags = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8", *GLM_VOLUMES]
     plan = dry_plan(*flags, "--rollout-engines", "modal:4:H100", "--dry-run", "--", *line)
-    assert plan["rollout_engines"] == {"provider": "modal", "engines": 4, "gpu": "H100"}
+    engines = plan["rollout_engines"]
+    assert engines["count"] == 4 and engines["rollout_engines"] == "modal:4:H100"
+    assert engines["gpu_per_engine"] == "H100:8"  # --rollout-num-gpus-per-engine 8 in the line
+    assert engines["image"] == L.SLIME_IMAGE  # the cluster's image
+    assert engines["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     assert plan["slime"]["gpus"]["required"] == 16  # the rollout pool left the cluster
     assert plan["spec"]["nodes"] == 2
 
-    out, seconds = launcher(*flags, "--rollout-engines", "modal:4", "--", *line)
-    assert out.returncode == 2 and "not wired yet" in out.stderr
-    assert out.stdout == "" and seconds < 10
+
+def test_engines_that_fail_to_start_stop_the_launch_before_the_job(tmp_path):
+    # A real local run: the engine command (SGLang, not installed here) exits at once; the
+    # launcher reports it and never starts the cluster or the entry script.
+    marker = tmp_path / "entry-ran"
+    entry = tmp_path / "probe.py"
+    entry.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    line = ["--hf-checkpoint", str(tmp_path), "--rollout-num-gpus-per-engine", "1", "--actor-num-nodes", "1"]
+    line += ["--actor-num-gpus-per-node", "1"]
+    out, seconds = launcher(
+        "--backend", "local", "--nodes", "1", "--entry", str(entry), "--rollout-engines", "modal:1",
+        "--", *line, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "slime_modal: sglang-engine 0 exited with code 1 before it was healthy" in out.stderr
+    assert "No module named 'sglang'" in out.stderr  # the engine's own last lines
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("bad", ["modal", "modal:0", "modal:4:", "local:4", "modal:x:H100"])
 def test_rollout_engines_format_is_checked(bad):
-    with pytest.raises(ValueError, match="expected modal:N or modal:N:GPU"):
-        L.parse_rollout_engines(bad)
-
-
-def test_parse_rollout_engines_accepts_count_and_gpu():
-    assert L.parse_rollout_engines("modal:2") == {"provider": "modal", "engines": 2, "gpu": None}
-    assert L.parse_rollout_engines("modal:8:H100:2")["gpu"] == "H100:2"
+    flags = ["--backend", "modal", "--gpu", "H100:8", "--rollout-engines", bad]
+    out, seconds = launcher(*flags, "--dry-run", "--", "--lr", "1")
+    assert out.returncode == 2 and seconds < 10
+    assert out.stderr.strip().splitlines()[-1].startswith("slime_modal: --rollout-engines")
 
 
 def test_qwen3_4b_on_volumes_and_env_overrides():
