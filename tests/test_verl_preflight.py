@@ -83,6 +83,14 @@ def test_standalone_rollout_pool_counts_against_the_cluster():
         pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, too_many), *too_many])
 
 
+def test_a_missing_mandatory_value_is_named_before_anything_runs():
+    line = [o for o in VERL_LINE if not o.startswith("actor_rollout_ref.rollout.name=")]
+    with pytest.raises(
+        pf.VerlPreflightError, match=r"^verl needs a value for actor_rollout_ref.rollout.name "
+    ):
+        pf.preflight(TWO_BY_EIGHT, CLUSTER + line)
+
+
 def test_separate_pools_count_against_the_cluster():
     reward_pool = ["reward.reward_model.enable_resource_pool=True", "reward.reward_model.nnodes=1"]
     reward_pool.append("reward.reward_model.n_gpus_per_node=8")

@@ -182,6 +182,22 @@ def required_gpus(config) -> int:
     return total
 
 
+# ``???`` values verl's config leaves unset unless the part is enabled (a reward model's rollout).
+_MANDATORY_ONLY_WHEN_USED = ("reward.reward_model.",)
+
+
+def check_mandatory(config) -> None:
+    """verl's config marks values every run needs as ``???``; verl itself only notices one when
+    a worker reads it, minutes into the run. Name them now."""
+    from omegaconf import OmegaConf
+
+    missing = [
+        k for k in sorted(OmegaConf.missing_keys(config)) if not k.startswith(_MANDATORY_ONLY_WHEN_USED)
+    ]
+    if missing:
+        raise VerlPreflightError(f"verl needs a value for {', '.join(missing)} (e.g. {missing[0]}=...)")
+
+
 def standalone_pool_gpus(config) -> int:
     """GPUs of the standalone rollout replicas' pool on the cluster: ``rollout.nnodes x
     rollout.n_gpus_per_node`` with ``hybrid_engine=false``, unless the replicas bring their own."""
@@ -189,10 +205,13 @@ def standalone_pool_gpus(config) -> int:
 
     if OmegaConf.select(config, STANDALONE, default=True):
         return 0
-    rollout = config.actor_rollout_ref.rollout
-    if rollout.name in OFF_CLUSTER_ROLLOUTS:
+    # select, not attribute access: a missing mandatory value is verl's validation to report
+    if OmegaConf.select(config, ROLLOUT_NAME, default=None) in OFF_CLUSTER_ROLLOUTS:
         return 0
-    return int(rollout.nnodes or 0) * int(rollout.n_gpus_per_node or 0)
+    nodes = OmegaConf.select(config, ROLLOUT_NODES, default=0) or 0
+    return int(nodes) * int(
+        OmegaConf.select(config, "actor_rollout_ref.rollout.n_gpus_per_node", default=0) or 0
+    )
 
 
 def check_gpus(config, shape: ClusterShape) -> None:
@@ -220,6 +239,7 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     or whatever a check raises."""
     explicit_values(overrides)  # syntax first: a malformed override is named as such
     config = compose(overrides)
+    check_mandatory(config)
     for check in checks:
         check(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
