@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
+from slime_modal.preflight import SlimeArgs
 
 DEFAULT_GPU = "H100"
 DEFAULT_IMAGE = "slimerl/slime:latest"
@@ -68,27 +69,6 @@ def parse_engines(text: str) -> EnginesRequest:
     return EnginesRequest(count, gpu.type, gpu.count if len(parts) == 4 else None)
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    """Value of ``name`` in argv (``--x v`` or ``--x=v``), last one wins."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _int_flag(argv: list[str], name: str, default: int) -> int:
-    value = _flag(argv, name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} {value!r}: not an integer") from None
-
-
 def _sglang_passthrough(argv: list[str]) -> list[str]:
     """``--sglang-foo[ v...]`` -> ``--foo[ v...]``, values being the following non-flag tokens."""
     out: list[str] = []
@@ -107,17 +87,18 @@ def _sglang_passthrough(argv: list[str]) -> list[str]:
 def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> tuple[list[str], int]:
     """(SGLang server argv template with ``{host}``/``{port}``, GPUs per engine), from slime's flags."""
     argv = list(slime_argv)
-    model = _flag(argv, "--hf-checkpoint")
+    args = SlimeArgs(argv)
+    model = args.get("--hf-checkpoint")
     if not model:
         raise ValueError("--rollout-engines needs --hf-checkpoint: the engines load the model from it")
     if "--colocate" in argv:
         raise ValueError("--rollout-engines puts engines on their own GPUs; it contradicts --colocate")
-    if _flag(argv, "--rollout-external-engine-addrs") is not None:
+    if args.has("--rollout-external-engine-addrs"):
         raise ValueError(
             "--rollout-engines sets --rollout-external-engine-addrs itself; pass one or the other"
         )
-    gpus = _int_flag(argv, "--rollout-num-gpus-per-engine", 1)
-    pp = _int_flag(argv, "--sglang-pp-size", 1)
+    gpus = args.int("--rollout-num-gpus-per-engine", 1)
+    pp = args.int("--sglang-pp-size", 1)
     if gpus < 1 or pp < 1 or gpus % pp:
         raise ValueError(
             f"--rollout-num-gpus-per-engine {gpus} must be a positive multiple of --sglang-pp-size {pp}"

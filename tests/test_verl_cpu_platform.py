@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from verl_plugin_helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,14 +22,7 @@ def run_py(code: str, env: dict[str, str] | None = None, timeout: int = 180) -> 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "VLLM_"))}
     full_env.update({"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"})
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(code, full_env, timeout)
 
 
 CPU_ENV = {"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_modal.cpu.platform"}
