@@ -1,6 +1,7 @@
 """Child process for the teardown tests: runs a pool, prints its sandbox PIDs, then idles.
 
-argv: registry_dir run_id mode   (mode: "signals" installs the pool's SIGINT/SIGTERM teardown)
+argv: registry_dir run_id mode   (mode: "signals" installs the pool's SIGINT/SIGTERM teardown;
+"abandon" returns from ``asyncio.run`` with the pool never closed, as a careless caller would)
 """
 
 import asyncio
@@ -21,6 +22,13 @@ async def main(registry_dir: str, run_id: str, mode: str) -> None:
         log_interval_s=0,
         handle_signals=mode == "signals",
     )
+    if mode == "abandon":
+        await pool.start()
+        while pool.snapshot()["warm"] < 3:
+            await asyncio.sleep(0.02)
+        await pool.acquire()
+        print(json.dumps({"pids": [h.pid for h in pool._all.values()]}), flush=True)
+        return  # asyncio.run now cancels the pool's tasks and closes the loop
     async with pool:
         while pool.snapshot()["warm"] < 3:
             await asyncio.sleep(0.02)

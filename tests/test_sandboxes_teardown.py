@@ -40,6 +40,15 @@ def test_signal_tears_down_every_sandbox(tmp_path, sig):
     assert not list(tmp_path.glob("*.json")), "registry entries left after signal teardown"
 
 
+def test_a_pool_abandoned_with_its_event_loop_ends_its_sandboxes(tmp_path):
+    # asyncio.run cancels the sandboxes' reader tasks; each must end its sandbox rather than
+    # wait forever for a process nobody will stop (which would hang the loop's shutdown).
+    proc, pids = start_child(tmp_path, "abandon", "abandon")
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert not wait_gone(pids), "sandboxes survived their event loop"
+
+
 def test_killed_pool_process_takes_sandboxes_down(tmp_path):
     proc, pids = start_child(tmp_path, "sigkill", "plain")
     proc.kill()  # no handler runs: bwrap's --die-with-parent must do it

@@ -238,6 +238,13 @@ class LocalSandbox(SandboxHandle):
                     fut.set_result(msg)
         except (ValueError, asyncio.LimitOverrunError) as exc:
             self._dead_reason = f"protocol error from agent: {exc}"
+        except asyncio.CancelledError:
+            # Our event loop is going away (e.g. asyncio.run ended with the pool never closed):
+            # nobody can talk to this sandbox any more, so it ends now instead of outliving the
+            # loop, and the wait below cannot hang the loop's shutdown.
+            self._dead_reason = self._dead_reason or f"sandbox {self.id}: its event loop was shut down"
+            self.kill_now()
+            raise
         finally:
             rc = await self._proc.wait()
             await asyncio.sleep(0)  # let the stderr reader catch the last words

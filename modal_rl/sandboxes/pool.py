@@ -260,8 +260,13 @@ class SandboxPool:
             self._top_up()
             self._wake.clear()
             # Re-evaluate at least every 0.5 s: the target moves with the measured rates.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # lands as its timeout fires, and this loop would then outlive its event loop.
+            woken = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({woken}, timeout=0.5)
+            finally:
+                woken.cancel()
 
     def _top_up(self) -> None:
         if self._closed or self._failed is not None:
