@@ -28,6 +28,7 @@ async def main(registry_dir: str, run_id: str, mode: str) -> None:
             await asyncio.sleep(0.02)
         await pool.acquire()
         print(json.dumps({"pids": [h.pid for h in pool._all.values()]}), flush=True)
+        sys.stdin.readline()  # the test has seen them alive
         return  # asyncio.run now cancels the pool's tasks and closes the loop
     async with pool:
         while pool.snapshot()["warm"] < 3:

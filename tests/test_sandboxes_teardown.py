@@ -22,7 +22,11 @@ CHILD = Path(__file__).with_name("_sandboxes_pool_child.py")
 def start_child(tmp_path, run_id, mode):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(tmp_path), run_id, mode], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(CHILD), str(tmp_path), run_id, mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()
     assert line, "pool child died before reporting"
@@ -44,6 +48,8 @@ def test_a_pool_abandoned_with_its_event_loop_ends_its_sandboxes(tmp_path):
     # asyncio.run cancels the sandboxes' reader tasks; each must end its sandbox rather than
     # wait forever for a process nobody will stop (which would hang the loop's shutdown).
     proc, pids = start_child(tmp_path, "abandon", "abandon")
+    proc.stdin.write("go\n")
+    proc.stdin.close()
     proc.wait(timeout=30)
     assert proc.returncode == 0
     assert not wait_gone(pids), "sandboxes survived their event loop"
