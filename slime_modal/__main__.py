@@ -128,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
     runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
+    # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
     engine_opts = {
         "image": spec.image,  # the cluster's image: slime's carries SGLang and slime's patches
         "volumes": volumes,
         "env": {k: v for k, v in runtime_env["env_vars"].items() if k == L.VOLUMES_ENV},
     }
     try:
-        engines_plan = E.describe(engines, slime_argv, **engine_opts) if engines is not None else None
+        engines_plan = E.describe(engines, job_argv, **engine_opts) if engines is not None else None
     except ValueError as exc:
         return _fail(str(exc))
     slime_plan = {
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from modal_rl.cluster.engines import EngineStartError
 
     try:
-        with E.running_engines(engines, slime_argv, backend=args.backend, **engine_opts) as addresses:
+        with E.running_engines(engines, job_argv, backend=args.backend, **engine_opts) as addresses:
             print(
                 f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
             )

@@ -82,6 +82,9 @@ def test_rollout_engines_are_planned_off_the_cluster():
     assert engines["gpu_per_engine"] == "H100:8"  # --rollout-num-gpus-per-engine 8 in the line
     assert engines["image"] == L.SLIME_IMAGE  # the cluster's image
     assert engines["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    # Disk delta into a Volume: the engines' SGLang reloads the Volume before each read.
+    hook = engines["command"].index("--custom-pull-weights-pre-read-hook")
+    assert engines["command"][hook + 1] == L.PRE_READ_HOOK
     assert plan["slime"]["gpus"]["required"] == 16  # the rollout pool left the cluster
     assert plan["spec"]["nodes"] == 2
 
