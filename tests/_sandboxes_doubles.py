@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from modal_rl.sandboxes import LocalProvider, Provider, RateLimitedError, TransientProviderError
+from modal_rl.sandboxes import (
+    LocalProvider,
+    Provider,
+    RateLimitedError,
+    SandboxPool,
+    SandboxSpec,
+    TransientProviderError,
+)
 
 
 class FailingProvider(Provider):
@@ -80,3 +87,15 @@ class SlowCreateProvider(LocalProvider):
     async def create(self, spec, *, tags):
         await asyncio.sleep(self.delay_s)
         return await super().create(spec, tags=tags)
+
+
+async def failing_pool(*args, **kw) -> SandboxPool:
+    """Stands in for a glue module's pool factory: every sandbox fails to start, no retries."""
+    return SandboxPool(
+        FailingProvider(),
+        SandboxSpec(),
+        rate_limiter=False,
+        max_retries=0,
+        log_interval_s=0,
+        handle_signals=False,
+    )

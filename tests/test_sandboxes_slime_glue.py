@@ -19,10 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from _sandboxes_doubles import FailingProvider
+from _sandboxes_doubles import failing_pool
 from _sandboxes_helpers import needs_bwrap, no_processes_left, wait_gone
 
-from modal_rl.sandboxes import SandboxPool, SandboxSpec
 from slime_modal.config import close_rollout_pools, reward_settings, sandbox_settings
 from slime_modal.reward import batched_reward_func, reward_func
 from slime_modal.sandbox import PoolSandbox
@@ -130,16 +129,6 @@ def test_reward_partial_credit_from_custom_config():
 
 def test_reward_masks_sample_on_sandbox_failure(monkeypatch):
     import slime_modal.reward as reward
-
-    async def failing_pool(args, **kw):
-        return SandboxPool(
-            FailingProvider(),
-            SandboxSpec(),
-            rate_limiter=False,
-            max_retries=0,
-            log_interval_s=0,
-            handle_signals=False,
-        )
 
     monkeypatch.setattr(reward, "rollout_pool", failing_pool)
     sample = Sample(0, "print(9)", TESTS)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _sandboxes_doubles import FailingProvider
+from _sandboxes_doubles import failing_pool
 from _sandboxes_helpers import alive, needs_bwrap, no_processes_left
 
 pytest.importorskip("verl")
@@ -18,7 +18,7 @@ from verl.tools.base_tool import BaseTool  # noqa: E402
 from verl.tools.tool_registry import initialize_tools_from_config  # noqa: E402
 from verl.trainer.ppo.reward import get_custom_reward_fn  # noqa: E402
 
-from modal_rl.sandboxes import SandboxError, SandboxPool, SandboxSpec  # noqa: E402
+from modal_rl.sandboxes import SandboxError  # noqa: E402
 from modal_rl.sandboxes.shared import close_shared_pools  # noqa: E402
 
 pytestmark = needs_bwrap
@@ -103,16 +103,6 @@ def test_reward_loads_as_async_custom_reward_function():
 def test_reward_never_scores_a_broken_sandbox(monkeypatch):
     import verl_modal.reward as reward
 
-    async def failing_pool(**kw):
-        return SandboxPool(
-            FailingProvider(),
-            SandboxSpec(),
-            rate_limiter=False,
-            max_retries=0,
-            log_interval_s=0,
-            handle_signals=False,
-        )
-
     monkeypatch.setattr(reward, "shared_pool", failing_pool)
     with pytest.raises(SandboxError):
         asyncio.run(reward.compute_score("x", GOOD, TESTS, {}, sandbox_retries=1))
@@ -120,16 +110,6 @@ def test_reward_never_scores_a_broken_sandbox(monkeypatch):
 
 def test_tool_reports_broken_sandbox_without_reward(monkeypatch):
     import verl_modal.tools as tools
-
-    async def failing_pool(**kw):
-        return SandboxPool(
-            FailingProvider(),
-            SandboxSpec(),
-            rate_limiter=False,
-            max_retries=0,
-            log_interval_s=0,
-            handle_signals=False,
-        )
 
     monkeypatch.setattr(tools, "shared_pool", failing_pool)
     tool = tools.SandboxCodeTool({"type": "native"})
