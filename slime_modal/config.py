@@ -20,39 +20,22 @@ slime's ``--custom-config-path`` YAML sets each top-level key as an attribute of
 Keys not given fall back to the ``MODAL_RL_SANDBOX_*`` / ``MODAL_RL_REWARD_*`` environment, then
 defaults. Unknown keys and wrongly typed values raise ``ValueError`` naming the key.
 
-One pool per rollout process, on its own event loop: the pool lives on a daemon thread this
-module starts once per process, and the glue runs its sandbox work there (``on_pool_loop``).
-So the pool does not depend on the caller's loop: slime's rollout loop (one per process,
-``slime.utils.async_utils``) and a caller that uses ``asyncio.run`` per call (slime's contract
-tests) get the same pool, and no caller's loop shutdown cancels sandbox work mid-flight. At
-interpreter exit the pool is closed on its loop (that thread is a daemon, alive during atexit);
-if that fails, its sandboxes are killed.
+One pool per rollout process (``modal_rl.sandboxes.shared.process_pool``), on its own event
+loop: slime's rollout loop (one per process, ``slime.utils.async_utils``) and a caller that uses
+``asyncio.run`` per call (slime's contract tests) get the same pool; the glue runs its sandbox
+work on that loop (``on_pool_loop``). It is closed at interpreter exit.
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import logging
 import os
-import threading
-from collections.abc import Awaitable
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any
 
 from modal_rl.sandboxes.pool import SandboxPool
-from modal_rl.sandboxes.shared import close_shared_pools, settings, shared_pool
-
-log = logging.getLogger(__name__)
+from modal_rl.sandboxes.shared import close_process_pools, process_pool, settings
 
 SANDBOX_KEY = "modal_rl_sandbox"
 REWARD_KEY = "modal_rl_reward"
-CLOSE_AT_EXIT_S = 10.0
-
-_REGISTERED: set[int] = set()
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
-T = TypeVar("T")
 
 
 def _mapping(args: Any, key: str) -> dict[str, Any]:
@@ -96,56 +79,11 @@ def reward_settings(args: Any) -> tuple[float, bool]:
     return float(timeout_s), partial
 
 
-def pool_loop() -> asyncio.AbstractEventLoop:
-    """This process's sandbox-pool event loop (a daemon thread, started on first use)."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP.is_closed():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="modal-rl-sandbox-pool", daemon=True).start()
-            _LOOP = loop
-        return _LOOP
-
-
-async def on_pool_loop(coro: Awaitable[T]) -> T:
-    """Await ``coro`` on the pool loop from any loop; cancelling the caller cancels it there."""
-    loop = pool_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        return await coro
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
-
-
-def _close_at_exit(pool: SandboxPool, loop: asyncio.AbstractEventLoop) -> None:
-    if pool._closed:
-        return
-    if loop.is_running() and not loop.is_closed():
-        try:
-            asyncio.run_coroutine_threadsafe(pool.close(), loop).result(CLOSE_AT_EXIT_S)
-            return
-        except (FutureTimeout, RuntimeError) as exc:
-            log.warning("sandbox pool %s: close at exit failed (%s); killing its sandboxes", pool.name, exc)
-    pool.kill_all_now()
-
-
-async def _pool_here(settings_: dict[str, Any]) -> SandboxPool:
-    pool = await shared_pool(**settings_)
-    if id(pool) not in _REGISTERED:
-        _REGISTERED.add(id(pool))
-        atexit.register(_close_at_exit, pool, asyncio.get_running_loop())
-    return pool
-
-
 async def rollout_pool(args: Any = None, **overrides: Any) -> SandboxPool:
     """This process's started pool for ``args``' settings (``overrides`` win), closed at exit.
 
     The pool belongs to the pool loop: use it only inside coroutines run with ``on_pool_loop``."""
-    return await on_pool_loop(_pool_here({**sandbox_settings(args), **overrides}))
+    return await process_pool(**{**sandbox_settings(args), **overrides})
 
 
-async def close_rollout_pools() -> None:
-    """Close this process's pools now (tests, orderly shutdown); the next use starts a new one."""
-    await on_pool_loop(close_shared_pools())
+close_rollout_pools = close_process_pools

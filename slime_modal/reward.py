@@ -27,7 +27,8 @@ from typing import Any
 
 from modal_rl.sandboxes.coderun import extract_code, score_code
 from modal_rl.sandboxes.errors import SandboxError
-from slime_modal.config import on_pool_loop, reward_settings, rollout_pool
+from modal_rl.sandboxes.shared import on_pool_loop
+from slime_modal.config import reward_settings, rollout_pool
 
 log = logging.getLogger(__name__)
 

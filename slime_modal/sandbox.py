@@ -24,7 +24,8 @@ from typing import Any
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.lease import Sandbox as Lease
 from modal_rl.sandboxes.pool import SandboxPool
-from slime_modal.config import on_pool_loop, rollout_pool
+from modal_rl.sandboxes.shared import on_pool_loop
+from slime_modal.config import rollout_pool
 
 
 class PoolSandbox:

@@ -1,8 +1,14 @@
-"""One shared pool per (event loop, settings) for framework glue that has no place to own one.
+"""Pools for framework glue that has no place to own one.
 
-verl calls a reward function / tool from its own worker event loops; slime calls its reward
-function from the rollout manager's loop. Both get their pool here: created lazily inside the
-running loop, closed at interpreter exit by the pool's own atexit/signal teardown.
+- :func:`shared_pool`: one pool per (event loop, settings), created lazily inside the running
+  loop, closed at interpreter exit by the pool's own atexit/signal teardown. verl calls its
+  reward function / tool from its own long-lived worker event loops.
+- :func:`process_pool`: one pool per (process, settings) on this module's own event loop (a
+  daemon thread started once per process); the caller runs its sandbox work there with
+  :func:`on_pool_loop`. For callers whose loops come and go (slime's contract tests use
+  ``asyncio.run`` per call): no caller's loop shutdown cancels sandbox work mid-flight. At
+  interpreter exit the pool is closed on its loop (that thread is a daemon, alive during
+  atexit); if that fails, its sandboxes are killed.
 
 Settings come from keyword arguments, falling back to environment variables:
 ``MODAL_RL_SANDBOX_BACKEND`` (local|modal), ``MODAL_RL_SANDBOX_IMAGE``,
@@ -13,13 +19,26 @@ Settings come from keyword arguments, falling back to environment variables:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import os
-from typing import Any
+import threading
+from collections.abc import Awaitable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 from modal_rl.sandboxes.pool import SandboxPool
 from modal_rl.sandboxes.spec import SandboxSpec
 
+log = logging.getLogger(__name__)
+
+CLOSE_AT_EXIT_S = 10.0
+
 _POOLS: dict[tuple, SandboxPool] = {}
+_REGISTERED: set[int] = set()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
 def settings(**overrides: Any) -> dict[str, Any]:
@@ -85,3 +104,58 @@ async def close_shared_pools() -> None:
     loop_id = id(asyncio.get_running_loop())
     for key in [k for k in _POOLS if k[0] == loop_id]:
         await _POOLS.pop(key).close()
+
+
+def pool_loop() -> asyncio.AbstractEventLoop:
+    """This process's sandbox-pool event loop (a daemon thread, started on first use)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="modal-rl-sandbox-pool", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+async def on_pool_loop(coro: Awaitable[T]) -> T:
+    """Await ``coro`` on the pool loop from any loop; cancelling the caller cancels it there."""
+    loop = pool_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+def _close_at_exit(pool: SandboxPool, loop: asyncio.AbstractEventLoop) -> None:
+    if pool._closed:
+        return
+    if loop.is_running() and not loop.is_closed():
+        try:
+            asyncio.run_coroutine_threadsafe(pool.close(), loop).result(CLOSE_AT_EXIT_S)
+            return
+        except (FutureTimeout, RuntimeError) as exc:
+            log.warning("sandbox pool %s: close at exit failed (%s); killing its sandboxes", pool.name, exc)
+    pool.kill_all_now()
+
+
+async def _pool_here(settings_: dict[str, Any]) -> SandboxPool:
+    pool = await shared_pool(**settings_)
+    if id(pool) not in _REGISTERED:
+        _REGISTERED.add(id(pool))
+        atexit.register(_close_at_exit, pool, asyncio.get_running_loop())
+    return pool
+
+
+async def process_pool(**overrides: Any) -> SandboxPool:
+    """This process's started pool for these settings, closed at exit.
+
+    The pool belongs to the pool loop: use it only inside coroutines run with ``on_pool_loop``."""
+    return await on_pool_loop(_pool_here(overrides))
+
+
+async def close_process_pools() -> None:
+    """Close this process's pools now (tests, orderly shutdown); the next use starts a new one."""
+    await on_pool_loop(close_shared_pools())
