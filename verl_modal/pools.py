@@ -28,6 +28,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from modal_rl.cluster.plan import rank_resource  # the custom resource only that rank's node has
+
 WAIT_ENV = "VERL_MODAL_POOL_WAIT_S"
 PLACEMENT_ENV = "VERL_MODAL_POOL_PLACEMENT"
 DEFAULT_WAIT_S = 300.0
@@ -60,13 +62,6 @@ def available_gpus_per_node() -> dict[str, float]:
 
     per_node = ray._private.state.available_resources_per_node()
     return {node: float(res.get("GPU", res.get("NPU", 0))) for node, res in per_node.items()}
-
-
-def rank_resource(rank: int) -> str:
-    """The custom resource only cluster rank ``rank``'s node has (``modal_rl.cluster.plan``)."""
-    from modal_rl.cluster.plan import rank_resource as cluster_rank_resource
-
-    return cluster_rank_resource(rank)
 
 
 def placement_plan(config, cluster_nodes: int) -> dict[str, list[int]]:
