@@ -180,7 +180,9 @@ def test_gpus_that_register_late_are_waited_for_and_usable(cluster):
     # with one GPU bundle, both on the late node (the head has none).
     pgs = manager.resource_pool_dict["global_pool"].get_placement_groups()
     assert [pg.bundle_count for pg in pgs] == [1, 1]
-    assert ray.available_resources().get("GPU", 0.0) == 0.0
+    ray.get([pg.ready() for pg in pgs], timeout=60)
+    # Ray's resource view is eventually consistent: the reservation shows up a moment later.
+    _wait_for(lambda: ray.available_resources().get("GPU", 0.0) == 0.0, 30, "both GPUs to be reserved")
     for pg in pgs:
         ray.util.remove_placement_group(pg)
 
