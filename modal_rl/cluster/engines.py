@@ -56,8 +56,9 @@ class EngineSpec:
 
     ``gpu`` is ``"TYPE:COUNT"`` per engine (Modal; ignored locally); ``image`` a registry image
     (Modal; default: the framework's own image must be given by the adapter); ``volumes`` maps
-    Modal Volume names to mount paths; ``startup_timeout_s`` bounds the wait for health after
-    start (model download and load included), ``serve_timeout_s`` the life of an engine.
+    Modal Volume names to mount paths; ``pip`` lists packages the image gets on Modal (locally
+    the running environment must have them); ``startup_timeout_s`` bounds the wait for health
+    after start (model download and load included), ``serve_timeout_s`` the life of an engine.
     ``min_containers``/``max_containers`` are the engine function's Modal scaling bounds;
     ``max_containers`` defaults to ``count`` so an engine function never grows beyond the pool.
     """
@@ -71,6 +72,7 @@ class EngineSpec:
     volumes: dict[str, str] = field(default_factory=dict)
     secrets: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    pip: tuple[str, ...] = ()
     startup_timeout_s: float = 900.0
     serve_timeout_s: float = float(MAX_MODAL_TIMEOUT_S)
     min_containers: int | None = None
@@ -80,6 +82,7 @@ class EngineSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
         object.__setattr__(self, "secrets", tuple(self.secrets))
+        object.__setattr__(self, "pip", tuple(str(p) for p in self.pip))
         object.__setattr__(self, "volumes", dict(self.volumes))
         object.__setattr__(self, "env", {str(k): str(v) for k, v in dict(self.env).items()})
         if self.max_containers is None:
@@ -132,6 +135,7 @@ class EngineSpec:
         data = dataclasses.asdict(self)
         data["command"] = list(self.command)
         data["secrets"] = list(self.secrets)
+        data["pip"] = list(self.pip)
         return data
 
     @classmethod

@@ -57,6 +57,8 @@ def build_image(spec: EngineSpec):
         raise ValueError("a Modal engine pool needs an image with the inference server (spec.image)")
     # Server images (vllm/vllm-openai, sglang) set ENTRYPOINT to the server; Modal runs its own.
     image = modal.Image.from_registry(spec.image).entrypoint([])
+    if spec.pip:
+        image = image.pip_install(*spec.pip)
     return image.add_local_python_source(*LOCAL_PACKAGES)
 
 

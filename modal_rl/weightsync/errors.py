@@ -27,3 +27,8 @@ class ChecksumMismatchError(WeightSyncError):
 
 class StaleVersionError(BaseMismatchError):
     """A frame would move the receiver backwards (or nowhere): its version is not newer."""
+
+
+class VersionNotReachedError(WeightSyncError):
+    """A receiver could not stage its target version in time, or refused it too often; its
+    staged state and live weights stay at the version it held."""

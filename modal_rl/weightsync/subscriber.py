@@ -27,7 +27,7 @@ import numpy as np
 from modal_rl.weightsync.chain import VersionChain
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.errors import WeightSyncError
+from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.transport import FrameSource
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,49 @@ class Subscriber:
                 return False
             self.poll(remaining)
         return True
+
+    def stage_until(self, target: int, timeout_s: float, max_refusals: int) -> list[SyncTiming]:
+        """Poll until ``target`` (or a newer version) is staged; return this call's timings.
+
+        Raises ``VersionNotReachedError`` after ``timeout_s`` or after more than
+        ``max_refusals`` refused frames (each refusal reconnects and asks again, which heals
+        corruption on the wire); the staged state then stays at the version held before."""
+        deadline = time.monotonic() + timeout_s
+        refused_before, first = len(self.refused), len(self.timings)
+        while self.live_version is None or self.live_version < target:
+            refusals = len(self.refused) - refused_before
+            if refusals > max_refusals:
+                raise VersionNotReachedError(
+                    f"version {target} refused {refusals} times; weights stay at version "
+                    f"{self.live_version}; last: {self.refused[-1]}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise VersionNotReachedError(
+                    f"version {target} did not arrive within {timeout_s}s; weights stay at "
+                    f"version {self.live_version}"
+                )
+            self.poll(remaining)
+        return self.timings[first:]
+
+
+def tcp_subscriber(
+    current: Subscriber | None, addr: tuple[str, int], target: int, config: CodecConfig
+) -> Subscriber:
+    """The subscriber that should stage ``target`` from the frame server at ``addr``.
+
+    ``current`` is kept while it follows that server and holds an older version (its staged
+    state is the next delta's base). A moved server, or one that announces a version already
+    held (it restarted and counts from 0 again), starts a fresh chain that catches up from
+    the server's last anchor; the old connection is closed."""
+    from modal_rl.weightsync.transport_tcp import TcpSource
+
+    if current is not None:
+        held = current.live_version
+        if current.source.addr == addr and (held is None or target > held):
+            return current
+        current.source.close()
+    return Subscriber(TcpSource(*addr), lambda _state, _version: None, config=config)
 
 
 def copy_into(live: dict[str, Any]) -> Activate:

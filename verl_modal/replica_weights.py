@@ -1,0 +1,119 @@
+"""Weight updates for ``modal_vllm`` replicas: a relay worker on the cluster, pulls in the engine.
+
+verl's ``CheckpointEngineManager`` updates a replica by calling ``update_weights`` on the
+replica's ``workers`` — stock ``CheckpointEngineWorker`` actors, each of which receives a
+version through the configured checkpoint engine and hands the ``(name, tensor)`` stream to
+its *server adapter*. A ``modal_vllm`` engine runs in a container of its own, so its replica
+gets one such worker on the trainer cluster, with no GPU, whose adapter is
+:class:`EngineWeightsAdapter`: it republishes each version on its own frame server
+(``modal_rl.weightsync.engine_push``, lossless deltas after the first anchor) and has the
+engine pull and load it through vLLM's ``/collective_rpc`` (``vllm_extension``).
+
+So the trainer → relay hop is whatever checkpoint engine the run configures (it must work
+without a GPU: ``modal_delta``), and the relay → engine hop is always compressed deltas over
+TCP (a ``modal.forward`` tunnel when the relay runs in a Modal container).
+
+Invariants: the adapter is pickled into the worker and opens its frame server there, on the
+first update; ``update_weights`` returns only after the engine reported the version loaded
+and raises otherwise (the engine keeps the weights it had).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger("verl_modal")
+
+CPU_CHECKPOINT_ENGINES = ("modal_delta",)
+
+
+def check_checkpoint_engine(config) -> None:
+    """A ``modal_vllm`` policy replica's relay worker has no GPU: refuse backends that need one
+    (or, like ``naive``, never reach a standalone replica) before anything starts."""
+    backend = config.checkpoint_engine.backend
+    if backend not in CPU_CHECKPOINT_ENGINES:
+        raise ValueError(
+            f"modal_vllm: checkpoint_engine.backend={backend!r} cannot update an engine in its own "
+            "container; set actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"
+        )
+
+
+class EngineWeightsAdapter:
+    """The server adapter of a ``modal_vllm`` replica's relay worker (see the module docstring).
+
+    ``expose``: ``"local"`` when the engine runs on this machine, ``"modal"`` when the relay
+    runs in a Modal container and the engine in another app's container."""
+
+    def __init__(
+        self, engine_url: str, server_handle, replica_rank: int, expose: str, pull_timeout_s: float
+    ) -> None:
+        self.engine_url = engine_url
+        self.server_handle = server_handle  # the replica's VLLMHttpProxy: it tags outputs with steps
+        self.replica_rank = replica_rank
+        self.is_leader_rank = True  # one relay per replica
+        self.expose = expose
+        self.pull_timeout_s = pull_timeout_s
+        self.metrics: dict[str, float] = {}
+        self._pusher = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pusher": None}  # sockets and tunnels stay where they were opened
+
+    def _ensure_pusher(self):
+        if self._pusher is None:
+            from modal_rl.weightsync.engine_push import EnginePusher
+
+            self._pusher = EnginePusher(
+                self.engine_url, expose=self.expose, pull_timeout_s=self.pull_timeout_s
+            )
+        return self._pusher
+
+    async def update_weights(self, weights, global_steps: int | None = None, wire_format: str = "named_tensors",
+                             **_: Any) -> None:  # fmt: skip
+        if wire_format != "named_tensors":
+            raise ValueError(f"modal_vllm: checkpoint engine wire format {wire_format!r}; need named_tensors")
+        state: dict[str, Any] = {}
+        if hasattr(weights, "__aiter__"):
+            async for name, tensor in weights:
+                state[name] = tensor
+        else:
+            for name, tensor in weights:
+                state[name] = tensor
+        pusher = self._ensure_pusher()
+        self.metrics = await asyncio.to_thread(pusher.push, state)
+        if global_steps is not None:  # as verl's own adapters do: outputs carry their policy's step
+            await self.server_handle.set_global_steps.remote(global_steps)
+        log.info("modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs",
+                 self.replica_rank, int(self.metrics["version"]), global_steps,
+                 self.metrics["payload_mbytes"], self.metrics["engine_s"])  # fmt: skip
+
+
+async def start_relay_worker(replica, engine_url: str, expose: str) -> list:
+    """One CPU ``CheckpointEngineWorker`` for ``replica``, built as verl builds a standalone
+    replica's workers (a resource pool and a ``RayWorkerGroup``), with our adapter."""
+    import ray
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    prefix = f"modal_vllm_relay_{replica.replica_rank}{replica.name_suffix}"
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, name_prefix=prefix, max_colocate_count=1)
+    adapter = EngineWeightsAdapter(
+        engine_url,
+        replica.server_handle,
+        replica.replica_rank,
+        expose,
+        float(replica.settings["weights_timeout_s"]),
+    )
+    worker_cls = RayClassWithInitArgs(
+        cls=ray.remote(CheckpointEngineWorker),
+        rollout_config=replica.config,
+        model_config=replica.model_config,
+        server_adapter=adapter,
+    )
+    group = await asyncio.to_thread(
+        RayWorkerGroup, resource_pool=pool, ray_cls_with_init=worker_cls, bin_pack=False,
+        name_prefix=prefix, use_gpu=False, device_name="cpu",
+    )  # fmt: skip
+    return group.workers
