@@ -15,12 +15,17 @@ from the cluster; an explicit one that disagrees is an error.
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
 overrides (one line on stderr, before anything is provisioned: see ``preflight.py``),
 otherwise the run's own exit code (1 for an in-process failure).
+
+``modal_vllm`` rollout engines follow the backend: ``--backend local`` sets
+``VERL_MODAL_ENGINE_BACKEND=local`` for the run unless it is already set.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LOCAL_RAY_CPUS_PER_NODE = 8
+ENGINE_BACKEND_ENV = "VERL_MODAL_ENGINE_BACKEND"  # read by verl_modal.replica
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -77,7 +83,12 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
         # Ray CPUs per local node: verl's placement bundles take max_colocate_count CPUs per
         # GPU, plus the TaskRunner, agent-loop and reward actors (logical, like the GPUs).
         extra["cpu"] = LOCAL_RAY_CPUS_PER_NODE
-    return spec_from_args(args, **extra)
+    spec = spec_from_args(args, **extra)
+    if args.backend == "local" and ENGINE_BACKEND_ENV not in {**os.environ, **spec.env}:
+        # modal_vllm engines follow the launcher's backend: a local run starts them as local
+        # processes (rollout.custom.modal_engines.backend still wins over this).
+        spec = dataclasses.replace(spec, env={**spec.env, ENGINE_BACKEND_ENV: "local"})
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
