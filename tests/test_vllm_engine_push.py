@@ -21,7 +21,15 @@ from modal_rl.cluster.engines import EngineSpec, get_engine_pool  # noqa: E402
 from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError  # noqa: E402
 from modal_rl.weightsync.vllm_extension import EXTENSION, LOG_PREFIX  # noqa: E402
 
-PROMPT = [5, 17, 42, 8, 99, 3]
+# 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of
+# this prompt land in vLLM's prefix cache.
+PROMPT = [(7 * i + 3) % 900 + 5 for i in range(72)]
+
+
+def post(url: str, path: str) -> dict:
+    request = urllib.request.Request(url + path, b"{}", {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.load(resp)
 
 
 def complete(url: str, model: str) -> list[int]:
@@ -47,7 +55,7 @@ def engine(tiny_model, tmp_path_factory):
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model),
         "--host", "{host}", "--port", "{port}", "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
+        "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0", "--block-size", "32",
         "--worker-extension-cls", EXTENSION,
     ]  # fmt: skip
     spec = EngineSpec(
@@ -104,3 +112,23 @@ def test_an_unreachable_frame_server_is_an_error_and_the_engine_keeps_its_weight
         with pytest.raises(EnginePushError, match="version 0 did not arrive within 3.0s"):
             pusher.push(broken)
     assert complete(url, str(tiny_model)) == before
+
+
+def test_prefixes_cached_before_a_push_are_not_served_after_it(engine, tiny_model):
+    # Cached prefixes hold attention keys/values computed with the weights of their time; a
+    # push changes v_proj, so serving them afterwards would mix old and new weights.
+    from safetensors.torch import load_file
+
+    url, _ = engine
+    original = load_file(str(tiny_model / "model.safetensors"))
+    flipped = {n: (t * -8 if n.endswith("v_proj.weight") else t) for n, t in original.items()}
+    with EnginePusher(url) as pusher:
+        pusher.push(original)
+        before = complete(url, str(tiny_model))  # caches the prompt's prefix blocks
+        pusher.push(flipped)
+        after_push = complete(url, str(tiny_model))
+        assert post(url, "/reset_prefix_cache")["success"]
+        assert complete(url, str(tiny_model)) == after_push  # what the new weights alone give
+        assert after_push != before  # the change is visible at all
+        pusher.push(original)
+        assert complete(url, str(tiny_model)) == before

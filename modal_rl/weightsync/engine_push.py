@@ -9,8 +9,11 @@ server's port through a ``modal.forward`` TCP tunnel, because an engine containe
 another app cannot reach the cluster's private addresses.
 
 Invariants:
-- ``push`` returns only after every engine worker reported the version loaded; on any error
-  it raises, and the engine keeps the weights it had (it loads only verified versions);
+- ``push`` returns only after every engine worker reported the version loaded and the
+  engine's prefix cache was reset (cached prefixes hold attention keys/values computed with
+  the old weights; running requests are preempted and recomputed, as vLLM's
+  ``reset_running_requests`` does); on any error it raises, and an engine that did not load
+  the version keeps the weights it had (it loads only verified versions);
 - the frame server retains the last anchor and the deltas after it, so an engine that
   missed a version (a failed push, a restart) catches up on the next push: it asks the
   server for the frames after the version it holds;
@@ -81,6 +84,7 @@ class EnginePusher:
             results = pull_results(answer, report.version)
         except RuntimeError as exc:
             raise EnginePushError(f"{self.engine_url}: {exc}") from exc
+        self._reset_prefix_cache(report.version)
         return {
             "version": float(report.version),
             "anchor": 1.0 if report.kind == "anchor" else 0.0,
@@ -92,6 +96,17 @@ class EnginePusher:
             "engine_load_s": max(float(r.get("load_s", 0.0)) for r in results),
             "engine_workers": float(len(results)),
         }
+
+    def _reset_prefix_cache(self, version: int, tries: int = 5) -> None:
+        for attempt in range(tries):
+            answer = self._post("/reset_prefix_cache?reset_running_requests=true", {}, timeout=60.0)
+            if isinstance(answer, dict) and answer.get("success"):
+                return
+            time.sleep(0.2 * (attempt + 1))  # vLLM: blocks still held (e.g. in-flight KV transfers)
+        raise EnginePushError(
+            f"{self.engine_url}: version {version} is loaded but the prefix cache could not be reset "
+            f"after {tries} tries; cached prefixes still hold keys/values of the old weights"
+        )
 
     def _post(self, path: str, body: dict, timeout: float) -> Any:
         request = urllib.request.Request(
