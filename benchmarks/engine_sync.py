@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -38,21 +37,9 @@ PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 
 
 def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
-    from modal_rl.cluster.engines import EngineSpec
-    from modal_rl.weightsync.vllm_extension import EXTENSION
+    from modal_rl.weightsync.engine_push import local_vllm_spec
 
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-        "--host", "{host}", "--port", "{port}", "--dtype", "bfloat16", "--enforce-eager",
-        "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0", "--block-size", "32",
-        "--worker-extension-cls", EXTENSION,
-    ]  # fmt: skip
-    return EngineSpec(
-        command=command,
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
-        startup_timeout_s=600.0,
-        name=log_name,
-    )
+    return local_vllm_spec(str(model_dir), dtype="bfloat16", max_model_len=256, name=log_name)
 
 
 def _post(url: str, body: dict | None = None) -> Any:

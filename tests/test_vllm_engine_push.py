@@ -9,7 +9,6 @@ weights, sent back as a delta, restore the original completion.
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -17,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engines import EngineSpec, get_engine_pool  # noqa: E402
-from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError  # noqa: E402
-from modal_rl.weightsync.vllm_extension import EXTENSION, LOG_PREFIX  # noqa: E402
+from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
+from modal_rl.weightsync.vllm_extension import LOG_PREFIX  # noqa: E402
 
 # 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of
 # this prompt land in vLLM's prefix cache.
@@ -52,18 +51,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model),
-        "--host", "{host}", "--port", "{port}", "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0", "--block-size", "32",
-        "--worker-extension-cls", EXTENSION,
-    ]  # fmt: skip
-    spec = EngineSpec(
-        command=command,
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
-        startup_timeout_s=300.0,
-        name="vllm-push",
-    )
+    spec = local_vllm_spec(str(tiny_model), dtype="float32", max_model_len=128, name="vllm-push")
     pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
     (url,) = pool.start()
     try:

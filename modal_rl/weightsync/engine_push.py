@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +35,7 @@ from typing import Any
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.transport_tcp import FrameServer
-from modal_rl.weightsync.vllm_extension import pull_request, pull_results
+from modal_rl.weightsync.vllm_extension import EXTENSION, pull_request, pull_results
 
 log = logging.getLogger(__name__)
 EXPOSE = ("local", "modal")
@@ -133,3 +134,26 @@ class EnginePusher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def local_vllm_spec(
+    model_dir: str, *, dtype: str = "bfloat16", max_model_len: int = 256, name: str = "vllm",
+    startup_timeout_s: float = 600.0,
+):  # fmt: skip
+    """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
+    extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
+    short prompts already exercise the prefix cache), eager mode, no hub access."""
+    from modal_rl.cluster.engines import EngineSpec
+
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        "--host", "{host}", "--port", "{port}", "--dtype", dtype, "--enforce-eager",
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
+        "--block-size", "32", "--worker-extension-cls", EXTENSION,
+    ]  # fmt: skip
+    return EngineSpec(
+        command=command,
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        startup_timeout_s=startup_timeout_s,
+        name=name,
+    )
