@@ -148,6 +148,7 @@ def do_exec(req):
             os.killpg(p.pid, signal.SIGKILL)  # the group: background children die with the exec
         if timed_out:
             rc = p.wait()
+        _wait_group_gone(p.pid)
         for r in readers:
             r.join(timeout=0.5)  # a setsid'ed grandchild may hold the pipe; do not wait for it
         err = outs[1][0]
@@ -165,6 +166,19 @@ def do_exec(req):
             _active -= 1
             if _active == 0:
                 _limit_hit.clear()
+
+
+def _wait_group_gone(pgid, bound_s=2.0):
+    """SIGKILL is delivered asynchronously: wait (bounded) until every member of the exec's
+    process group has died and been reaped, so an exec returns only once its background
+    children are gone, not merely signalled."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.005)
 
 
 def resolve(path):
