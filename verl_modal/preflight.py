@@ -215,23 +215,19 @@ def standalone_pool_gpus(config) -> int:
 
 
 def check_off_cluster_weights(config) -> None:
-    """A ``modal_vllm`` policy replica is updated through a CPU relay worker: only a checkpoint
-    engine that runs without a GPU reaches it (the replica refuses the rest too, but only once
-    the cluster is up)."""
+    """``modal_vllm`` policy engines take updates only from a checkpoint engine their CPU relay
+    worker can run (``replica_weights``); the replica refuses the rest too, but only once the
+    cluster is up."""
     from omegaconf import OmegaConf
 
-    from verl_modal.replica_weights import CPU_CHECKPOINT_ENGINES
+    from verl_modal.replica_weights import checkpoint_engine_problem
 
     if OmegaConf.select(config, ROLLOUT_NAME, default=None) not in OFF_CLUSTER_ROLLOUTS:
         return
-    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
-    backend = OmegaConf.select(config, key, default=None)
-    if backend not in CPU_CHECKPOINT_ENGINES:
-        raise VerlPreflightError(
-            f"{key}={backend} cannot update {ROLLOUT_NAME}="
-            f"{OmegaConf.select(config, ROLLOUT_NAME)} engines (they run in containers of their "
-            f"own); set {key}={CPU_CHECKPOINT_ENGINES[0]}"
-        )
+    backend = OmegaConf.select(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", default=None)
+    problem = checkpoint_engine_problem(backend)
+    if problem:
+        raise VerlPreflightError(problem)
 
 
 def check_gpus(config, shape: ClusterShape) -> None:

@@ -29,15 +29,24 @@ log = logging.getLogger("verl_modal")
 CPU_CHECKPOINT_ENGINES = ("modal_delta",)
 
 
+def checkpoint_engine_problem(backend: str | None) -> str | None:
+    """Why ``backend`` cannot update ``modal_vllm`` policy engines, or None if it can. Their relay
+    worker has no GPU, and ``naive`` never reaches a standalone replica. Checked by the launcher's
+    preflight and again by the replica (plain verl runs have no preflight)."""
+    if backend in CPU_CHECKPOINT_ENGINES:
+        return None
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    return (
+        f"{key}={backend} cannot update actor_rollout_ref.rollout.name=modal_vllm engines (they run "
+        f"in containers of their own); set {key}={CPU_CHECKPOINT_ENGINES[0]}"
+    )
+
+
 def check_checkpoint_engine(config) -> None:
-    """A ``modal_vllm`` policy replica's relay worker has no GPU: refuse backends that need one
-    (or, like ``naive``, never reach a standalone replica) before anything starts."""
-    backend = config.checkpoint_engine.backend
-    if backend not in CPU_CHECKPOINT_ENGINES:
-        raise ValueError(
-            f"modal_vllm: checkpoint_engine.backend={backend!r} cannot update an engine in its own "
-            "container; set actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"
-        )
+    """Refuse, before an engine starts, a checkpoint engine that cannot reach it."""
+    problem = checkpoint_engine_problem(config.checkpoint_engine.backend)
+    if problem:
+        raise ValueError(f"modal_vllm: {problem}")
 
 
 class EngineWeightsAdapter:

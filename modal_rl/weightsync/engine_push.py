@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import sys
 import time
 import urllib.error
@@ -37,7 +36,6 @@ from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.transport_tcp import FrameServer
 from modal_rl.weightsync.vllm_extension import EXTENSION, pull_request, pull_results
 
-log = logging.getLogger(__name__)
 EXPOSE = ("local", "modal")
 
 

@@ -28,14 +28,11 @@ Invariants:
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.subscriber import tcp_subscriber
-
-log = logging.getLogger(__name__)
 
 EXTENSION = "modal_rl.weightsync.vllm_extension.DeltaWeightsExtension"
 METHOD = "modal_rl_pull_weights"
