@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from modal_rl.sandboxes import registry
+from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError
 from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
@@ -145,7 +146,7 @@ class LocalProvider(Provider):
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
-        env.update(spec.env)
+        env.update(check_env(spec.env, "SandboxSpec.env"))
         args += ["--chdir", wd, "--clearenv"]
         for k, v in env.items():
             args += ["--setenv", k, v]
@@ -169,6 +170,10 @@ class LocalProvider(Provider):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group: killpg reaches bwrap and the agent
+                # bwrap's PID-1 inside the sandbox is a fork of bwrap, so its /proc/1/environ is
+                # bwrap's own environment, readable by sandboxed code: start bwrap with none of
+                # ours (run key, Modal credentials); --clearenv only covers what it execs.
+                env={"PATH": os.environ.get("PATH", os.defpath)},
                 limit=4 * self.output_cap_bytes + (1 << 20),
             )
         )
@@ -307,7 +312,7 @@ class LocalSandbox(SandboxHandle):
             timeout_s=timeout_s,
             cpu_s=math.ceil(timeout_s * self.spec.cpu) + 1,
             stdin=base64.b64encode(data).decode() if data is not None else None,
-            env=dict(env or {}),
+            env=check_env(env, "exec env"),
             cwd=cwd,
         )
         return ExecResult(

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import RateLimitedError, SandboxLostError, TransientProviderError
 from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
@@ -60,6 +61,11 @@ class ModalProvider(Provider):
         self.app_name, self.region, self.environment_name = app_name, region, environment_name
         self.create_rate, self.create_burst = create_rate, create_burst
         self.extra_create_kwargs = dict(extra_create_kwargs or {})
+        if "secrets" in self.extra_create_kwargs:
+            # A Modal Secret would put credentials in the env of untrusted code.
+            raise ValueError(
+                "ModalProvider: sandboxes take no secrets; drop 'secrets' from extra_create_kwargs"
+            )
         self._app = None
 
     def image_for(self, spec: SandboxSpec):
@@ -87,7 +93,7 @@ class ModalProvider(Provider):
             "timeout": max(1, math.ceil(spec.timeout_s)),
             "block_network": not spec.network,
             "tags": dict(tags),
-            "env": dict(spec.env) or None,
+            "env": check_env(spec.env, "SandboxSpec.env") or None,
             "readiness_probe": Probe.with_exec("mkdir", "-p", spec.workdir, interval_ms=100),
         }
         if self.region:
@@ -160,7 +166,7 @@ class ModalSandbox(SandboxHandle):
                 *argv,
                 timeout=max(1, math.ceil(timeout_s)),
                 workdir=cwd or self.spec.workdir,
-                env=dict(env or {}) or None,
+                env=check_env(env, "exec env") or None,
                 text=False,
             )
             if stdin is not None:
