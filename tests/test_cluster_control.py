@@ -6,7 +6,7 @@ import asyncio
 import json
 import socket
 
-from modal_rl.cluster.control import ControlClient, ControlServer
+from modal_rl.cluster.control import ControlClient, ControlServer, hello_proof
 
 
 def _free_port() -> int:
@@ -72,7 +72,8 @@ def test_unknown_rank_is_dropped_and_client_gives_up_on_a_dead_port():
         sock = socket.create_connection(("127.0.0.2", port))
         sock.sendall((json.dumps({"hello": 7}) + "\n").encode())
         sock.settimeout(3)
-        assert await asyncio.to_thread(sock.recv, 10) == b""  # closed by rank 0: no such rank
+        got = await asyncio.to_thread(_read_to_eof, sock)
+        assert got.startswith(b'{"challenge"') and got.count(b"\n") == 1  # then closed: no such rank
         sock.close()
         assert server.failures() == []
         await server.release(0)
@@ -84,3 +85,46 @@ def test_unknown_rank_is_dropped_and_client_gives_up_on_a_dead_port():
         assert "rank 1: could not reach rank 0's control port" in str(exc)
     else:
         raise AssertionError("connected to a port nobody listens on")
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_a_follower_must_prove_the_run_key_before_it_counts():
+    """Only a hello with a valid proof for this challenge makes a follower; a keyless client,
+    a wrong key and a replayed proof are dropped and can report nothing."""
+
+    async def scenario():
+        port = _free_port()
+        server = ControlServer(nodes=2, lost_after_s=5, key="run-key-A")
+        await server.start("127.0.0.2", port)
+        for key in (None, "run-key-B"):
+            client = await asyncio.to_thread(ControlClient, "127.0.0.2", port, 1, 5.0, 0.1, key)
+            client.send({"ray_exited": 9})
+            assert await asyncio.to_thread(client.poll, 3.0) is False  # dropped: connection closed
+            client.close()
+        # A proof recorded for an earlier challenge does not fit a new one.
+        sock = socket.create_connection(("127.0.0.2", port))
+        sock.settimeout(3)
+        first = json.loads(await asyncio.to_thread(sock.makefile().readline))
+        stale = hello_proof("run-key-A", "0" * 32, 1)
+        assert first["challenge"] != "0" * 32
+        sock.sendall((json.dumps({"hello": 1, "proof": stale}) + "\n").encode())
+        assert await asyncio.to_thread(_read_to_eof, sock) == b""
+        sock.close()
+        await _wait_for(lambda: server.refused == 3)
+        assert server.followers[1].connected_at is None and server.failures() == []
+
+        good = await asyncio.to_thread(ControlClient, "127.0.0.2", port, 1, 5.0, 0.1, "run-key-A")
+        await _wait_for(lambda: server.followers[1].connected_at is not None)
+        good.send({"log": "hello from rank 1"})
+        await _wait_for(lambda: list(server.followers[1].lines) == ["hello from rank 1"])
+        await server.release(0)
+        assert await asyncio.to_thread(good.poll, 3.0) == {"exit": 0}
+        good.close()
+
+    asyncio.run(scenario())

@@ -16,6 +16,13 @@ restarts a Ray node that fails to come up, within the join timeout) and ``{"exit
 when the job is over. A connection that closes
 without an ``exit`` from rank 0, or that stays silent for ``lost_after_s``, is a lost
 follower — reported with its rank and last lines within a second or two of the death.
+
+Admission: on a Modal cluster the control port is reachable from every i6pn container of
+the workspace, so a connection counts as a follower only after it proves the run's key:
+rank 0 opens with ``{"challenge": <random nonce>}`` and the follower's ``hello`` carries
+``proof`` = HMAC-SHA256(derive(run key, "control"), nonce | rank). A hello without a valid
+proof is dropped before it can report logs, deaths or heartbeats. Without a run key in the
+environment (a bare local cluster on loopback) both ends are keyless and skip the proof.
 """
 
 from __future__ import annotations
@@ -23,13 +30,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
+import hmac
 import json
+import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
+from modal_rl.run_key import derive, run_key_or_none, same
+
 TAIL_LINES = 30
+HELLO_TIMEOUT_S = 10.0
+
+
+def hello_proof(key: str, nonce: str, rank: int) -> str:
+    return hmac.new(derive(key, "control"), f"{nonce}|{rank}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -49,7 +66,9 @@ class FollowerState:
 class ControlServer:
     """Rank 0's end. Runs inside rank 0's asyncio loop; ``failures()`` is polled by the supervisor."""
 
-    def __init__(self, nodes: int, lost_after_s: float):
+    def __init__(self, nodes: int, lost_after_s: float, key: str | None = None):
+        self.key = key if key is not None else run_key_or_none()
+        self.refused = 0  # connections dropped for a missing or wrong proof
         self.followers = {r: FollowerState(r) for r in range(1, nodes)}
         self.lost_after_s = lost_after_s
         self.closing = False
@@ -62,30 +81,30 @@ class ControlServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         state: FollowerState | None = None
+        nonce = secrets.token_hex(16)
         try:
+            writer.write((json.dumps({"challenge": nonce}) + "\n").encode())
+            hello = json.loads(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"null")
+            if not self._admitted(hello, nonce):
+                self.refused += 1
+                return
+            state = self.followers[int(hello["hello"])]
+            state.connected_at = state.last_seen = time.monotonic()
+            state.lost = None
+            self._writers[state.rank] = writer
+            if self.head_up:  # a late follower still needs the go signal
+                writer.write(b'{"head_up": true}\n')
             while True:
                 raw = await reader.readline()
                 if not raw:
                     break
                 msg = json.loads(raw)
-                if "hello" in msg:
-                    state = self.followers.get(int(msg["hello"]))
-                    if state is None:
-                        break  # a rank this cluster does not have: drop it
-                    state.connected_at = state.last_seen = time.monotonic()
-                    state.lost = None
-                    self._writers[state.rank] = writer
-                    if self.head_up:  # a late follower still needs the go signal
-                        writer.write(b'{"head_up": true}\n')
-                    continue
-                if state is None:
-                    continue
                 state.last_seen = time.monotonic()
                 if "log" in msg:
                     state.lines.append(str(msg["log"]))
                 elif "ray_exited" in msg and not self.closing:
                     state.lost = f"its Ray node exited with code {msg['ray_exited']}"
-        except (ConnectionError, ValueError):
+        except (ConnectionError, ValueError, TimeoutError):
             pass
         except asyncio.CancelledError:
             # The loop is shutting down; finishing normally keeps asyncio from logging it.
@@ -96,6 +115,17 @@ class ControlServer:
             if state is not None:
                 self._writers.pop(state.rank, None)
             writer.close()
+
+    def _admitted(self, hello, nonce: str) -> bool:
+        """A hello from a rank this cluster has, with a valid proof when the run has a key."""
+        if not isinstance(hello, dict) or not isinstance(hello.get("hello"), int):
+            return False
+        if hello["hello"] not in self.followers:
+            return False  # a rank this cluster does not have
+        if self.key is None:
+            return True
+        proof = hello.get("proof")
+        return isinstance(proof, str) and same(proof, hello_proof(self.key, nonce, hello["hello"]))
 
     def failures(self) -> list[FollowerState]:
         """Followers that are gone: closed, reported a dead Ray node, or silent too long."""
@@ -129,7 +159,16 @@ class ControlServer:
 class ControlClient:
     """A follower's end: a socket plus a lock, because log lines come from a reader thread."""
 
-    def __init__(self, host: str, port: int, rank: int, connect_timeout_s: float, heartbeat_s: float = 1.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        connect_timeout_s: float,
+        heartbeat_s: float = 1.0,
+        key: str | None = None,
+    ):
+        key = key if key is not None else run_key_or_none()
         deadline = time.monotonic() + connect_timeout_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -147,7 +186,14 @@ class ControlClient:
         self._lock = threading.Lock()
         self._buffer = b""
         self.broken = threading.Event()
-        self.send({"hello": rank})
+        challenge = self.poll(HELLO_TIMEOUT_S)
+        if not isinstance(challenge, dict) or "challenge" not in challenge:
+            self.close()
+            raise ConnectionError(f"rank {rank}: rank 0's control port {host}:{port} sent no challenge")
+        hello: dict = {"hello": rank}
+        if key is not None:
+            hello["proof"] = hello_proof(key, str(challenge["challenge"]), rank)
+        self.send(hello)
         # Heartbeats from their own thread: the follower's main thread blocks for many
         # seconds at a time (waiting for the head's GCS, starting Ray) and must not look dead.
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
