@@ -35,14 +35,18 @@ class Upstream:
             return await handler(request)
 
         async def info(request):
-            return web.json_response({"api_key": KEY, "launch_command": f"serve --api-key {KEY}", "tp_size": 1})
+            return web.json_response(
+                {"api_key": KEY, "launch_command": f"serve --api-key {KEY}", "tp_size": 1}
+            )
 
         async def digest(request):  # reads the body as it streams in
             h, n = hashlib.sha256(), 0
             async for chunk in request.content.iter_any():
                 h.update(chunk)
                 n += len(chunk)
-            return web.json_response({"sha256": h.hexdigest(), "bytes": n, "query": request.rel_url.raw_query_string})
+            return web.json_response(
+                {"sha256": h.hexdigest(), "bytes": n, "query": request.rel_url.raw_query_string}
+            )
 
         async def big(request):
             return web.Response(body=_blob(int(request.query["n"])))
@@ -173,9 +177,11 @@ def test_peers_outside_the_allow_list_get_403_and_nothing_is_forwarded():
         assert up.seen == []
         assert any("127.0.0.1" in line and "not an allowed peer" in line for line in logs)
         conn = aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))
-        async with aiohttp.ClientSession(connector=conn, trust_env=False) as other:
-            async with other.get(address + "/echo") as r:
-                assert r.status == 200
+        async with (
+            aiohttp.ClientSession(connector=conn, trust_env=False) as other,
+            other.get(address + "/echo") as r,
+        ):
+            assert r.status == 200
         assert len(up.seen) == 1
 
     run(_with(body, allow_peers=["127.0.0.3"]))
@@ -187,11 +193,13 @@ def test_unreachable_engine_is_a_502_without_the_key():
         fwd = KeyForwarder(["http://127.0.0.1:9"], key=KEY, log=logs.append)
         (address,) = await fwd.start()
         try:
-            async with aiohttp.ClientSession(trust_env=False) as client:
-                async with client.get(address + "/server_info") as r:
-                    assert r.status == 502
-                    assert "engine unreachable" in (await r.json())["error"]
-                    assert KEY not in await r.text()
+            async with (
+                aiohttp.ClientSession(trust_env=False) as client,
+                client.get(address + "/server_info") as r,
+            ):
+                assert r.status == 502
+                assert "engine unreachable" in (await r.json())["error"]
+                assert KEY not in await r.text()
         finally:
             await fwd.stop()
         assert logs and not any(KEY in line for line in logs)
