@@ -146,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": {"required": need.total, "why": need.why},
     }
 
-    def submit(extra_argv: list[str]) -> int:
+    def submit(engine_urls: list[str] | None = None) -> int:
+        command = [sys.executable if args.backend == "local" else "python3", entry, *job_argv]
+        if engine_urls:  # slime cannot send the engines' key: it reaches them through our forwarder
+            command = E.forwarded_job_command(command, engine_urls)
         return run_job(
             spec,
-            [sys.executable if args.backend == "local" else "python3", entry, *job_argv, *extra_argv],
+            command,
             runtime_env,
             backend=args.backend,
             framework_argv=slime_argv,
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if engines is None or args.dry_run or args.preflight_only:
-        return submit([])
+        return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
     from modal_rl.cluster.engines import EngineStartError
 
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
             )
-            return submit(E.external_engine_args(addresses))
+            return submit(addresses)
     except EngineStartError as exc:
         print(f"slime_modal: {exc}", file=sys.stderr)
         return 1
