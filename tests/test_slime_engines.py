@@ -194,3 +194,24 @@ def test_modal_engine_function_offline():
     assert inspected["gpu"] == "H100:2" and inspected["volumes"] == {"/models": "models"}
     assert plan["modal_function"]["max_containers"] == 2
     assert plan["commands"][0][plan["commands"][0].index("--port") + 1] == "30000"
+
+
+def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
+    from _launcher import run_module
+
+    key = "dry-run-key-" + "z" * 40
+    monkeypatch.setenv("MODAL_RL_RUN_KEY", key)
+    out, _ = run_module(
+        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--rollout-engines", "modal:2", "--volume", "models:/models", "--dry-run",
+        "--", *ARGV,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert key not in out.stdout and key not in out.stderr
+    engines = json.loads(out.stdout)["rollout_engines"]
+    assert engines["count"] == 2
+    assert "modal_rl.cluster.keyed_launch" in engines["command"]
+    assert not any(a in engines["command"] for a in ("--api-key", "--admin-api-key"))
+    auth = engines["auth"]
+    assert "TLS" in auth["tunnel"] and "every route" in auth["key_required"]
+    assert "key_forwarder" in auth["forwarder"] and "Bearer" in auth["forwarder"]
+    assert engines["job_command"][2] == "slime_modal.engine_job"
