@@ -10,7 +10,8 @@ of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ..
 - ``--hf-cache-volume`` / ``--data-volume`` / ``--ckpt-volume`` ``NAME[:PATH]``: Modal Volumes
   for the Hugging Face cache (default on Modal: ``slime-hf-cache``), data and checkpoints;
 - ``--rollout-engines modal:N[:GPU]``: N SGLang engines as their own Modal function, started
-  before the job; their addresses reach slime as ``--rollout-external-engine-addrs``.
+  before the job; they need the run's key, which slime cannot send, so the job runs through
+  ``slime_modal.engine_job`` and slime gets its key forwarders as ``--rollout-external-engine-addrs``.
 
 Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags or
 a slime command line that cannot run on the cluster (one line per problem on stderr, before
