@@ -118,6 +118,11 @@ def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> t
             raise ValueError(
                 f"--sglang-{flag[2:]}: the engines take the run's key (MODAL_RL_RUN_KEY); drop the flag"
             )
+    if args.int("--sglang-tokenizer-worker-num", 1) > 1:
+        raise ValueError(
+            "--sglang-tokenizer-worker-num > 1: SGLang refuses API keys in multi-tokenizer mode, and "
+            "the engines need the run's key; drop the flag"
+        )
     if args.has("--rollout-external-engine-addrs"):
         raise ValueError(
             "--rollout-engines sets --rollout-external-engine-addrs itself; pass one or the other"
