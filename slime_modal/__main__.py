@@ -10,7 +10,8 @@ of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ..
 - ``--hf-cache-volume`` / ``--data-volume`` / ``--ckpt-volume`` ``NAME[:PATH]``: Modal Volumes
   for the Hugging Face cache (default on Modal: ``slime-hf-cache``), data and checkpoints;
 - ``--rollout-engines modal:N[:GPU]``: N SGLang engines as their own Modal function, started
-  before the job; their addresses reach slime as ``--rollout-external-engine-addrs``.
+  before the job; they need the run's key, which slime cannot send, so the job runs through
+  ``slime_modal.engine_job`` and slime gets its key forwarders as ``--rollout-external-engine-addrs``.
 
 Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags or
 a slime command line that cannot run on the cluster (one line per problem on stderr, before
@@ -146,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": {"required": need.total, "why": need.why},
     }
 
-    def submit(extra_argv: list[str]) -> int:
+    def submit(engine_urls: list[str] | None = None) -> int:
+        command = [sys.executable if args.backend == "local" else "python3", entry, *job_argv]
+        if engine_urls:  # slime cannot send the engines' key: it reaches them through our forwarder
+            command = E.forwarded_job_command(command, engine_urls)
         return run_job(
             spec,
-            [sys.executable if args.backend == "local" else "python3", entry, *job_argv, *extra_argv],
+            command,
             runtime_env,
             backend=args.backend,
             framework_argv=slime_argv,
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if engines is None or args.dry_run or args.preflight_only:
-        return submit([])
+        return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
     from modal_rl.cluster.engines import EngineStartError
 
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
             )
-            return submit(E.external_engine_args(addresses))
+            return submit(addresses)
     except EngineStartError as exc:
         print(f"slime_modal: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,16 @@ would have launched: ``--hf-checkpoint`` (model), ``--rollout-num-gpus-per-engin
 (memory saver, which slime checks on external engines), ``--fp16``, ``--use-rollout-routing-
 replay``, and every other ``--sglang-<flag>`` passed through as SGLang's ``--<flag>``. Each
 engine's GPU count is its tensor x pipeline size; a GPU count in the flag must agree.
+
+Engine auth (the run's key, ``MODAL_RL_RUN_KEY``): each engine runs SGLang through
+``modal_rl.cluster.keyed_launch``, which adds ``--api-key <key> --admin-api-key <key>`` inside
+the process, so the key is never on a command line; SGLang then refuses every route without
+``Authorization: Bearer <key>`` except its ``/health*``, ``/ready*`` and ``/metrics*``. Both
+keys are the run key: our forwarder is the engines' only client and SGLang accepts only the
+admin key on admin routes and only the API key elsewhere, so one key keeps one header valid on
+every route without a per-route table that changes with SGLang's versions. slime cannot send a
+key, so the job runs through ``slime_modal.engine_job``, whose key forwarder is what slime gets
+as ``--rollout-external-engine-addrs`` (:func:`forwarded_job_command`).
 """
 
 from __future__ import annotations
@@ -29,7 +39,17 @@ from slime_modal.preflight import SlimeArgs
 DEFAULT_GPU = "H100"
 DEFAULT_IMAGE = "slimerl/slime:latest"
 SGLANG_PORT = 30000
-SERVER = ("python3", "-m", "sglang.launch_server")
+SGLANG_MODULE = "sglang.launch_server"
+# SGLang takes its keys only as flags (no env var): inserted in-process by keyed_launch.
+KEY_FLAGS = ("--api-key", "--admin-api-key")
+SERVER = (
+    "python3",
+    "-m",
+    "modal_rl.cluster.keyed_launch",
+    *(f"--key-flag={flag}" for flag in KEY_FLAGS),
+    SGLANG_MODULE,
+)
+ENGINE_JOB = "slime_modal.engine_job"
 # slime sets these itself for an external engine, or they are per-engine: never passed through.
 _NOT_PASSED = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config"}
 
@@ -93,6 +113,16 @@ def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> t
         raise ValueError("--rollout-engines needs --hf-checkpoint: the engines load the model from it")
     if "--colocate" in argv:
         raise ValueError("--rollout-engines puts engines on their own GPUs; it contradicts --colocate")
+    for flag in KEY_FLAGS:
+        if args.has("--sglang-" + flag[2:]):
+            raise ValueError(
+                f"--sglang-{flag[2:]}: the engines take the run's key (MODAL_RL_RUN_KEY); drop the flag"
+            )
+    if args.int("--sglang-tokenizer-worker-num", 1) > 1:
+        raise ValueError(
+            "--sglang-tokenizer-worker-num > 1: SGLang refuses API keys in multi-tokenizer mode, and "
+            "the engines need the run's key; drop the flag"
+        )
     if args.has("--rollout-external-engine-addrs"):
         raise ValueError(
             "--rollout-engines sets --rollout-external-engine-addrs itself; pass one or the other"
@@ -155,7 +185,19 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
         "image": engines.image,
         "command": engines.argv("0.0.0.0", engines.port),
         "health": engines.health_path,
-        "slime_args": ["--rollout-external-engine-addrs", "<http://host:port of each engine>"],
+        "auth": {
+            "engine_key": "the run's key: SGLang --api-key and --admin-api-key, added in-process by "
+            "modal_rl.cluster.keyed_launch from MODAL_RL_RUN_KEY (never on a command line)",
+            "key_required": "every route except SGLang's /health*, /ready*, /metrics*",
+            "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
+            "forwarder": "modal_rl.cluster.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
+            "node, else the node's cluster address admitting only cluster nodes; adds "
+            "Authorization: Bearer <run key>",
+        },
+        "job_command": forwarded_job_command(
+            ["python3", "<entry>", "<slime args>"], [f"<engine {i} url>" for i in range(engines.count)]
+        ),
+        "slime_args": ["--rollout-external-engine-addrs", "<forwarder http://host:port per engine>"],
     }
 
 
@@ -167,6 +209,16 @@ def running_engines(
     pool_kwargs = opts.pop("pool_kwargs", {})
     with get_engine_pool(engine_spec(spec, slime_argv, **opts), backend, **pool_kwargs) as addresses:
         yield addresses
+
+
+def forwarded_job_command(command: list[str], engine_urls: list[str]) -> list[str]:
+    """``[python, ENTRY, *ARGS]`` -> the same job through :mod:`slime_modal.engine_job`, which puts
+    a key forwarder before each engine and gives slime the forwarders' addresses."""
+    if not engine_urls:
+        raise ValueError("forwarded_job_command: no engine addresses")
+    python, entry, *args = command
+    engines = [token for url in engine_urls for token in ("--engine", url)]
+    return [python, "-m", ENGINE_JOB, *engines, "--", entry, *args]
 
 
 def external_engine_args(addresses: list[str]) -> list[str]:

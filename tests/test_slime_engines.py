@@ -18,6 +18,7 @@ from slime_modal.engines import (
     describe,
     engine_spec,
     external_engine_args,
+    forwarded_job_command,
     parse_engines,
     running_engines,
 )
@@ -71,7 +72,16 @@ def test_parse_engines_errors(text, needle):
 def test_engine_command_follows_slime_flags():
     spec = engine_spec(parse_engines("modal:3:H100"), ARGV)
     cmd = list(spec.command)
-    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+    # SGLang runs under our keyed launcher: its keys come from the env, not the command line.
+    assert cmd[:6] == [
+        "python3",
+        "-m",
+        "modal_rl.cluster.keyed_launch",
+        "--key-flag=--api-key",
+        "--key-flag=--admin-api-key",
+        "sglang.launch_server",
+    ]
+    assert not any(a.startswith(("--api-key", "--admin-api-key")) for a in cmd)
     assert cmd[cmd.index("--model-path") + 1] == "/models/Qwen3-4B"
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--pp-size") + 1] == "1"
     assert "--enable-memory-saver" in cmd  # slime compares it with --offload-rollout
@@ -86,6 +96,9 @@ def test_engine_command_follows_slime_flags():
         (["--lr", "1"], "modal:1", "needs --hf-checkpoint"),
         (["--hf-checkpoint", "m", "--colocate"], "modal:1", "contradicts --colocate"),
         (["--hf-checkpoint", "m", "--rollout-external-engine-addrs", "h:1"], "modal:1", "one or the other"),
+        (["--hf-checkpoint", "m", "--sglang-api-key", "k"], "modal:1", "take the run's key"),
+        (["--hf-checkpoint", "m", "--sglang-admin-api-key=k"], "modal:1", "take the run's key"),
+        (["--hf-checkpoint", "m", "--sglang-tokenizer-worker-num", "2"], "modal:1", "multi-tokenizer"),
         (["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "2"], "modal:1:H100:4", "make them agree"),
         (
             ["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "3", "--sglang-pp-size", "2"],
@@ -104,6 +117,21 @@ def test_describe_is_json_and_names_the_command():
     json.dumps(plan)
     assert plan["count"] == 2 and plan["gpu_per_engine"] == "H100:2"
     assert plan["command"][plan["command"].index("--host") + 1] == "0.0.0.0"
+    auth = plan["auth"]
+    assert "--api-key" in auth["engine_key"] and "keyed_launch" in auth["engine_key"]
+    assert "TLS" in auth["tunnel"] and "key_forwarder" in auth["forwarder"]
+    assert plan["job_command"][:4] == ["python3", "-m", "slime_modal.engine_job", "--engine"]
+    assert plan["job_command"][plan["job_command"].index("--") + 1] == "<entry>"
+
+
+def test_forwarded_job_command():
+    cmd = forwarded_job_command(["python3", "/root/slime/train.py", "--lr", "1"], ["https://a", "https://b"])
+    assert cmd == [
+        "python3", "-m", "slime_modal.engine_job", "--engine", "https://a", "--engine", "https://b",
+        "--", "/root/slime/train.py", "--lr", "1",
+    ]  # fmt: skip
+    with pytest.raises(ValueError):
+        forwarded_job_command(["python3", "t.py"], [])
 
 
 def test_external_engine_args():
@@ -167,3 +195,24 @@ def test_modal_engine_function_offline():
     assert inspected["gpu"] == "H100:2" and inspected["volumes"] == {"/models": "models"}
     assert plan["modal_function"]["max_containers"] == 2
     assert plan["commands"][0][plan["commands"][0].index("--port") + 1] == "30000"
+
+
+def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
+    from _launcher import run_module
+
+    key = "dry-run-key-" + "z" * 40
+    monkeypatch.setenv("MODAL_RL_RUN_KEY", key)
+    out, _ = run_module(
+        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--rollout-engines", "modal:2", "--volume", "models:/models", "--dry-run",
+        "--", *ARGV,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert key not in out.stdout and key not in out.stderr
+    engines = json.loads(out.stdout)["rollout_engines"]
+    assert engines["count"] == 2
+    assert "modal_rl.cluster.keyed_launch" in engines["command"]
+    assert not any(a in engines["command"] for a in ("--api-key", "--admin-api-key"))
+    auth = engines["auth"]
+    assert "TLS" in auth["tunnel"] and "every route" in auth["key_required"]
+    assert "key_forwarder" in auth["forwarder"] and "Bearer" in auth["forwarder"]
+    assert engines["job_command"][2] == "slime_modal.engine_job"

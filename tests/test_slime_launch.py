@@ -81,7 +81,8 @@ def test_rollout_engines_are_planned_off_the_cluster():
     assert engines["count"] == 4 and engines["rollout_engines"] == "modal:4:H100"
     assert engines["gpu_per_engine"] == "H100:8"  # --rollout-num-gpus-per-engine 8 in the line
     assert engines["image"] == L.SLIME_IMAGE  # the cluster's image
-    assert engines["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    assert engines["command"][:3] == ["python3", "-m", "modal_rl.cluster.keyed_launch"]
+    assert "sglang.launch_server" in engines["command"]
     # Disk delta into a Volume: the engines' SGLang reloads the Volume before each read.
     hook = engines["command"].index("--custom-pull-weights-pre-read-hook")
     assert engines["command"][hook + 1] == L.PRE_READ_HOOK
@@ -89,9 +90,10 @@ def test_rollout_engines_are_planned_off_the_cluster():
     assert plan["spec"]["nodes"] == 2
 
 
-def test_engines_that_fail_to_start_stop_the_launch_before_the_job(tmp_path):
+def test_engines_that_fail_to_start_stop_the_launch_before_the_job(tmp_path, monkeypatch):
     # A real local run: the engine command (SGLang, not installed here) exits at once; the
     # launcher reports it and never starts the cluster or the entry script.
+    monkeypatch.setenv("MODAL_RL_RUN_KEY", "test-run-key")  # the engines' keyed launcher needs one
     marker = tmp_path / "entry-ran"
     entry = tmp_path / "probe.py"
     entry.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")

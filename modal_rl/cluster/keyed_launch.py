@@ -1,0 +1,73 @@
+"""Run a Python module with the run's key added to its flags, without the key on a command line.
+
+``python -m modal_rl.cluster.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
+sglang.launch_server --model-path ...`` reads the key from ``MODAL_RL_RUN_KEY``, appends
+``--api-key <key> --admin-api-key <key>`` to ``sys.argv`` inside this process and runs
+``sglang.launch_server`` as ``__main__`` (``runpy.run_module``), in this same process.
+
+Why in-process: a server that takes its key only as a flag (SGLang has ``--api-key`` /
+``--admin-api-key`` and no environment variable for either) would show it to anyone who can
+read ``ps`` or ``/proc/<pid>/cmdline``. The kernel's copy of a process's argv is fixed at
+``exec``; changing Python's ``sys.argv`` afterwards does not touch it, so ``ps`` keeps showing
+the command above, without the key.
+
+Invariants:
+- the key is never printed, nor put in an error message;
+- a missing key, or a key flag that is already on the command line, stops the launch with one
+  line naming the fix (exit 2) before the module is imported;
+- with no ``--key-flag`` the module runs unchanged (only useful for tests and dry runs).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+from modal_rl.run_key import MissingRunKeyError, run_key
+
+USAGE = "usage: python -m modal_rl.cluster.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
+PREFIX = "--key-flag="
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``(key flags, module, module args)`` from our argv; ValueError says what is wrong."""
+    flags: list[str] = []
+    rest = list(argv)
+    while rest and rest[0].startswith(PREFIX):
+        flag = rest.pop(0)[len(PREFIX) :]
+        if not flag.startswith("--") or "=" in flag:
+            raise ValueError(f"--key-flag={flag!r}: give a long flag such as --api-key")
+        flags.append(flag)
+    if not rest or rest[0].startswith("-"):
+        raise ValueError(f"no module to run; {USAGE}")
+    module, args = rest[0], rest[1:]
+    for flag in flags:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            raise ValueError(f"{flag} is set by keyed_launch from the run's key; drop it from the command")
+    return flags, module, args
+
+
+def keyed_args(flags: list[str], args: list[str], key: str) -> list[str]:
+    """``args`` with ``FLAG key`` appended for each key flag (last wins in argparse anyway)."""
+    out = list(args)
+    for flag in flags:
+        out += [flag, key]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        flags, module, args = split_argv(argv)
+        key = run_key() if flags else ""
+    except (ValueError, MissingRunKeyError) as exc:
+        print(f"keyed_launch: {exc}", file=sys.stderr)
+        return 2
+    sys.argv = [module, *keyed_args(flags, args, key)]
+    # alter_sys: the module sees itself as __main__ with sys.argv[0] set to its file, as `-m` does.
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
