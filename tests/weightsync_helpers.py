@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import torch
 
-from modal_rl.weightsync.frames import RECORD_HEADER, RECORD_TRAILER
+from modal_rl.weightsync.auth import trailer_size
+from modal_rl.weightsync.frames import RECORD_HEADER
+
+TEST_KEY = "test-run-key-0123456789abcdef0123456789abcdef"  # what the tests export as the run key
+OTHER_KEY = "another-run-key-fedcba9876543210fedcba9876543210"
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -63,23 +68,42 @@ def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def records(frame: bytes) -> list[tuple[int, int, bytes]]:
-    """(offset, length, tag) of every record in a frame."""
+    """(offset, length, tag) of every record in a frame (tags in upper case, signed or not)."""
     out, offset = [], 0
     while offset < len(frame):
         tag, length = RECORD_HEADER.unpack_from(frame, offset)
-        size = RECORD_HEADER.size + length + RECORD_TRAILER.size
-        out.append((offset, size, tag))
+        size = RECORD_HEADER.size + length + trailer_size(tag)
+        out.append((offset, size, tag.upper()))
         offset += size
     return out
 
 
 def reseal(frame: bytes, offset: int, body: bytes) -> bytes:
     """Replace the body of the record at ``offset`` and recompute its checksum, so the
-    corruption gets past the record check and must be caught by a deeper one."""
+    corruption gets past the record check and must be caught by a deeper one (a signed
+    record keeps its old MAC: what an attacker without the key can do)."""
     import xxhash
 
     tag, length = RECORD_HEADER.unpack_from(frame, offset)
     header = RECORD_HEADER.pack(tag, len(body))
     trailer = struct.pack("<Q", xxhash.xxh3_64_intdigest(header + body))
-    end = offset + RECORD_HEADER.size + length + RECORD_TRAILER.size
-    return frame[:offset] + header + body + trailer + frame[end:]
+    mac_start = offset + RECORD_HEADER.size + length + 8
+    end = offset + RECORD_HEADER.size + length + trailer_size(tag)
+    return frame[:offset] + header + body + trailer + frame[mac_start:end] + frame[end:]
+
+
+def client_handshake(sock, key: str | None, have: int | None = None) -> None:
+    """Pass a frame server's handshake on a raw socket (as ``TcpSource`` does), for tests
+    that need a receiver which then misbehaves (stalls, ...)."""
+    from modal_rl.weightsync.auth import check_server_hello, client_proof, frame_keys, hello_line
+
+    keys = frame_keys(key)
+    line, nonce = hello_line(have, keys)
+    sock.sendall(line)
+    if keys is None:
+        return
+    answer = b""
+    while not answer.endswith(b"\n"):
+        answer += sock.recv(1)
+    server_nonce = check_server_hello(answer, keys, nonce, "test")
+    sock.sendall(json.dumps({"proof": client_proof(keys, nonce, server_nonce, line)}).encode() + b"\n")
