@@ -156,7 +156,9 @@ def test_keys_must_match_and_keyless_is_explicit(files):
     assert cli("encode", "--keyless", "--new", tmp / "B.safetensors", "--out", tmp / "plain").returncode == 0
     apply = ["apply", "--base", tmp / "A.safetensors", "--out", tmp / "C.safetensors", "--delta"]
     # Signed with another run's key: refused at the first record.
-    assert "fails its MAC" in one_error_line(cli(*apply, tmp / "signed", env=_env(**{RUN_KEY_ENV: OTHER_KEY})))
+    assert "fails its MAC" in one_error_line(
+        cli(*apply, tmp / "signed", env=_env(**{RUN_KEY_ENV: OTHER_KEY}))
+    )
     # A keyed reader refuses an unsigned frame; a keyless one refuses a signed frame.
     assert "not signed" in one_error_line(cli(*apply, tmp / "plain"))
     assert "keyless" in one_error_line(cli(*apply, tmp / "signed", "--keyless"))
@@ -167,5 +169,8 @@ def test_keys_must_match_and_keyless_is_explicit(files):
     # Keyless (v1) frames still decode when asked for explicitly.
     assert cli(*apply, tmp / "plain", "--keyless").returncode == 0
     assert same_state(load_file(tmp / "C.safetensors"), load_file(tmp / "B.safetensors"))
-    for r in (cli("inspect", tmp / "signed"), cli("encode", "--new", tmp / "B.safetensors", "--out", tmp / "x")):
+    for r in (
+        cli("inspect", tmp / "signed"),
+        cli("encode", "--new", tmp / "B.safetensors", "--out", tmp / "x"),
+    ):
         assert TEST_KEY not in r.stdout + r.stderr

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode_delta, frame_bytes
 from modal_rl.weightsync.errors import BaseMismatchError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 from modal_rl.weightsync.transport_tcp import FrameServer
-from modal_rl.run_key import RUN_KEY_ENV
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 ROOT = Path(__file__).resolve().parents[1]
