@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
@@ -107,3 +108,90 @@ def client_handshake(sock, key: str | None, have: int | None = None) -> None:
         answer += sock.recv(1)
     server_nonce = check_server_hello(answer, keys, nonce, "test")
     sock.sendall(json.dumps({"proof": client_proof(keys, nonce, server_nonce, line)}).encode() + b"\n")
+
+
+def self_signed_cert(directory) -> tuple[str, str]:
+    """(certfile, keyfile) of a fresh self-signed certificate for 127.0.0.1 and localhost."""
+    import datetime
+    import ipaddress
+    from pathlib import Path
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(san, critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    certfile, keyfile = Path(directory) / "cert.pem", Path(directory) / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(certfile), str(keyfile)
+
+
+class TlsTerminator:
+    """A local stand-in for a Modal tunnel's TLS end: accepts TLS on 127.0.0.1 and forwards
+    the plain bytes to ``target`` (as Modal's edge forwards to a container's port)."""
+
+    def __init__(self, target: tuple[str, int], certfile: str, keyfile: str) -> None:
+        import socket
+        import ssl
+        import threading
+
+        self.target = target
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(certfile, keyfile)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import ssl
+        import threading
+
+        while not self.closed:
+            try:
+                raw, _ = self.listener.accept()
+                tls = self.context.wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError):
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((tls, upstream), (upstream, tls)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
