@@ -63,8 +63,8 @@ def make_codecs(threads: int, chunk_elems: int = CodecConfig.chunk_elems) -> lis
 
     def ours_decode(payload, target, held_sums):
         result = apply_frame(
-            target, io.BytesIO(payload), held_version=0, held_checksums=held_sums, config=config
-        )
+            target, io.BytesIO(payload), held_version=0, held_checksums=held_sums, config=config, key=None
+        )  # the codec alone: unsigned frames (weight-sync-e2e measures the MACs)
         if result.state is not None:
             for name, tensor in result.state.items():
                 target[name].copy_(tensor)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import markdown_table, progress, write_json
+from modal_rl.run_key import RUN_KEY_ENV, new_run_key, run_key
 
 SUITE = "engine-sync"
 MODES = {"full": 1, "delta": 16}  # mode -> anchor_every
@@ -44,7 +46,8 @@ def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
 
 def _post(url: str, body: dict | None = None) -> Any:
     data = json.dumps(body or {}).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {run_key()}"}
+    request = urllib.request.Request(url, data, headers)
     with urllib.request.urlopen(request, timeout=300) as resp:
         text = resp.read().decode()
     return json.loads(text) if text.strip().startswith("{") else text
@@ -109,6 +112,8 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     from modal_rl.cluster.engines import get_engine_pool
 
     versions = 4 if quick else 17  # full: 0..16, so the delta mode re-anchors once, at 16
+    # The suite is its own launcher: the engine and the pusher share the run key.
+    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="engine-sync-") as tmp:
         model_dir = make_model_dir(Path(tmp))

@@ -106,7 +106,9 @@ def main() -> None:
     rows.append(("encode (diff, gather, pack, checksums)", encode_s, nbytes / encode_s / 1e9))
 
     receiver = {k: v.clone() for k, v in base.items()}
-    apply_s, _ = timed(dev, lambda: apply_frame(receiver, io.BytesIO(frame), held_version=0, config=config))
+    apply_s, _ = timed(
+        dev, lambda: apply_frame(receiver, io.BytesIO(frame), held_version=0, config=config, key=None)
+    )
     rows.append(("decode + apply on device + verify", apply_s, nbytes / apply_s / 1e9))
     exact = all(torch.equal(receiver[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
 

@@ -8,11 +8,17 @@ transport: as full anchors every version, and as deltas. Time per version runs f
 longest activation callback (the engine pause); fetch, decode and verify happen before it,
 while the engine would keep serving. ``fanout=relay`` chains the receivers (each re-serves
 what it receives on its own link) instead of all drawing on the publisher's link.
+
+Every scenario runs twice: with the run key (the default: mutual handshake, every record
+signed and verified with HMAC-SHA256) and explicitly keyless, so the cost of
+authentication is measured side by side in one run (``delta auth/keyless``,
+``full auth/keyless``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +29,7 @@ from typing import Any
 
 from benchmarks._weight_sync_data import adam_trajectory
 from benchmarks.report import markdown_table, progress, write_json
+from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.transport import gbps
@@ -33,7 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ReceiverProc:
-    def __init__(self, upstream: tuple[str, int], until: int, out: Path, relay_port: int | None, link: float):
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        until: int,
+        out: Path,
+        relay_port: int | None,
+        link: float,
+        keyed: bool,
+    ):
         cmd = [
             sys.executable,
             "-m",
@@ -45,6 +60,8 @@ class ReceiverProc:
         cmd += ["--until", str(until), "--out", str(out), "--timeout", "600", "--threads", "1"]
         if relay_port is not None:
             cmd += ["--relay-port", str(relay_port), "--relay-gbps", str(link)]
+        if not keyed:
+            cmd.append("--keyless")
         self.out = out
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -85,16 +102,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(states, mode: str, receivers: int, link: float, fanout: str, workdir: Path) -> dict[str, Any]:
+def run_mode(
+    states, mode: str, receivers: int, link: float, fanout: str, workdir: Path, keyed: bool = True
+) -> dict[str, Any]:
     last = len(states) - 1
-    server = FrameServer(rate_bytes_per_s=gbps(link), max_buffer_bytes=256 << 20, slow_timeout_s=60)
+    key = os.environ[RUN_KEY_ENV] if keyed else None
+    server = FrameServer(key=key, rate_bytes_per_s=gbps(link), max_buffer_bytes=256 << 20, slow_timeout_s=60)
     publisher = Publisher(server, anchor_every=1 if mode == "full" else 10_000, config=CodecConfig(threads=2))
     procs: list[ReceiverProc] = []
     try:
         upstream = server.address
         for i in range(receivers):
             relay_port = _free_port() if fanout == "relay" and i < receivers - 1 else None
-            procs.append(ReceiverProc(upstream, last, workdir / f"{mode}-{i}.safetensors", relay_port, link))
+            out = workdir / f"{mode}-{i}.safetensors"
+            procs.append(ReceiverProc(upstream, last, out, relay_port, link, keyed))
             if relay_port is not None:
                 _wait(procs[-1].ready, 120, "relay receiver start")
                 time.sleep(0.3)
@@ -149,10 +170,16 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     scenarios.append((4, 1, "relay"))
     workdir = out / "weight-sync-e2e-files"
     workdir.mkdir(parents=True, exist_ok=True)
+    # The suite is its own launcher: receivers inherit the run key through the environment.
+    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
     rows = []
     for receivers, link, fanout in progress(scenarios, total=len(scenarios), desc=SUITE):
-        full = run_mode(states, "full", receivers, link, fanout, workdir)
-        delta = run_mode(states, "delta", receivers, link, fanout, workdir)
+        runs = {}
+        # Interleaved, so that load from elsewhere on the host hits both modes alike.
+        for mode in ("full", "delta"):
+            for keyed in (False, True):
+                runs[mode, keyed] = run_mode(states, mode, receivers, link, fanout, workdir, keyed)
+        full, delta = runs["full", True], runs["delta", True]
         rows.append(
             {
                 "receivers": receivers,
@@ -160,11 +187,13 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
                 "fanout": fanout,
                 "full_s": full["sync_s"],
                 "delta_s": delta["sync_s"],
+                "full_keyless_s": runs["full", False]["sync_s"],
+                "delta_keyless_s": runs["delta", False]["sync_s"],
                 "bytes_full": full["bytes"],
                 "bytes_delta": delta["bytes"],
                 "pause_s": delta["pause_s"],
                 "pause_full_s": full["pause_s"],
-                "bit_exact": full["bit_exact"] and delta["bit_exact"],
+                "bit_exact": all(r["bit_exact"] for r in runs.values()),
             }
         )
     for p in workdir.iterdir():
@@ -181,7 +210,8 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
 
 def render(rows: list[dict[str, Any]]) -> str:
     table = markdown_table(
-        ["receivers", "link Gbps", "fan-out", "full s", "delta s", "delta/full", "pause s", "pause/full", "bytes full", "bytes delta", "bit-exact"],
+        ["receivers", "link Gbps", "fan-out", "full s", "delta s", "delta/full", "pause s", "pause/full", "bytes full", "bytes delta",
+         "full keyless s", "full auth/keyless", "delta keyless s", "delta auth/keyless", "bit-exact"],
         [
             [
                 r["receivers"],
@@ -194,13 +224,24 @@ def render(rows: list[dict[str, Any]]) -> str:
                 r["pause_s"] / r["full_s"],
                 f"{r['bytes_full']:,.0f}",
                 f"{r['bytes_delta']:,.0f}",
+                r["full_keyless_s"],
+                r["full_s"] / r["full_keyless_s"],
+                r["delta_keyless_s"],
+                r["delta_s"] / r["delta_keyless_s"],
                 r["bit_exact"],
             ]
             for r in rows
         ],
     )  # fmt: skip
+    ratios = [(r["full_s"] / r["full_keyless_s"], r["delta_s"] / r["delta_keyless_s"]) for r in rows]
+    summary = (
+        f"Authentication cost (run key: handshake + HMAC-SHA256 per record, vs keyless), mean over "
+        f"scenarios: full anchor {statistics.mean(f for f, _ in ratios):.3f}x, "
+        f"delta {statistics.mean(d for _, d in ratios):.3f}x."
+    )
     return (
-        f"# weight-sync-e2e\n\nSeconds per version, publish() to the last receiver's activation.\n\n{table}\n"
+        f"# weight-sync-e2e\n\nSeconds per version, publish() to the last receiver's activation "
+        f"(with the run key unless marked keyless).\n\n{table}\n\n{summary}\n"
     )
 
 

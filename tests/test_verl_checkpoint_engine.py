@@ -17,10 +17,18 @@ import torch
 
 pytest.importorskip("verl")
 
+from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
 from tests.test_weightsync_faults_e2e import FlakyProxy  # noqa: E402
 from tests.verl_plugin_helpers import plugin_env, run_python  # noqa: E402
-from tests.weightsync_helpers import bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
+from tests.weightsync_helpers import TEST_KEY, bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
 from verl_modal.checkpoint_engine import ModalDeltaSyncError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def run_key_env(monkeypatch):
+    """modal_delta keys its frame server and receivers with the run's key from the
+    environment (a launcher guarantees it in every process of a run)."""
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
 
 
 def registry():
@@ -368,7 +376,9 @@ def local_ray(tmp_path_factory):
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"], "RAY_AUTH_MODE": "disabled"}},
+        runtime_env={
+            "env_vars": {"PYTHONPATH": env["PYTHONPATH"], "RAY_AUTH_MODE": "disabled", RUN_KEY_ENV: TEST_KEY}
+        },
         log_to_driver=False,
     )
     try:

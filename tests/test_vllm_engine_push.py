@@ -9,6 +9,7 @@ weights, sent back as a delta, restore the original completion.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,16 +18,23 @@ import pytest
 pytest.importorskip("vllm")
 
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
 from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
-from modal_rl.weightsync.vllm_extension import LOG_PREFIX  # noqa: E402
+from modal_rl.weightsync.publisher import Publisher  # noqa: E402
+from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
+from modal_rl.weightsync.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
+from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
+
+AUTH = {"Authorization": f"Bearer {TEST_KEY}"}  # what the engine's guard asks of every caller
 
 # 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of
 # this prompt land in vLLM's prefix cache.
 PROMPT = [(7 * i + 3) % 900 + 5 for i in range(72)]
 
 
-def post(url: str, path: str) -> dict:
-    request = urllib.request.Request(url + path, b"{}", {"Content-Type": "application/json"})
+def post(url: str, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(url + path, data, {"Content-Type": "application/json", **AUTH})
     with urllib.request.urlopen(request, timeout=60) as resp:
         return json.load(resp)
 
@@ -34,7 +42,7 @@ def post(url: str, path: str) -> dict:
 def complete(url: str, model: str) -> list[int]:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
     request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json", **AUTH}
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         return list(json.load(resp)["choices"][0]["token_ids"])
@@ -52,12 +60,15 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
     spec = local_vllm_spec(str(tiny_model), dtype="float32", max_model_len=128, name="vllm-push")
-    pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-    (url,) = pool.start()
-    try:
-        yield url, pool
-    finally:
-        pool.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        # The run's key, as a launcher sets it: the engine inherits it, pushers read it.
+        mp.setenv(RUN_KEY_ENV, TEST_KEY)
+        pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
+        (url,) = pool.start()
+        try:
+            yield url, pool
+        finally:
+            pool.stop()
 
 
 def test_versions_pushed_as_deltas_change_what_the_engine_generates(engine, tiny_model):
@@ -120,3 +131,38 @@ def test_prefixes_cached_before_a_push_are_not_served_after_it(engine, tiny_mode
         assert after_push != before  # the change is visible at all
         pusher.push(original)
         assert complete(url, str(tiny_model)) == before
+
+
+def test_a_pull_not_signed_with_the_run_key_is_refused_and_the_engine_keeps_its_weights(engine, tiny_model):
+    from safetensors.torch import load_file
+
+    url, _ = engine
+    before = complete(url, str(tiny_model))
+    original = load_file(str(tiny_model / "model.safetensors"))
+    broken = {name: t.clone().fill_(0.5) for name, t in original.items()}
+    ours, rogue = FrameServer(), FrameServer(key=OTHER_KEY)  # both hold the broken version 0
+    try:
+        for server in (ours, rogue):
+            Publisher(server).publish(broken)
+        host, port = ours.address
+        signed = pull_request(host, port, 0, timeout_s=3.0, max_refusals=0)
+        request = json.loads(signed["args"][0])
+        attempts = {
+            "unsigned": [signed["args"][0], ""],
+            "another run's key": pull_request(host, port, 0, key=OTHER_KEY)["args"],
+            "altered address": [json.dumps({**request, "port": rogue.address[1]}), signed["args"][1]],
+        }
+        for what, args in attempts.items():
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                post(url, "/collective_rpc", {**signed, "args": args})
+            assert "weight pull refused" in refused.value.read().decode(), what
+        # Signed with the run's key, but naming a server of another run: its handshake fails.
+        to_rogue = pull_request(*rogue.address, 0, timeout_s=3.0, max_refusals=0)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(url, "/collective_rpc", to_rogue)
+        assert "does not know this run's key" in refused.value.read().decode()
+        assert ours.receivers == 0 and rogue.receivers == 0
+    finally:
+        ours.close()
+        rogue.close()
+    assert complete(url, str(tiny_model)) == before

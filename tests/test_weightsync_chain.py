@@ -31,7 +31,7 @@ def frames_for(states, anchor_every: int):
 
 def test_chain_follows_anchors_and_deltas_and_rebuilds_any_version():
     states = trajectory(7)
-    chain = VersionChain(CONFIG, keep_anchors=2)
+    chain = VersionChain(CONFIG, key=None, keep_anchors=2)
     for v, frame in enumerate(frames_for(states, anchor_every=3)):
         chain.apply(frame)
         assert chain.version == v
@@ -45,10 +45,10 @@ def test_chain_follows_anchors_and_deltas_and_rebuilds_any_version():
 
 def test_a_restarted_receiver_catches_up_from_the_last_anchor():
     states = trajectory(6)
-    sender = VersionChain(CONFIG)
+    sender = VersionChain(CONFIG, key=None)
     for frame in frames_for(states, anchor_every=4):
         sender.apply(frame)
-    fresh = VersionChain(CONFIG)
+    fresh = VersionChain(CONFIG, key=None)
     catch_up = sender.frames_since(None)
     assert len(catch_up) == 2  # anchor 4, delta 5
     for frame in catch_up:
@@ -59,7 +59,7 @@ def test_a_restarted_receiver_catches_up_from_the_last_anchor():
 def test_a_receiver_behind_gets_only_the_missing_deltas():
     states = trajectory(5)
     frames = frames_for(states, anchor_every=10)
-    sender, behind = VersionChain(CONFIG), VersionChain(CONFIG)
+    sender, behind = VersionChain(CONFIG, key=None), VersionChain(CONFIG, key=None)
     for frame in frames:
         sender.apply(frame)
     for frame in frames[:2]:
@@ -73,10 +73,10 @@ def test_a_receiver_behind_gets_only_the_missing_deltas():
 
 def test_checksums_track_the_state():
     states = trajectory(3)
-    chain = VersionChain(CONFIG, retain=False)
+    chain = VersionChain(CONFIG, key=None, retain=False)
     for frame in frames_for(states, anchor_every=10):
         chain.apply(frame)
-    fresh = VersionChain(CONFIG)
+    fresh = VersionChain(CONFIG, key=None)
     fresh.apply(encode_anchor(states[2], version=9, config=CONFIG))
     assert chain.checksums == fresh.checksums
     assert chain.retained_versions == []

@@ -11,18 +11,27 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.weightsync_helpers import model_state, perturb, same_state
+from modal_rl.run_key import RUN_KEY_ENV
+from tests.weightsync_helpers import OTHER_KEY, TEST_KEY, model_state, perturb, records, reseal, same_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+@pytest.fixture(autouse=True)
+def run_key_env(monkeypatch):
+    """The CLI signs and verifies with the run key from the environment (the subprocesses
+    inherit it); tests of the keyless mode say ``--keyless``."""
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "modal_rl.weightsync", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
@@ -112,3 +121,56 @@ def test_missing_input_is_one_clear_line(tmp_path):
         "apply", "--base", tmp_path / "nope.safetensors", "--delta", tmp_path / "D", "--out", tmp_path / "C"
     )
     assert "no such file" in one_error_line(r)
+
+
+def _env(**changes) -> dict:
+    import os
+
+    env = dict(os.environ)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def test_a_byte_flipped_with_its_checksum_recomputed_is_refused_by_the_mac(files):
+    tmp, _, _ = files
+    cli("encode", "--base", tmp / "A.safetensors", "--new", tmp / "B.safetensors", "--out", tmp / "D")
+    data = (tmp / "D").read_bytes()
+    offset, size, tag = next(r for r in records(data) if r[2] == b"C")
+    body = bytearray(data[offset + 5 : offset + size - 40])
+    body[len(body) // 2] ^= 0x01
+    (tmp / "D").write_bytes(reseal(data, offset, bytes(body)))
+    for command in (["apply", "--base", tmp / "A.safetensors", "--delta", tmp / "D", "--out", tmp / "C"],
+                    ["inspect", tmp / "D"]):  # fmt: skip
+        line = one_error_line(cli(*command))
+        assert "fails its MAC" in line, line
+    assert not (tmp / "C").exists()
+
+
+def test_keys_must_match_and_keyless_is_explicit(files):
+    tmp, _, _ = files
+    assert cli("encode", "--new", tmp / "B.safetensors", "--out", tmp / "signed").returncode == 0
+    assert cli("encode", "--keyless", "--new", tmp / "B.safetensors", "--out", tmp / "plain").returncode == 0
+    apply = ["apply", "--base", tmp / "A.safetensors", "--out", tmp / "C.safetensors", "--delta"]
+    # Signed with another run's key: refused at the first record.
+    assert "fails its MAC" in one_error_line(
+        cli(*apply, tmp / "signed", env=_env(**{RUN_KEY_ENV: OTHER_KEY}))
+    )
+    # A keyed reader refuses an unsigned frame; a keyless one refuses a signed frame.
+    assert "not signed" in one_error_line(cli(*apply, tmp / "plain"))
+    assert "keyless" in one_error_line(cli(*apply, tmp / "signed", "--keyless"))
+    # No key in the environment and no --keyless: one line that says how to fix it.
+    line = one_error_line(cli(*apply, tmp / "signed", env=_env(**{RUN_KEY_ENV: None})))
+    assert RUN_KEY_ENV in line
+    assert not (tmp / "C.safetensors").exists()
+    # Keyless (v1) frames still decode when asked for explicitly.
+    assert cli(*apply, tmp / "plain", "--keyless").returncode == 0
+    assert same_state(load_file(tmp / "C.safetensors"), load_file(tmp / "B.safetensors"))
+    for r in (
+        cli("inspect", tmp / "signed"),
+        cli("encode", "--new", tmp / "B.safetensors", "--out", tmp / "x"),
+    ):
+        assert TEST_KEY not in r.stdout + r.stderr

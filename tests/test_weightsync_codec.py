@@ -29,7 +29,7 @@ SMALL = CodecConfig(chunk_elems=4096, threads=2)
 
 
 def roundtrip(base, new, config=SMALL):
-    chain = VersionChain(config)
+    chain = VersionChain(config, key=None)
     chain.apply(encode_anchor(base, version=0, config=config))
     assert same_state(chain.state, base)
     delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=config))
@@ -134,7 +134,7 @@ def test_delta_is_applied_in_place_on_the_held_tensors():
     held = clone_state(base)
     storage = {k: v.data_ptr() for k, v in held.items() if v.numel()}
     delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
-    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL, key=None)
     assert same_state(held, new)
     assert {k: v.data_ptr() for k, v in held.items() if v.numel()} == storage
 
@@ -164,7 +164,7 @@ def test_numpy_arrays_are_accepted():
     new["a"][3, 1] += 1.0
     delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
     held = {"a": base["a"].copy()}
-    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL, key=None)
     assert np.array_equal(held["a"].view(np.uint32), new["a"].view(np.uint32))
 
 
@@ -184,12 +184,12 @@ def test_device_apply_path_scatters_with_torch_and_rolls_back(monkeypatch):
     base, new = model_state(), perturb(model_state(), 0.05)
     delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
     held = clone_state(base)
-    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+    apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL, key=None)
     assert same_state(held, new)
     # Applying it again finds the wrong base only through the tensor checksums, after the
     # scatter: the rollback must restore every word through the same torch path.
     with pytest.raises(ChecksumMismatchError):
-        apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL)
+        apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL, key=None)
     assert same_state(held, new)
 
 

@@ -34,7 +34,7 @@ DELTA = frame_bytes(encode_delta(BASE, NEW, base_version=0, version=1, config=CO
 
 
 def fresh_chain() -> VersionChain:
-    chain = VersionChain(CONFIG)
+    chain = VersionChain(CONFIG, key=None)
     chain.apply(ANCHOR)
     return chain
 
@@ -113,7 +113,7 @@ def test_without_held_checksums_a_wrong_base_is_caught_by_the_tensor_checksums()
     held = perturb(BASE, 0.01, seed=9)
     before = clone_state(held)
     with pytest.raises(ChecksumMismatchError):
-        apply_frame(held, io.BytesIO(DELTA), held_version=0, config=CONFIG)
+        apply_frame(held, io.BytesIO(DELTA), held_version=0, config=CONFIG, key=None)
     assert same_state(held, before)
 
 
@@ -129,7 +129,7 @@ def test_stale_and_replayed_frames_are_refused():
 
 def test_delta_before_any_anchor_is_refused():
     with pytest.raises(BaseMismatchError, match="anchor first"):
-        VersionChain(CONFIG).apply(DELTA)
+        VersionChain(CONFIG, key=None).apply(DELTA)
 
 
 def test_layout_change_is_refused():
@@ -141,7 +141,7 @@ def test_layout_change_is_refused():
     frame = frame_bytes(encode_delta(reshaped, new, base_version=0, version=1, config=CONFIG))
     assert_refused(chain, frame, (LayoutMismatchError, BaseMismatchError))
     with pytest.raises(LayoutMismatchError):
-        apply_frame(clone_state(BASE), io.BytesIO(frame), held_version=0, config=CONFIG)
+        apply_frame(clone_state(BASE), io.BytesIO(frame), held_version=0, config=CONFIG, key=None)
     assert same_state(held, reshaped)
 
 

@@ -18,16 +18,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode_delta, frame_bytes
 from modal_rl.weightsync.errors import BaseMismatchError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 from modal_rl.weightsync.transport_tcp import FrameServer
-from tests.weightsync_helpers import perturb, same_state
+from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = CodecConfig(chunk_elems=1 << 18, threads=2)
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def run_key_env(monkeypatch):
+    """Keyed, as a launched run is: the frame server, and the receiver processes (which
+    inherit the environment), use the run's key."""
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
 
 
 def big_states(n: int, words: int = 2_000_000):
@@ -231,6 +239,8 @@ def test_publisher_restart_resumes_the_chain(tmp_path):
 
 
 class ListSource:
+    keys = None  # explicitly keyless: the frames below are unsigned codec output
+
     def __init__(self, frames):
         self.frames = list(frames)
 
@@ -255,7 +265,7 @@ def test_out_of_order_and_stale_frames_leave_live_weights_untouched():
     assert sub.poll() is None and "StaleVersionError" in sub.refused[-1]  # d1 replayed
     assert sub.poll().version == 2 and same_state(live, states[2])
     with pytest.raises(BaseMismatchError):
-        VersionChain(CONFIG).apply(d1)
+        VersionChain(CONFIG, key=None).apply(d1)
 
 
 def test_no_stray_children_left():

@@ -10,15 +10,22 @@ import time
 import pytest
 import torch
 
+from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 from modal_rl.weightsync.transport import TokenBucket
 from modal_rl.weightsync.transport_store import DirectoryStore, ModalVolumeStore
 from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
-from tests.weightsync_helpers import model_state, perturb, same_state
+from tests.weightsync_helpers import TEST_KEY, client_handshake, model_state, perturb, same_state
 
 CONFIG = CodecConfig(chunk_elems=4096, threads=2)
+
+
+@pytest.fixture(autouse=True)
+def run_key_env(monkeypatch):
+    """Transports default to the run's key: these tests run keyed, as a launched run does."""
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
 
 
 def trajectory(n: int, density: float = 0.02):
@@ -121,7 +128,7 @@ def test_a_stalled_receiver_is_dropped_within_the_back_pressure_bound():
     publisher = Publisher(server, anchor_every=1, config=CONFIG)  # anchors: big frames
     stalled = socket.create_connection(server.address)
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stalled.sendall(b'{"have": null}\n')  # then never reads
+    client_handshake(stalled, TEST_KEY)  # admitted, then never reads
     live: dict = {}
     healthy = Subscriber(TcpSource(*server.address), copy_into(live), CONFIG)
     got = threading.Thread(target=healthy.run_until, args=(3, 60))

@@ -20,7 +20,12 @@ Invariants:
   the rollout's weights unchanged; after ``max_refusals`` refusals it raises
   ``ModalDeltaSyncError`` naming the last refusal;
 - the frame server and the receivers' staged state live across syncs (``finalize`` keeps
-  them): that is what makes deltas possible; ``close()`` releases them.
+  them): that is what makes deltas possible; ``close()`` releases them;
+- everything is keyed by the run's key (``MODAL_RL_RUN_KEY``, which the launchers put in
+  every process of a run): the frame server admits only receivers that prove it (and proves
+  it back), every record carries a MAC checked before it is staged; a process without the
+  key fails with the fix (``MissingRunKeyError``). The traffic stays on the cluster's
+  private network, so it is not encrypted (see docs/weight-sync.md).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Invariants:
   accepted frame was checked against the sender's xxh3-128 of the new state.
 - A refused frame (any ``WeightSyncError``) leaves ``state``, ``version`` and ``checksums``
   exactly as they were.
+- With a key (the default: the run's key from the environment), only frames signed with
+  it are accepted, every record verified before use; ``key=None`` accepts only unsigned
+  frames.
 - With ``retain=True`` the chain keeps every frame from its ``keep_anchors``-th newest
   anchor on, so ``rebuild(v)`` reproduces any retained version v from its last anchor plus
   the deltas after it, and a peer that fell behind can be served from ``frames_since``.
@@ -16,6 +19,7 @@ import io
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.decode import ApplyResult, apply_frame, read_version_header
 from modal_rl.weightsync.errors import BaseMismatchError, StaleVersionError
@@ -29,17 +33,19 @@ def frame_bytes(frame: bytes | bytearray | memoryview | Iterable[bytes]) -> byte
     return b"".join(frame)
 
 
-def peek_header(frame: bytes) -> VersionHeader:
-    return read_version_header(read_records(io.BytesIO(frame)))
+def peek_header(frame: bytes, keys: FrameKeys | None) -> VersionHeader:
+    """The frame's version header, verified (``keys``: see ``frames.read_records``)."""
+    return read_version_header(read_records(io.BytesIO(frame), keys=keys))
 
 
 class VersionChain:
     def __init__(
-        self, config: CodecConfig | None = None, *, retain: bool = True, keep_anchors: int = 1
+        self, config: CodecConfig | None = None, *, retain: bool = True, keep_anchors: int = 1, key=FROM_ENV
     ) -> None:
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1")
         self.config = config or CodecConfig()
+        self.keys = frame_keys(key)
         self.retain = retain
         self.keep_anchors = keep_anchors
         self.state: dict[str, Any] = {}
@@ -50,7 +56,7 @@ class VersionChain:
     def apply(self, frame: bytes | Iterable[bytes] | BinaryIO) -> ApplyResult:
         """Accept the next frame (an anchor, or a delta whose base is the held version)."""
         data = frame.read() if hasattr(frame, "read") else frame_bytes(frame)
-        header = peek_header(data)
+        header = peek_header(data, self.keys)
         if self.version is not None and header.version <= self.version:
             raise StaleVersionError(
                 f"frame for version {header.version} is not newer than held {self.version}"
@@ -63,6 +69,7 @@ class VersionChain:
             held_version=self.version,
             held_checksums=self.checksums,
             config=self.config,
+            key=self.keys,
         )
         if result.state is not None:  # an anchor: swap in the freshly built tensors
             self.state = result.state
@@ -107,7 +114,7 @@ class VersionChain:
 
     def rebuild(self, version: int) -> dict[str, Any]:
         """Fresh tensors of a retained version: its last anchor, then the deltas after it."""
-        scratch = VersionChain(self.config, retain=False)
+        scratch = VersionChain(self.config, retain=False, key=self.keys)
         for _, data in self._path_to(version):
             scratch.apply(data)
         return scratch.state

@@ -5,9 +5,14 @@
     python -m modal_rl.weightsync apply --base A.safetensors --delta D --out C.safetensors
     python -m modal_rl.weightsync inspect D
 
-Any refusal (wrong base, mismatched shapes, truncated or corrupt frame) exits non-zero with
-one line on stderr, and no output file is left behind: outputs are written to a temporary
-file beside the target and renamed into place only after everything succeeded.
+Frames are signed (encode) and verified (apply, inspect, receive) with the run's key from
+``MODAL_RL_RUN_KEY``; ``--keyless`` reads and writes unsigned frames instead. The key is
+never taken from the command line (it would show in ``ps``).
+
+Any refusal (wrong base, mismatched shapes, truncated, corrupt or forged frame, wrong or
+missing key) exits non-zero with one line on stderr, and no output file is left behind:
+outputs are written to a temporary file beside the target and renamed into place only
+after everything succeeded.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from modal_rl.run_key import MissingRunKeyError
+from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys, sign_records, trailer_size
 from modal_rl.weightsync.chunks import CHUNK_HEADER, ENCODING_NAMES
 from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
 from modal_rl.weightsync.decode import apply_frame
@@ -30,7 +37,6 @@ from modal_rl.weightsync.dtypes import ITEMSIZE
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.frames import (
     RECORD_HEADER,
-    RECORD_TRAILER,
     TAG_CHUNK,
     TAG_GROUP,
     TAG_VERSION,
@@ -68,7 +74,21 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def keys_of(args: argparse.Namespace) -> FrameKeys | None:
+    """The run's frame keys from the environment, or None with ``--keyless``."""
+    return None if args.keyless else frame_keys(FROM_ENV)
+
+
+def add_key_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keyless",
+        action="store_true",
+        help="unsigned frames (default: sign/verify with the run key in MODAL_RL_RUN_KEY)",
+    )
+
+
 def cmd_encode(args: argparse.Namespace) -> int:
+    keys = keys_of(args)
     config = CodecConfig(chunk_elems=args.chunk_elems, threads=args.threads, zstd_level=args.level)
     new = load_safetensors(args.new)
     if args.base is None:
@@ -79,7 +99,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            for rec in records:
+            for rec in sign_records(records, keys):
                 f.write(rec)
 
     write_atomically(args.out, write)
@@ -90,16 +110,22 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
+    keys = keys_of(args)
     state = load_safetensors(args.base)
     if not args.delta.is_file():
         raise CliError(f"{args.delta}: no such file")
     data = args.delta.read_bytes()
-    header = _first_header(data)
+    header = _first_header(data, keys)
     # The base file carries no version; the base checksums in the delta decide whether it fits.
     held = {name: NumpyDiffer().checksum(NumpyDiffer().prepare(t)) for name, t in state.items()}
     config = CodecConfig(threads=args.threads)
     result = apply_frame(
-        state, io.BytesIO(data), held_version=header.base_version, held_checksums=held, config=config
+        state,
+        io.BytesIO(data),
+        held_version=header.base_version,
+        held_checksums=held,
+        config=config,
+        key=keys,
     )
     out_state = result.state if result.state is not None else state
     write_atomically(args.out, lambda tmp: save_file(out_state, str(tmp)))
@@ -107,20 +133,21 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_header(data: bytes) -> VersionHeader:
-    for tag, body in read_records(io.BytesIO(data)):
+def _first_header(data: bytes, keys: FrameKeys | None) -> VersionHeader:
+    for tag, body in read_records(io.BytesIO(data), keys=keys):
         if tag != TAG_VERSION:
             break
         return VersionHeader.from_body(body)
     raise CliError("not a weight-sync frame (no version header)")
 
 
-def inspect_frame(data: bytes) -> dict[str, Any]:
-    """Sizes and densities of a frame, read from its headers (no decoding). One row per
-    group: a large tensor is a group of its own; small neighbours share one."""
+def inspect_frame(data: bytes, keys: FrameKeys | None) -> dict[str, Any]:
+    """Sizes and densities of a frame, read from its headers (no decoding; every record
+    verified, see ``read_records``). One row per group: a large tensor is a group of its
+    own; small neighbours share one."""
     header, groups, current = None, [], None
-    overhead = RECORD_HEADER.size + RECORD_TRAILER.size
-    for tag, body in read_records(io.BytesIO(data)):
+    overhead = RECORD_HEADER.size + (trailer_size(data[:1]) if data else 0)
+    for tag, body in read_records(io.BytesIO(data), keys=keys):
         if tag == TAG_VERSION:
             header = VersionHeader.from_body(body)
         elif tag == TAG_GROUP:
@@ -161,7 +188,7 @@ def inspect_frame(data: bytes) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.frame.is_file():
         raise CliError(f"{args.frame}: no such file")
-    info = inspect_frame(args.frame.read_bytes())
+    info = inspect_frame(args.frame.read_bytes(), keys_of(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -193,16 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--chunk-elems", type=int, default=CodecConfig.chunk_elems)
     enc.add_argument("--threads", type=int, default=CodecConfig.threads)
     enc.add_argument("--level", type=int, default=CodecConfig.zstd_level, help="zstd level")
+    add_key_flag(enc)
     enc.set_defaults(fn=cmd_encode)
     app = sub.add_parser("apply", help="apply a frame onto a base; writes the verified result")
     app.add_argument("--base", type=Path, required=True)
     app.add_argument("--delta", type=Path, required=True)
     app.add_argument("--out", type=Path, required=True)
     app.add_argument("--threads", type=int, default=CodecConfig.threads)
+    add_key_flag(app)
     app.set_defaults(fn=cmd_apply)
     ins = sub.add_parser("inspect", help="density, bytes per tensor and ratio of a frame")
     ins.add_argument("frame", type=Path)
     ins.add_argument("--json", action="store_true")
+    add_key_flag(ins)
     ins.set_defaults(fn=cmd_inspect)
     from modal_rl.weightsync.receive import add_parser as add_receive
 
@@ -214,6 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (CliError, WeightSyncError, ValueError) as exc:
+    except (CliError, WeightSyncError, ValueError, MissingRunKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

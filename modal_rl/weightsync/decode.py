@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.chunks import FULL, decode_chunk
 from modal_rl.weightsync.codec import CodecConfig, shape_of
 from modal_rl.weightsync.differ import TorchDiffer, checksum_words
@@ -165,16 +166,19 @@ def apply_frame(
     held_version: int | None,
     held_checksums: dict[str, str] | None = None,
     config: CodecConfig | None = None,
+    key=FROM_ENV,
 ) -> ApplyResult:
     """Apply one frame read from ``stream``.
 
     A delta is applied in place onto ``state`` (which must be at ``held_version``); an
     anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
     not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta made
-    from other weights be refused up front, without hashing the held state.
+    from other weights be refused up front, without hashing the held state. ``key``: the
+    run key the frame must be signed with (default: ``MODAL_RL_RUN_KEY``), or ``None`` for
+    an unsigned frame; every record is verified before it is used.
     """
     config = config or CodecConfig()
-    records = read_records(stream)
+    records = read_records(stream, keys=frame_keys(key))
     header = read_version_header(records)
     is_anchor = header.kind == "anchor"
     if not is_anchor and header.base_version != held_version:

@@ -5,8 +5,15 @@ anchor goes out as a lossless delta), and for every version asks the engine over
 (``POST /collective_rpc``) to pull it from that server and load it. The engine dials the
 pusher, so the pusher's address must be reachable from the engine: ``127.0.0.1`` when both
 run on one machine; inside a Modal container, ``expose="modal"`` publishes the frame
-server's port through a ``modal.forward`` TCP tunnel, because an engine container of
-another app cannot reach the cluster's private addresses.
+server's port through a ``modal.forward`` tunnel, because an engine container of another
+app cannot reach the cluster's private addresses. That tunnel is public, so it is TLS
+(``modal.forward(port)``, ``unencrypted=False``): the engine dials ``tunnel.tls_socket`` with
+TLS and checks the tunnel's certificate; Modal's edge forwards plain TCP to the port.
+
+Everything is keyed by the run's key (default: ``MODAL_RL_RUN_KEY``): every HTTP call
+carries ``Authorization: Bearer <run key>`` (the engine's guard checks it), the pull request
+is signed (the engine refuses others), the frame server admits only a receiver that proves
+the key (and proves it back), and every record carries a MAC.
 
 Invariants:
 - ``push`` returns only after every engine worker reported the version loaded and the
@@ -31,6 +38,8 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from modal_rl.run_key import redact, run_key
+from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.transport_tcp import FrameServer
@@ -48,6 +57,7 @@ class EnginePusher:
         self,
         engine_url: str,
         *,
+        key=FROM_ENV,
         expose: str = "local",
         bind_host: str = "127.0.0.1",
         anchor_every: int = 16,
@@ -56,27 +66,40 @@ class EnginePusher:
     ) -> None:
         if expose not in EXPOSE:
             raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
+        if key is FROM_ENV:
+            key = run_key()
+        if key is None or frame_keys(key) is None:
+            raise ValueError(
+                "EnginePusher needs the run key: engines accept only signed pulls and keyed frames"
+            )
+        self._bearer = key
+        self.keys = frame_keys(key)
         self.engine_url = engine_url.rstrip("/")
         self.pull_timeout_s = pull_timeout_s
         self._stack = contextlib.ExitStack()
-        self._server = FrameServer("0.0.0.0" if expose == "modal" else bind_host, 0)
+        self._server = FrameServer("0.0.0.0" if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
         self.publisher = Publisher(self._server, anchor_every=anchor_every, config=config)
         port = int(self._server.address[1])
         if expose == "modal":
             import modal
 
-            tunnel = self._stack.enter_context(modal.forward(port, unencrypted=True))
-            self.address = tuple(tunnel.tcp_socket)
+            # TLS tunnel (contract: no weights on an unencrypted public tunnel).
+            tunnel = self._stack.enter_context(modal.forward(port))
+            self.address = tuple(tunnel.tls_socket)
+            self.tls = True
         else:
             self.address = (bind_host, port)
+            self.tls = False
 
     def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
         """Publish the next version and have the engine load it; returns the numbers."""
         t0 = time.perf_counter()
         report = self.publisher.publish(tensors)
         encode_s = time.perf_counter() - t0
-        body = pull_request(*self.address, report.version, timeout_s=self.pull_timeout_s)
+        body = pull_request(
+            *self.address, report.version, timeout_s=self.pull_timeout_s, key=self.keys, tls=self.tls
+        )
         t1 = time.perf_counter()
         answer = self._post("/collective_rpc", body, timeout=body["timeout"] + 30.0)
         try:
@@ -111,14 +134,14 @@ class EnginePusher:
         request = urllib.request.Request(
             self.engine_url + path,
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._bearer}"},
             method="POST",
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as resp:
                 text = resp.read().decode()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[-500:]
+            detail = redact(exc.read().decode(errors="replace")[-500:], self._bearer)
             raise EnginePushError(f"{self.engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
         except OSError as exc:
             raise EnginePushError(f"{self.engine_url}{path}: {exc}") from exc

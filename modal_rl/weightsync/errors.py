@@ -32,3 +32,31 @@ class StaleVersionError(BaseMismatchError):
 class VersionNotReachedError(WeightSyncError):
     """A receiver could not stage its target version in time, or refused it too often; its
     staged state and live weights stay at the version it held."""
+
+
+class AuthenticationError(WeightSyncError):
+    """A frame, record, peer or request could not be shown to come from this run (its key).
+    Raised before anything it carried was used."""
+
+
+class UnsignedFrameError(AuthenticationError):
+    """A receiver that holds the run's key was given a keyless (unsigned) frame."""
+
+
+class SignedFrameError(AuthenticationError):
+    """A keyless receiver (``key=None``) was given a frame signed with a run key."""
+
+
+class RecordMacError(AuthenticationError):
+    """A signed record's MAC does not match: altered (even with its checksum recomputed),
+    moved, spliced from another frame, or signed with another run's key."""
+
+
+class HandshakeError(AuthenticationError):
+    """The frame server and the receiver could not prove to each other that they hold the
+    same run key (or one of them is keyless); no frame byte was exchanged."""
+
+
+class PullRefusedError(AuthenticationError):
+    """An engine refused a weight-pull request that was not signed with the run's key (or
+    was altered, expired or replayed); it dialled nothing and its weights are unchanged."""

@@ -5,7 +5,9 @@ A frame is a sequence of records; every record is
     tag: 1 byte | body_len: u32 LE | body | xxh3_64(tag, body_len, body): u64 LE
 
 so a flipped bit or a cut anywhere is caught at the record it hits, before the record's
-contents are used. The records of one version, in order:
+contents are used. A frame signed with the run's key (``auth``) has lower-case tags and a
+32-byte MAC after the digest of every record; a reader given the key accepts only signed
+frames, a keyless reader only unsigned ones. The records of one version, in order:
 
 - ``V`` version header: ``b"MRLW"``, format version u16, then JSON (kind, version,
   base_version, digest of the base's tensor checksums, codec parameters);
@@ -29,6 +31,7 @@ from typing import Any, BinaryIO
 import xxhash
 import zstandard
 
+from modal_rl.weightsync.auth import FrameKeys, Verifier, trailer_size
 from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 from modal_rl.weightsync.errors import CorruptFrameError, TruncatedFrameError
 
@@ -38,6 +41,7 @@ RECORD_HEADER = struct.Struct("<cI")
 RECORD_TRAILER = struct.Struct("<Q")
 MAX_RECORD_BYTES = 1 << 31
 TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END = b"V", b"G", b"C", b"E"
+ALL_TAGS = (b"V", b"G", b"C", b"E", b"v", b"g", b"c", b"e")
 
 
 def record(tag: bytes, body: bytes | memoryview) -> bytes:
@@ -214,25 +218,34 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
-    """Yield ``(tag, body)`` for each record, verifying each record's checksum.
+def record_body(raw: bytes) -> bytes:
+    """The body of one whole record, signed or not (unverified: for transports)."""
+    return raw[RECORD_HEADER.size : len(raw) - trailer_size(raw[:1])]
 
-    Stops cleanly at end of stream between records; raises ``TruncatedFrameError`` when the
-    stream ends inside a record and ``CorruptFrameError`` when a checksum fails.
+
+def record_tag(raw: bytes) -> bytes:
+    """A record's tag in upper case (``V``, ``G``, ``C``, ``E``), signed or not."""
+    return raw[:1].upper()
+
+
+def read_records(stream: BinaryIO, *, keys: FrameKeys | None) -> Iterator[tuple[bytes, bytes]]:
+    """Yield ``(tag, body)`` for each record of one frame, each only after it is verified.
+
+    ``keys`` (``auth.frame_keys``): with keys, every record must be signed and its MAC
+    match; ``None`` (explicitly keyless): every record must be unsigned. Tags are yielded
+    in upper case either way. Stops cleanly at end of stream between records; raises
+    ``TruncatedFrameError`` when the stream ends inside a record, ``CorruptFrameError`` when
+    a checksum fails, and an ``AuthenticationError`` when a MAC or the signing mode does not.
     """
+    verifier = Verifier(keys)
     for tag, raw in split_records(stream):
-        body = raw[RECORD_HEADER.size : -RECORD_TRAILER.size]
-        (digest,) = RECORD_TRAILER.unpack_from(raw, len(raw) - RECORD_TRAILER.size)
-        h = xxhash.xxh3_64(raw[: RECORD_HEADER.size])
-        h.update(body)
-        if h.intdigest() != digest:
-            raise CorruptFrameError(f"checksum mismatch in a {tag.decode()} record")
-        yield tag, body
+        yield tag.upper(), bytes(verifier.check(raw))
 
 
 def split_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
     """Yield ``(tag, raw record bytes)`` without verifying digests: for transports that
-    only move records along (the receiver's ``VersionChain`` verifies everything)."""
+    only move records along (the receiver's ``VersionChain`` verifies everything). The tag
+    is as written: lower case for signed records."""
     while True:
         header = _read_exact(stream, RECORD_HEADER.size)
         if not header:
@@ -240,9 +253,9 @@ def split_records(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
         if len(header) < RECORD_HEADER.size:
             raise TruncatedFrameError("stream ends inside a record header")
         tag, length = RECORD_HEADER.unpack(header)
-        if tag not in (TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END) or length > MAX_RECORD_BYTES:
+        if tag not in ALL_TAGS or length > MAX_RECORD_BYTES:
             raise CorruptFrameError(f"bad record header (tag {tag!r}, length {length})")
-        rest = _read_exact(stream, length + RECORD_TRAILER.size)
-        if len(rest) < length + RECORD_TRAILER.size:
-            raise TruncatedFrameError(f"stream ends inside a {tag.decode()} record")
+        rest = _read_exact(stream, length + trailer_size(tag))
+        if len(rest) < length + trailer_size(tag):
+            raise TruncatedFrameError(f"stream ends inside a {tag.decode().upper()} record")
         yield tag, header + rest

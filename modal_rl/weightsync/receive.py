@@ -3,7 +3,9 @@
 It follows a publisher over TCP (``--tcp HOST:PORT``) or a store (``--store DIR``) until
 ``--until`` is live, optionally re-serving what it receives to others (``--relay-port``),
 prints one JSON line per activated version (timings), and writes the final live weights to
-``--out`` (safetensors). Used by the fault tests and the end-to-end benchmark as a real
+``--out`` (safetensors). Frames are verified with the run's key from ``MODAL_RL_RUN_KEY``
+(``--keyless``: unsigned frames, no handshake); a relay admits its receivers with the same
+key and forwards records unchanged. Used by the fault tests and the end-to-end benchmark as a real
 receiver process, and usable by maintainers to watch a run's weight stream.
 """
 
@@ -32,14 +34,19 @@ def add_parser(sub) -> None:
     rec.add_argument("--relay-port", type=int, help="re-serve received records on this port")
     rec.add_argument("--relay-gbps", type=float, help="rate limit of the relay's link")
     rec.add_argument("--threads", type=int, default=2)
+    from modal_rl.weightsync.cli import add_key_flag
+
+    add_key_flag(rec)
     rec.set_defaults(fn=cmd_receive)
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
     import torch
 
+    from modal_rl.weightsync.cli import keys_of
     from modal_rl.weightsync.transport import gbps
 
+    keys = keys_of(args)
     # One receiver is one engine's sync agent: keep torch's intra-op pool from spinning
     # on cores the engine (and, in tests, the other receivers) need.
     torch.set_num_threads(args.threads)
@@ -48,14 +55,16 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if args.store is not None:
         from modal_rl.weightsync.transport_store import DirectoryStore
 
-        source = DirectoryStore(args.store)
+        source = DirectoryStore(args.store, key=keys)
     else:
         from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
 
         host, _, port = args.tcp.rpartition(":")
         if args.relay_port is not None:
-            relay = FrameServer("127.0.0.1", args.relay_port, rate_bytes_per_s=gbps(args.relay_gbps))
-        source = TcpSource(host, int(port), on_record=relay.forward if relay else None)
+            relay = FrameServer(
+                "127.0.0.1", args.relay_port, key=keys, rate_bytes_per_s=gbps(args.relay_gbps)
+            )
+        source = TcpSource(host, int(port), key=keys, on_record=relay.forward if relay else None)
     live: dict = {}
     subscriber = Subscriber(source, copy_into(live), CodecConfig(threads=args.threads))
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)

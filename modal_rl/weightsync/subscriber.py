@@ -11,7 +11,10 @@ Invariants:
 - a refused frame (stale, out of order, wrong base, corrupt, truncated) changes neither the
   live weights nor the staging state; the subscriber records the error, drops the
   connection and asks again for what it lacks (catch-up from the last anchor if needed);
-- after a restart the subscriber starts empty and catches up from the last anchor.
+- after a restart the subscriber starts empty and catches up from the last anchor;
+- frames are verified with the source's key (``source.keys``: signed frames only, every
+  record's MAC checked before it is used; a source without ``keys`` means the run's key
+  from the environment); a source that fails its handshake counts as a refusal.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from modal_rl.weightsync.auth import FROM_ENV
 from modal_rl.weightsync.chain import VersionChain
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
+from modal_rl.weightsync.errors import AuthenticationError, VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.transport import FrameSource
 
 log = logging.getLogger(__name__)
@@ -58,13 +62,24 @@ class Subscriber:
     live_version: int | None = None
 
     def __post_init__(self) -> None:
-        self.chain = VersionChain(self.config, retain=False)
+        self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
+
+    def _refuse(self, exc: WeightSyncError) -> None:
+        self.refused.append(f"{type(exc).__name__}: {exc}")
+        log.warning("weight-sync frame refused: %s", exc)
+        reset = getattr(self.source, "reset", None)
+        if reset is not None:
+            reset()  # reconnect and ask for what we lack from our (unchanged) version
 
     def poll(self, timeout: float | None = None) -> SyncTiming | None:
         """Fetch, stage and activate at most one frame. None if nothing arrived in time or
-        the frame was refused (see ``refused``)."""
+        the frame (or the source's handshake) was refused (see ``refused``)."""
         t0 = time.monotonic()
-        frame = self.source.next_frame(self.chain.version, timeout)
+        try:
+            frame = self.source.next_frame(self.chain.version, timeout)
+        except AuthenticationError as exc:
+            self._refuse(exc)
+            return None
         if frame is None:
             return None
         fetch_s = getattr(self.source, "last_fetch_s", None) or time.monotonic() - t0
@@ -72,11 +87,7 @@ class Subscriber:
         try:
             result = self.chain.apply(frame)
         except WeightSyncError as exc:
-            self.refused.append(f"{type(exc).__name__}: {exc}")
-            log.warning("weight-sync frame refused: %s", exc)
-            reset = getattr(self.source, "reset", None)
-            if reset is not None:
-                reset()  # reconnect and ask for what we lack from our (unchanged) version
+            self._refuse(exc)
             return None
         decode_s = time.monotonic() - t1
         t2 = time.monotonic()
@@ -132,9 +143,16 @@ class Subscriber:
 
 
 def tcp_subscriber(
-    current: Subscriber | None, addr: tuple[str, int], target: int, config: CodecConfig
+    current: Subscriber | None,
+    addr: tuple[str, int],
+    target: int,
+    config: CodecConfig,
+    *,
+    key=FROM_ENV,
+    tls: bool = False,
 ) -> Subscriber:
-    """The subscriber that should stage ``target`` from the frame server at ``addr``.
+    """The subscriber that should stage ``target`` from the frame server at ``addr``
+    (``key``, ``tls``: see ``TcpSource``).
 
     ``current`` is kept while it follows that server and holds an older version (its staged
     state is the next delta's base). A moved server, or one that announces a version already
@@ -144,10 +162,11 @@ def tcp_subscriber(
 
     if current is not None:
         held = current.live_version
-        if current.source.addr == addr and (held is None or target > held):
+        same = current.source.addr == addr and getattr(current.source, "tls", False) == tls
+        if same and (held is None or target > held):
             return current
         current.source.close()
-    return Subscriber(TcpSource(*addr), lambda _state, _version: None, config=config)
+    return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
 
 
 def copy_into(live: dict[str, Any]) -> Activate:

@@ -12,7 +12,11 @@ Invariants:
   bytes that are not there;
 - readers ``reload()`` before looking, and follow ``latest``: deltas after their version
   if retained, else the newest anchor at or below ``latest`` and the deltas after it;
-- frames older than the ``keep_anchors``-th newest anchor are pruned after the pointer moves.
+- frames older than the ``keep_anchors``-th newest anchor are pruned after the pointer moves;
+- with a key (the default: the run's key from the environment) every frame is written
+  signed, and a ``Subscriber`` reading the store accepts only frames whose every record's
+  MAC matches that key — a file altered on the disk or volume, even with its checksums
+  recomputed, is refused; ``key=None`` is the explicit keyless mode.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from modal_rl.weightsync.auth import FROM_ENV, frame_keys, sign_records
 from modal_rl.weightsync.frames import VersionHeader
 
 POLL_S = 0.05
@@ -32,9 +37,10 @@ POLL_S = 0.05
 class DirectoryStore:
     """FrameSink and FrameSource over a directory (local disk, NFS, or a mounted volume)."""
 
-    def __init__(self, root: str | Path, *, keep_anchors: int = 1) -> None:
+    def __init__(self, root: str | Path, *, key=FROM_ENV, keep_anchors: int = 1) -> None:
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1")
+        self.keys = frame_keys(key)
         self.root = Path(root)
         self.frames_dir = self.root / "frames"
         self.frames_dir.mkdir(parents=True, exist_ok=True)
@@ -64,7 +70,8 @@ class DirectoryStore:
         return self.frames_dir / f"{version:012d}.{kind}"
 
     def send(self, header: VersionHeader, records: Iterable[bytes]) -> int:
-        size = self._write_atomic(self.frame_path(header.version, header.kind), records)
+        path = self.frame_path(header.version, header.kind)
+        size = self._write_atomic(path, sign_records(records, self.keys))
         self.after_write()  # the frame is durable before anything points at it
         anchor = header.version if header.kind == "anchor" else self.latest().get("anchor")
         pointer = {"version": header.version, "kind": header.kind, "anchor": anchor}
@@ -134,8 +141,8 @@ class ModalVolumeStore(DirectoryStore):
     that others must see, ``reload()`` before every look. ``volume`` is the
     ``modal.Volume`` object (e.g. ``modal.Volume.from_name(name)``) mounted at ``root``."""
 
-    def __init__(self, volume: Any, root: str | Path, *, keep_anchors: int = 1) -> None:
-        super().__init__(root, keep_anchors=keep_anchors)
+    def __init__(self, volume: Any, root: str | Path, *, key=FROM_ENV, keep_anchors: int = 1) -> None:
+        super().__init__(root, key=key, keep_anchors=keep_anchors)
         self.volume = volume
 
     def after_write(self) -> None:

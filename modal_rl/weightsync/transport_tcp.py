@@ -1,11 +1,22 @@
 """TCP transport: a frame server on the publisher, blocking clients on the receivers.
 
-Wire protocol: the receiver connects and sends one JSON line ``{"have": <version|null>}``;
-the server answers with the retained frames the receiver lacks (deltas after its version,
-or the last anchor and the deltas after it), then streams every frame published from then
-on. Records are self-delimiting (``frames``), so the stream needs no other framing.
+Wire protocol: the receiver connects and says which version it holds; with the run's key
+both sides first prove they hold it (a challenge-response with fresh nonces from both
+sides, ``auth``; the receiver checks the server's proof before it reads a frame byte, the
+server checks the receiver's before it sends one). The server then sends the retained
+frames the receiver lacks (deltas after its version, or the last anchor and the deltas
+after it), then streams every frame published from then on. Records are self-delimiting
+(``frames``), so the stream needs no other framing. A keyed server signs every record it
+publishes (the receiver's ``VersionChain`` checks the MACs); a relay forwards them as they
+are. ``key=None`` on both sides is the explicit keyless mode: no handshake, no MACs.
+
+``TcpSource(tls=True)`` dials a TLS endpoint (a Modal tunnel's ``tls_socket``, which
+terminates TLS and forwards plain TCP to the server's port) and verifies its certificate.
 
 Invariants of ``FrameServer``:
+- a receiver is admitted (added to the fan-out, sent retained frames) only after the
+  handshake succeeded; a refused one gets one ``{"error": ...}`` line, is disconnected, and
+  is logged on one line;
 - a receiver only ever gets whole frames, starting at a frame boundary;
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
@@ -21,23 +32,38 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl.weightsync.auth import (
+    FROM_ENV,
+    HANDSHAKE,
+    client_proof,
+    frame_keys,
+    new_nonce,
+    same_proof,
+    server_proof,
+    sign_records,
+)
 from modal_rl.weightsync.frames import (
-    RECORD_HEADER,
-    RECORD_TRAILER,
     TAG_END,
     TAG_VERSION,
     VersionHeader,
+    record_body,
 )
+from modal_rl.weightsync.tcp_source import TcpSource  # the receiver side, re-exported
 from modal_rl.weightsync.transport import TokenBucket
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_LINE = 4096
+
+
+class _Refused(Exception):
+    """A receiver failed admission; the message is sent to it and logged (one line)."""
 
 
 @dataclass
@@ -58,11 +84,15 @@ class FrameServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        key=FROM_ENV,
         rate_bytes_per_s: float | None = None,
         max_buffer_bytes: int = 64 << 20,
         slow_timeout_s: float = 5.0,
         keep_anchors: int = 1,
     ) -> None:
+        """``key``: the run key (default: ``MODAL_RL_RUN_KEY``; raises if unset), or ``None``
+        for an explicitly keyless server (loopback tests)."""
+        self.keys = frame_keys(key)
         self.limiter = TokenBucket(rate_bytes_per_s)
         self.max_buffer = max_buffer_bytes
         self.slow_timeout = slow_timeout_s
@@ -99,17 +129,52 @@ class FrameServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
         try:
-            hello = json.loads(await asyncio.wait_for(reader.readline(), 10))
-            have = hello.get("have")
-        except (TimeoutError, ValueError, AttributeError):
+            have = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+        except _Refused as exc:
+            log.warning("weight-sync receiver %s refused: %s", peer, exc)
+            try:
+                writer.write(json.dumps({"error": str(exc)}).encode() + b"\n")
+                await asyncio.wait_for(writer.drain(), 1.0)
+            except (TimeoutError, ConnectionError, OSError):
+                pass
             writer.close()
             return
-        conn = _Conn(writer, have if isinstance(have, int) else None, peer)
+        except (TimeoutError, ValueError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+            log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
+            writer.close()
+            return
+        conn = _Conn(writer, have, peer)
         conn.task = asyncio.ensure_future(self._write_loop(conn))
         if self.in_frame:
             self.pending.append(conn)  # joins at the next frame boundary
         else:
             self._admit(conn)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | None:
+        """The receiver's version once it is admitted; ``_Refused`` otherwise. Nothing of a
+        frame is written before this returns."""
+        line = await reader.readline()
+        hello = json.loads(line)
+        if not isinstance(hello, dict):
+            raise _Refused("the hello is not a JSON object")
+        have = hello.get("have")
+        have = have if isinstance(have, int) and not isinstance(have, bool) else None
+        if self.keys is None:
+            if "auth" in hello:
+                raise _Refused("this frame server is keyless (key=None); a receiver with a key refuses it")
+            return have
+        nonce = hello.get("nonce")
+        if hello.get("auth") != HANDSHAKE or not isinstance(nonce, str) or len(nonce) != 64:
+            raise _Refused("this frame server requires the run's key; the receiver offered none (keyless?)")
+        mine = new_nonce()
+        answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
+        writer.write(json.dumps(answer).encode() + b"\n")
+        await writer.drain()
+        reply = json.loads(await reader.readline())
+        got = reply.get("proof") if isinstance(reply, dict) else None
+        if not same_proof(client_proof(self.keys, nonce, mine, line), got):
+            raise _Refused("the receiver does not know this run's key")
+        return have
 
     def _admit(self, conn: _Conn) -> None:
         for frame in self.frames_since(conn.have):
@@ -194,11 +259,12 @@ class FrameServer:
         return [frame for _, frame in self.retained[anchors[-1] :]] if anchors else []
 
     def send(self, header: VersionHeader, records: Iterable[bytes]) -> int:
-        """FrameSink: broadcast records as they are produced; retain the frame for catch-up."""
+        """FrameSink: broadcast records as they are produced (signed with the server's key);
+        retain the frame for catch-up."""
         parts: list[bytes] = []
         self._call(self._begin())
         try:
-            for rec in records:
+            for rec in sign_records(records, self.keys):
                 parts.append(rec)
                 self._call(self._broadcast(rec))
         except BaseException:
@@ -210,10 +276,13 @@ class FrameServer:
         return len(frame)
 
     def forward(self, tag: bytes, raw: bytes) -> None:
-        """Relay: re-serve one record received from upstream (call in arrival order)."""
+        """Relay: re-serve one record received from upstream (call in arrival order). Records
+        go on exactly as received (signed ones keep their MACs: downstream receivers verify
+        them with the same run key); this server's key only admits the receivers."""
+        tag = tag.upper()
         if tag == TAG_VERSION:
             self._frame_parts = []
-            self._frame_header = VersionHeader.from_body(raw[RECORD_HEADER.size : -RECORD_TRAILER.size])
+            self._frame_header = VersionHeader.from_body(record_body(raw))
             self._call(self._begin())
         self._frame_parts.append(raw)
         self._call(self._broadcast(raw))
@@ -238,96 +307,4 @@ class FrameServer:
         self.loop.close()
 
 
-class TcpSource:
-    """Receiver side: a blocking client that reconnects (with its version) on any failure.
-
-    ``on_record(tag, raw)`` sees every record as it arrives — a relay forwards with it.
-    ``last_fetch_s`` is the time from a frame's first record to its last.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        connect_timeout_s: float = 10.0,
-        backoff_s: float = 0.1,
-        on_record=None,
-    ) -> None:
-        self.addr = (host, port)
-        self.connect_timeout = connect_timeout_s
-        self.backoff = backoff_s
-        self.on_record = on_record
-        self.sock: socket.socket | None = None
-        self.buf = bytearray()
-        self.parts: list[bytes] = []
-        self.frame_started = 0.0
-        self.last_fetch_s = 0.0
-        self.reconnects = 0
-
-    def _connect(self, have: int | None, deadline: float | None) -> bool:
-        while True:
-            try:
-                sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
-                sock.sendall(json.dumps({"have": have}).encode() + b"\n")
-                self.sock, self.buf, self.parts = sock, bytearray(), []
-                return True
-            except OSError:
-                if deadline is not None and time.monotonic() + self.backoff > deadline:
-                    return False
-                time.sleep(self.backoff)
-
-    def reset(self) -> None:
-        """Drop the connection; the next call reconnects and asks for what it lacks."""
-        if self.sock is not None:
-            self.sock.close()
-            self.reconnects += 1
-        self.sock = None
-
-    def _take_record(self) -> tuple[bytes, bytes] | None:
-        if len(self.buf) < RECORD_HEADER.size:
-            return None
-        tag, length = RECORD_HEADER.unpack_from(self.buf)
-        total = RECORD_HEADER.size + length + RECORD_TRAILER.size
-        if len(self.buf) < total:
-            return None
-        raw = bytes(self.buf[:total])
-        del self.buf[:total]
-        return tag, raw
-
-    def next_frame(self, have_version: int | None, timeout: float | None = None) -> bytes | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self.sock is None and not self._connect(have_version, deadline):
-                return None
-            taken = self._take_record()
-            if taken is not None:
-                tag, raw = taken
-                if self.on_record is not None:
-                    self.on_record(tag, raw)
-                if tag == TAG_VERSION:
-                    self.parts, self.frame_started = [], time.monotonic()
-                self.parts.append(raw)
-                if tag == TAG_END:
-                    frame, self.parts = b"".join(self.parts), []
-                    self.last_fetch_s = time.monotonic() - self.frame_started
-                    return frame
-                continue
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self.sock.settimeout(remaining)
-            try:
-                data = self.sock.recv(1 << 20)
-            except TimeoutError:
-                return None
-            except OSError:
-                data = b""
-            if not data:  # publisher gone or dropped us: reconnect and resume
-                self.reset()
-                time.sleep(self.backoff)
-                continue
-            self.buf += data
-
-    def close(self) -> None:
-        self.reset()
+__all__ = ["FrameServer", "TcpSource"]

@@ -1,19 +1,29 @@
 """Delta weight sync into a running vLLM server: a worker extension that pulls versions.
 
 Start the server with ``--worker-extension-cls`` set to :data:`EXTENSION` and
-``VLLM_SERVER_DEV_MODE=1``, then ask it to load a version with vLLM's own
-``POST /collective_rpc``::
+``VLLM_SERVER_DEV_MODE=1`` (and the run's key in ``MODAL_RL_RUN_KEY``), then ask it to load
+a version with vLLM's own ``POST /collective_rpc``::
 
-    {"method": "modal_rl_pull_weights", "args": ["{\"host\": H, \"port\": P, \"version\": N}"]}
+    {"method": "modal_rl_pull_weights", "args": [REQUEST, SIGNATURE]}
 
-(vLLM passes only string arguments to ``collective_rpc``, hence one JSON string; optional
-keys ``timeout_s`` and ``max_refusals``). Every worker process of the engine (one per
-tensor/pipeline-parallel rank) runs the call: it connects to the frame server at H:P
-(``modal_rl.weightsync.transport_tcp``), stages and verifies version N, and loads the whole
-model from it. :func:`pull_request` builds the request and :func:`pull_results` reads the
-answer, for the side that pushes.
+REQUEST is a JSON string (vLLM passes only string arguments to ``collective_rpc``):
+``host``, ``port``, ``tls``, ``version``, ``timeout_s``, ``max_refusals``, ``issued`` (unix
+time) and a random ``nonce``; SIGNATURE is the hex HMAC-SHA256 of REQUEST's bytes under the
+run key's ``weightsync-pull`` key (``auth.FrameKeys.pull``). Every worker process of the engine
+(one per tensor/pipeline-parallel rank) runs the call: it verifies the signature, connects
+to the frame server at host:port (``modal_rl.weightsync.transport_tcp``, TLS if asked; the
+handshake proves the server holds the run key too), stages and verifies version N, and
+loads the whole model from it. :func:`pull_request` builds the request and
+:func:`pull_results` reads the answer, for the side that pushes.
 
 Invariants:
+- a request is acted on only if its signature matches (constant-time), it was issued
+  within ``PULL_MAX_AGE_S`` of the engine's clock and its nonce was not seen before; an
+  unsigned, altered (another host, port, version ...), stale or replayed request raises
+  ``PullRefusedError`` before anything is dialled, and the weights stay as they were. So
+  whoever can reach ``/collective_rpc`` without the run key cannot point the engine at a
+  frame server of their own; and a signed request naming a server without the key still
+  fails at that server's handshake;
 - each worker keeps one ``Subscriber`` across calls; its staged state is the next delta's
   base, so after the first anchor only deltas cross the wire;
 - the model is touched only after version N is staged with every tensor matching the
@@ -27,24 +37,76 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from typing import Any
 
+from modal_rl.run_key import MissingRunKeyError
+from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys, new_nonce
 from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.errors import PullRefusedError
 from modal_rl.weightsync.subscriber import tcp_subscriber
 
 EXTENSION = "modal_rl.weightsync.vllm_extension.DeltaWeightsExtension"
 METHOD = "modal_rl_pull_weights"
 LOG_PREFIX = "[modal_rl.weightsync] vllm loaded"
+PULL_MAX_AGE_S = 300.0  # a request older (or issued further ahead, clock skew) is refused
 
 
-def pull_request(host: str, port: int, version: int, timeout_s: float = 600.0, max_refusals: int = 2) -> dict:
-    """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``."""
-    args = {"host": host, "port": int(port), "version": int(version), "timeout_s": float(timeout_s),
-            "max_refusals": int(max_refusals)}  # fmt: skip
+def _signature(keys: FrameKeys, request: str) -> str:
+    return hmac.new(keys.pull, request.encode(), hashlib.sha256).hexdigest()
+
+
+def pull_request(
+    host: str,
+    port: int,
+    version: int,
+    timeout_s: float = 600.0,
+    max_refusals: int = 2,
+    *,
+    key=FROM_ENV,
+    tls: bool = False,
+) -> dict:
+    """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``,
+    signed with ``key`` (default: the run's key from ``MODAL_RL_RUN_KEY``)."""
+    keys = frame_keys(key)
+    if keys is None:
+        raise ValueError("a weight pull must be signed with the run key: engines refuse unsigned pulls")
+    args = {"host": host, "port": int(port), "tls": bool(tls), "version": int(version),
+            "timeout_s": float(timeout_s), "max_refusals": int(max_refusals), "issued": time.time(),
+            "nonce": new_nonce()}  # fmt: skip
+    request = json.dumps(args, sort_keys=True)
     # vLLM's own wait is bounded too: give it the pull's bound plus the load.
-    return {"method": METHOD, "args": [json.dumps(args)], "timeout": float(timeout_s) + 300.0}
+    return {
+        "method": METHOD,
+        "args": [request, _signature(keys, request)],
+        "timeout": float(timeout_s) + 300.0,
+    }
+
+
+def verify_pull(request: Any, signature: Any, keys: FrameKeys, seen: dict[str, float], now: float) -> dict:
+    """The request's fields, once its signature, age and nonce check out; ``seen`` (nonce →
+    issue time) remembers accepted nonces for ``PULL_MAX_AGE_S``. Raises ``PullRefusedError``."""
+    if not isinstance(request, str) or not isinstance(signature, str) or not signature:
+        raise PullRefusedError("weight pull refused: the request is not signed with the run's key")
+    if not hmac.compare_digest(_signature(keys, request).encode(), signature.encode()):
+        raise PullRefusedError(
+            "weight pull refused: bad signature (altered, or signed with another run's key)"
+        )
+    req = json.loads(request)
+    issued = float(req["issued"])
+    if abs(now - issued) > PULL_MAX_AGE_S:
+        raise PullRefusedError(
+            f"weight pull refused: issued {now - issued:.0f}s from this engine's clock (limit {PULL_MAX_AGE_S:.0f}s)"
+        )
+    for nonce in [n for n, t in seen.items() if abs(now - t) > PULL_MAX_AGE_S]:
+        del seen[nonce]
+    if req["nonce"] in seen:
+        raise PullRefusedError("weight pull refused: this request was already used (replay)")
+    seen[req["nonce"]] = issued
+    return req
 
 
 def pull_results(answer: Any, version: int) -> list[dict]:
@@ -61,13 +123,18 @@ def pull_results(answer: Any, version: int) -> list[dict]:
 class DeltaWeightsExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); see the module docstring."""
 
-    def modal_rl_pull_weights(self, request: str) -> dict:
-        req = json.loads(request)
+    def modal_rl_pull_weights(self, request: str = "", signature: str = "") -> dict:
+        keys = self._modal_rl_keys()
+        seen = getattr(self, "_modal_rl_nonces", None)
+        if seen is None:
+            seen = self._modal_rl_nonces = {}
+        req = verify_pull(request, signature, keys, seen, time.time())  # before anything is dialled
         target = int(req["version"])
         addr = (str(req["host"]), int(req["port"]))
         config = getattr(self, "_modal_rl_codec", None) or CodecConfig()
         self._modal_rl_codec = config
-        sub = tcp_subscriber(getattr(self, "_modal_rl_subscriber", None), addr, target, config)
+        current = getattr(self, "_modal_rl_subscriber", None)
+        sub = tcp_subscriber(current, addr, target, config, key=keys, tls=bool(req["tls"]))
         self._modal_rl_subscriber = sub
         refused_before = len(sub.refused)
         timings = sub.stage_until(target, float(req.get("timeout_s", 600.0)), int(req.get("max_refusals", 2)))
@@ -85,6 +152,15 @@ class DeltaWeightsExtension:
             "load_s": load_s,
             "refused": len(sub.refused) - refused_before,
         }
+
+    def _modal_rl_keys(self) -> FrameKeys:
+        keys = getattr(self, "_modal_rl_frame_keys", None)
+        if keys is None:
+            try:
+                keys = self._modal_rl_frame_keys = frame_keys(FROM_ENV)
+            except MissingRunKeyError as exc:
+                raise PullRefusedError(f"weight pull refused: this engine has no run key ({exc})") from None
+        return keys
 
     def _modal_rl_load(self, state: dict) -> None:
         import torch

@@ -1,0 +1,256 @@
+"""Authenticated weight frames: the keys, record MACs, and the frame-server handshake.
+
+Everything here is keyed by the run's secret (``modal_rl.run_key``) through keys derived
+per purpose (``derive``), so the frame MAC key, the handshake key and the pull-request key
+are three different keys, and none of them is the run key itself (which is also the
+engines' bearer token).
+
+Record MACs (format: ``docs/weight-sync-format.md``, "Signed frames"). A signed record is
+
+    tag (lower case) | body_len u32 | body | xxh3_64(tag, body_len, body) | mac (32 bytes)
+
+with ``mac_i = HMAC-SHA256(K_mac, "MRLW-mac1" | u32 i | mac_{i-1} | tag | body_len | body)``,
+``i`` the record's index in its frame and ``mac_{-1}`` 32 zero bytes. Chaining each MAC to
+the previous one binds a record to its exact frame (and, through record 0, the version
+header, to the frame's kind, version and base); the key binds it to the run. So a record
+cannot be moved, dropped, duplicated or spliced in from another frame or run.
+
+Invariants:
+- keyless mode is only ever chosen by a caller (``key=None``); an omitted key means the
+  run's key from the environment (``FROM_ENV``), which raises when it is not set;
+- a ``Verifier`` returns a record's body only after its checksum and its MAC matched;
+  all comparisons of MACs and proofs are constant-time;
+- derived keys never appear in ``repr``, logs or error messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+
+import xxhash
+
+from modal_rl.run_key import derive, run_key
+from modal_rl.weightsync.errors import (
+    CorruptFrameError,
+    HandshakeError,
+    RecordMacError,
+    SignedFrameError,
+    UnsignedFrameError,
+)
+
+MAC_SIZE = 32
+MAC_DOMAIN = b"MRLW-mac1"
+HANDSHAKE = "hmac-sha256-v1"
+_ZERO_MAC = bytes(MAC_SIZE)
+_INDEX = struct.Struct("<I")
+_HEADER = struct.Struct("<cI")  # = frames.RECORD_HEADER (not imported: frames imports us)
+_XXH = struct.Struct("<Q")
+UNSIGNED_TAGS = frozenset(b"VGCE")
+SIGNED_TAGS = frozenset(b"vgce")
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV = _FromEnv()  # the default of every ``key`` parameter: the run's key from the environment
+
+
+class FrameKeys:
+    """Keys derived from the run key for weight sync; the run key itself is not kept."""
+
+    __slots__ = ("mac", "handshake", "pull")
+
+    def __init__(self, key: str) -> None:
+        self.mac = derive(key, "weightsync-frame-mac")
+        self.handshake = derive(key, "weightsync-handshake")
+        self.pull = derive(key, "weightsync-pull")
+
+    def __repr__(self) -> str:
+        return "FrameKeys(<redacted>)"
+
+
+def frame_keys(key) -> FrameKeys | None:
+    """Resolve a ``key`` argument: ``FROM_ENV`` (the default) → the run's key from the
+    environment; ``None`` → keyless; the run key text; or ``FrameKeys`` already derived."""
+    if key is FROM_ENV:
+        key = run_key()
+    if key is None or isinstance(key, FrameKeys):
+        return key
+    if not isinstance(key, str) or not key:
+        raise ValueError("key must be the run key (text), or None for an explicitly keyless setup")
+    return FrameKeys(key)
+
+
+def is_signed_tag(tag: bytes) -> bool:
+    return tag[0] in SIGNED_TAGS
+
+
+def trailer_size(tag: bytes) -> int:
+    """Bytes after a record's body: the xxh3 digest, and the MAC for a signed record."""
+    return _XXH.size + (MAC_SIZE if tag[0] in SIGNED_TAGS else 0)
+
+
+def _mac(keys: FrameKeys, index: int, prev: bytes, header: bytes, body) -> bytes:
+    h = hmac.new(keys.mac, digestmod=hashlib.sha256)
+    h.update(MAC_DOMAIN + _INDEX.pack(index) + prev + header)
+    h.update(body)  # hashlib drops the GIL for large buffers
+    return h.digest()
+
+
+class Signer:
+    """Turns one frame's unsigned records (as the codec writes them) into signed records.
+
+    One ``Signer`` per frame: records must be given in frame order, starting with the
+    version header."""
+
+    def __init__(self, keys: FrameKeys) -> None:
+        self.keys = keys
+        self.index = 0
+        self.prev = _ZERO_MAC
+
+    def sign(self, raw: bytes) -> bytes:
+        tag = raw[:1]
+        if not tag or tag[0] not in UNSIGNED_TAGS:
+            raise ValueError(f"not an unsigned weight-sync record (tag {tag!r})")
+        view = memoryview(raw)
+        body = view[_HEADER.size : len(raw) - _XXH.size]
+        header = _HEADER.pack(tag.lower(), len(body))
+        digest = xxhash.xxh3_64(header)
+        digest.update(body)
+        mac = _mac(self.keys, self.index, self.prev, header, body)
+        self.index += 1
+        self.prev = mac
+        return b"".join((header, body, _XXH.pack(digest.intdigest()), mac))
+
+
+def sign_records(records, keys: FrameKeys | None):
+    """Sign one frame's records in order (``keys=None``: pass them through, keyless)."""
+    if keys is None:
+        yield from records
+        return
+    signer = Signer(keys)
+    for rec in records:
+        yield signer.sign(rec)
+
+
+class Verifier:
+    """Checks one frame's records in order: checksum first (accidents), then the MAC
+    (forgery, splicing, another run's key). Keyless verifiers accept only unsigned records;
+    keyed ones only signed records."""
+
+    def __init__(self, keys: FrameKeys | None) -> None:
+        self.keys = keys
+        self.index = 0
+        self.prev = _ZERO_MAC
+
+    def check(self, raw: bytes) -> memoryview:
+        """The body of ``raw`` (a whole record), once it is verified."""
+        tag = raw[:1]
+        signed = tag[0] in SIGNED_TAGS
+        name = tag.decode().upper()
+        if signed and self.keys is None:
+            raise SignedFrameError(
+                f"the {name} record is signed with a run key, but this receiver is keyless (key=None); "
+                "give the receiver the run's key (MODAL_RL_RUN_KEY)"
+            )
+        if not signed and self.keys is not None:
+            raise UnsignedFrameError(
+                f"the {name} record is not signed; this receiver accepts only frames signed with the "
+                "run's key (is the publisher keyless? give it the run's key)"
+            )
+        view = memoryview(raw)
+        end = len(raw) - trailer_size(tag)
+        header, body = view[: _HEADER.size], view[_HEADER.size : end]
+        (digest,) = _XXH.unpack_from(raw, end)
+        h = xxhash.xxh3_64(header)
+        h.update(body)
+        if h.intdigest() != digest:
+            raise CorruptFrameError(f"checksum mismatch in a {name} record")
+        if signed:
+            mac = _mac(self.keys, self.index, self.prev, bytes(header), body)
+            if not hmac.compare_digest(mac, view[end + _XXH.size :]):
+                raise RecordMacError(
+                    f"record {self.index} ({name}) fails its MAC: altered, out of place, or signed "
+                    "with another run's key"
+                )
+            self.prev = mac
+        self.index += 1
+        return body
+
+
+# -- frame-server handshake -----------------------------------------------------------
+# C→S  {"have": N, "auth": HANDSHAKE, "nonce": cn}            (keyless: {"have": N})
+# S→C  {"auth": HANDSHAKE, "nonce": sn, "proof": P_s}         P_s = HMAC(K_hs, "server" | cn | sn)
+# C→S  {"proof": P_c}                                         P_c = HMAC(K_hs, "client" | cn | sn | hello)
+# The server sends no frame byte before P_c matched; the client reads none before P_s did.
+# Refusals are one line {"error": "..."} and a closed connection.
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(32)
+
+
+def _proof(keys: FrameKeys, role: bytes, *parts: bytes) -> str:
+    h = hmac.new(keys.handshake, role + b"\0", hashlib.sha256)
+    for part in parts:
+        h.update(_INDEX.pack(len(part)) + part)
+    return h.hexdigest()
+
+
+def server_proof(keys: FrameKeys, client_nonce: str, server_nonce: str) -> str:
+    return _proof(keys, b"server", client_nonce.encode(), server_nonce.encode())
+
+
+def client_proof(keys: FrameKeys, client_nonce: str, server_nonce: str, hello: bytes) -> str:
+    return _proof(keys, b"client", client_nonce.encode(), server_nonce.encode(), hello)
+
+
+def same_proof(expected: str, got) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
+
+
+def hello_line(have: int | None, keys: FrameKeys | None) -> tuple[bytes, str | None]:
+    """The receiver's first line, and its nonce (None when keyless)."""
+    if keys is None:
+        return json.dumps({"have": have}).encode() + b"\n", None
+    nonce = new_nonce()
+    return json.dumps({"have": have, "auth": HANDSHAKE, "nonce": nonce}).encode() + b"\n", nonce
+
+
+def _line_json(line: bytes):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def refusal(line: bytes, where: str) -> str:
+    """The message for a server's ``{"error": ...}`` line (or for a line that is none)."""
+    answer = _line_json(line)
+    if isinstance(answer, dict) and "error" in answer:
+        return f"frame server at {where} refused this receiver: {str(answer['error'])[:200]}"
+    return f"frame server at {where} sent an unexpected line instead of a frame"
+
+
+def check_server_hello(line: bytes, keys: FrameKeys, client_nonce: str, where: str) -> str:
+    """The server's answer to a keyed hello; returns the server's nonce, or raises."""
+    answer = _line_json(line)
+    if not isinstance(answer, dict):
+        raise HandshakeError(f"frame server at {where} did not answer the key handshake")
+    if "error" in answer:
+        raise HandshakeError(refusal(line, where))
+    nonce = answer.get("nonce")
+    if answer.get("auth") != HANDSHAKE or not isinstance(nonce, str) or len(nonce) != 64:
+        raise HandshakeError(f"frame server at {where} does not speak the {HANDSHAKE} handshake")
+    if not same_proof(server_proof(keys, client_nonce, nonce), answer.get("proof")):
+        raise HandshakeError(
+            f"frame server at {where} does not know this run's key (it may belong to another run); "
+            "refusing its frames"
+        )
+    return nonce

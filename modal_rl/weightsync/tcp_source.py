@@ -1,0 +1,195 @@
+"""TCP transport, receiver side: ``TcpSource`` (the server side and the wire protocol are
+described in ``transport_tcp``, which re-exports this class).
+
+Invariants:
+- with a key, no record byte is read before the server proved it holds the run key (the
+  handshake); a server that fails it, refuses us, or presents a TLS certificate that does
+  not verify raises ``HandshakeError`` (after a short backoff, so a retrying caller does not
+  hammer it); connection failures are retried until the caller's deadline;
+- records are taken whole and passed on unverified (the ``Subscriber``'s chain verifies them
+  with ``keys``); a frame is returned only once its end record arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import time
+
+from modal_rl.weightsync.auth import (
+    FROM_ENV,
+    check_server_hello,
+    client_proof,
+    frame_keys,
+    hello_line,
+    refusal,
+    trailer_size,
+)
+from modal_rl.weightsync.errors import HandshakeError
+from modal_rl.weightsync.frames import RECORD_HEADER, TAG_END, TAG_VERSION
+
+MAX_LINE = 4096
+
+
+class TcpSource:
+    """Receiver side: a blocking client that reconnects (with its version) on any failure.
+
+    ``key``: the run key (default: ``MODAL_RL_RUN_KEY``), or ``None`` for a keyless server.
+    With a key, every connection starts with the mutual handshake, and the ``Subscriber``
+    built on this source accepts only frames signed with that key (``keys``).
+    ``tls=True`` speaks TLS to the endpoint (certificate checked against the system's CAs,
+    or ``cafile``; host name ``server_hostname``, default ``host``).
+    ``on_record(tag, raw)`` sees every record as it arrives — a relay forwards with it.
+    ``last_fetch_s`` is the time from a frame's first record to its last.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        key=FROM_ENV,
+        tls: bool = False,
+        cafile: str | None = None,
+        server_hostname: str | None = None,
+        connect_timeout_s: float = 10.0,
+        backoff_s: float = 0.1,
+        on_record=None,
+    ) -> None:
+        self.keys = frame_keys(key)
+        self.addr = (host, port)
+        self.tls = tls
+        self._ssl = ssl.create_default_context(cafile=cafile) if tls else None
+        self.server_hostname = server_hostname or host
+        self.connect_timeout = connect_timeout_s
+        self.backoff = backoff_s
+        self.on_record = on_record
+        self.sock: socket.socket | None = None
+        self.buf = bytearray()
+        self.parts: list[bytes] = []
+        self.frame_started = 0.0
+        self.last_fetch_s = 0.0
+        self.reconnects = 0
+
+    @property
+    def where(self) -> str:
+        return f"{self.addr[0]}:{self.addr[1]}{' (TLS)' if self.tls else ''}"
+
+    def _connect(self, have: int | None, deadline: float | None) -> bool:
+        """Connect and pass the handshake; False when the deadline passed first. A server
+        that fails the handshake (or a TLS certificate check) raises ``HandshakeError``."""
+        while True:
+            sock = None
+            try:
+                sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
+                if self._ssl is not None:
+                    sock = self._ssl.wrap_socket(sock, server_hostname=self.server_hostname)
+                self.sock, self.buf, self.parts = sock, bytearray(), []
+                self._handshake(have)
+                return True
+            except ssl.SSLCertVerificationError as exc:
+                self._fail(sock, refused=True)
+                raise HandshakeError(
+                    f"TLS certificate of {self.where} failed verification: {exc.verify_message}"
+                ) from None
+            except HandshakeError:
+                self._fail(sock, refused=True)
+                raise
+            except OSError:
+                self._fail(sock)
+                if deadline is not None and time.monotonic() + self.backoff > deadline:
+                    return False
+                time.sleep(self.backoff)
+
+    def _fail(self, sock: socket.socket | None, refused: bool = False) -> None:
+        if sock is not None:
+            sock.close()
+        self.sock = None
+        if refused:
+            time.sleep(self.backoff)  # a receiver that retries does not hammer a refusing server
+
+    def _handshake(self, have: int | None) -> None:
+        line, nonce = hello_line(have, self.keys)
+        self.sock.sendall(line)
+        if self.keys is None:
+            return  # keyless: records follow (or the server's refusal line)
+        server_nonce = check_server_hello(self._read_line(), self.keys, nonce, self.where)
+        proof = client_proof(self.keys, nonce, server_nonce, line)
+        self.sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
+
+    def _read_line(self) -> bytes:
+        self.sock.settimeout(self.connect_timeout)
+        while b"\n" not in self.buf:
+            if len(self.buf) > MAX_LINE:
+                raise HandshakeError(f"{self.where} is not a weight-sync frame server (no handshake line)")
+            data = self.sock.recv(MAX_LINE)
+            if not data:
+                raise ConnectionResetError("closed during the handshake")
+            self.buf += data
+        end = self.buf.index(b"\n") + 1
+        line = bytes(self.buf[:end])
+        del self.buf[:end]
+        return line
+
+    def reset(self) -> None:
+        """Drop the connection; the next call reconnects and asks for what it lacks."""
+        if self.sock is not None:
+            self.sock.close()
+            self.reconnects += 1
+        self.sock = None
+
+    def _take_record(self) -> tuple[bytes, bytes] | None:
+        if self.buf[:1] == b"{":  # a keyless receiver refused by a keyed server: one JSON line
+            if b"\n" not in self.buf:
+                return None
+            line = bytes(self.buf[: self.buf.index(b"\n") + 1])
+            self.reset()
+            time.sleep(self.backoff)  # a receiver that retries does not hammer a refusing server
+            raise HandshakeError(refusal(line, self.where))
+        if len(self.buf) < RECORD_HEADER.size:
+            return None
+        tag, length = RECORD_HEADER.unpack_from(self.buf)
+        total = RECORD_HEADER.size + length + trailer_size(tag)
+        if len(self.buf) < total:
+            return None
+        raw = bytes(self.buf[:total])
+        del self.buf[:total]
+        return tag, raw
+
+    def next_frame(self, have_version: int | None, timeout: float | None = None) -> bytes | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.sock is None and not self._connect(have_version, deadline):
+                return None
+            taken = self._take_record()
+            if taken is not None:
+                tag, raw = taken
+                if self.on_record is not None:
+                    self.on_record(tag, raw)
+                if tag.upper() == TAG_VERSION:
+                    self.parts, self.frame_started = [], time.monotonic()
+                self.parts.append(raw)
+                if tag.upper() == TAG_END:
+                    frame, self.parts = b"".join(self.parts), []
+                    self.last_fetch_s = time.monotonic() - self.frame_started
+                    return frame
+                continue
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self.sock.settimeout(remaining)
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                return None
+            except OSError:
+                data = b""
+            if not data:  # publisher gone or dropped us: reconnect and resume
+                self.reset()
+                time.sleep(self.backoff)
+                continue
+            self.buf += data
+
+    def close(self) -> None:
+        self.reset()
