@@ -6,6 +6,9 @@ call, records every request it gets to ``DIR/<port>.jsonl`` (so tests can check 
 the server), and, for ``/v1/completions``, echoes the prompt's token ids plus one as the output.
 ``crash-first``: the first process to start (an O_EXCL flag file in DIR) exits 3 at start.
 ``--setsid-child`` forks a ``sleep`` into its own session, to test that teardown finds it.
+``--require-key``: as our keyed engines, the key comes from ``MODAL_RL_RUN_KEY`` (exit 2 without
+it) and every request but ``GET /health`` needs ``Authorization: Bearer <key>`` (else 401,
+recorded as refused). At start it prints whether the run key is in its environment.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     ap.add_argument("--mode", default="ok")
     ap.add_argument("--state", default=None)
     ap.add_argument("--setsid-child", action="store_true")
+    ap.add_argument("--require-key", action="store_true")
     # SGLang's own flags, reported back by /server_info as SGLang does.
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--tp-size", type=int, default=1)
@@ -40,6 +44,11 @@ def main() -> None:
         "unknown_args": unknown,
     }
     print(f"fake engine starting on {args.host}:{args.port} mode={args.mode}", flush=True)
+    key = os.environ.get("MODAL_RL_RUN_KEY")
+    print(f"run key in env: {'yes' if key else 'no'}", flush=True)
+    if args.require_key and not key:
+        print("fake engine: no MODAL_RL_RUN_KEY", flush=True)
+        sys.exit(2)
     if args.setsid_child:
         subprocess.Popen(["setsid", "sleep", "600"])
     if args.mode == "crash" or (args.mode == "crash-first" and _first(args.state)):
@@ -51,10 +60,20 @@ def main() -> None:
     record = os.path.join(args.state, f"{args.port}.jsonl") if args.state else None
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def _log(self, body):
+        def _log(self, body, refused=False):
             if record:
+                entry = {"method": self.command, "path": self.path, "body": body, "refused": refused}
                 with open(record, "a") as f:
-                    f.write(json.dumps({"method": self.command, "path": self.path, "body": body}) + "\n")
+                    f.write(json.dumps(entry) + "\n")
+
+        def _refused(self) -> bool:
+            if not args.require_key or (self.command == "GET" and self.path == "/health"):
+                return False
+            if self.headers.get_all("Authorization") == [f"Bearer {key}"]:
+                return False
+            self._log(None, refused=True)
+            self._reply({"error": "unauthorized"}, 401)
+            return True
 
         def _reply(self, payload, code=200):
             data = json.dumps(payload).encode()
@@ -65,6 +84,8 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self):  # noqa: N802 - http.server's name
+            if self._refused():
+                return
             self._log(None)
             if self.path in ("/health", "/health_generate"):
                 return self._reply({})
@@ -73,6 +94,8 @@ def main() -> None:
             return self._reply({"error": "not found"}, 404)
 
         def do_POST(self):  # noqa: N802
+            if self._refused():
+                return
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"null")
             self._log(body)

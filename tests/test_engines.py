@@ -12,8 +12,18 @@ import pytest
 from modal_rl.cluster import procs
 from modal_rl.cluster.engines import EngineSpec, EngineStartError, LocalEnginePool, probe, running
 from modal_rl.cluster.spec import ClusterSpecError
+from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, new_run_key
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
+
+
+@pytest.fixture(autouse=True)
+def key(monkeypatch) -> str:
+    """As a launcher leaves it: the run key in this process's environment."""
+    value = new_run_key()
+    monkeypatch.setenv(RUN_KEY_ENV, value)
+    monkeypatch.setenv(RAY_TOKEN_ENV, value)
+    return value
 
 
 def fake_spec(tmp_path, count=2, mode="ok", extra=(), **kw) -> EngineSpec:
@@ -82,6 +92,9 @@ def test_keyboard_interrupt_in_body_stops_engines(tmp_path):
         ({"serve_timeout_s": 10 * 24 * 3600}, "at most 24 h"),
         ({"env": {"1X": "y"}}, "shell identifier"),
         ({"secrets": ["bad name"]}, "engine secret name"),
+        ({"env": {"MODAL_RL_RUN_KEY": "k"}}, "gives engines the run key itself"),
+        ({"env": {"RAY_AUTH_TOKEN": "k"}}, "gives engines the run key itself"),
+        ({"auth": "basic"}, "choose 'bearer' or None"),
     ],
 )
 def test_spec_validation(kwargs, needle):
@@ -95,6 +108,66 @@ def test_spec_argv_and_roundtrip():
     assert spec.argv("0.0.0.0", 9) == ["serve", "--host", "0.0.0.0", "--port", "9"]
     assert EngineSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert spec.max_containers == 2 and spec.env == {"A": "1"}
+    assert spec.auth == "bearer"  # keyed unless a caller says otherwise
+
+
+def records(tmp_path, port: int) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / f"{port}.jsonl").read_text().splitlines()]
+
+
+def test_keyed_engines_get_the_key_in_their_env_and_health_checks_send_it(tmp_path, key):
+    """A server that refuses everything without the key (but GET /health) comes up, because
+    the pool gave it the key through its environment; requests without the key are refused."""
+    pool = LocalEnginePool(
+        fake_spec(tmp_path, count=1, extra=["--require-key"]), log_dir=str(tmp_path / "logs")
+    )
+    with pool as (address,):
+        ok, what = probe(address + "/server_info", key=key)
+        assert ok, what
+        assert probe(address + "/server_info") == (False, "HTTP 401")
+        assert probe(address + "/server_info", key=new_run_key()) == (False, "HTTP 401")
+        got = records(tmp_path, pool.ports[0])
+        assert [r["refused"] for r in got if r["path"] == "/server_info"] == [False, True, True]
+        assert "run key in env: yes" in pool.log_path(0).read_text()
+        with open(f"/proc/{pool.procs[0].pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()  # on no command line
+    assert key not in json.dumps(pool.describe())
+    assert "bearer key required" in pool.describe()["auth"]
+
+
+def test_no_run_key_no_keyed_engine(tmp_path, monkeypatch):
+    monkeypatch.delenv(RUN_KEY_ENV)
+    pool = LocalEnginePool(fake_spec(tmp_path, count=2))
+    with pytest.raises(EngineStartError) as info:
+        pool.start()
+    text = str(info.value)
+    assert text.startswith("engine: its server needs the run key (auth='bearer'); no run key:")
+    assert "\n" not in text and pool.procs == []
+
+
+def test_a_keyless_engine_gets_no_key(tmp_path, key):
+    pool = LocalEnginePool(fake_spec(tmp_path, count=1, auth=None), log_dir=str(tmp_path / "logs"))
+    with pool:
+        environ = Path(f"/proc/{pool.procs[0].pid}/environ").read_bytes()
+        assert key.encode() not in environ
+    assert "run key in env: no" in pool.log_path(0).read_text()
+    assert "keyless" in pool.describe()["auth"]
+
+
+def test_probe_sends_the_key_only_over_tls_or_to_loopback(key):
+    ok, what = probe("http://10.255.255.1:9/health", timeout_s=0.2, key=key)
+    assert not ok and what == "not sent: the run key goes only over https or to loopback"
+
+
+def test_an_engine_log_tail_never_shows_the_key(tmp_path, key):
+    # A server that prints its environment (as a misconfigured one might) and dies.
+    spec = EngineSpec(
+        command=[sys.executable, "-c", "import os,sys; print(os.environ['MODAL_RL_RUN_KEY']); sys.exit(4)"]
+    )
+    with pytest.raises(EngineStartError) as info:
+        LocalEnginePool(spec).start()
+    assert "exited with code 4" in str(info.value) and key not in str(info.value)
+    assert "<redacted>" in str(info.value)
 
 
 def modal_closure(fn) -> dict:
@@ -104,7 +177,7 @@ def modal_closure(fn) -> dict:
     )
 
 
-def test_modal_engine_function_spec_offline():
+def test_modal_engine_function_spec_offline(key):
     from modal_rl.cluster.engines_modal import ModalEnginePool, build_function, engine_container_main
 
     spec = EngineSpec(
@@ -117,7 +190,7 @@ def test_modal_engine_function_spec_offline():
         serve_timeout_s=7200,
         min_containers=1,
     )
-    app, fn = build_function(spec)
+    app, fn = build_function(spec, key=key)
     cells = modal_closure(fn)
     assert app.name == "modal-rl-engines"
     assert cells["gpu"] == "H100:1"
@@ -128,13 +201,57 @@ def test_modal_engine_function_spec_offline():
     plan = ModalEnginePool(spec).describe()
     assert plan["commands"][0][-4:] == ["--host", "0.0.0.0", "--port", "8000"]
     assert plan["modal_function"]["inspected"]["volumes"] == {"/root/.cache/huggingface": "hf-cache"}
+    assert plan["auth"].startswith("TLS tunnel (modal.forward, https:// address), bearer key required")
+    assert plan["reachable_as"].startswith("https://")
+    assert plan["modal_function"]["inspected"]["secrets"] == 1  # the run's secret
+
+
+def secret_envs(fn) -> list[dict]:
+    inner = next((v for k, v in vars(fn).items() if k.startswith("_sync_original")), fn)
+    out = []
+    for secret in inner._spec_.secrets:
+        s = next((v for k, v in vars(secret).items() if k.startswith("_sync_original")), secret)
+        out.append(s._load_env_dict() if s._load_env_dict else {"named": s._name})
+    return out
+
+
+def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
+    from modal_rl.cluster.engines_modal import ModalEnginePool, build_function
+
+    spec = EngineSpec(
+        command=["vllm", "serve", "m", "--port", "{port}"], gpu="H100:1", image="vllm/vllm-openai:v0.12.0",
+        secrets=["hf-token"], env={"VLLM_SERVER_DEV_MODE": "1"},
+    )  # fmt: skip
+    _, fn = build_function(spec, key=key)
+    # Modal turns the plain env into a secret of its own: the key is only in the run's secret.
+    envs = secret_envs(fn)
+    assert {"named": "hf-token"} in envs and {RUN_KEY_ENV: key, RAY_TOKEN_ENV: key} in envs
+    assert {"VLLM_SERVER_DEV_MODE": "1"} in envs and len(envs) == 3
+    with pytest.raises(ValueError, match="needs the run key"):
+        build_function(spec)
+    # Keyless: no run secret at all.
+    _, fn = build_function(EngineSpec(command=["x"], gpu="H100:1", image="python:3.11", auth=None))
+    assert secret_envs(fn) == []
+    # The dry run: no key anywhere in it (a placeholder stands in for the secret).
+    plan = ModalEnginePool(spec).describe()
+    assert key not in json.dumps(plan) and plan["modal_function"]["inspected"]["secrets"] == 3
+    assert key not in json.dumps(spec.to_dict())
+
+
+def test_modal_pool_start_needs_the_run_key(monkeypatch):
+    from modal_rl.cluster.engines_modal import ModalEnginePool
+
+    monkeypatch.delenv(RUN_KEY_ENV)
+    pool = ModalEnginePool(EngineSpec(command=["x"], gpu="H100:1", image="python:3.11"))
+    with pytest.raises(EngineStartError, match="needs the run key"):
+        pool.start()  # before anything contacts Modal
 
 
 def test_modal_pool_needs_an_image():
     from modal_rl.cluster.engines_modal import build_function
 
     with pytest.raises(ValueError, match="needs an image"):
-        build_function(EngineSpec(command=["x"], gpu="H100:1"))
+        build_function(EngineSpec(command=["x"], gpu="H100:1"), key="k")
 
 
 @pytest.mark.modal_live
@@ -148,6 +265,7 @@ def test_modal_engines_live():
         health_path="/",
         startup_timeout_s=300,
         serve_timeout_s=600,
+        auth=None,  # python's http.server takes no key
     )
     with running(spec, "modal") as addresses:
         assert len(addresses) == 2

@@ -1,6 +1,8 @@
 """The Modal engine pool's own logic, run here with fakes only at the Modal server boundary:
-``modal.forward`` (a tunnel that is the port itself), a dict as the ``modal.Dict`` mailbox,
-and function calls that report "still running" or a failure. The engine is a real process."""
+``modal.forward`` (a tunnel that is the port itself; it records how it was asked for, so a
+request for an unencrypted tunnel fails the tests), a dict as the ``modal.Dict`` mailbox, the
+run's Modal Secret as the key in this process's environment (where Modal would put it), and
+function calls that report "still running" or a failure. The engine is a real process."""
 
 from __future__ import annotations
 
@@ -14,28 +16,46 @@ import pytest
 from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
 from modal_rl.cluster.engines import EngineSpec, EngineStartError, probe
+from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
 
 
 class FakeTunnel:
+    """Modal's tunnel object: ``url`` for a TLS tunnel. Here it is the port itself (no TLS on
+    loopback), so the address it gives is plain http on 127.0.0.1."""
+
     def __init__(self, port: int):
-        self.tcp_socket = ("127.0.0.1", port)
+        self.url = f"http://127.0.0.1:{port}"
+        self.tls_socket = ("127.0.0.1", port)
 
 
 @pytest.fixture
-def container(monkeypatch):
-    """engine_container_main as Modal would run it, on 127.0.0.1 and with a local 'tunnel'."""
+def key(monkeypatch) -> str:
+    value = new_run_key()
+    monkeypatch.setenv(RUN_KEY_ENV, value)
+    return value
+
+
+@pytest.fixture
+def container(monkeypatch, key) -> list:
+    """engine_container_main as Modal would run it, on 127.0.0.1 and with a local 'tunnel';
+    yields the calls made to ``modal.forward``."""
     import modal
+
+    forwards: list = []
+
+    def forward(port, *, unencrypted=False, **kw):
+        forwards.append({"port": port, "unencrypted": unencrypted, **kw})
+        return contextlib.nullcontext(FakeTunnel(port))
 
     monkeypatch.setattr(engines_modal, "CONTAINER_HOST", "127.0.0.1")
     monkeypatch.setattr(engines_modal, "CONTAINER_POLL_S", 0.1)
-    monkeypatch.setattr(
-        modal, "forward", lambda port, unencrypted=False: contextlib.nullcontext(FakeTunnel(port))
-    )
+    monkeypatch.setattr(modal, "forward", forward)
+    return forwards
 
 
-def spec_for(tmp_path, mode="ok", **kw) -> EngineSpec:
+def spec_for(tmp_path, mode="ok", require_key=True, **kw) -> EngineSpec:
     (port,) = free_ports(1, "127.0.0.1")
     cmd = [
         sys.executable,
@@ -49,11 +69,12 @@ def spec_for(tmp_path, mode="ok", **kw) -> EngineSpec:
         "--state",
         str(tmp_path),
     ]
-    return EngineSpec(command=cmd, port=port, **kw)
+    return EngineSpec(command=cmd + (["--require-key"] if require_key else []), port=port, **kw)
 
 
-def test_container_reports_its_address_serves_and_stops_on_request(container, tmp_path):
-    spec, mailbox, result = spec_for(tmp_path), {}, {}
+def test_container_reports_its_address_serves_and_stops_on_request(container, tmp_path, key):
+    # Health on a route that needs the key: the container's own checks must send it.
+    spec, mailbox, result = spec_for(tmp_path, health_path="/server_info", startup_timeout_s=30), {}, {}
     body = threading.Thread(
         target=lambda: result.update(engines_modal.engine_container_main(spec.to_dict(), 0, mailbox))
     )
@@ -63,13 +84,26 @@ def test_container_reports_its_address_serves_and_stops_on_request(container, tm
             if "addr/0" in mailbox:
                 break
             body.join(0.1)
-        assert mailbox["addr/0"] == f"http://127.0.0.1:{spec.port}"
-        assert probe(mailbox["addr/0"] + "/health")[0]
+        assert mailbox["addr/0"] == f"http://127.0.0.1:{spec.port}"  # the tunnel's url, as given
+        assert container == [{"port": spec.port, "unencrypted": False}]  # a TLS tunnel
+        assert probe(mailbox["addr/0"] + "/server_info", key=key)[0]
+        assert probe(mailbox["addr/0"] + "/server_info") == (False, "HTTP 401")
+        assert key not in repr(mailbox)
     finally:
         mailbox["stop"] = True
         body.join(30)
     assert not body.is_alive() and result["index"] == 0
     assert not probe(f"http://127.0.0.1:{spec.port}/health", timeout_s=0.5)[0]  # server ended with it
+
+
+def test_container_without_the_run_secret_starts_no_server(container, tmp_path, monkeypatch):
+    monkeypatch.delenv(RUN_KEY_ENV)
+    mailbox: dict = {}
+    out = engines_modal.engine_container_main(spec_for(tmp_path).to_dict(), 1, mailbox)
+    assert (
+        "no run key in the container" in out["exit"] and "Secret is not attached" in mailbox["error/1"]["why"]
+    )
+    assert container == [] and not list(tmp_path.glob("*.jsonl"))  # no server, no tunnel
 
 
 def test_container_reports_a_crash_with_its_last_lines(container, tmp_path):
@@ -119,6 +153,25 @@ def test_pool_raises_when_a_container_fails(tmp_path):
     pool = pool_waiting_on(EngineSpec(command=["x"], count=2), {}, [RunningCall(), FailedCall()])
     with pytest.raises(EngineStartError, match="engine 1 container failed: RuntimeError"):
         pool._wait_all()
+
+
+def test_pool_health_checks_through_the_tunnel_send_the_key(container, tmp_path, key):
+    spec = spec_for(tmp_path, count=1, health_path="/server_info")  # a route that needs the key
+    mailbox: dict = {}
+    body = threading.Thread(target=engines_modal.engine_container_main, args=(spec.to_dict(), 0, mailbox))
+    body.start()
+    try:
+        pool = pool_waiting_on(spec, mailbox, [RunningCall()])
+        pool._key = key
+        assert pool._wait_all() == [f"http://127.0.0.1:{spec.port}"]
+        pool._key = new_run_key()  # a pool with another key does not count this engine as up
+        spec2 = EngineSpec.from_dict({**spec.to_dict(), "startup_timeout_s": 0.5})
+        pool.spec = spec2
+        with pytest.raises(EngineStartError, match="not reachable"):
+            pool._wait_all()
+    finally:
+        mailbox["stop"] = True
+        body.join(30)
 
 
 def test_pool_waits_for_health_through_the_tunnel_then_times_out(container, tmp_path):

@@ -85,7 +85,10 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     from modal_rl.cluster.backend_modal import inspect_function
     from modal_rl.cluster.engines_modal import build_function
 
-    _, fn = build_function(spec)
+    assert cmd[cmd.index("--middleware") + 1] == "modal_rl.cluster.engine_auth.RunKeyAuth"
+    assert spec.auth == "bearer"  # the pool hands the engine the run key (never in the spec)
+
+    _, fn = build_function(spec, key="k")
     inspected = inspect_function(fn)
     assert inspected["gpu"] == "H200:2"
     assert inspected["volumes"] == {"/root/.cache/huggingface": "hf-cache"}
@@ -136,7 +139,11 @@ def test_multi_node_replica_is_refused(replica_cls):
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
+    from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # As a launcher leaves it: the run key in this process and so in every Ray worker.
+    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
     import ray
 
     if ray.is_initialized():
@@ -159,7 +166,10 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
     from modal_rl.cluster import procs
 
     monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "local")
-    monkeypatch.setenv("VERL_MODAL_ENGINE_SERVER", f"{sys.executable} {SERVER} --state {tmp_path}")
+    # The stand-in engine refuses every request without the run key (but GET /health).
+    monkeypatch.setenv(
+        "VERL_MODAL_ENGINE_SERVER", f"{sys.executable} {SERVER} --state {tmp_path} --require-key"
+    )
     replica = make(replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"))
 
     async def scenario():
@@ -183,6 +193,7 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
     out, port, pid = asyncio.run(scenario())
     assert out.token_ids == [6, 7, 8] and out.log_probs == [-0.5] * 3 and out.stop_reason == "completed"
     seen = [json.loads(line) for line in (tmp_path / f"{port}.jsonl").read_text().splitlines()]
+    assert seen and not [r for r in seen if r["refused"]]  # every call carried the key
     posts = [r for r in seen if r["method"] == "POST"]
     completion = posts[0]["body"]
     assert posts[0]["path"] == "/v1/completions"

@@ -17,6 +17,12 @@ loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, over vLLM's
 (sleep and the kv-cache calls only when ``free_cache_engine``, as verl's vLLM server does;
 those endpoints need ``VLLM_SERVER_DEV_MODE=1``, which the engine's env sets.)
 
+Auth: the engine runs with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth``, so every
+route (dev routes included) needs ``Authorization: Bearer <run key>``; the pool gives the
+engine the key through its environment. The proxy reads the key with ``run_key()`` (the
+launcher puts it in every Ray worker's environment) and sends it on every call, only over
+https (a Modal TLS tunnel) or to a loopback engine.
+
 Engine settings, first found wins: ``rollout.custom.modal_engines.<key>``, then the env var
 ``VERL_MODAL_ENGINE_<KEY>``, then the default: ``backend`` (modal | local), ``gpu`` (GPU type;
 the count is the replica's TP x DP x PP), ``image``, ``volumes`` ("name:/path,..."),
@@ -41,7 +47,9 @@ from typing import Any
 
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
+from modal_rl.cluster.engine_auth import bearer_header, check_key_safe_url, vllm_auth_args
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+from modal_rl.run_key import run_key
 from modal_rl.weightsync.vllm_extension import EXTENSION
 
 log = logging.getLogger("verl_modal")
@@ -97,7 +105,7 @@ def vllm_command(
 ) -> list[str]:
     """``vllm serve`` for one replica, from verl's rollout config (``{host}``/``{port}`` left open)."""
     memory = config.standalone_gpu_memory_utilization or config.gpu_memory_utilization
-    cmd = [*shlex.split(server), model_path, "--host", "{host}", "--port", "{port}"]
+    cmd = [*shlex.split(server), model_path, "--host", "{host}", "--port", "{port}", *vllm_auth_args()]
     cmd += ["--served-model-name", served_name, "--dtype", str(config.dtype), "--seed", str(config.seed)]
     cmd += ["--tensor-parallel-size", str(config.tensor_model_parallel_size)]
     cmd += ["--data-parallel-size", str(config.data_parallel_size)]
@@ -129,7 +137,9 @@ class VLLMHttpProxy:
     """The replica's server handle (a Ray actor): verl's server calls, as HTTP to one vLLM server."""
 
     def __init__(self, base_url: str, served_name: str, rollout: dict, replica_rank: int = 0):
+        check_key_safe_url(base_url)  # the key goes only over TLS or to loopback
         self.base_url = base_url.rstrip("/")
+        self._headers = bearer_header(run_key())
         self.served_name = served_name
         self.rollout = rollout  # max_model_len, prompt/response length, free_cache_engine, ...
         self.replica_rank = replica_rank
@@ -140,7 +150,9 @@ class VLLMHttpProxy:
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), headers=self._headers
+            )
         async with self._session.post(self.base_url + path, json=payload or {}, params=params) as resp:
             text = await resp.text()
             if resp.status >= 400:
@@ -249,6 +261,7 @@ class ModalVLLMReplica(RolloutReplica):
         super().__init__(*args, **kwargs)
         self.settings = engine_settings(self.config)
         self.pool = None
+        self._engine_url = ""
         if self.nnodes != 1:
             raise ValueError(
                 f"modal_vllm: a replica of {self.world_size} GPUs spans {self.nnodes} nodes; one engine "
@@ -285,8 +298,7 @@ class ModalVLLMReplica(RolloutReplica):
             check_checkpoint_engine(self.config)  # before an engine is paid for
         await self.launch_servers()
         if self.receives_weights:
-            url = "http://" + self._server_address
-            self.workers = await start_relay_worker(self, url, self.settings["weights_expose"])
+            self.workers = await start_relay_worker(self, self._engine_url, self.settings["weights_expose"])
 
     @property
     def model_path(self) -> str:
@@ -349,7 +361,8 @@ class ModalVLLMReplica(RolloutReplica):
         )
         self.servers = [proxy]
         self._server_handle = proxy
-        self._server_address = address.removeprefix("http://")
+        self._engine_url = address  # http://127.0.0.1:port locally, https://... through a tunnel
+        self._server_address = address.split("://", 1)[1]  # verl's name for the server: no scheme
         where = f" (logs: {self.pool.log_dir})" if local else ""
         print(f"[verl_modal] modal_vllm replica {self.replica_rank}: engine at {address}{where}", flush=True)
 

@@ -1,12 +1,20 @@
 """Disaggregated inference engines: N servers (vLLM, SGLang, ...) on their own machines.
 
 ``EnginePool`` is the port: ``start()`` brings up ``spec.count`` servers, each running
-``spec.command`` and answering ``GET spec.health_path``, and returns their reachable
-``http://host:port`` base URLs in engine order; ``stop()`` ends every one of them.
+``spec.command`` and answering ``GET spec.health_path``, and returns their reachable base URLs
+(``http://127.0.0.1:port`` locally, ``https://...`` through a Modal TLS tunnel) in engine
+order; ``stop()`` ends every one of them.
 ``running(spec, backend)`` is the context manager the adapters use.
 
 Implementations: ``LocalEnginePool`` (processes on 127.0.0.1, here) and ``ModalEnginePool``
-(``engines_modal.py``: one Modal GPU container per engine, a raw TCP tunnel each).
+(``engines_modal.py``: one Modal GPU container per engine, a TLS tunnel each).
+
+Auth (``spec.auth``): ``"bearer"`` (the default) says the server refuses requests without
+``Authorization: Bearer <run key>`` and reads the key from ``MODAL_RL_RUN_KEY`` in its own
+environment (vLLM through ``engine_auth.RunKeyAuth``; SGLang through ``keyed_launch``). The
+pool then needs the run's key to start (``run_key()``), hands it to each engine through the
+environment only (local: the process env; Modal: a Modal Secret made for the run), and sends it
+with every health check. ``None`` is an explicitly keyless server: it gets no key at all.
 
 Invariants:
 - ``start()`` returns only when every engine answered its health endpoint, or raises
@@ -14,7 +22,9 @@ Invariants:
   engine it started has already been stopped (one bad engine never leaves the others running);
 - ``stop()`` is idempotent and is also run by ``running()`` on errors and KeyboardInterrupt;
 - ``spec.command`` is a template: ``{port}`` and ``{host}`` are filled per engine (the port
-  an engine listens on, the interface it binds), nothing else is interpreted.
+  an engine listens on, the interface it binds), nothing else is interpreted;
+- the run key is never in ``spec`` (``env`` may not name it), ``to_dict()``, ``describe()``,
+  a command line or an error message (engine log tails are redacted).
 """
 
 from __future__ import annotations
@@ -40,10 +50,14 @@ from pathlib import Path
 from typing import Any
 
 from modal_rl.cluster import procs
+from modal_rl.cluster.engine_auth import bearer_header, key_safe_url
 from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
+from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, MissingRunKeyError, redact, run_key
 
 MAX_MODAL_TIMEOUT_S = 24 * 3600
 LOG_TAIL_LINES = 30
+AUTH_MODES = ("bearer", None)
+KEY_ENVS = (RUN_KEY_ENV, RAY_TOKEN_ENV)
 
 
 class EngineStartError(RuntimeError):
@@ -61,6 +75,8 @@ class EngineSpec:
     after start (model download and load included), ``serve_timeout_s`` the life of an engine.
     ``min_containers``/``max_containers`` are the engine function's Modal scaling bounds;
     ``max_containers`` defaults to ``count`` so an engine function never grows beyond the pool.
+    ``auth``: ``"bearer"`` (server needs the run key, given through ``MODAL_RL_RUN_KEY``) or
+    ``None`` (keyless: only for servers that must not see the key); see the module docstring.
     """
 
     command: tuple[str, ...]
@@ -78,6 +94,7 @@ class EngineSpec:
     min_containers: int | None = None
     max_containers: int | None = None
     name: str = "engine"
+    auth: str | None = "bearer"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
@@ -124,6 +141,13 @@ class EngineSpec:
         for key in self.env:
             if not _ENV_RE.match(key):
                 raise ClusterSpecError(f"engine env key {key!r}: must be a shell identifier")
+            if key in KEY_ENVS:
+                raise ClusterSpecError(
+                    f"engine env key {key!r}: the pool gives engines the run key itself (auth='bearer'); "
+                    "drop it from env"
+                )
+        if self.auth not in AUTH_MODES:
+            raise ClusterSpecError(f"engine auth={self.auth!r}: choose 'bearer' or None (keyless)")
         if not _NAME_RE.match(self.name):
             raise ClusterSpecError(f"engine name {self.name!r}: use letters, digits, '.', '_' or '-'")
 
@@ -147,15 +171,31 @@ class EngineSpec:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """One GET; (answered 2xx, what happened)."""
+def probe(url: str, timeout_s: float = 2.0, key: str | None = None) -> tuple[bool, str]:
+    """One GET, with ``Authorization: Bearer key`` when a key is given (only over https or to
+    loopback: elsewhere nothing is sent); (answered 2xx, what happened)."""
+    headers = {}
+    if key is not None:
+        if not key_safe_url(url):
+            return False, "not sent: the run key goes only over https or to loopback"
+        headers = bearer_header(key)
     try:
-        with _NO_PROXY.open(url, timeout=timeout_s) as resp:
+        with _NO_PROXY.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
             return 200 <= resp.status < 300, f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"
     except (OSError, ValueError) as exc:
         return False, f"{type(exc).__name__}: {exc}"
+
+
+def engine_key(spec: EngineSpec) -> str | None:
+    """The run key for ``spec``'s engines (None when keyless); EngineStartError when missing."""
+    if spec.auth is None:
+        return None
+    try:
+        return run_key()
+    except MissingRunKeyError as exc:
+        raise EngineStartError(f"{spec.name}: its server needs the run key (auth='bearer'); {exc}") from None
 
 
 class EnginePool(ABC):
@@ -166,6 +206,7 @@ class EnginePool(ABC):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.addresses: list[str] = []
+        self._key: str | None = None
 
     @abstractmethod
     def start(self) -> list[str]:
@@ -234,19 +275,32 @@ class LocalEnginePool(EnginePool):
         return self.log_dir / f"{self.spec.name}-{index}.log"
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **self.spec.env, procs.RUN_ID_ENV: self.run_id, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.spec.env, procs.RUN_ID_ENV: self.run_id, "PYTHONUNBUFFERED": "1"}
+        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
+            env.pop(name, None)
+        if self._key is not None:
+            env[RUN_KEY_ENV] = self._key
+        return env
 
     def describe(self) -> dict[str, Any]:
+        auth = (
+            "bearer key required (Authorization: Bearer <run key>; each engine gets the key as "
+            f"{RUN_KEY_ENV} in its environment); plain http on 127.0.0.1 only"
+            if self.spec.auth
+            else "none (keyless server, explicitly asked for); plain http on 127.0.0.1 only"
+        )
         return {
             "backend": self.backend,
             "spec": self.spec.to_dict(),
             "commands": [self.spec.argv(self.host, 0) for _ in range(self.spec.count)],
+            "auth": auth,
             "note": "each engine gets a free port on 127.0.0.1 at start ({port} above shows 0)",
         }
 
     def start(self) -> list[str]:
         from modal_rl.cluster.backend_local import free_ports
 
+        self._key = engine_key(self.spec)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ports = free_ports(self.spec.count, self.host)
         setpriv = shutil.which("setpriv")
@@ -282,7 +336,8 @@ class LocalEnginePool(EnginePool):
                     raise EngineStartError(
                         self._failure(index, f"exited with code {code} before it was healthy")
                     )
-                ok, last[index] = probe(f"http://{self.host}:{self.ports[index]}{self.spec.health_path}")
+                url = f"http://{self.host}:{self.ports[index]}{self.spec.health_path}"
+                ok, last[index] = probe(url, key=self._key)
                 if ok:
                     pending.discard(index)
             if not pending:
@@ -299,7 +354,8 @@ class LocalEnginePool(EnginePool):
             time.sleep(self.poll_s)
 
     def _failure(self, index: int, why: str) -> str:
-        return engine_failure(self.spec.name, index, why, tail_of(self.log_path(index)))
+        tail = [redact(line, self._key) for line in tail_of(self.log_path(index))]
+        return engine_failure(self.spec.name, index, why, tail)
 
     def stop(self) -> None:
         for proc in self.procs:

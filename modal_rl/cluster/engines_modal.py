@@ -1,4 +1,4 @@
-"""Modal engine pool: one GPU container per engine, reachable through a raw TCP tunnel.
+"""Modal engine pool: one GPU container per engine, reachable through a TLS tunnel.
 
 The engines are their own ``modal.App`` (``modal-rl-engines``) with one function, scaled
 apart from the trainer cluster: ``@app.function(gpu=spec.gpu, image=..., max_containers=
@@ -6,10 +6,15 @@ spec.max_containers, timeout=spec.serve_timeout_s)``. ``start`` opens the app, c
 ephemeral ``modal.Dict`` as the pool's mailbox and spawns the function once per engine.
 
 Each container (``engine_container_main``) starts the server command bound to 0.0.0.0,
-waits for its health endpoint locally, opens ``modal.forward(port, unencrypted=True)`` (a raw
-TCP socket: slime and verl speak plain ``http://host:port``) and writes ``addr/<i>`` to the
-mailbox; on a failed start it writes ``error/<i>`` with the last log lines instead. Then it
-serves until the mailbox holds ``stop``, its server exits, or Modal cancels the call.
+waits for its health endpoint locally, opens ``modal.forward(port)`` (a TLS tunnel: Modal
+terminates TLS at its edge, the address is ``tunnel.url``, ``https://...``) and writes
+``addr/<i>`` to the mailbox; on a failed start it writes ``error/<i>`` with the last log lines
+instead. Then it serves until the mailbox holds ``stop``, its server exits, or Modal cancels.
+
+Auth (``spec.auth == "bearer"``): the run's key reaches the container only through a Modal
+Secret made for the run (``run_key.modal_secret``) attached to the engine function, so the
+server finds it as ``MODAL_RL_RUN_KEY``; it is never in the spec, the function's ``env``, the
+mailbox or ``describe()``. Health checks (in the container and from here) send it.
 
 ``start`` waits until every engine has an address that answers health from here too, within
 ``startup_timeout_s``; the first error, an early-finished call or the deadline stops every
@@ -22,6 +27,7 @@ Nothing contacts Modal before ``start``; ``build_function`` works offline for sp
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import threading
 import time
@@ -29,12 +35,21 @@ from collections import deque
 from typing import Any
 
 from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
-from modal_rl.cluster.engines import EnginePool, EngineSpec, EngineStartError, engine_failure, probe
+from modal_rl.cluster.engines import (
+    EnginePool,
+    EngineSpec,
+    EngineStartError,
+    engine_failure,
+    engine_key,
+    probe,
+)
+from modal_rl.run_key import REDACTED, RUN_KEY_ENV, modal_secret, redact
 
 APP_NAME = "modal-rl-engines"
 CONTAINER_POLL_S = 1.0
 # Engines bind every interface of their container; the tunnel reaches them from outside it.
 CONTAINER_HOST = "0.0.0.0"
+TUNNEL = "TLS tunnel (modal.forward, https:// address)"
 
 
 def function_kwargs(spec: EngineSpec) -> dict[str, Any]:
@@ -62,18 +77,26 @@ def build_image(spec: EngineSpec):
     return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
-def build_function(spec: EngineSpec, app_name: str = APP_NAME):
-    """(app, function) defined offline."""
+def build_function(spec: EngineSpec, app_name: str = APP_NAME, key: str | None = None):
+    """(app, function) defined offline. ``key``: the run key, attached as the run's Modal
+    Secret when ``spec.auth`` is set (required then; dry runs pass a placeholder)."""
     import modal
 
+    if spec.auth is not None and not key:
+        raise ValueError(
+            f"{spec.name}: its server needs the run key (auth='bearer'); build_function got none"
+        )
     app = modal.App(app_name)
     volumes = {
         path: modal.Volume.from_name(name, create_if_missing=True) for name, path in spec.volumes.items()
     }
+    secrets = [modal.Secret.from_name(s) for s in spec.secrets]
+    if spec.auth is not None:
+        secrets.append(modal_secret(key))
     fn = app.function(
         image=build_image(spec),
         volumes=volumes,
-        secrets=[modal.Secret.from_name(s) for s in spec.secrets],
+        secrets=secrets,
         env=dict(spec.env),
         serialized=True,
         **function_kwargs(spec),
@@ -87,6 +110,11 @@ def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
 
     spec = EngineSpec.from_dict(spec_json)
     tail: deque[str] = deque(maxlen=30)
+    key = os.environ.get(RUN_KEY_ENV) or None
+    if spec.auth is not None and key is None:
+        why = f"no run key in the container ({RUN_KEY_ENV}): the run's Modal Secret is not attached"
+        mailbox[f"error/{index}"] = {"why": why, "tail": []}
+        return {"index": index, "exit": why}
     proc = subprocess.Popen(
         spec.argv(CONTAINER_HOST, spec.port),
         stdout=subprocess.PIPE,
@@ -98,19 +126,20 @@ def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
     local = f"http://127.0.0.1:{spec.port}{spec.health_path}"
     deadline = time.monotonic() + spec.startup_timeout_s
     try:
-        while not probe(local)[0]:
+        while not probe(local, key=key)[0]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
-                mailbox[f"error/{index}"] = {"why": why, "tail": list(tail)}
+                mailbox[f"error/{index}"] = {"why": why, "tail": _redacted(tail, key)}
                 return {"index": index, "exit": why}
             time.sleep(CONTAINER_POLL_S)
-        with modal.forward(spec.port, unencrypted=True) as tunnel:
-            host, port = tunnel.tcp_socket
-            mailbox[f"addr/{index}"] = f"http://{host}:{port}"
+        # TLS (unencrypted=False): the key and the traffic cross the internet encrypted.
+        with modal.forward(spec.port) as tunnel:
+            mailbox[f"addr/{index}"] = tunnel.url
             while proc.poll() is None and not mailbox.get("stop", False):
                 time.sleep(CONTAINER_POLL_S)
         if proc.poll() is not None:
-            mailbox[f"error/{index}"] = {"why": f"exited with code {proc.returncode}", "tail": list(tail)}
+            why = f"exited with code {proc.returncode}"
+            mailbox[f"error/{index}"] = {"why": why, "tail": _redacted(tail, key)}
         return {"index": index, "exit": proc.poll()}
     finally:
         if proc.poll() is None:
@@ -118,6 +147,10 @@ def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
             proc.kill()
+
+
+def _redacted(tail: deque, key: str | None) -> list[str]:
+    return [redact(line, key) for line in tail]
 
 
 def _pump(stream, tail: deque) -> None:
@@ -141,20 +174,29 @@ class ModalEnginePool(EnginePool):
         self._mailbox = None
 
     def describe(self) -> dict[str, Any]:
-        _, fn = build_function(self.spec, self.app_name)
+        # A dry run needs no key: a placeholder stands in for the run's secret (never deployed).
+        _, fn = build_function(self.spec, self.app_name, key=REDACTED)
+        auth = (
+            f"{TUNNEL}, bearer key required (Authorization: Bearer <run key>; the key reaches each "
+            f"engine as {RUN_KEY_ENV} through a Modal Secret made for the run)"
+            if self.spec.auth
+            else f"{TUNNEL}, no key (keyless server, explicitly asked for)"
+        )
         return {
             "backend": self.backend,
             "app": self.app_name,
             "spec": self.spec.to_dict(),
             "modal_function": {**function_kwargs(self.spec), "inspected": inspect_function(fn)},
             "commands": [self.spec.argv(CONTAINER_HOST, self.spec.port) for _ in range(self.spec.count)],
-            "reachable_as": "http://<modal tunnel host>:<tunnel port> per engine (modal.forward, unencrypted)",
+            "reachable_as": "https://<modal tunnel host> per engine (modal.forward, TLS)",
+            "auth": auth,
         }
 
     def start(self) -> list[str]:
         import modal
 
-        app, fn = build_function(self.spec, self.app_name)
+        self._key = engine_key(self.spec)
+        app, fn = build_function(self.spec, self.app_name, key=self._key)
         self._stack = contextlib.ExitStack()
         try:
             self._stack.enter_context(app.run())
@@ -179,7 +221,10 @@ class ModalEnginePool(EnginePool):
                     raise EngineStartError(engine_failure(self.spec.name, index, error["why"], error["tail"]))
                 self._check_call(index)
                 address = self._mailbox.get(f"addr/{index}")
-                if address is not None and probe(address + self.spec.health_path, timeout_s=5.0)[0]:
+                health = (
+                    probe(address + self.spec.health_path, timeout_s=5.0, key=self._key) if address else None
+                )
+                if health is not None and health[0]:
                     found[index] = address
             if len(found) == self.spec.count:
                 break

@@ -171,6 +171,7 @@ def local_vllm_spec(
         "--host", "{host}", "--port", "{port}", "--dtype", dtype, "--enforce-eager",
         "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
         "--block-size", "32", "--worker-extension-cls", EXTENSION,
+        "--middleware", "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
     ]  # fmt: skip
     return EngineSpec(
         command=command,

@@ -1,0 +1,149 @@
+"""The engine servers' key guard: every request needs ``Authorization: Bearer <run key>``.
+
+vLLM loads it with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth`` (vLLM imports the
+dotted path and, for a class, calls ``app.add_middleware(cls)``; added last, it wraps every
+route, mounted apps such as ``/metrics`` included, and runs before CORS and vLLM's own
+``--api-key`` check, which guards only ``/v1``). ``vllm_auth_args()`` gives the flag. The key
+is read from ``MODAL_RL_RUN_KEY`` in the server's environment, never from a flag.
+
+Invariants:
+- every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
+  with a short body; a websocket is closed before it is accepted, which clients see as HTTP
+  403) and never reaches the server: no route runs, no state changes;
+- the one exception is ``GET /health`` (exactly that path and method, no key): it reaches the
+  server and the caller gets only its status code (200 healthy, 503 not), with an empty body
+  and no headers of the server's, so it reveals liveness and nothing else;
+- keys are compared in constant time over their SHA-256 digests (no length leak);
+- a server without a key does not start: building the guard without ``MODAL_RL_RUN_KEY`` exits
+  with one line naming the fix;
+- clients send the key only over TLS or to a loopback address (``key_safe_url``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import sys
+from urllib.parse import urlparse
+
+from modal_rl.run_key import RUN_KEY_ENV, MissingRunKeyError, run_key, same
+
+MIDDLEWARE = "modal_rl.cluster.engine_auth.RunKeyAuth"
+OPEN_HEALTH_PATH = "/health"
+REFUSED_BODY = b'{"error":"unauthorized: this engine needs Authorization: Bearer <run key>"}'
+# RFC 6455 "policy violation": the close code for a refused websocket handshake.
+WS_POLICY_VIOLATION = 1008
+
+
+def vllm_auth_args() -> list[str]:
+    """The ``vllm serve`` flags that put every route behind the run's key (no key on them)."""
+    return ["--middleware", MIDDLEWARE]
+
+
+def bearer_header(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def key_safe_url(url: str) -> bool:
+    """Whether a client may send the run key to ``url``: TLS, or plain HTTP to loopback only
+    (a cluster's private network is shared by its workspace, so it does not count)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "https":
+        return True
+    if parsed.scheme != "http" or not parsed.hostname:
+        return False
+    if parsed.hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(parsed.hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def check_key_safe_url(url: str) -> None:
+    """``ValueError`` (one line, no key) unless ``key_safe_url(url)``."""
+    if not key_safe_url(url):
+        raise ValueError(
+            f"engine address {url!r}: the run key goes only over https:// or to a loopback "
+            "http:// address; use the engine's TLS tunnel URL"
+        )
+
+
+class RunKeyAuth:
+    """Pure ASGI middleware; see the module docstring. ``key`` defaults to the run's key."""
+
+    def __init__(self, app, key: str | None = None) -> None:
+        self.app = app
+        if key is None:
+            try:
+                key = run_key()
+            except MissingRunKeyError:
+                # vLLM builds the middleware while it starts serving: exit, don't serve unguarded.
+                print(
+                    f"modal_rl.cluster.engine_auth: refusing to serve: {RUN_KEY_ENV} is not set in "
+                    "the engine's environment (start engines through modal_rl's engine pool, or "
+                    f"export {RUN_KEY_ENV} to the run's key)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise SystemExit(2) from None
+        self._digest = _digest(key.encode())
+
+    def authorized(self, scope) -> bool:
+        values = [v for k, v in scope.get("headers") or () if k.lower() == b"authorization"]
+        if len(values) != 1:  # none, or an ambiguous pair that a proxy might read differently
+            return False
+        scheme, _, token = values[0].partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        return same(_digest(token.strip()), self._digest)
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):  # lifespan: the server's own start and stop
+            return await self.app(scope, receive, send)
+        if self.authorized(scope):
+            return await self.app(scope, receive, send)
+        if kind == "websocket":
+            return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})
+        if scope.get("method") == "GET" and _path(scope) == OPEN_HEALTH_PATH:
+            return await self.app(scope, receive, _status_only(send))
+        await _refuse(scope, receive, send)
+
+
+def _path(scope) -> str:
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _status_only(send):
+    """``send`` that passes the server's status on and drops its headers and body."""
+
+    async def wrapped(message) -> None:
+        if message["type"] == "http.response.start":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": message["status"],
+                    "headers": [(b"content-length", b"0")],
+                }
+            )
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            await send({"type": "http.response.body", "body": b""})
+
+    return wrapped
+
+
+async def _refuse(scope, receive, send) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(REFUSED_BODY)).encode()),
+        (b"www-authenticate", b"Bearer"),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": REFUSED_BODY})
