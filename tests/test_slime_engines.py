@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
+from modal_rl.run_key import new_run_key
 from slime_modal.engines import (
     EnginesRequest,
     describe,
@@ -169,6 +170,7 @@ def _slime_external():
 def test_local_engines_pass_slimes_discovery(tmp_path, monkeypatch):
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)  # slime's requests would send 127.0.0.1 to a proxy
+    monkeypatch.setenv("MODAL_RL_RUN_KEY", new_run_key())  # keyed engines start only with the run's key
     slime_external = _slime_external()
     argv = ["--hf-checkpoint", "/models/tiny", "--rollout-num-gpus-per-engine", "1", "--offload"]
     request = parse_engines("modal:2")
