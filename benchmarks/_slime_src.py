@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 import shutil
 import sys
 import tempfile
@@ -38,7 +37,6 @@ import numpy as np
 
 PACKAGE = "slime.backends.megatron_utils.update_weight"
 APPLY_PATCH = Path("docker/patch/latest/sglang-pull_weights.patch")
-APPLY_FILE = "python/sglang/srt/weight_sync/local_checkpoint.py"
 CHECKSUM = "xxh3-128"  # slime's default
 
 
@@ -99,15 +97,14 @@ def load_encoder_module(src: Path) -> types.ModuleType:
 
 def load_apply_module(src: Path, workdir: Path) -> types.ModuleType:
     """The engine-side ``local_checkpoint`` module, taken out of slime's SGLang patch."""
-    text = (src / APPLY_PATCH).read_text()
-    start = text.index(f"+++ b/{APPLY_FILE}\n")
-    end = text.find("\ndiff --git ", start)
-    lines = text[start : None if end < 0 else end].splitlines(keepends=True)
-    (count,) = re.match(r"@@ -0,0 \+1,(\d+) @@", lines[1]).groups()
-    if len(lines) - 2 != int(count):
-        raise SlimeSourceError(f"{APPLY_PATCH}: the {APPLY_FILE} hunk is malformed")
+    from slime_modal.upstream import extract_engine_apply
+
+    try:
+        source = extract_engine_apply((src / APPLY_PATCH).read_text())
+    except (OSError, ValueError) as exc:
+        raise SlimeSourceError(f"{src / APPLY_PATCH}: no usable engine apply ({exc})") from None
     target = workdir / "slime_local_checkpoint.py"
-    target.write_text("".join(line[1:] for line in lines[2:]))
+    target.write_text(source)
     spec = importlib.util.spec_from_file_location("slime_local_checkpoint", target)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -129,6 +126,14 @@ class SlimeSource:
         self.encoder = load_encoder_module(self.src)
         disk_delta = sys.modules["slime.utils.disk_delta"]
         self.encodings = ["xor"] + (["sparse"] if hasattr(disk_delta, "sparse_encode") else [])
+
+    @classmethod
+    def or_exit(cls, src: str | Path) -> SlimeSource:
+        """The source, or exit with one line naming the problem (a CLI's bad input)."""
+        try:
+            return cls(src)
+        except SlimeSourceError as exc:
+            raise SystemExit(f"--slime-src: {exc}") from None
 
     def __enter__(self) -> SlimeSource:
         import torch.distributed as dist

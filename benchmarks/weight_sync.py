@@ -110,7 +110,7 @@ def run(quick: bool, out: Path, slime_src: Path | None = None) -> dict[str, Any]
     if slime_src is not None:  # slime's own encoder and apply beside ours (benchmarks/_slime_src.py)
         from benchmarks import _slime_src
 
-        with _slime_src.SlimeSource(slime_src) as source:
+        with _slime_src.SlimeSource.or_exit(slime_src) as source:
             return _run(
                 quick, out, _slime_src.with_slime(run_case, source), lambda c: _slime_src.render(c, slime_src)
             )

@@ -124,3 +124,42 @@ def test_sparse_chunks_are_our_format(slime_source, adam_cases):
         assert np.array_equal(target, new_w), name
         checked += bool(changed)
     assert checked > 10
+
+
+def test_unpatched_checkout_measures_slimes_xor_only(patched_slime, tmp_path):
+    """In a child interpreter: this one already imported the patched slime."""
+    base = tmp_path / "base"
+    subprocess.run(["git", "clone", "-q", str(patched_slime), str(base)], check=True)
+    _git(base, "checkout", "-q", tomllib.loads(SERIES.read_text())["base"]["commit"])
+    code = (
+        "import sys, torch; from benchmarks._slime_src import SlimeSource\n"
+        "with SlimeSource(sys.argv[1]) as s:\n"
+        "    base = {'w': torch.zeros(4096, dtype=torch.bfloat16)}\n"
+        "    new = {'w': base['w'].clone()}; new['w'][::97] = 1.0\n"
+        "    r = s.measure(base, new, repeats=1)\n"
+        "    print(s.encodings, sorted(r), r['slime_xor']['bit_exact'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, str(base)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[0] == "['xor'] ['slime_xor'] True"
+
+
+def test_slime_src_not_a_checkout_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "weight-sync",
+        "--slime-src",
+        str(tmp_path),
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"--slime-src: {tmp_path} is not a slime checkout with disk delta sync "
+        f"({tmp_path}/slime/backends/megatron_utils/update_weight/update_weight_from_disk_delta.py missing)"
+    ]
