@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not os.path.isfile(entry):
             problems.insert(0, f"--entry {entry}: no such file (set --slime-path to a slime checkout)")
-    problems += upstream.problems(args)
+    problems += upstream.problems(args, slime_argv)
     if problems:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)

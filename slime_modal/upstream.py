@@ -38,6 +38,7 @@ REMOTE_DIR = "/opt/modal_rl/patches/slime"
 SGLANG_PATCH = "docker/patch/latest/sglang-pull_weights.patch"
 ENGINE_APPLY = "python/sglang/srt/weight_sync/local_checkpoint.py"
 FLAG = "--no-slime-patches"
+ENCODING_FLAG = "--update-weight-delta-encoding"  # 'sparse' comes with patch 0002
 
 
 class SeriesMissingError(RuntimeError):
@@ -110,9 +111,15 @@ def extend_image(image, slime_path: str, series_dir: Path = SERIES_DIR):
     return image.run_commands(*build_commands(slime_path, files))
 
 
-def problems(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> list[str]:
-    """One line per reason the series cannot go into the image (none when not wanted)."""
+def problems(
+    args: argparse.Namespace, slime_argv: list[str] = (), series_dir: Path = SERIES_DIR
+) -> list[str]:
+    """One line per reason the series cannot go into the image, or is needed and opted out of."""
     if not enabled(args):
+        from slime_modal.preflight import SlimeArgs
+
+        if args.backend == "modal" and SlimeArgs(list(slime_argv)).get(ENCODING_FLAG) == "sparse":
+            return [f"{ENCODING_FLAG} sparse needs the patches/slime series in the image: drop {FLAG}"]
         return []
     try:
         series(series_dir)

@@ -124,6 +124,18 @@ def test_missing_series_is_one_line_not_a_traceback(tmp_path):
     assert upstream.problems(_args(no_slime_patches=True), series_dir=tmp_path) == []
 
 
+def test_sparse_encoding_without_the_series_is_refused_before_launch():
+    line = [*glm47_delta(), "--update-weight-delta-encoding", "sparse"]
+    flags = ["--backend", "modal", "--gpu", "H100:8", "--nodes", "4", *VOLUMES, "--dry-run"]
+    out, _ = run_module("slime_modal", *flags, "--no-slime-patches", "--", *line, timeout=90)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "slime_modal: --update-weight-delta-encoding sparse needs the patches/slime series in the image: "
+        "drop --no-slime-patches"
+    ]
+    assert dry_plan(*flags, "--", *line)["slime_patches"]["applied"] is True
+
+
 @pytest.fixture
 def base_checkout(tmp_path):
     source = os.environ.get("SLIME_PATH") or (str(MIRROR) if MIRROR.is_dir() else None)
