@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("suite", help="suite to run; 'list' prints the available ones")
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI and a first look")
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="output directory")
+    parser.add_argument(
+        "--slime-src", type=Path, help="weight-sync: also measure slime's own code from this checkout"
+    )
     args = parser.parse_args(argv)
     if args.suite == "list":
         print("\n".join(available_suites()))
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown suite {args.suite!r}; available: {', '.join(available_suites())}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    module.run(quick=args.quick, out=args.out)
+    extra = {"slime_src": args.slime_src} if args.slime_src else {}  # only weight-sync takes it
+    module.run(quick=args.quick, out=args.out, **extra)
     return 0
 
 

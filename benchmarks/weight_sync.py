@@ -106,7 +106,18 @@ def run_case(name: str, base, new, codecs: list[Codec], repeats: int, anchor: bo
     }
 
 
-def run(quick: bool, out: Path) -> dict[str, Any]:
+def run(quick: bool, out: Path, slime_src: Path | None = None) -> dict[str, Any]:
+    if slime_src is not None:  # slime's own encoder and apply beside ours (benchmarks/_slime_src.py)
+        from benchmarks import _slime_src
+
+        with _slime_src.SlimeSource.or_exit(slime_src) as source:
+            return _run(
+                quick, out, _slime_src.with_slime(run_case, source), lambda c: _slime_src.render(c, slime_src)
+            )
+    return _run(quick, out, run_case, lambda c: "")
+
+
+def _run(quick: bool, out: Path, run_case, extra_markdown) -> dict[str, Any]:
     torch.set_num_threads(2)
     threads = 2
     codecs = make_codecs(threads)
@@ -133,7 +144,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     summary = summarize(cases)
     payload = {"quick": quick, "threads": threads, "cases": cases, "summary": summary}
     write_json(out, SUITE, payload)
-    (out / f"{SUITE}.md").write_text(render_markdown(cases, summary))
+    (out / f"{SUITE}.md").write_text(render_markdown(cases, summary) + extra_markdown(cases))
     plot(cases, out / f"{SUITE}.png")
     print((out / f"{SUITE}.md").read_text())
     return payload

@@ -39,6 +39,7 @@ def _named_volume(default_path: str):
 def build_parser() -> argparse.ArgumentParser:
     from modal_rl.cluster import ClusterSpec, add_cluster_args
     from slime_modal import launch as L
+    from slime_modal import upstream
 
     parser = argparse.ArgumentParser(prog="python -m slime_modal", description=__doc__.split("\n")[0])
     add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="modal:N[:GPU]",
         help="N SGLang engines as their own Modal function (GPU per engine from slime's flags)",
     )
+    upstream.add_args(g)  # --no-slime-patches
     return parser
 
 
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from slime_modal import engines as E
     from slime_modal import launch as L
     from slime_modal import preflight as pf
+    from slime_modal import upstream
 
     argv = sys.argv[1:] if argv is None else argv
     ours, slime_argv = split_passthrough(argv)
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not os.path.isfile(entry):
             problems.insert(0, f"--entry {entry}: no such file (set --slime-path to a slime checkout)")
+    problems += upstream.problems(args, slime_argv)
     if problems:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)
@@ -158,17 +162,25 @@ def main(argv: list[str] | None = None) -> int:
             backend=args.backend,
             framework_argv=slime_argv,
             address_env=L.address_env(spec.env),
-            plan_extra={"slime": slime_plan, "rollout_engines": engines_plan},
+            plan_extra={
+                "slime": slime_plan,
+                "rollout_engines": engines_plan,
+                "slime_patches": upstream.plan(args),
+            },
             **run_options(args),
         )
 
     if engines is None or args.dry_run or args.preflight_only:
-        return submit()
+        with upstream.patched_images(args):
+            return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
     from modal_rl.cluster.engines import EngineStartError
 
     try:
-        with E.running_engines(engines, job_argv, backend=args.backend, **engine_opts) as addresses:
+        with (
+            upstream.patched_images(args),
+            E.running_engines(engines, job_argv, backend=args.backend, **engine_opts) as addresses,
+        ):
             print(
                 f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
             )

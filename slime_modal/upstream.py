@@ -1,0 +1,200 @@
+"""The ``patches/slime`` series in the Modal image, until upstream merges it.
+
+With ``--backend modal``, the image slime runs in (the trainer cluster's and the Modal rollout
+engines') gets, on top of the registry image:
+
+1. the series' patch files, copied to :data:`REMOTE_DIR`;
+2. ``git am -3`` of the series, in order, onto the image's slime checkout (``--slime-path``);
+3. the engine side (``python3 -c`` of :data:`_REFRESH`, base64-encoded to stay one line):
+   slime's SGLang patch (now patched) adds ``sglang/srt/weight_sync/
+   local_checkpoint.py`` as a whole new file, already installed in the image's SGLang from
+   the unpatched patch; it is rewritten from the patched one (only that file: the series
+   changes nothing else in the SGLang patch).
+
+A build step that fails (the image's slime moved past the base and a patch no longer applies,
+or its SGLang lacks slime's pull_weights patch) fails the image build with git's or the
+script's message; ``--no-slime-patches`` runs the registry image as it is. The dry-run plan
+lists the patches and the exact build commands (:func:`plan`).
+
+The image is extended while the two ``build_image`` functions of ``modal_rl.cluster`` run,
+for the duration of one launch (:func:`patched_images`); nothing else of theirs changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import inspect
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SERIES_DIR = Path(__file__).resolve().parents[1] / "patches" / "slime"
+REMOTE_DIR = "/opt/modal_rl/patches/slime"
+SGLANG_PATCH = "docker/patch/latest/sglang-pull_weights.patch"
+ENGINE_APPLY = "python/sglang/srt/weight_sync/local_checkpoint.py"
+FLAG = "--no-slime-patches"
+ENCODING_FLAG = "--update-weight-delta-encoding"  # 'sparse' comes with patch 0002
+
+
+class SeriesMissingError(RuntimeError):
+    """The series files are not next to this package (an installed copy without patches/)."""
+
+
+def add_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        FLAG,
+        action="store_true",
+        help="--backend modal: run the image's slime as it is (default: apply patches/slime to it)",
+    )
+
+
+def series(series_dir: Path = SERIES_DIR) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(base, patches)`` of ``series.toml``; each patch is its table (file, title, ...)."""
+    path = series_dir / "series.toml"
+    if not path.is_file():
+        raise SeriesMissingError(f"{path} not found: run from a modal-rl checkout, or pass {FLAG}")
+    data = tomllib.loads(path.read_text())
+    return data["base"], list(data["patch"])
+
+
+def extract_engine_apply(patch_text: str) -> str:
+    """The whole new ``local_checkpoint.py`` that slime's SGLang patch adds. Self-contained
+    (it runs inside the image build as ``python3 -c``): stdlib only, no other names."""
+    marker = "+++ b/python/sglang/srt/weight_sync/local_checkpoint.py\n"
+    start = patch_text.index(marker)
+    end = patch_text.find("\ndiff --git ", start)
+    lines = patch_text[start : None if end < 0 else end].splitlines(keepends=True)
+    header = re.match(r"@@ -0,0 \+1,(\d+) @@", lines[1])
+    if header is None or len(lines) - 2 != int(header.group(1)):
+        raise ValueError("the local_checkpoint.py hunk of slime's SGLang patch is malformed")
+    return "".join(line[1:] for line in lines[2:])
+
+
+_REFRESH = """
+import importlib.util, os, re, sys
+{source}
+spec = importlib.util.find_spec("sglang")
+target = os.path.join(spec.submodule_search_locations[0], "srt", "weight_sync", "local_checkpoint.py")
+if not os.path.isfile(target):
+    sys.exit(f"{{target}} missing: the image's SGLang lacks slime's pull_weights patch")
+with open(os.path.join(sys.argv[1], {patch!r})) as f:
+    text = extract_engine_apply(f.read())
+with open(target, "w") as f:
+    f.write(text)
+print(f"refreshed {{target}} from the patched slime SGLang patch")
+"""
+
+
+def build_commands(slime_path: str, patch_files: list[str], remote_dir: str = REMOTE_DIR) -> list[str]:
+    """The image's shell build steps after the patch files are at ``remote_dir``."""
+    paths = " ".join(shlex.quote(f"{remote_dir}/{name}") for name in patch_files)
+    identity = "-c user.name=modal-rl -c user.email=modal-rl@localhost"
+    refresh = _REFRESH.format(source=inspect.getsource(extract_engine_apply), patch=SGLANG_PATCH)
+    # One line: a Dockerfile RUN instruction ends at a newline.
+    script = base64.b64encode(refresh.encode()).decode()
+    return [
+        f"cd {shlex.quote(slime_path)} && git {identity} am -3 --keep-non-patch {paths}",
+        f"python3 -c 'import base64; exec(base64.b64decode(\"{script}\"))' {shlex.quote(slime_path)}",
+    ]
+
+
+def extend_image(image, slime_path: str, series_dir: Path = SERIES_DIR):
+    """``image`` (a ``modal.Image``) with the series applied (see the module doc)."""
+    _, patches = series(series_dir)
+    files = [p["file"] for p in patches]
+    image = image.add_local_dir(series_dir, REMOTE_DIR, copy=True, ignore=lambda p: p.suffix != ".patch")
+    return image.run_commands(*build_commands(slime_path, files))
+
+
+def problems(
+    args: argparse.Namespace, slime_argv: list[str] = (), series_dir: Path = SERIES_DIR
+) -> list[str]:
+    """One line per reason the series cannot go into the image, or is needed and opted out of."""
+    if not enabled(args):
+        from slime_modal.preflight import SlimeArgs
+
+        if args.backend == "modal" and SlimeArgs(list(slime_argv)).get(ENCODING_FLAG) == "sparse":
+            return [f"{ENCODING_FLAG} sparse needs the patches/slime series in the image: drop {FLAG}"]
+        return []
+    try:
+        series(series_dir)
+    except (SeriesMissingError, KeyError, tomllib.TOMLDecodeError) as exc:
+        return [f"{exc}" if isinstance(exc, SeriesMissingError) else f"{series_dir}/series.toml: {exc!r}"]
+    return []
+
+
+def enabled(args: argparse.Namespace) -> bool:
+    return args.backend == "modal" and not getattr(args, "no_slime_patches", False)
+
+
+def plan(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> dict[str, Any]:
+    """The dry-run plan's ``slime_patches`` section."""
+    if args.backend != "modal":
+        return {"applied": False, "why": "--backend local runs the slime checkout at --slime-path as it is"}
+    if not enabled(args):
+        return {"applied": False, "why": f"{FLAG}"}
+    base, patches = series(series_dir)
+    return {
+        "applied": True,
+        "base": base["name"],
+        "slime_path": args.slime_path,
+        "patches": [{"file": p["file"], "title": p["title"]} for p in patches],
+        "image_steps": [f"copy {series_dir} -> {REMOTE_DIR}"]
+        + build_commands(args.slime_path, [p["file"] for p in patches]),
+    }
+
+
+@contextlib.contextmanager
+def patched_images(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> Iterator[None]:
+    """While active, the cluster's and the Modal engines' images carry the series (when
+    :func:`enabled`); everything is restored on exit.
+
+    Modal runs no build step on top of a mount layer, and both ``build_image`` functions end
+    by mounting this project's sources (``add_local_python_source``), so the series goes in
+    right before that call: it is intercepted only while one ``build_image`` runs. A
+    ``build_image`` that no longer makes that call raises instead of building an unpatched
+    image. (A seam in ``modal_rl.cluster`` for extra image steps would replace this.)"""
+    if not enabled(args):
+        yield
+        return
+    series(series_dir)  # fail before anything starts when the files are missing
+    import modal
+
+    from modal_rl.cluster import backend_modal, engines_modal
+
+    originals = {module: module.build_image for module in (backend_modal, engines_modal)}
+    mount_sources = modal.Image.add_local_python_source
+
+    def wrap(original):
+        def build_image(spec):
+            extended = []
+
+            def add_local_python_source(image, *modules, **kwargs):
+                extended.append(True)
+                return mount_sources(extend_image(image, args.slime_path, series_dir), *modules, **kwargs)
+
+            modal.Image.add_local_python_source = add_local_python_source
+            try:
+                image = original(spec)
+            finally:
+                modal.Image.add_local_python_source = mount_sources
+            if len(extended) != 1:
+                raise RuntimeError(
+                    f"{original.__module__}.build_image changed: update slime_modal/upstream.py"
+                )
+            return image
+
+        return build_image
+
+    try:
+        for module, original in originals.items():
+            module.build_image = wrap(original)
+        yield
+    finally:
+        for module, original in originals.items():
+            module.build_image = original
