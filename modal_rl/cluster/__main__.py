@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     smoke.add_argument("--rdma", action=argparse.BooleanOptionalAction, default=False)
     smoke.add_argument("--join-timeout", type=float, default=180.0)
     args = parser.parse_args(argv)
+    from modal_rl.run_key import ensure_run_key
+
+    ensure_run_key()  # before any node starts: every process of the run inherits it
     try:
         spec = ClusterSpec(
             nodes=args.nodes,
