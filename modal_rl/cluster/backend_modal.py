@@ -267,7 +267,11 @@ def inspect_function(fn) -> dict[str, Any]:
         out["volumes"] = {
             str(path): getattr(vol, "_name", None) or repr(vol) for path, vol in spec.volumes.items()
         }
-        out["secrets"] = len(spec.secrets)
+        # Each secret as Modal describes it: a name, or the variable names of a from_dict one
+        # (never values).
+        out["secrets"] = [
+            str(getattr(secret, "_rep", None) or type(secret).__name__) for secret in spec.secrets
+        ]
         out["cloud"] = spec.cloud
     load = getattr(inner, "_load", None)
     cells = {}
