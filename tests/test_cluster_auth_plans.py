@@ -233,3 +233,6 @@ def test_local_nodes_get_the_key_in_their_env_never_their_argv(monkeypatch):
     assert key not in " ".join(node_command(Path("/tmp/plan.json"), 1))
     monkeypatch.setenv("MODAL_RL_RAY_AUTH", "token")
     assert LocalBackend().make_plan(ClusterSpec(nodes=2), JobRequest(["true"])).ray_auth == "token"
+    monkeypatch.setenv("MODAL_RL_RAY_AUTH", "yes")
+    with pytest.raises(ClusterSpecError, match="MODAL_RL_RAY_AUTH"):
+        LocalBackend().make_plan(ClusterSpec(nodes=2), JobRequest(["true"]))

@@ -118,7 +118,11 @@ class BootstrapPlan:
 
     def __post_init__(self) -> None:
         if self.ray_auth not in RAY_AUTH_MODES:
-            raise ValueError(f"ray_auth={self.ray_auth!r}: one of {RAY_AUTH_MODES}")
+            from modal_rl.cluster.spec import ClusterSpecError
+
+            raise ClusterSpecError(
+                f"Ray auth mode {self.ray_auth!r} (from {RAY_AUTH_SWITCH_ENV}?): use one of {RAY_AUTH_MODES}"
+            )
 
     def head_address(self) -> str:
         assert self.addresses, "addresses are filled in before bootstrap"
