@@ -38,6 +38,17 @@ def new_run_key() -> str:
     return secrets.token_urlsafe(KEY_BYTES)
 
 
+def ensure_run_key(environ: dict[str, str] | None = None) -> str:
+    """The run's key, made now when the environment has none (a user-exported key is kept).
+
+    Launchers call this first, so they and every process they start share one key.
+    """
+    env = os.environ if environ is None else environ
+    if not env.get(RUN_KEY_ENV):
+        env[RUN_KEY_ENV] = new_run_key()
+    return env[RUN_KEY_ENV]
+
+
 def run_key(environ: dict[str, str] | None = None) -> str:
     """The run's key from the environment; raises with the fix when it is missing."""
     env = os.environ if environ is None else environ

@@ -81,11 +81,14 @@ def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     from modal_rl.cluster import ClusterSpecError, run_job, spec_from_args, split_passthrough
     from modal_rl.cluster.cli import run_options
+    from modal_rl.run_key import ensure_run_key
     from slime_modal import engines as E
     from slime_modal import launch as L
     from slime_modal import preflight as pf
     from slime_modal import upstream
 
+    # First: the run key (contract 1) for this process and all it starts, engines included.
+    ensure_run_key()
     argv = sys.argv[1:] if argv is None else argv
     ours, slime_argv = split_passthrough(argv)
     parser = build_parser()

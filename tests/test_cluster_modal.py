@@ -17,6 +17,7 @@ from modal_rl.cluster import cli
 from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backend_modal import ModalBackend, function_kwargs, inspect_function
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.run_key import key_env, new_run_key
 
 
 class NoProcess(subprocess.Popen):
@@ -60,10 +61,14 @@ def test_dry_run_plan_matches_the_flags(monkeypatch, capsys):
         assert view["retries"] == 1
     assert fn["volumes"] == {"ckpt": "/ckpt", "hf-cache": "/root/.cache/huggingface"}
     assert fn["inspected"]["volumes"] == {"/ckpt": "ckpt", "/root/.cache/huggingface": "hf-cache"}
-    assert fn["inspected"]["secrets"] == 1
+    user, run = fn["inspected"]["secrets"]  # the user's secret, then the one made for this run
+    assert "wandb" in user and "MODAL_RL_RUN_KEY" in run and "RAY_AUTH_TOKEN" in run
+    assert fn["secrets"] == ["wandb", "run secret (MODAL_RL_RUN_KEY, RAY_AUTH_TOKEN): made for this run"]
     assert plan["framework_argv"] == ["--lr", "1e-6"]
     assert plan["entrypoint"] == ["python3", "train.py", "--lr", "1e-6"]
-    assert plan["env"]["RAY_AUTH_MODE"] == "disabled" and "NCCL_SOCKET_IFNAME" in plan["env"]
+    assert plan["env"]["RAY_AUTH_MODE"] == "token" and "NCCL_SOCKET_IFNAME" in plan["env"]
+    assert plan["ray_auth"] == "token" and plan["dashboard"] == "off"
+    assert plan["env"]["RAY_AUTH_TOKEN"].startswith("<redacted>")
 
 
 def test_other_flags_change_the_function(capsys):
@@ -102,7 +107,11 @@ def test_live_smoke_on_modal():
 
 def test_plan_for_modal_leaves_addresses_to_the_containers():
     plan = ModalBackend().make_plan(ClusterSpec(nodes=2, gpu="H100:8"), JobRequest(["true"]))
-    assert plan.addresses is None and plan.dashboard_host == "0.0.0.0"
+    # Without --dashboard it listens on the head's cluster address only; with it, everywhere
+    # in the container, for modal.forward's tunnel.
+    assert plan.addresses is None and plan.dashboard_host is None and plan.ray_auth == "token"
+    spec = ClusterSpec(nodes=2, gpu="H100:8", dashboard=True)
+    assert ModalBackend().make_plan(spec, JobRequest(["true"])).dashboard_host == "0.0.0.0"
     assert (plan.gcs_port, plan.dashboard_port) == (6379, 8265)
 
 
@@ -111,7 +120,8 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
     """The function body every Modal container runs, with only Modal's calls faked.
 
     ``get_cluster_info`` and ``modal.forward`` need a Modal server; everything behind them
-    (plan parsing, the bootstrap, a real one-node Ray head and job, the returned tail) is real.
+    (plan parsing, the bootstrap, a real one-node Ray head with token auth and its job, the
+    returned tail) is real. The run key arrives in the env, as the run's Modal Secret puts it.
     """
     import contextlib
     import sys
@@ -129,26 +139,33 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
 
     @contextlib.contextmanager
     def fake_forward(port, **kwargs):
-        forwarded.append(port)
+        forwarded.append((port, kwargs))
         yield type("Tunnel", (), {"url": f"https://example.invalid:{port}"})()
 
     monkeypatch.setattr(modal, "forward", fake_forward)
     job = JobRequest([sys.executable, "-c", "print('hello from the job', flush=True)"])
-    plan = ModalBackend().make_plan(ClusterSpec(nodes=1, gpu="A10G:1", join_timeout_s=120), job)
+    plan = ModalBackend().make_plan(
+        ClusterSpec(nodes=1, gpu="A10G:1", join_timeout_s=120, dashboard=True), job
+    )
+    assert plan.ray_auth == "token" and plan.dashboard_host == "0.0.0.0"
     # This machine is shared: other Ray clusters may own Modal's default ports.
     plan.gcs_port, plan.dashboard_port, plan.control_port = free_ports(3)
     plan.dashboard_host = None
     plan.temp_root = f"/tmp/mrl-{plan.run_id}"
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    key = new_run_key()
+    for name, value in key_env(key).items():  # what the run's Modal Secret sets in the container
+        monkeypatch.setenv(name, value)
     saved_env = dict(os.environ)  # the bootstrap sets the node's variables in its own process
     try:
-        result = container_main(plan.to_json(), forward_dashboard=True)
+        result = container_main(plan.to_json())
     finally:
         procs.end_run(plan.run_id)
         os.environ.clear()
         os.environ.update(saved_env)
     assert result["rank"] == 0 and result["exit_code"] == 0
     assert any("hello from the job" in line for line in result["tail"])
-    assert forwarded == [plan.dashboard_port]
-    assert "Ray dashboard: https://example.invalid" in capsys.readouterr().err
+    assert forwarded == [(plan.dashboard_port, {"unencrypted": False})]  # TLS tunnel
+    err = capsys.readouterr().err
+    assert "Ray dashboard (token required): https://example.invalid" in err
+    assert key not in err and all(key not in line for line in result["tail"])
     assert procs.pids_of_run(plan.run_id) == []

@@ -170,4 +170,5 @@ def test_local_dry_run_prints_a_plan_without_starting_anything(monkeypatch, caps
     plan = json.loads(capsys.readouterr().out)
     assert plan["backend"] == "local" and plan["addresses"] == [LOOPBACK, LOOPBACK]
     assert plan["env"]["GLOO_SOCKET_IFNAME"] == "lo" and plan["env"]["RAY_AUTH_MODE"] == "disabled"
+    assert plan["ray_auth"] == "disabled" and plan["env"]["MODAL_RL_RUN_KEY"] == "<redacted>"
     assert plan["entrypoint"] == [sys.executable, "train.py"] and len(plan["commands"]) == 2

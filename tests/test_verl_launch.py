@@ -202,11 +202,16 @@ def test_cluster_runs_do_not_inherit_the_one_node_ray_env(monkeypatch):
 
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ["RAY_AUTH_MODE"] = "token"  # the cluster's (a Modal node's) mode, set by the bootstrap
     prepare_process_env({"X_TEST": "1"}, local=False)
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
-    assert os.environ["X_TEST"] == "1" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    # The job's driver keeps the node's auth mode: forcing "disabled" would lock it out of a
+    # token-authenticated cluster.
+    assert os.environ["X_TEST"] == "1" and os.environ["RAY_AUTH_MODE"] == "token"
     prepare_process_env({}, local=True)
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert (
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    )
 
 
 def test_detach_is_refused_for_a_local_in_process_run():

@@ -92,6 +92,11 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from modal_rl.run_key import ensure_run_key
+
+    # First: the run key (contract 1) reaches every process this launcher starts, the
+    # in-process Ray's workers and local engines included.
+    ensure_run_key()
     args, user_overrides = parse_args(sys.argv[1:] if argv is None else argv)
     if args.tiny is None and args.tiny_task != "arith":
         return _fail("--tiny-task needs --tiny DIR")
@@ -158,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=gpus, placement=placement)
 
     if args.dry_run:
+        from modal_rl.run_key import redact
+
         print("verl_modal: overrides (in order):")
         for override in overrides:
-            print(f"  {override}")
+            print(redact(f"  {override}"))
         return 0
     if args.preflight_only:
         print("preflight ok", file=sys.stderr)
@@ -188,6 +195,7 @@ def run_on_cluster(
 
     from modal_rl.cluster import run_job
     from modal_rl.cluster.cli import run_options
+    from modal_rl.run_key import redact
     from verl_modal.launch import cluster_job
 
     python = sys.executable if args.backend == "local" else "python"
@@ -212,7 +220,7 @@ def run_on_cluster(
             plan = json.loads(text)
             plan["verl"] = {"overrides": overrides, "cpu": cpu, "pool_placement": placement or {}}
             text = json.dumps(plan, indent=2, default=str) + "\n"
-        sys.stdout.write(text)
+        sys.stdout.write(redact(text))
     return code
 
 

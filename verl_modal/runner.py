@@ -21,15 +21,19 @@ from collections.abc import Callable
 
 LOOPBACK = "127.0.0.1"
 # Ray resolves 127.0.0.1 to the host's routable address unless it believes it runs
-# single-node (its Windows/macOS mode); read by ``ray`` at import, so set before that.
+# single-node (its Windows/macOS mode); read by ``ray`` at import, so set before that. The
+# in-process Ray is loopback-only and keeps token auth off (else ``ray.init`` would write
+# ~/.ray/auth_token); a cluster's mode comes from its plan (``modal_rl.cluster``).
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 OBJECT_STORE_BYTES = 1 << 30  # verl's batches here are KiB; Ray's default is 30% of RAM
 
 
 def prepare_process_env(env: dict[str, str], *, local: bool = True) -> None:
     """Put ``env`` (and, for the one-node local Ray, :data:`LOCAL_RAY_ENV`) into this process
-    before verl or Ray is imported. On a cluster the bootstrap has set the node's env."""
-    os.environ.update(LOCAL_RAY_ENV if local else {"RAY_AUTH_MODE": "disabled"})
+    before verl or Ray is imported. On a cluster the bootstrap has set the node's env, Ray's
+    auth mode included (token on Modal): a driver that overrode it could not attach."""
+    if local:
+        os.environ.update(LOCAL_RAY_ENV)
     os.environ.update(env)
 
 

@@ -1,4 +1,12 @@
-"""``python -m modal_rl.cluster smoke [--backend local|modal] [--nodes N] [--gpu T:C]``."""
+"""``python -m modal_rl.cluster smoke|run ...``: the cluster layer's own launcher.
+
+- ``smoke [--backend local|modal] [--nodes N] [--gpu T:C]``: bring a cluster up, all-reduce
+  across it, tear it down (one JSON line on stdout);
+- ``run [cluster flags] -- COMMAND...``: run any command as the Ray job of a cluster (the
+  same ``run_job`` the verl and slime launchers use; ``--dry-run`` prints the plan).
+
+Either way the run key is made first (unless exported), so every process of the run has it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,11 @@ from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 
 
 def main(argv: list[str] | None = None) -> int:
+    from modal_rl.cluster.cli import add_cluster_args, run_job, run_options, spec_from_args, split_passthrough
+    from modal_rl.run_key import ensure_run_key
+
+    ensure_run_key()  # before any node starts: every process of the run inherits it
+    ours, command = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m modal_rl.cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     smoke = sub.add_parser("smoke", help="bring up a cluster, all-reduce across its nodes, tear down")
@@ -18,7 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     smoke.add_argument("--gpu", default=None, help="per node, e.g. H100:8 (required for --backend modal)")
     smoke.add_argument("--rdma", action=argparse.BooleanOptionalAction, default=False)
     smoke.add_argument("--join-timeout", type=float, default=180.0)
-    args = parser.parse_args(argv)
+    run = sub.add_parser("run", help="run COMMAND (after --) as the Ray job of a cluster")
+    add_cluster_args(run)
+    args = parser.parse_args(ours)
+    if args.command == "run":
+        if not command:
+            parser.error("run: give the job's command after --, e.g. -- python3 train.py")
+        try:
+            spec = spec_from_args(args)
+        except ClusterSpecError as exc:
+            parser.error(str(exc))
+        return run_job(spec, command, backend=args.backend, framework_argv=command, **run_options(args))
     try:
         spec = ClusterSpec(
             nodes=args.nodes,

@@ -73,6 +73,7 @@ def plan_from(spec: ClusterSpec, job: JobRequest, **overrides: Any) -> Bootstrap
         collective_timeout_s=job.collective_timeout_s,
         cpus_per_node=spec.cpu,
         address_env=dict(job.address_env),
+        dashboard=spec.dashboard,
     )
     fields.update(overrides)
     return BootstrapPlan(**fields)

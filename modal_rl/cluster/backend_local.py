@@ -10,6 +10,11 @@ Every node runs the same ``bootstrap`` as a Modal container. What differs, and w
   picked free on the loopback address, since all nodes share one network namespace;
 - a Ray temp dir per node, because nodes sharing a session dir race for socket names;
 - logical GPUs (``--num-gpus``) so GPU-scheduled frameworks place their workers;
+- Ray's token auth off by default: every port is bound to loopback, reachable only from
+  this machine, where a user who can reach it could read the run key from our processes'
+  environment anyway. ``ray_auth="token"`` (or ``MODAL_RL_RAY_AUTH=token``) turns it on,
+  which runs the Modal cluster's authenticated bring-up here;
+- the run key reaches node processes through their environment, never their argv;
 - teardown at exit, on error and on Ctrl-C/SIGTERM ends exactly the processes whose
   environment carries this run's ``MODAL_RL_RUN_ID`` (see ``procs.py``).
 """
@@ -32,9 +37,10 @@ from typing import Any
 import modal_rl
 from modal_rl.cluster import procs
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
-from modal_rl.cluster.plan import BootstrapPlan
+from modal_rl.cluster.plan import RAY_AUTH_SWITCH_ENV, BootstrapPlan
 from modal_rl.cluster.raynode import node_environment, ray_start_argv
 from modal_rl.cluster.spec import ClusterSpec
+from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, redact
 
 LOOPBACK = "127.0.0.2"
 REPO_ROOT = Path(modal_rl.__file__).resolve().parent.parent
@@ -75,10 +81,13 @@ class LocalBackend(ClusterBackend):
         on_line: Callable[[str], None] | None = None,
         on_err: Callable[[str], None] | None = None,
         object_store_mb: int = 80,
+        ray_auth: str | None = None,
     ):
         self.on_line = on_line or _writer(sys.stdout)
         self.on_err = on_err or _writer(sys.stderr)
         self.object_store_mb = object_store_mb
+        # None: MODAL_RL_RAY_AUTH from the environment, else "disabled" (loopback only).
+        self.ray_auth = ray_auth
         self.last_run_id: str | None = None
         self.started_pids: dict[int, int] = {}
         self.follower_exit_codes: dict[int, int | None] = {}
@@ -105,6 +114,7 @@ class LocalBackend(ClusterBackend):
             node_flags=flags,
             cpus_per_node=spec.cpu if spec.cpu is not None else 1,
             object_store_bytes=self.object_store_mb * 1024 * 1024,
+            ray_auth=self.ray_auth or os.environ.get(RAY_AUTH_SWITCH_ENV) or "disabled",
         )
         # Short on purpose: Ray's unix socket paths live under it and must stay < 108 bytes.
         plan.temp_root = f"/tmp/mrl-{plan.run_id}"
@@ -119,7 +129,10 @@ class LocalBackend(ClusterBackend):
             "addresses": plan.addresses,
             "commands": [node_command(Path(plan.temp_root) / "plan.json", r) for r in range(plan.nodes)],
             "ray_start": [ray_start_argv(plan, r) for r in range(plan.nodes)],
-            "env": node_environment(plan, "lo"),
+            "env": {**node_environment(plan, "lo"), **_key_entries(plan)},
+            "ray_auth": plan.ray_auth,
+            "dashboard": f"loopback only ({plan.addresses[0]}:{plan.dashboard_port})"
+            + (", token required" if plan.ray_auth == "token" else ", auth off"),
             "entrypoint": plan.entrypoint,
             "runtime_env": plan.runtime_env,
         }
@@ -135,7 +148,8 @@ class LocalBackend(ClusterBackend):
         temp = Path(plan.temp_root or tempfile.mkdtemp(prefix="mrl-"))
         temp.mkdir(parents=True, exist_ok=True)
         (temp / "plan.json").write_text(plan.to_json())
-        env = node_process_env(plan.run_id)
+        ensure_run_key()  # a launcher made it already; a direct caller gets one here
+        env = node_process_env(plan)
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main else None
         nodes: dict[int, subprocess.Popen] = {}
@@ -191,8 +205,9 @@ class LocalBackend(ClusterBackend):
 
 
 def _pump(stream, sink: Callable[[str], None]) -> None:
+    key = os.environ.get(RUN_KEY_ENV)
     for line in stream:
-        sink(line.rstrip("\n"))
+        sink(redact(line.rstrip("\n"), key))
 
 
 def _writer(stream) -> Callable[[str], None]:
@@ -207,11 +222,17 @@ def node_command(plan_path: Path, rank: int) -> list[str]:
     return [sys.executable, "-m", "modal_rl.cluster.node", "--plan", str(plan_path), "--rank", str(rank)]
 
 
-def node_process_env(run_id: str) -> dict[str, str]:
-    """Our environment plus the run tag and an import path that finds this checkout."""
+def _key_entries(plan: BootstrapPlan) -> dict[str, str]:
+    """The key's env entries as a dry run shows them: present, never their value."""
+    return {RUN_KEY_ENV: REDACTED, **({RAY_TOKEN_ENV: REDACTED} if plan.ray_auth == "token" else {})}
+
+
+def node_process_env(plan: BootstrapPlan) -> dict[str, str]:
+    """Our environment (with the run key) plus the run tag, the plan's Ray auth mode and an
+    import path that finds this checkout."""
     env = dict(os.environ)
-    env[procs.RUN_ID_ENV] = run_id
-    env["RAY_AUTH_MODE"] = "disabled"
+    env[procs.RUN_ID_ENV] = plan.run_id
+    env["RAY_AUTH_MODE"] = plan.ray_auth
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -5,9 +5,16 @@
 over ``@modal.clustered(size=N, rdma=...)``. Calling it with the plan JSON broadcasts the
 input to every container; each reads its rank and the cluster's addresses from
 ``modal.experimental.get_cluster_info()`` (IPv4 when Modal gives them, since Ray's IPv6
-support is the younger path) and runs ``bootstrap``; rank 0 forwards the Ray dashboard with
-``modal.forward`` and returns ``{"exit_code", "tail"}``, which Modal hands back (only rank
-0's output is returned for clustered functions).
+support is the younger path) and runs ``bootstrap``; rank 0 returns ``{"exit_code", "tail"}``,
+which Modal hands back (only rank 0's output is returned for clustered functions).
+
+Trust boundary (invariants):
+- Ray runs with token auth (``RAY_AUTH_MODE=token``); the token is the run key, which reaches
+  the containers only in a Modal Secret made for the run (``run_key.modal_secret``), never in
+  the plan JSON (the function's argument) or the function's ``env``;
+- the dashboard (which serves Ray's Job API: code execution on every node) leaves the
+  container only with ``--dashboard``, through a TLS tunnel, and then still demands the
+  token; the launcher writes the token to a 0600 file and prints only its path.
 
 Nothing here contacts Modal until ``run``; ``build_function`` works offline, which is how
 the function's settings are tested without a server.
@@ -16,13 +23,16 @@ the function's settings are tested without a server.
 from __future__ import annotations
 
 import collections
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, modal_secret, redact
 
 RAY_VERSION = "2.60.0"
 MAX_MODAL_TIMEOUT_S = 24 * 3600
@@ -68,7 +78,16 @@ def build_image(spec: ClusterSpec):
     return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
-def container_main(plan_json: str, forward_dashboard: bool = True) -> dict:
+RUN_SECRET_NOTE = f"run secret ({RUN_KEY_ENV}, {RAY_TOKEN_ENV}): made for this run"
+TOKEN_DIR = "~/.modal-rl/runs"
+
+
+def forwards_dashboard(plan: BootstrapPlan, rank: int) -> bool:
+    """Whether this container opens a tunnel to the dashboard: rank 0, and only on request."""
+    return rank == 0 and plan.dashboard
+
+
+def container_main(plan_json: str) -> dict:
     """Body of every container. Rank and addresses come from Modal's cluster info."""
     import modal
     import modal.experimental
@@ -79,13 +98,40 @@ def container_main(plan_json: str, forward_dashboard: bool = True) -> dict:
     addresses = list(getattr(info, "container_ipv4_ips", None) or info.container_ips)
     plan = BootstrapPlan.from_json(plan_json)
     out = _Tee(sys.stdout)
-    if info.rank == 0 and forward_dashboard:
-        with modal.forward(plan.dashboard_port) as tunnel:
-            print(f"[modal_rl.cluster rank 0] Ray dashboard: {tunnel.url}", file=sys.stderr, flush=True)
+    if forwards_dashboard(plan, info.rank):
+        # TLS tunnel (unencrypted=False): the token in each request never crosses in the clear.
+        with modal.forward(plan.dashboard_port, unencrypted=False) as tunnel:
+            print(
+                f"[modal_rl.cluster rank 0] Ray dashboard (token required): {tunnel.url}",
+                file=sys.stderr,
+                flush=True,
+            )
             code = bootstrap(info.rank, addresses, plan, out=out)
     else:
         code = bootstrap(info.rank, addresses, plan, out=out)
-    return {"rank": info.rank, "exit_code": code, "tail": list(out.lines)}
+    return {"rank": info.rank, "exit_code": code, "tail": [redact(line) for line in out.lines]}
+
+
+def write_token_file(run_id: str, key: str, root: str = TOKEN_DIR) -> Path:
+    """``<root>/<run_id>.token`` holding ``key``, readable by this user only (0600 in a 0700
+    directory); the path is what the launcher prints, never the key."""
+    directory = Path(os.path.expanduser(root))
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / f"{run_id}.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(key)
+    return path
+
+
+def dashboard_note(path: Path) -> str:
+    return (
+        f"[modal_rl.cluster] --dashboard: rank 0 prints the dashboard's https URL once it is up; "
+        f"it needs the run's token, in {path} (this user only). Use it as "
+        f'`curl -H "Authorization: Bearer $(cat {path})" URL/api/jobs/`, or paste it into the '
+        "dashboard's token prompt in a browser"
+    )
 
 
 class _Tee:
@@ -111,22 +157,28 @@ class ModalBackend(ClusterBackend):
     name = "modal"
     can_detach = True
 
-    def __init__(self, app_name: str = "modal-rl-cluster", forward_dashboard: bool = True, on_line=None):
+    def __init__(self, app_name: str = "modal-rl-cluster", on_line=None, on_err=None):
         self.app_name = app_name
-        self.forward_dashboard = forward_dashboard
         self.on_line = on_line
+        self.on_err = on_err or (lambda line: print(line, file=sys.stderr, flush=True))
         self.last_kwargs: dict[str, Any] = {}
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         validate_for_modal(spec)
         # Addresses are filled in inside the containers; every container has its own
         # network namespace, so the default ports are used on every node.
-        plan = plan_from(spec, job)
-        plan.dashboard_host = "0.0.0.0"  # modal.forward tunnels into the container's port
+        plan = plan_from(spec, job, ray_auth="token")
+        # modal.forward tunnels into the container's port on every interface; without the
+        # tunnel the dashboard listens on the head's cluster address only (None).
+        plan.dashboard_host = "0.0.0.0" if plan.dashboard else None
         return plan
 
-    def build_function(self, spec: ClusterSpec):
-        """(app, function) defined offline; records the kwargs in ``last_kwargs``."""
+    def build_function(self, spec: ClusterSpec, key: str | None = None):
+        """(app, function) defined offline; records the kwargs in ``last_kwargs``.
+
+        The run's key (``key``, default: the run's, made if missing) is attached as a Modal
+        Secret made for this run, after the user's named secrets (so theirs cannot replace it).
+        """
         import modal
 
         validate_for_modal(spec)
@@ -135,12 +187,14 @@ class ModalBackend(ClusterBackend):
             path: modal.Volume.from_name(name, create_if_missing=True) for name, path in spec.volumes.items()
         }
         secrets = [modal.Secret.from_name(name) for name in spec.secrets]
+        secrets.append(modal_secret(key if key is not None else ensure_run_key()))
         kwargs = function_kwargs(spec)
         self.last_kwargs = {
             **kwargs,
             "cluster_size": spec.nodes,
             "rdma": spec.rdma,
             "volumes": dict(spec.volumes),
+            "secrets": [*spec.secrets, RUN_SECRET_NOTE],
         }
         clustered = modal.clustered(size=spec.nodes, rdma=spec.rdma)(container_main)
         fn = app.function(
@@ -162,27 +216,39 @@ class ModalBackend(ClusterBackend):
             "image": spec.image or f"debian_slim(python 3.11) + ray[default]=={RAY_VERSION} + torch",
             "modal_function": {**self.last_kwargs, "inspected": inspect_function(fn)},
             "commands": ["modal_rl.cluster.backend_modal.container_main(plan) on every container"],
-            "env": node_environment(plan, "<interface of the cluster address>"),
+            "env": {
+                **node_environment(plan, "<interface of the cluster address>"),
+                RUN_KEY_ENV: f"{REDACTED} (run secret)",
+                RAY_TOKEN_ENV: f"{REDACTED} (run secret)",
+            },
+            "ray_auth": plan.ray_auth,
+            "dashboard": "tls tunnel, token required" if plan.dashboard else "off",
             "entrypoint": plan.entrypoint,
             "runtime_env": plan.runtime_env,
         }
 
+    def _announce(self, plan: BootstrapPlan) -> None:
+        if plan.dashboard:
+            self.on_err(dashboard_note(write_token_file(plan.run_id, ensure_run_key())))
+
     def run(self, spec: ClusterSpec, job: JobRequest) -> int:
         plan = self.make_plan(spec, job)
         app, fn = self.build_function(spec)
+        self._announce(plan)
         with app.run():
-            result = fn.remote(plan.to_json(), self.forward_dashboard)
+            result = fn.remote(plan.to_json())
         for line in result.get("tail", []):
             if self.on_line is not None:
-                self.on_line(line)
+                self.on_line(redact(line))
         return int(result["exit_code"])
 
     def spawn(self, spec: ClusterSpec, job: JobRequest) -> str:
         """--detach: start the cluster in a detached app and return the function call id."""
         plan = self.make_plan(spec, job)
         app, fn = self.build_function(spec)
+        self._announce(plan)
         with app.run(detach=True):
-            call = fn.spawn(plan.to_json(), self.forward_dashboard)
+            call = fn.spawn(plan.to_json())
         return call.object_id
 
 
@@ -201,7 +267,11 @@ def inspect_function(fn) -> dict[str, Any]:
         out["volumes"] = {
             str(path): getattr(vol, "_name", None) or repr(vol) for path, vol in spec.volumes.items()
         }
-        out["secrets"] = len(spec.secrets)
+        # Each secret as Modal describes it: a name, or the variable names of a from_dict one
+        # (never values).
+        out["secrets"] = [
+            str(getattr(secret, "_rep", None) or type(secret).__name__) for secret in spec.secrets
+        ]
         out["cloud"] = spec.cloud
     load = getattr(inner, "_load", None)
     cells = {}

@@ -12,6 +12,10 @@ An adapter's ``main`` does::
 ``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan as
 JSON), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
 return) or a blocking run whose exit code is the job's.
+
+The run key: ``run_job`` (and each launcher's ``main``, first thing, via ``ensure_run_key``)
+puts ``MODAL_RL_RUN_KEY`` into this process's environment unless the user exported one, so
+the launcher and everything it starts share it. Whatever we print passes ``redact``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, TextIO
 from modal_rl.cluster.backend import JobRequest, get_backend
 from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.run_key import ensure_run_key, redact
 
 
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -76,6 +81,12 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         "--collective-check", action="store_true", help="all-reduce across all nodes before the job"
     )
     g.add_argument("--detach", action="store_true", help="Modal: start the run and return (it keeps running)")
+    g.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="Modal: forward Ray's dashboard through a TLS tunnel (token required; the launcher "
+        "writes the token to ~/.modal-rl/runs/<run>.token). Default: not reachable from outside",
+    )
     g.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit; starts nothing")
     g.add_argument("--preflight-only", action="store_true", help="run the checks and exit; starts nothing")
 
@@ -100,6 +111,7 @@ def spec_from_args(args: argparse.Namespace, **overrides: Any) -> ClusterSpec:
         retries=args.retries,
         region=args.region,
         cloud=args.cloud,
+        dashboard=getattr(args, "dashboard", False),
     )
     fields.update(overrides)
     return ClusterSpec(**fields)
@@ -139,6 +151,7 @@ def run_job(
     failure (nothing was started), else rank 0's (the job's) exit code.
     """
     out = out or sys.stdout
+    key = ensure_run_key()
     job = JobRequest(
         list(entrypoint),
         dict(runtime_env or {}),
@@ -153,14 +166,15 @@ def run_job(
         plan = impl.make_plan(spec, job)
         run_preflight(spec, framework_argv, preflight, plan=plan, required_gpus=required_gpus)
     except (PreflightError, ClusterSpecError) as exc:
-        print(str(exc), file=sys.stderr)
+        print(redact(str(exc), key), file=sys.stderr)
         return 2
     if dry_run:
         description = impl.describe(spec, job)
         description["framework_argv"] = list(framework_argv or [])
         description["preflight"] = "ok"
         description.update(plan_extra or {})
-        out.write(json.dumps(description, indent=2, default=str) + "\n")
+        # The plan holds no key by construction; redact anyway, in case a user put it in argv.
+        out.write(redact(json.dumps(description, indent=2, default=str), key) + "\n")
         return 0
     if preflight_only:
         print("preflight ok", file=sys.stderr)

@@ -18,10 +18,11 @@ import time
 from modal_rl.cluster.control import ControlClient
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import RayNode, ray_start_argv
+from modal_rl.run_key import redact
 
 
 def _say(rank: int, msg: str) -> None:
-    print(f"[modal_rl.cluster rank {rank}] {msg}", file=sys.stderr, flush=True)
+    print(redact(f"[modal_rl.cluster rank {rank}] {msg}"), file=sys.stderr, flush=True)
 
 
 def run_follower(plan: BootstrapPlan, rank: int) -> int:
@@ -35,6 +36,7 @@ def run_follower(plan: BootstrapPlan, rank: int) -> int:
         return 1
 
     def forward(line: str) -> None:
+        line = redact(line)  # Ray's output goes to logs and to rank 0's failure reports
         print(f"[rank {rank} ray] {line}", file=sys.stderr, flush=True)
         control.send({"log": line})
 

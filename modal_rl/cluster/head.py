@@ -10,6 +10,11 @@ Order, and why:
 5. the entrypoint through the Ray Job API; logs tailed to stdout as they come; the job's
    driver exit code becomes ours; a lost follower stops the job and exits 70;
 6. release the followers (they stop their nodes and exit), stop the head node.
+
+Auth: with ``RAY_AUTH_MODE=token`` in this process's env (the bootstrap sets it, with the
+run key as ``RAY_AUTH_TOKEN``), Ray's own clients used here (``JobSubmissionClient``
+including its log-tail websocket, ``ray.util.state.list_nodes``) send the token themselves.
+Everything rank 0 prints (its messages, the job's logs, Ray's last lines) passes ``redact``.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from modal_rl.cluster import plan as P
 from modal_rl.cluster.control import ControlServer
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import RayNode, ray_start_argv
+from modal_rl.run_key import redact
 
 
 def _say(msg: str) -> None:
-    print(f"[modal_rl.cluster rank 0] {msg}", file=sys.stderr, flush=True)
+    print(redact(f"[modal_rl.cluster rank 0] {msg}"), file=sys.stderr, flush=True)
 
 
 class BootstrapError(RuntimeError):
@@ -200,7 +206,7 @@ class Head:
 
     async def _tail(self, job_id: str) -> None:
         async for chunk in self.client.tail_job_logs(job_id):
-            self.out.write(chunk)
+            self.out.write(redact(chunk))
             self.out.flush()
 
     # ---- whole run ------------------------------------------------------------------

@@ -26,10 +26,16 @@ EXIT_COLLECTIVE_FAILED = 72
 EXIT_HEAD_FAILED = 73
 EXIT_JOB_TIMEOUT = 124
 
-# Set on every node before Ray starts, and why (docs/clusters.md repeats this table).
+# Ray's authentication mode (``RAY_AUTH_MODE``) per plan: "token" on every Modal cluster (the
+# token is the run key, from the run's Modal Secret), "disabled" by default on a local
+# loopback cluster; ``MODAL_RL_RAY_AUTH=token`` (or ``LocalBackend(ray_auth="token")``) turns
+# it on there too, so the same bring-up is tested with auth on.
+RAY_AUTH_MODES = ("token", "disabled")
+RAY_AUTH_SWITCH_ENV = "MODAL_RL_RAY_AUTH"
+
+# Set on every node before Ray starts, and why (docs/clusters.md repeats this table);
+# ``RAY_AUTH_MODE`` is added from the plan (``node_environment``), after the user's env.
 BASE_ENV = {
-    # Ray 2.60 writes and demands a token unless told otherwise; the cluster network is private.
-    "RAY_AUTH_MODE": "disabled",
     # No usage reports leave the cluster.
     "RAY_USAGE_STATS_ENABLED": "0",
     # On SIGTERM, stop at once instead of draining for 30 s: teardown is ours to time.
@@ -105,6 +111,18 @@ class BootstrapPlan:
     heartbeat_s: float = 1.0
     lost_after_s: float = 5.0
     address_env: dict[str, str] = field(default_factory=dict)  # name -> kind, see address_env_values
+    # "token": every Ray endpoint (GCS, dashboard, Job API) demands the run key, which each
+    # node reads from its environment (never from this plan: plans are printed and shipped).
+    ray_auth: str = "token"
+    dashboard: bool = False  # forward the dashboard out of the cluster (Modal: a TLS tunnel)
+
+    def __post_init__(self) -> None:
+        if self.ray_auth not in RAY_AUTH_MODES:
+            from modal_rl.cluster.spec import ClusterSpecError
+
+            raise ClusterSpecError(
+                f"Ray auth mode {self.ray_auth!r} (from {RAY_AUTH_SWITCH_ENV}?): use one of {RAY_AUTH_MODES}"
+            )
 
     def head_address(self) -> str:
         assert self.addresses, "addresses are filled in before bootstrap"

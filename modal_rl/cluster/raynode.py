@@ -109,12 +109,18 @@ class RayNode:
 
 
 def node_environment(plan: BootstrapPlan, iface: str) -> dict[str, str]:
-    """Variables every process of a node inherits (Ray passes its env on to its workers)."""
+    """Variables every process of a node inherits (Ray passes its env on to its workers).
+
+    Never the run key: this dict also becomes the job's runtime env, which Ray stores and
+    serves (Job API); the key reaches Ray's processes by inheritance from the node process.
+    The plan's auth mode is set last, so no user ``env`` entry can switch it.
+    """
     from modal_rl.cluster.plan import BASE_ENV
     from modal_rl.cluster.procs import RUN_ID_ENV
 
     env = {**BASE_ENV, "NCCL_SOCKET_IFNAME": iface, "GLOO_SOCKET_IFNAME": iface, RUN_ID_ENV: plan.run_id}
     env.update(plan.env)
+    env["RAY_AUTH_MODE"] = plan.ray_auth
     return env
 
 

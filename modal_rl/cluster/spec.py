@@ -24,6 +24,9 @@ GPUS_PER_HOST = {"H100": 8, "H200": 8, "B200": 8, "A100": 8, "A100-80GB": 8, "A1
 KNOWN_GPU_TYPES = set(GPUS_PER_HOST) | {"T4", "L4", "A10G", "A10", "L40S"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by the run itself: the key travels in a Modal Secret / the process env, never in a spec
+# (specs are printed), and Ray's auth mode follows the backend.
+RESERVED_ENV = ("MODAL_RL_RUN_KEY", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
 
 
 class ClusterSpecError(ValueError):
@@ -68,7 +71,8 @@ class ClusterSpec:
     are Modal Secret names; ``env`` is set on every node before Ray starts and in the job's
     runtime env. ``join_timeout_s`` bounds the wait for all nodes to register with Ray;
     ``job_timeout_s`` bounds the job (and, on Modal, the function's ``timeout=``).
-    ``local_gpus_per_node`` is the count of *logical* GPUs the local backend declares to Ray
+    ``dashboard`` forwards Ray's dashboard out of the cluster (Modal: a TLS tunnel that
+    still demands the run's token). ``local_gpus_per_node`` is the count of *logical* GPUs the local backend declares to Ray
     when ``gpu`` is ``None`` (so GPU-scheduled frameworks run on a CPU machine).
     """
 
@@ -86,6 +90,7 @@ class ClusterSpec:
     cloud: str | None = None
     cpu: float | None = None
     local_gpus_per_node: int = 1
+    dashboard: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so a spec built from lists
@@ -149,6 +154,12 @@ class ClusterSpec:
             if not _ENV_RE.match(key):
                 raise ClusterSpecError(
                     f"env key {key!r}: must be a shell identifier ([A-Za-z_][A-Za-z0-9_]*)"
+                )
+            if key in RESERVED_ENV:
+                raise ClusterSpecError(
+                    f"env key {key}: set by the run itself (the run key travels in a Modal Secret or "
+                    "the process env, never in --env); export MODAL_RL_RUN_KEY to choose the key, "
+                    "MODAL_RL_RAY_AUTH=token for Ray auth on a local cluster"
                 )
         for name in ("join_timeout_s", "job_timeout_s"):
             value = getattr(self, name)

@@ -20,7 +20,6 @@ CPU_ENV = {
     "VERL_ENGINE_DEVICE": "cuda",  # blocker 4: verl's FSDP engine is registered for "cuda"
     "VLLM_CPU_KVCACHE_SPACE": "1",  # blocker 1: KV cache GiB; skips vLLM's NUMA memory check
     "HF_HUB_OFFLINE": "1",
-    "RAY_AUTH_MODE": "disabled",  # Ray 2.60 would otherwise write and demand ~/.ray/auth_token
     "WANDB_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
 }
