@@ -183,6 +183,16 @@ def _final(series: Series, tree: Path, env: dict[str, str], scratch: Path, full:
     return row
 
 
+def apply_series(series: Series, source: str | None, scratch: Path) -> Path:
+    """A clean base from ``source`` with the whole series committed on it (no tests run)."""
+    tree = bases.prepare(series.base, source, scratch)
+    for patch in series.patches:
+        am = bases.git(tree, "am", "-q", "--keep-non-patch", str(patch.file), check=False)
+        if am.returncode != 0:
+            raise bases.BaseError(f"{patch.file.name} does not apply: {(am.stderr or am.stdout).strip()}")
+    return tree
+
+
 def table(rows: list[Row]) -> str:
     """The summary table (one line per patch, then the series line)."""
     head = ("framework", "patch", "applies", "before (must fail)", "after (must pass)", "s", "ok")

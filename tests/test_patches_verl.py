@@ -32,6 +32,7 @@ def test_verl_series_file_is_consistent():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_every_verl_patch_applies_and_flips_its_test(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SLIME_PATH"}
     out = tmp_path / "rows.json"
