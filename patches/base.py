@@ -135,6 +135,7 @@ def prepare(base: Base, source: str | None, scratch: Path) -> Path:
         ref = base.commit or "HEAD"
         if git(tree, "checkout", "-q", "--detach", ref, check=False).returncode != 0:
             raise BaseError(f"{path} does not have commit {ref} of {base.name}; fetch it there first")
+        _check_version(base, tree, path)
         return tree
     tree = scratch / "tree"
     shutil.copytree(path, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"), symlinks=True)

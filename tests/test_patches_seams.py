@@ -38,7 +38,13 @@ import vllm.v1.engine.async_llm  # the post-import hook decides whether to wrap 
 config = OmegaConf.create(
     {"trainer": {"v1": {"trainer_mode": "separate_async"}}, "actor_rollout_ref": {"hybrid_engine": False}}
 )
+os.environ[pools.PLACEMENT_ENV] = '{"global_pool": [0]}'  # a placement plan needs our manager
+swapped_with_plan = pools.install()
+placed = trainer_base.ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
 print(json.dumps({
+    "swapped_with_plan": swapped_with_plan,
+    "placed_ours": type(placed) is pools.manager_class(),
+    "placed_wait_s": placed.wait_timeout_s,
     "verl": os.path.dirname(verl.__file__),
     "seams": seams,
     "swapped": swapped,
@@ -74,6 +80,9 @@ def test_patched_verl_uses_the_upstream_seams(patched_verl):
     assert not seen["ours"] and seen["wait_timeout_s"] == 42.0
     assert seen["pause_wrapped"] is False
     assert seen["log_quieted"] is False
+    # with a placement plan our manager is still swapped in (placement is ours, not verl's)
+    assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped_with_plan"]
+    assert seen["placed_ours"] and seen["placed_wait_s"] == 42.0
 
 
 def test_unpatched_verl_keeps_the_shims():
