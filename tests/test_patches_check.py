@@ -56,8 +56,8 @@ TEST_ADD = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5
 FIXED = "def add(a, b):\n    return a + b\n"
 
 
-def _series(folder: Path, commit: str, entries: list[dict]) -> Path:
-    lines = ["[base]", 'name = "calc"', 'git = "local"', f'commit = "{commit}"', 'runner = "pytest"', ""]
+def _series(folder: Path, commit: str, entries: list[dict], runner: str = "pytest") -> Path:
+    lines = ["[base]", 'name = "calc"', 'git = "local"', f'commit = "{commit}"', f'runner = "{runner}"', ""]
     for e in entries:
         lines += (
             ["[[patch]]"]
@@ -212,3 +212,16 @@ def test_table_lists_every_row():
     text = check.table(rows)
     assert "0001-x.patch" in text and "DEVIATION" in text and text.count("\n") == 3
     assert textwrap.dedent(text) == text
+
+
+def test_python_runner_runs_each_test_file_as_a_script(calc):
+    """slime's convention: CPU tests are run as ``python tests/<file>``; the exit status decides."""
+    repo, commit, folder = calc
+    script = "from calc import add\n\nif __name__ == '__main__':\n    assert add(2, 3) == 5\n"
+    name = _patch(repo, folder, {"calc/__init__.py": FIXED, "tests/test_add_cpu.py": script}, "fix: add adds")
+    entry = dict(
+        file=name, title="t", fix=True, targets=["calc/__init__.py"], new_tests=["tests/test_add_cpu.py"]
+    )
+    rows = _run(_series(folder, commit, [entry], runner="python"), repo)
+    assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
+    assert rows[0].before == "FAIL rc=1" and rows[0].after == "pass rc=0"
