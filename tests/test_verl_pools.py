@@ -218,3 +218,129 @@ def test_planned_pools_land_on_their_ranks(cluster, monkeypatch):
         for pool in pools.values():
             for pg in pool.pgs or []:
                 ray.util.remove_placement_group(pg)
+
+
+# --- every place verl builds a pool manager gets ours (installed, unpatched verl 0.9.1) ---
+
+# (module with the call, module whose ``ResourcePoolManager`` name the call resolves)
+VERL_091_SITES = {
+    ("verl.trainer.main_ppo_v0", "verl.trainer.ppo.ray_trainer"),
+    ("verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.v1.trainer_base"),
+    ("verl.workers.rollout.replica", "verl.workers.rollout.replica"),
+    ("verl.experimental.separation.utils", "verl.experimental.separation.utils"),
+    (
+        "verl.experimental.fully_async_policy.fully_async_rollouter",
+        "verl.experimental.fully_async_policy.fully_async_rollouter",
+    ),
+}
+
+
+def _construction_sites() -> set[tuple[str, str]]:
+    """Every ``ResourcePoolManager(...)`` call in the installed verl, with the module its name
+    is bound in: a function-local ``from X import ResourcePoolManager`` binds X, else the module."""
+    import ast
+    from pathlib import Path
+
+    import verl
+
+    root = Path(verl.__file__).parent
+    sites = set()
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ResourcePoolManager"):
+                continue
+            binding = module
+            for func in functions:
+                if node in set(ast.walk(func)):
+                    for imp in ast.walk(func):
+                        if isinstance(imp, ast.ImportFrom) and any(
+                            a.name == "ResourcePoolManager" for a in imp.names
+                        ):
+                            binding = imp.module
+            sites.add((module, binding))
+    return sites
+
+
+def test_the_installed_verl_is_unpatched():
+    from verl_modal import upstream
+
+    assert upstream.seams() == dict.fromkeys(upstream.seams(), False)  # else the tests below prove less
+
+
+_SWAP_CHECK = """
+import importlib, json, sys
+sites = json.loads(sys.argv[1])
+if sys.argv[2] == "imported-first":
+    for _, binding in sites:
+        importlib.import_module(binding)
+from verl_modal import pools
+pools.install()
+print(json.dumps({b: importlib.import_module(b).ResourcePoolManager is pools.manager_class() for _, b in sites}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["imported-first", "installed-first"])
+def test_install_reaches_every_place_verl_builds_the_pool_manager(order):
+    """In a fresh process, whether verl's modules are imported before ``install`` (swapped at
+    once) or after (swapped by the import hook), every construction site resolves to ours."""
+    sites = _construction_sites()
+    assert sites == VERL_091_SITES, "verl builds its pool manager somewhere new: extend pools._USERS"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SWAP_CHECK, json.dumps(sorted(sites)), order],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    swapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert swapped == dict.fromkeys(swapped, True) and len(swapped) == len(sites), swapped
+
+
+class _Built(Exception):
+    """Raised by the stubbed ``create_resource_pool``: carries the manager verl built."""
+
+
+@pytest.fixture
+def stop_at_create(monkeypatch):
+    from verl_modal import pools
+
+    def create_resource_pool(self):
+        raise _Built(self)
+
+    pools.install()
+    monkeypatch.setattr(pools.manager_class(), "create_resource_pool", create_resource_pool)
+    return pools.manager_class()
+
+
+def test_separation_utils_builds_ours(stop_at_create):
+    from omegaconf import OmegaConf
+    from verl.experimental.separation.utils import create_resource_pool_manager
+    from verl.trainer.ppo.utils import Role
+
+    config = OmegaConf.create({"trainer": {"n_gpus_per_node": 2, "nnodes": 1}})
+    manager = create_resource_pool_manager(config, roles=[Role.ActorRollout])
+    assert type(manager) is stop_at_create
+    assert manager.resource_pool_spec == {"trainer_pool": [2]}
+
+
+def test_fully_async_rollouter_builds_ours(stop_at_create):
+    import asyncio
+
+    from omegaconf import OmegaConf
+    from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
+
+    rollouter = object.__new__(FullyAsyncRollouter.__ray_actor_class__)  # the actor's class, no actor
+    rollouter.config = OmegaConf.create(
+        {"distillation": {"enabled": True, "n_gpus_per_node": 1, "nnodes": 2}}
+    )
+    with pytest.raises(_Built) as built:
+        asyncio.run(rollouter._create_teacher_model_manager())
+    (manager,) = built.value.args
+    assert type(manager) is stop_at_create
+    assert manager.resource_pool_spec == {"teacher_pool": [1, 1]}

@@ -18,8 +18,13 @@ Invariants:
   sliver of the rank's custom resource ``modal_rl_rank_<r>`` (every cluster node carries
   its own). Trainer pools take the first ranks, standalone rollout replicas the ranks after.
   Pools without a plan, or whose plan does not match their node entries, are left to Ray.
-- :func:`install` swaps our class in for the names verl's trainer and standalone rollout
-  replicas construct, in this process only; installed files are never edited.
+- :func:`install` swaps our class in for the name every verl module that builds a pool
+  manager constructs (:data:`_USERS`; a test scans verl for construction sites and fails on
+  a new one), in this process only; installed files are never edited. Modules not yet
+  imported are swapped right after verl imports them (an import hook).
+- A verl with the upstream wait (``patches/verl/0005``, seen by
+  :func:`verl_modal.upstream.pool_wait_env`) needs no swap unless a placement plan is set:
+  :func:`install` then only hands our wait to verl's own env var (unless already set).
 """
 
 from __future__ import annotations
@@ -33,8 +38,18 @@ from modal_rl.cluster.plan import rank_resource  # the custom resource only that
 WAIT_ENV = "VERL_MODAL_POOL_WAIT_S"
 PLACEMENT_ENV = "VERL_MODAL_POOL_PLACEMENT"
 DEFAULT_WAIT_S = 300.0
-# Modules that construct ``ResourcePoolManager`` by the name they imported.
-_USERS = ("verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.ray_trainer", "verl.workers.rollout.replica")
+# Modules that construct ``ResourcePoolManager`` by the name they imported: imported and
+# swapped at once (the trainer's own) ...
+_USERS = (
+    "verl.trainer.ppo.v1.trainer_base",
+    "verl.trainer.ppo.ray_trainer",  # main_ppo_v0 imports the name from here when it runs
+    "verl.workers.rollout.replica",
+)
+# ... and swapped when verl imports them (the separation / fully-async entry points).
+_LATE_USERS = (
+    "verl.experimental.separation.utils",
+    "verl.experimental.fully_async_policy.fully_async_rollouter",
+)
 
 
 class PoolWaitTimeout(RuntimeError):
@@ -217,18 +232,40 @@ def manager_class():
     return _CLASS
 
 
-def install() -> list[str]:
-    """Make verl's trainer and rollout replicas construct our manager; returns the modules changed."""
-    import importlib
+def _swap(module) -> bool:
+    if getattr(module, "ResourcePoolManager", None) is None:
+        return False
+    module.ResourcePoolManager = manager_class()
+    return True
 
-    cls = manager_class()
+
+def install() -> list[str]:
+    """Make every place verl builds a pool manager build ours; returns the modules changed now
+    (the late ones are changed when imported). On a verl with the upstream wait and no
+    placement plan: no swap, verl's env var gets our wait, returns ``[]``."""
+    import importlib
+    import sys
+
+    from verl_modal import _register, upstream
+
+    verl_env = upstream.pool_wait_env()
+    if verl_env and not os.environ.get(PLACEMENT_ENV):
+        os.environ.setdefault(verl_env, f"{_default_wait():g}")
+        return []
     changed = []
     for name in _USERS:
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        if getattr(module, "ResourcePoolManager", None) is not None:
-            module.ResourcePoolManager = cls
+        if _swap(module):
             changed.append(name)
+    for name in _LATE_USERS:
+        if name in sys.modules:
+            if _swap(sys.modules[name]):
+                changed.append(name)
+        else:
+            _register.after_import(
+                name, _register.loudly(f"the pool manager of {name}", lambda n=name: _swap(sys.modules[n]))
+            )
     return changed

@@ -66,15 +66,20 @@ def logical_gpus(config) -> int:
     return int(declared) if declared is not None else wanted
 
 
-def quiet_separate_async_info_log(config) -> None:
+def quiet_separate_async_info_log(config) -> bool:
     """verl 0.9.1's ``separate_async`` trainer with ``hybrid_engine=false`` calls
     ``logger.info(..., flush=True)``, a TypeError whenever INFO is enabled for its logger.
-    Raise that one module's level to WARNING (its other INFO lines are lost, nothing else)."""
+    Raise that one module's level to WARNING (its other INFO lines are lost, nothing else).
+    Skipped on a verl without the bug (``patches/verl/0001``); True when it acted."""
     import importlib
     import logging
 
     from omegaconf import OmegaConf
 
+    from verl_modal import upstream
+
+    if upstream.flush_fixed():
+        return False
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync")
     if mode == "separate_async" and not OmegaConf.select(
         config, "actor_rollout_ref.hybrid_engine", default=True
@@ -82,6 +87,8 @@ def quiet_separate_async_info_log(config) -> None:
         # Imported first: the module sets its logger's level from VERL_LOGGING_LEVEL on import.
         module = importlib.import_module("verl.trainer.ppo.v1.trainer_separate_async")
         module.logger.setLevel(logging.WARNING)
+        return True
+    return False
 
 
 def start_local_ray(config, env_vars: dict[str, str]) -> None:
@@ -151,10 +158,14 @@ def make_task_runner(cpu: bool):
 
     class PoolTaskRunner(base):
         def run(self, config):
-            from verl_modal import pools
+            from verl_modal import pools, upstream
 
-            pools.install()
-            quiet_separate_async_info_log(config)
+            swapped = pools.install()
+            quieted = quiet_separate_async_info_log(config)
+            print(
+                f"[verl_modal] upstream fixes in this verl: {upstream.seams()}; "
+                f"pool manager swapped in {swapped or 'none'}; separate_async INFO log quieted: {quieted}"
+            )
             return super().run(config)
 
     PoolTaskRunner.__qualname__ = PoolTaskRunner.__name__ = "PoolTaskRunner"

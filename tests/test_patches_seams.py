@@ -1,0 +1,94 @@
+"""verl_modal on a verl that has our upstream fixes uses verl's seams instead of its run-time
+shims; on the installed (unpatched) verl 0.9.1 it keeps the shims. The same probe runs in a
+subprocess against both: the verl 0.9.1 sdist with ``patches/verl/`` applied (in a temp dir,
+first on ``PYTHONPATH``), and the installed verl (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patches import check, series_path
+from patches.series import load
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, os, sys
+import verl
+from omegaconf import OmegaConf
+from verl_modal import pools, runner, upstream
+from verl_modal.cpu import patches
+
+os.environ.pop(pools.PLACEMENT_ENV, None)
+os.environ[pools.WAIT_ENV] = "42"
+seams = upstream.seams()
+swapped = pools.install()
+import verl.trainer.ppo.v1.trainer_base as trainer_base
+manager = trainer_base.ResourcePoolManager(resource_pool_spec={"p": [1]}, mapping={})
+patches.install()
+import vllm.v1.engine.async_llm  # the post-import hook decides whether to wrap pause_generation
+config = OmegaConf.create(
+    {"trainer": {"v1": {"trainer_mode": "separate_async"}}, "actor_rollout_ref": {"hybrid_engine": False}}
+)
+os.environ[pools.PLACEMENT_ENV] = '{"global_pool": [0]}'  # a placement plan needs our manager
+swapped_with_plan = pools.install()
+placed = trainer_base.ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
+print(json.dumps({
+    "swapped_with_plan": swapped_with_plan,
+    "placed_ours": type(placed) is pools.manager_class(),
+    "placed_wait_s": placed.wait_timeout_s,
+    "verl": os.path.dirname(verl.__file__),
+    "seams": seams,
+    "swapped": swapped,
+    "ours": type(manager) is pools.manager_class(),
+    "wait_timeout_s": getattr(manager, "wait_timeout_s", None),
+    "pause_wrapped": patches.installed()["vllm_pause_generation"],
+    "log_quieted": runner.quiet_separate_async_info_log(config),
+}))
+"""
+
+
+def _probe(pythonpath: list[str]) -> dict:
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(ROOT), str(ROOT / "tests")])
+    for key in ("VERL_RESOURCE_POOL_WAIT_TIMEOUT", "VERL_MODAL_POOL_PLACEMENT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def patched_verl(tmp_path_factory) -> Path:
+    scratch = tmp_path_factory.mktemp("patched-verl")
+    return check.apply_series(load(series_path("verl")), "sdist", scratch)
+
+
+def test_patched_verl_uses_the_upstream_seams(patched_verl):
+    seen = _probe([str(patched_verl)])
+    assert seen["verl"] == str(patched_verl / "verl")
+    assert seen["seams"] == dict.fromkeys(seen["seams"], True)
+    assert seen["swapped"] == []  # no placement plan: verl's own manager, with our wait
+    assert not seen["ours"] and seen["wait_timeout_s"] == 42.0
+    assert seen["pause_wrapped"] is False
+    assert seen["log_quieted"] is False
+    # with a placement plan our manager is still swapped in (placement is ours, not verl's)
+    assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped_with_plan"]
+    assert seen["placed_ours"] and seen["placed_wait_s"] == 42.0
+
+
+def test_unpatched_verl_keeps_the_shims():
+    seen = _probe([])
+    assert seen["seams"] == dict.fromkeys(seen["seams"], False)
+    assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped"]
+    assert seen["ours"] and seen["wait_timeout_s"] == 42.0
+    assert seen["pause_wrapped"] is True
+    assert seen["log_quieted"] is True
