@@ -72,6 +72,12 @@ def _series(folder: Path, commit: str, entries: list[dict], runner: str = "pytes
     return path
 
 
+def _fix_series(folder: Path, commit: str, name: str, test: str) -> Path:
+    """A one-patch series: a fix of calc/__init__.py whose test must flip."""
+    entry = dict(file=name, title="t", fix=True, targets=["calc/__init__.py"], new_tests=[test])
+    return _series(folder, commit, [entry])
+
+
 def _run(series_path: Path, repo: Path) -> list[check.Row]:
     return check.check_series(load(series_path), str(repo), log=lambda _m: None)
 
@@ -92,22 +98,7 @@ def test_a_fix_that_flips_its_test_passes(calc):
         {"calc/__init__.py": FIXED, "tests/test_add_on_cpu.py": TEST_ADD},
         "[calc] fix: add adds",
     )
-    rows = _run(
-        _series(
-            folder,
-            commit,
-            [
-                dict(
-                    file=name,
-                    title="t",
-                    fix=True,
-                    targets=["calc/__init__.py"],
-                    new_tests=["tests/test_add_on_cpu.py"],
-                )
-            ],
-        ),
-        repo,
-    )
+    rows = _run(_fix_series(folder, commit, name, "tests/test_add_on_cpu.py"), repo)
     assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
     assert rows[0].before.startswith("FAIL 0/1") and rows[0].after.startswith("pass 1/1")
     assert rows[1].patch == "series"
@@ -121,22 +112,7 @@ def test_a_test_that_passes_before_the_fix_is_a_deviation(calc):
     name = _patch(
         repo, folder, {"calc/__init__.py": FIXED, "tests/test_t_on_cpu.py": trivial}, "[calc] fix: add"
     )
-    rows = _run(
-        _series(
-            folder,
-            commit,
-            [
-                dict(
-                    file=name,
-                    title="t",
-                    fix=True,
-                    targets=["calc/__init__.py"],
-                    new_tests=["tests/test_t_on_cpu.py"],
-                )
-            ],
-        ),
-        repo,
-    )
+    rows = _run(_fix_series(folder, commit, name, "tests/test_t_on_cpu.py"), repo)
     assert not rows[0].ok and "did not fail before" in rows[0].problems[0]
 
 
