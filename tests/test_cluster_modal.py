@@ -16,6 +16,7 @@ import pytest
 from modal_rl.cluster import cli
 from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backend_modal import ModalBackend, function_kwargs, inspect_function
+from modal_rl.cluster.bootstrap import refresh_ray_auth_cache
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 from modal_rl.run_key import key_env, new_run_key
 
@@ -162,6 +163,8 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
         procs.end_run(plan.run_id)
         os.environ.clear()
         os.environ.update(saved_env)
+        # Ray caches the auth mode per process: later in-process Ray tests must see auth off again.
+        refresh_ray_auth_cache()
     assert result["rank"] == 0 and result["exit_code"] == 0
     assert any("hello from the job" in line for line in result["tail"])
     assert forwarded == [(plan.dashboard_port, {"unencrypted": False})]  # TLS tunnel

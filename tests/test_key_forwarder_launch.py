@@ -142,6 +142,8 @@ def _get(url: str, key: str | None = None) -> int:
 
 def test_slime_job_reaches_keyed_engines_only_through_the_forwarder(tmp_path, monkeypatch):
     monkeypatch.setenv("MODAL_RL_RUN_KEY", KEY)
+    # The local engines inherit our env and import the stand-in server from tests/.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests")]))
     for var in [v for v in os.environ if "proxy" in v.lower()]:
         monkeypatch.delenv(var)
     state = tmp_path / "state"

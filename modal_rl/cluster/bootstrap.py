@@ -45,7 +45,7 @@ def bootstrap(rank: int, addresses: list[str], plan: BootstrapPlan, out: TextIO 
             return 1
     os.environ.update(env)  # inherited by `ray start` and hence by every Ray worker here
     os.environ.update(per_node)
-    _refresh_ray_auth_cache()
+    refresh_ray_auth_cache()
     if rank == 0:
         from modal_rl.cluster.head import Head
 
@@ -55,7 +55,7 @@ def bootstrap(rank: int, addresses: list[str], plan: BootstrapPlan, out: TextIO 
     return run_follower(plan, rank)
 
 
-def _refresh_ray_auth_cache() -> None:
+def refresh_ray_auth_cache() -> None:
     """Ray caches the auth mode and token per process; a process that already talked to an
     earlier cluster (a notebook, a test session) would present that cluster's token to ours."""
     raylet = sys.modules.get("ray._raylet")
