@@ -76,7 +76,12 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
 
 def keys_of(args: argparse.Namespace) -> FrameKeys | None:
     """The run's frame keys from the environment, or None with ``--keyless``."""
-    return None if args.keyless else frame_keys(FROM_ENV)
+    if args.keyless:
+        return None
+    try:
+        return frame_keys(FROM_ENV)
+    except MissingRunKeyError as exc:
+        raise MissingRunKeyError(f"{exc}; or pass --keyless for unsigned frames") from None
 
 
 def add_key_flag(parser: argparse.ArgumentParser) -> None:
