@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -161,6 +162,7 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
         result = container_main(plan.to_json())
     finally:
         procs.end_run(plan.run_id)
+        shutil.rmtree(plan.temp_root, ignore_errors=True)  # Ray's session dir of this test's node
         os.environ.clear()
         os.environ.update(saved_env)
         # Ray caches the auth mode per process: later in-process Ray tests must see auth off again.
