@@ -1,0 +1,104 @@
+"""Sandboxes SIGKILLed mid-exec: a typed error, the pool refills, nothing leaks; through verl's
+agent-loop scoring the sample is masked out of the loss (chaos scenario (e) as a test)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from _sandboxes_helpers import descendants, needs_bwrap, no_processes_left, wait_gone
+
+from modal_rl.sandboxes import LocalProvider, SandboxLostError, SandboxPool, SandboxSpec, registry
+
+pytestmark = needs_bwrap
+
+
+def _running(pid: int, marker: str) -> bool:
+    for child in descendants(pid):
+        try:
+            if marker in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_sandbox_killed_mid_exec_is_typed_refilled_and_gone(tmp_path):
+    async def main():
+        provider = LocalProvider(registry_dir=tmp_path)
+        async with SandboxPool(provider, SandboxSpec(timeout_s=120), min_warm=2, max_live=4) as pool:
+            async with pool.lease() as sb:
+                pid = sb._handle.pid
+                marker = f"chaos-{os.getpid()}"
+                task = asyncio.create_task(
+                    sb.exec(["python3", "-c", f"import time; time.sleep(60)  # {marker}"], timeout_s=90)
+                )
+                for _ in range(200):
+                    if _running(pid, marker):
+                        break
+                    await asyncio.sleep(0.02)
+                assert _running(pid, marker), "the command never started"
+                inside = descendants(pid)
+                killed_at = time.monotonic()
+                os.kill(pid, signal.SIGKILL)  # the sandbox's bwrap process, mid-exec
+                with pytest.raises(SandboxLostError, match="exited"):
+                    await task
+                assert time.monotonic() - killed_at < 5.0  # not the command's 60 s
+                assert wait_gone(inside | {pid}) == set(), "processes of the killed sandbox survived"
+                assert not any(e["id"] == sb.id for e in registry.entries(tmp_path))
+            for _ in range(200):  # the pool refills its warm buffer in the background
+                if pool.snapshot()["warm"] >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            snap = pool.snapshot()
+            assert snap["warm"] >= 2 and snap["leased"] == 0, snap
+            async with pool.lease() as sb2:  # and what it hands out works
+                r = await sb2.exec(["python3", "-c", "print(6 * 7)"], timeout_s=10)
+                assert r.stdout.strip() == "42"
+        assert registry.entries(tmp_path) == []
+
+    asyncio.run(main())
+    no_processes_left()
+
+
+@pytest.mark.slow
+def test_killed_samples_are_masked_out_of_verl_loss():
+    """Scenario (e): real verl scoring path, real sandboxes, real kills; see benchmarks/chaos_sandboxes."""
+    pytest.importorskip("verl")
+    from benchmarks.chaos_sandboxes import run_scenario
+
+    result = run_scenario(quick=True, say=lambda line: None)
+    d = result["details"]
+    assert d["kills"] >= len(d["expected_masked"]) + 1, d  # once-killed samples were killed too
+    assert d["masked"] == d["expected_masked"] and d["unmasked_scores_equal_reference"], d
+    assert d["loss"]["advantages_equal"] and d["loss"]["masked_rows_zero"] and d["loss"]["loss_equal"], d
+    assert d["reward_counts"]["sandbox_errors"] == len(d["expected_masked"])
+    assert d["pool_after"]["warm"] >= 2 and d["pool_after"]["leased"] == 0, d  # refilled
+    assert result["leaked_processes"] == 0 and result["leaked_sandboxes"] == 0 and d["new_tmp_entries"] == []
+    assert result["completed"] is True and result["recovery_s"] is not None
+
+
+def test_the_loss_check_fails_without_the_mask():
+    """The check in scenario (e) can fail: a masked sample scored 0 in its group moves the loss."""
+    pytest.importorskip("verl")
+    from benchmarks.chaos_sandboxes import loss_check
+
+    def row(score, uid, masked=False):
+        return {
+            "score": score,
+            "mask": [0] * 3 if masked else [1] * 3,
+            "uid": uid,
+            "info": {"sandbox_masked": int(masked)},
+        }
+
+    reference = [row(1.0, "p0"), row(0.0, "p0"), row(1.0, "p0"), row(1.0, "p0")]
+    masked = [row(1.0, "p0"), row(0.0, "p0"), row(0.0, "masked-x", True), row(1.0, "p0")]
+    assert loss_check(reference, masked)["loss_equal"] is True
+    scored_zero = [row(1.0, "p0"), row(0.0, "p0"), row(0.0, "p0"), row(1.0, "p0")]
+    scored_zero[2]["info"] = {"sandbox_masked": 1}  # flagged, but neither mask nor group applied
+    check = loss_check(reference, scored_zero)
+    assert check["advantages_equal"] is False and check["loss_equal"] is False
