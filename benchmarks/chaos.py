@@ -8,8 +8,8 @@ Scenarios (real processes; each against an undisturbed run of the same inputs):
 - (d) SIGKILL a local cluster follower with ``--retries 1`` (``chaos_cluster.py``),
 - (e) SIGKILL sandboxes while they score samples (``chaos_sandboxes.py``).
 
-(a)-(c) need the engine-replacement and epoch/recovery-anchor work of issue 13 and are listed
-as not run until they exist (``NOT_BUILT``); a scenario is never reported with made-up fields.
+(a) and (c) need the engine-replacement and trainer-epoch work of issue 13 and are listed as
+not run until they exist (``NOT_BUILT``); a scenario is never reported with made-up fields.
 Output: ``DIR/chaos.json`` (``scenarios[]`` with the fields of ``FIELDS``, null where a field
 does not apply, plus per-scenario ``details``), ``DIR/chaos.md`` (a table) and
 ``DIR/chaos.png``. One progress line per phase on stderr.
@@ -39,7 +39,6 @@ FIELDS = (
 )
 NOT_BUILT = {
     "a_engine_kill": "needs EnginePool engine replacement (issue 13 item 4), not merged yet",
-    "b_receiver_kill_mid_anchor": "needs epochs and recovery anchors (issue 13 items 1-3), not merged yet",
     "c_trainer_restart": "needs the restarted trainer's version resume (issue 13 item 1), not merged yet",
 }
 
