@@ -102,3 +102,43 @@ def test_the_loss_check_fails_without_the_mask():
     scored_zero[2]["info"] = {"sandbox_masked": 1}  # flagged, but neither mask nor group applied
     check = loss_check(reference, scored_zero)
     assert check["advantages_equal"] is False and check["loss_equal"] is False
+
+
+def test_mask_wrap_on_verl_agent_loop_masks_flagged_trajectories_only():
+    """The wrap on verl's real ``AgentLoopWorker._compute_score``: a flagged trajectory (sandbox
+    or engine flag) gets a zero response mask and a group of its own; others are untouched;
+    the legacy (non-TQ) agent loop raises instead of scoring it."""
+    pytest.importorskip("verl")
+    import verl.experimental.agent_loop.agent_loop as agent_loop
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    from modal_rl.sandboxes import SandboxError
+    from verl_modal import sample_mask
+
+    sample_mask.install()
+    sample_mask.install()  # idempotent
+
+    def output(extra):
+        return agent_loop.AgentLoopOutput(
+            prompt_ids=[1, 2], response_ids=[3, 4, 5], response_mask=[1, 1, 1], metrics={}, extra_fields=extra
+        )
+
+    def worker(cls):
+        w = cls.__new__(cls)
+        w.reward_loop_worker_handles = None  # scores are already on the outputs
+        return w
+
+    tq = worker(AgentLoopWorkerTQ.__ray_metadata__.modified_class)
+    cases = {
+        "plain": ({"reward_extra_info": {"sandbox_masked": 0}}, False),
+        "sandbox": ({"reward_extra_info": {"sandbox_masked": 1}}, True),
+        "engine": ({"modal_rl_masked": "engine lost"}, True),
+    }
+    for name, (extra, masked) in cases.items():
+        out, kwargs = output(extra), {"uid": "p0", "session_id": 0}
+        asyncio.run(tq._compute_score([out], kwargs=kwargs))
+        assert (out.response_mask == [0, 0, 0]) is masked, name
+        assert kwargs["uid"].startswith("masked-") is masked, name
+    legacy = worker(agent_loop.AgentLoopWorker)
+    with pytest.raises(SandboxError, match="legacy agent loop"):
+        asyncio.run(legacy._compute_score([output(cases["sandbox"][0])], kwargs={"uid": "p0"}))

@@ -6,7 +6,8 @@ the agent loop. So the mask is two halves:
 
 - the ``modal_sandbox`` manager (``verl_modal.reward_manager``) answers a sample whose sandbox
   infrastructure failed (after its retries) with ``reward_extra_info[MASK_KEY] = 1`` (every
-  other sample carries ``0``, so the keys agree across a batch);
+  other sample carries ``0``, so the keys agree across a batch); the ``modal_vllm`` replica
+  flags a sample whose engine died mid-request with ``extra_fields[ENGINE_MASK_KEY]``;
 - :func:`install` wraps verl's ``AgentLoopWorker._compute_score`` (the method that asks the
   reward worker and stores its answer on the trajectory) so that, on the V1 TransferQueue
   path (``AgentLoopWorkerTQ``, what ``main_ppo``'s V1 runner uses), a flagged trajectory gets
@@ -37,6 +38,10 @@ from typing import Any
 from modal_rl.sandboxes.errors import SandboxError
 
 MASK_KEY = "sandbox_masked"
+# Set by the modal_vllm replica on a sample whose engine died mid-request (an empty, aborted
+# response): verl already pads it to a zero response mask; the own group keeps its
+# placeholder reward out of its siblings' GRPO statistics.
+ENGINE_MASK_KEY = "modal_rl_masked"
 TARGET = "verl.experimental.agent_loop.agent_loop"
 TQ_MODULE = "verl.trainer.ppo.v1.agent_loop_tq"
 MASKED_UID_PREFIX = "masked-"
@@ -44,9 +49,10 @@ _MARK = "__verl_modal_sample_mask__"
 
 
 def is_flagged(outputs: list[Any]) -> bool:
-    """True if the trajectory's final output carries the sandbox mask flag."""
-    info = (outputs[-1].extra_fields or {}).get("reward_extra_info") or {}
-    return bool(info.get(MASK_KEY))
+    """True if the trajectory's final output carries the sandbox or the engine mask flag."""
+    extra = outputs[-1].extra_fields or {}
+    info = extra.get("reward_extra_info") or {}
+    return bool(info.get(MASK_KEY) or extra.get(ENGINE_MASK_KEY))
 
 
 def mask_trajectory(outputs: list[Any], kwargs: dict) -> str:
