@@ -142,3 +142,45 @@ def test_mask_wrap_on_verl_agent_loop_masks_flagged_trajectories_only():
     legacy = worker(agent_loop.AgentLoopWorker)
     with pytest.raises(SandboxError, match="legacy agent loop"):
         asyncio.run(legacy._compute_score([output(cases["sandbox"][0])], kwargs={"uid": "p0"}))
+
+
+def test_slime_reward_masks_a_sample_whose_sandbox_is_killed():
+    """slime's path: the killed sample gets ``remove_sample`` (slime zeroes its loss mask) and
+    scores nothing; its batch-mates score as usual; the pool is closed without leftovers."""
+    from dataclasses import dataclass, field
+
+    from benchmarks.chaos_sandboxes import SandboxKiller
+    from slime_modal.config import close_rollout_pools
+    from slime_modal.reward import batched_reward_func
+
+    @dataclass
+    class Sample:  # the fields of slime.utils.types.Sample a reward reads or sets
+        index: int = 0
+        response: str = ""
+        label: str | None = None
+        metadata: dict = field(default_factory=dict)
+        remove_sample: bool = False
+
+    program = "```python\n# sample {i}\nimport time\ntime.sleep(0.8)\nprint(int(input()) * 3){mark}\n```"
+    tests = '{"inputs": ["3\\n"], "outputs": ["9\\n"]}'
+    samples = [
+        Sample(i, program.format(i=i, mark="\n# chaos: always" if i == 1 else ""), tests) for i in range(3)
+    ]
+    killer = SandboxKiller()
+    killer.start()
+
+    async def main():
+        try:
+            return await batched_reward_func(None, samples)
+        finally:
+            await close_rollout_pools()
+
+    try:
+        scores = asyncio.run(main())
+    finally:
+        killer.stop.set()
+        killer.join(5)
+    assert [k[0] for k in killer.kills] == [1], killer.kills
+    assert scores == [1.0, 0.0, 1.0]
+    assert [s.remove_sample for s in samples] == [False, True, False]
+    no_processes_left()
