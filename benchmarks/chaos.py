@@ -49,11 +49,13 @@ def _say(line: str) -> None:
 
 
 def _scenarios():
-    from benchmarks import chaos_cluster, chaos_sandboxes
+    from benchmarks import chaos_cluster, chaos_receiver, chaos_sandboxes, chaos_trainer
 
-    return [
-        ("d_cluster_follower_kill", chaos_cluster.run_scenario),
-        ("e_sandbox_kill", chaos_sandboxes.run_scenario),
+    return [  # (name, run_scenario, full mode only)
+        ("b_receiver_kill_mid_anchor", chaos_receiver.run_scenario, False),
+        ("c_trainer_restart", chaos_trainer.run_scenario, True),
+        ("d_cluster_follower_kill", chaos_cluster.run_scenario, False),
+        ("e_sandbox_kill", chaos_sandboxes.run_scenario, False),
     ]
 
 
