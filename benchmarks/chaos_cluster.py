@@ -135,6 +135,7 @@ def run_scenario(quick: bool, say=print, join_s: float = 150.0) -> dict:
             "resumed_from": resumed_step,
             "loss_reported_after_s": None if lost_seen is None else round(lost_seen - killed_at, 3),
             "reference": "the same deterministic steps computed in-process",
+            **({} if result.get("code") == 0 else {"rank0_tail": _tail(err, 25)}),
         },
     }
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -237,12 +238,19 @@ def run_scenario(quick: bool, say=print) -> dict:
 
     count = 8 if quick else 16
     responses = programs(count)
-    before = _tmp_entries()
-    say(f"(e) sandboxes: reference pass over {count} samples")
-    ref = score_batch(responses, chaos=False)
-    say("(e) sandboxes: same samples, killing marked sandboxes mid-exec")
-    dis = score_batch(responses, chaos=True)
-    time.sleep(0.5)
+    # Everything this process puts in a temp directory goes to a private one, checked after.
+    private, saved = tempfile.mkdtemp(prefix="chaos-e-tmp-"), tempfile.tempdir
+    tempfile.tempdir = private
+    try:
+        say(f"(e) sandboxes: reference pass over {count} samples")
+        ref = score_batch(responses, chaos=False)
+        say("(e) sandboxes: same samples, killing marked sandboxes mid-exec")
+        dis = score_batch(responses, chaos=True)
+        time.sleep(0.5)
+    finally:
+        tempfile.tempdir = saved
+    new_tmp = sorted(os.listdir(private))
+    shutil.rmtree(private, ignore_errors=True)
     ours = [
         e
         for e in registry.entries(registry.DEFAULT_DIR)
@@ -250,7 +258,6 @@ def run_scenario(quick: bool, say=print) -> dict:
     ]
     leaked = [e for e in ours if _alive_entry(e)]
     leaked_procs = _sandbox_procs()
-    new_tmp = sorted(_tmp_entries() - before)
     masked = [i for i, r in enumerate(dis["rows"]) if r["info"].get("sandbox_masked")]
     expected_masked = [i for i, t in enumerate(responses) if "# chaos: always" in t]
     same_scores = all(
@@ -308,11 +315,3 @@ def _sandbox_procs() -> list[int]:
         except OSError:
             continue
     return out
-
-
-_OURS = ("mrl-", "modal-rl", "chaos-", "lsb-")  # what this project names temp entries
-
-
-def _tmp_entries() -> set[str]:
-    """Our temp entries (the host is shared: other tools' files come and go)."""
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(_OURS)}
