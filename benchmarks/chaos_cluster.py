@@ -57,7 +57,7 @@ def progress(ckpt: Path) -> list[tuple[str, int, float]]:
     return out
 
 
-def run_scenario(quick: bool, say=print, join_s: float = 150.0) -> dict:
+def run_scenario(quick: bool, say=print, join_s: float = 300.0) -> dict:
     from modal_rl.cluster import procs
     from modal_rl.cluster.backend import JobRequest
     from modal_rl.cluster.backend_local import LocalBackend

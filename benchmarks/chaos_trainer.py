@@ -137,8 +137,9 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             raise RuntimeError(
                 f"the run never checkpointed step {kill_at}: {''.join(line for _, line in first.lines[-30:])}"
             )
-        step_at_kill = max([s for _, s in first.steps()] or [0])
         ckpt_at_kill = checkpointed(ckpt)
+        # verl logs a step's metrics after saving its checkpoint: the log may lag the checkpoint.
+        step_at_kill = max([s for _, s in first.steps()] + [ckpt_at_kill])
         killed_at = time.time()
         killed = kill_run(first.tag)
         first.wait(60)
