@@ -122,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    import time
+
     from modal_rl.run_key import ensure_run_key
+
+    started = time.monotonic()
 
     # First: the run key (contract 1) reaches every process this launcher starts, the
     # in-process Ray's workers and local engines included.
@@ -252,7 +256,9 @@ def _main(argv: list[str]) -> int:
     from verl_modal import console
 
     # --env reaches every Ray worker, as on a cluster
-    return console.run_local(config, {**spec.env, **env}, cpu=cpu, log_dir=args.log_dir, verbose=args.verbose)
+    return console.run_local(
+        config, {**spec.env, **env}, cpu=cpu, log_dir=args.log_dir, verbose=args.verbose, started=started
+    )
 
 
 def run_on_cluster(

@@ -38,7 +38,7 @@ PHASES = (
         "[verl_modal] TaskRunner on verl platform",
         "verl's TaskRunner is up: starting the actor and rollout workers",
     ),
-    ("Initializing a V1 LLM engine", "vLLM rollout server starting"),
+    ("(vLLMHttpServer pid=", "vLLM rollout server starting"),
     ("[verl_modal.cpu] vLLM layer-wise weight reload", "actor weights synced into vLLM; training"),
 )
 
@@ -324,7 +324,13 @@ def header(config, cpu: bool) -> str:
 
 
 def run_local(
-    config, env_vars: dict[str, str], *, cpu: bool, log_dir: Path | None = None, verbose: bool = False
+    config,
+    env_vars: dict[str, str],
+    *,
+    cpu: bool,
+    log_dir: Path | None = None,
+    verbose: bool = False,
+    started: float | None = None,
 ) -> int:
     """The in-process local run with our output (module docstring); 0 when verl finished.
 
@@ -337,7 +343,7 @@ def run_local(
     env = with_file_logger(config, files, env_vars)
     total = config.trainer.total_training_steps
     total = int(total) if total else None
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started  # the launcher's start: preflight counts
     redirect = contextlib.nullcontext(sys.stdout) if verbose else output_to(files.log)
     ok = False
     with redirect as terminal:
