@@ -178,16 +178,14 @@ def _main(argv: list[str]) -> int:
                 "use --device cpu (or auto), or run on Modal with --backend modal --gpu H100:8"
             )
         cpu = not has_gpu
-    if not cpu:
-        from verl_modal.cpu import quiet
+    from verl_modal.cpu import quiet
 
-        quiet.quiet_remote_platform_probe()  # this host's accelerator is not the cluster's
     env = ov.worker_env() if cpu else {}
     if cpu:
-        from verl_modal.cpu import quiet
-
         quiet.install()  # this process validates the config: verl warns here too
         env.update(quiet.worker_env())
+    else:
+        quiet.quiet_remote_platform_probe()  # this host's accelerator is not the cluster's
     from verl_modal.runner import prepare_process_env
 
     in_process = args.backend == "local" and spec.nodes == 1  # else the cluster layer brings Ray up

@@ -355,7 +355,7 @@ def run_local(
         watcher.start()
 
         def bring_up(cfg, env_vars):
-            progress.say("starting Ray on 127.0.0.1")
+            progress.say("preflight passed; starting Ray on 127.0.0.1")
             start_local_ray(cfg, env_vars)
             progress.say("Ray is up; verl is starting its workers (a minute or two on a small CPU)")
 
