@@ -109,10 +109,6 @@ def _main(argv: list[str]) -> int:
     ours, slime_argv = split_passthrough(argv)
     parser = build_parser()
     args = parser.parse_args(ours)
-    if args.backend == "modal" and not (args.dry_run or args.preflight_only):
-        from modal_rl.modal_check import check_modal_access
-
-        check_modal_access()  # seconds, before anything else talks to Modal
     args.volume = _volumes(args)
     engines = None
     try:
@@ -163,6 +159,10 @@ def _main(argv: list[str]) -> int:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)
         return 2
+    if args.backend == "modal" and not (args.dry_run or args.preflight_only):
+        from modal_rl.modal_check import check_modal_access
+
+        check_modal_access()  # after the preflight (a second, no slime import), before any Modal call
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
     runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.

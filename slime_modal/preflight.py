@@ -198,13 +198,11 @@ def path_problems(
             if flag in INPUT_PATH_FLAGS and (under(path, image_roots) or under(path, shipped)):
                 continue
             where = "mounted Volumes" if mounts else "mounted Volumes (none: add --volume NAME:PATH)"
-            what = (
-                "is not on this machine (local inputs travel with the job) nor"
-                if flag in INPUT_PATH_FLAGS
-                else "is not"
+            local = (
+                " nor on this machine (local inputs travel with the job)" if flag in INPUT_PATH_FLAGS else ""
             )
             problems.append(
-                f"{flag} {path} {what} under any of the {where} {sorted(mounts)}; "
+                f"{flag} {path} is not under any of the {where} {sorted(mounts)}{local}; "
                 "Modal containers start from the image, so the path would be missing or lost"
             )
     return problems
