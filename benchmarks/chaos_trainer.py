@@ -73,11 +73,19 @@ class _Run:
 
 
 def kill_run(tag: str) -> int:
+    """SIGKILL every process of the run at once, as a preempted container; rescans, because
+    Ray may fork a worker between a scan and the signal. Returns how many were killed."""
     from modal_rl.cluster import procs
 
-    pids = procs.pids_of_run(tag)
-    procs.signal_pids(pids, signal.SIGKILL)
-    return len(pids)
+    killed: set[int] = set()
+    for _ in range(5):
+        pids = procs.pids_of_run(tag)
+        if not pids:
+            break
+        procs.signal_pids(pids, signal.SIGKILL)
+        killed |= set(pids)
+        time.sleep(0.2)
+    return len(killed)
 
 
 def checkpointed(ckpt: Path) -> int:
@@ -114,7 +122,7 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
         tmp = Path(tmp)
 
         def args(name: str) -> list[str]:
-            return ["--backend", "local", "--tiny", str(tmp / "tiny"), "--"] + [
+            return ["--backend", "local", "--verbose", "--tiny", str(tmp / "tiny"), "--"] + [
                 f"trainer.total_training_steps={steps}",
                 f"trainer.save_freq={save_every}",
                 f"trainer.default_local_dir={tmp / name / 'ckpt'}",
@@ -147,7 +155,9 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
         second = _Run(args("dis"), f"chaos-c-2-{uuid.uuid4().hex[:8]}", tmp / "second.log")
         tags.append(second.tag)
         code = second.wait(timeout_s)
-        time.sleep(3)
+        deadline = time.monotonic() + 15  # a finished run's Ray daemons take a moment to exit
+        while time.monotonic() < deadline and any(procs.pids_of_run(tag) for tag in tags):
+            time.sleep(0.5)
         leaked = sorted({pid for tag in tags for pid in procs.pids_of_run(tag)})
         for tag in tags:
             kill_run(tag)
