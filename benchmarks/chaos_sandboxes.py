@@ -249,7 +249,9 @@ def run_scenario(quick: bool, say=print) -> dict:
         time.sleep(0.5)
     finally:
         tempfile.tempdir = saved
-    new_tmp = sorted(os.listdir(private))
+    # torch's compile cache (torchinductor_<user>) lands in the temp dir when torch first looks
+    # for it; it is a per-user cache, not something a run leaves behind.
+    new_tmp = sorted(n for n in os.listdir(private) if not n.startswith("torchinductor_"))
     shutil.rmtree(private, ignore_errors=True)
     ours = [
         e
