@@ -248,6 +248,8 @@ class Head:
                     timeout_s=plan.collective_timeout_s,
                     tail_logs=False,
                 )
+                if code == P.EXIT_FOLLOWER_LOST:  # a lost node, not a broken collective
+                    return code
                 if code != 0:
                     _say(f"collective check failed (exit {code}); not starting the job")
                     return P.EXIT_COLLECTIVE_FAILED
