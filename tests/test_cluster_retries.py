@@ -40,6 +40,30 @@ def test_modal_container_raises_for_a_lost_node_only_with_retries():
     assert raise_for_retry(3, retries=2) == 3
 
 
+@pytest.mark.parametrize(("rank", "raises"), [(0, True), (1, False)])
+def test_the_modal_container_body_hands_a_lost_node_to_modals_retries(monkeypatch, rank, raises):
+    """Rank 0's container body raises for a lost follower when the plan carries ``--retries``
+    (Modal would count a returned exit code as a success and never retry); only Modal's
+    cluster-info call and our bootstrap's outcome are stood in for."""
+    import modal.experimental
+
+    from modal_rl.cluster import bootstrap
+    from modal_rl.cluster.backend import JobRequest
+    from modal_rl.cluster.backend_modal import ModalBackend, container_main
+    from modal_rl.cluster.spec import ClusterSpec
+
+    plan = ModalBackend().make_plan(ClusterSpec(nodes=2, gpu="H100:8", retries=2), JobRequest(["true"]))
+    assert plan.retries == 2
+    info = type("Info", (), {"rank": rank, "container_ips": ["fd00::1", "fd00::2"]})()
+    monkeypatch.setattr(modal.experimental, "get_cluster_info", lambda: info)
+    monkeypatch.setattr(bootstrap, "bootstrap", lambda *a, **k: EXIT_FOLLOWER_LOST)
+    if raises:
+        with pytest.raises(NodeLostError):
+            container_main(plan.to_json())
+    else:
+        assert container_main(plan.to_json())["exit_code"] == EXIT_FOLLOWER_LOST
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_follower_killed_run_is_retried_and_resumes_from_its_checkpoint():

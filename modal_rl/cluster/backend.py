@@ -74,6 +74,7 @@ def plan_from(spec: ClusterSpec, job: JobRequest, **overrides: Any) -> Bootstrap
         cpus_per_node=spec.cpu,
         address_env=dict(job.address_env),
         dashboard=spec.dashboard,
+        retries=spec.retries,
     )
     fields.update(overrides)
     return BootstrapPlan(**fields)

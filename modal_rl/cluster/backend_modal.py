@@ -135,6 +135,7 @@ def container_main(plan_json: str) -> dict:
     import modal.experimental
 
     from modal_rl.cluster.bootstrap import bootstrap
+    from modal_rl.cluster.retries import raise_for_retry
 
     info = modal.experimental.get_cluster_info()
     addresses = list(getattr(info, "container_ipv4_ips", None) or info.container_ips)
@@ -151,6 +152,10 @@ def container_main(plan_json: str) -> dict:
             code = bootstrap(info.rank, addresses, plan, out=out)
     else:
         code = bootstrap(info.rank, addresses, plan, out=out)
+    if info.rank == 0:
+        # A lost follower is an exit code at rank 0, which Modal would count as a success;
+        # raising lets the function's retries bring the whole cluster back.
+        raise_for_retry(code, plan.retries)
     return {"rank": info.rank, "exit_code": code, "tail": [redact(line) for line in out.lines]}
 
 

@@ -115,6 +115,9 @@ class BootstrapPlan:
     # node reads from its environment (never from this plan: plans are printed and shipped).
     ray_auth: str = "token"
     dashboard: bool = False  # forward the dashboard out of the cluster (Modal: a TLS tunnel)
+    # Platform retries of the whole cluster (Modal's function retries): rank 0 turns a lost node
+    # into an exception only when there are retries to use (see modal_rl.cluster.retries).
+    retries: int = 0
 
     def __post_init__(self) -> None:
         if self.ray_auth not in RAY_AUTH_MODES:
