@@ -32,6 +32,7 @@ import numpy as np
 
 from modal_rl.weightsync.errors import CorruptFrameError
 from modal_rl.weightsync.streams import (
+    STORED,
     ZSTD,
     byte_planes,
     join_planes,
@@ -157,8 +158,17 @@ def encode_delta_chunk_v2(
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
     streams = byte_planes(words)
     header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, chunk.elem_count, FULL, len(streams))
-    # Anchors are large and dense: zstd only, for its speed (Huffman-only DEFLATE is ~5x slower).
-    return header + pack_streams(streams, [ZSTD] * len(streams), level)
+    # Anchors are large and dense: zstd only, for its speed (Huffman-only DEFLATE is ~5x
+    # slower); planes of mantissa noise are stored (zstd-1 gains < 0.01% there, at a cost).
+    return header + pack_streams(streams, [_anchor_coder(p) for p in streams], level)
+
+
+def _anchor_coder(plane: np.ndarray, sample: int = 1 << 14, noisy_bits: float = 7.9) -> int:
+    """STORED for a plane whose sampled order-0 entropy is near 8 bits, else ZSTD."""
+    if plane.size < 4 * sample:
+        return ZSTD
+    picked = plane[:: plane.size // sample]
+    return STORED if _plane_entropy_bits([picked]) / picked.size > noisy_bits else ZSTD
 
 
 @dataclass

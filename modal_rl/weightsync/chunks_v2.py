@@ -130,7 +130,9 @@ def decode(
     tab = k_.geo_model(q)
     positions, ok = k_.mask_decode(base, bounds, q, tab, np.frombuffer(streams[1], "<u4"), nchanged)
     if not ok:
-        raise CorruptFrameError(f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)")
+        raise CorruptFrameError(
+            f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)"
+        )
     values, ok = k_.residual_decode(base[positions], np.frombuffer(streams[2], "<u4"))
     if not ok:
         raise CorruptFrameError(f"chunk {index}: the residuals do not decode")

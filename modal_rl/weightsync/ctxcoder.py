@@ -90,6 +90,19 @@ def _dec_uniform(x, words, w, nb):
 
 
 @_kernel
+def _count_equal(base, new, n, off, i, hi):
+    """Count words into their contexts from ``i`` while base and new agree; returns the
+    first differing index, or ``hi``."""
+    while i < hi:
+        b = base[i]
+        if b != new[i]:
+            return i
+        n[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        i += 1
+    return hi
+
+
+@_kernel
 def encode_pass(base, new, seg_bounds):
     """Encoder pass: per context its word count, and per change (word order) its
     position, context and run length (its context's words skipped since the previous
@@ -105,17 +118,21 @@ def encode_pass(base, new, seg_bounds):
     j = 0
     for s in range(nseg):
         off = s * 256
-        for i in range(seg_bounds[s], seg_bounds[s + 1]):
-            b = base[i]
-            c = off + ((np.int64(b) >> 7) & 0xFF)
+        i = seg_bounds[s]
+        hi = seg_bounds[s + 1]
+        while True:
+            i = _count_equal(base, new, n, off, i, hi)
+            if i == hi:
+                break
+            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
             r = n[c]
             n[c] = r + 1
-            if b != new[i]:
-                pos[j] = i
-                ctxs[j] = c
-                gaps[j] = r - last[c] - 1
-                last[c] = r
-                j += 1
+            pos[j] = i
+            ctxs[j] = c
+            gaps[j] = r - last[c] - 1
+            last[c] = r
+            j += 1
+            i += 1
     return n, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
 
 
@@ -262,6 +279,20 @@ def _dec_gap(x, words, w, tab, c):
 
 
 @_kernel
+def _scan(base, nxt, off, i, hi):
+    """Count words into their contexts' countdowns from ``i``; stop at the first word
+    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop."""
+    while i < hi:
+        c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+        r = nxt[c] - 1
+        nxt[c] = r
+        if r < 0:
+            return i
+        i += 1
+    return hi
+
+
+@_kernel
 def mask_decode(base, seg_bounds, q, tab, words, nchanged):
     """Receiver's pass: the changed positions (chunk-local). Returns (positions, ok)."""
     pos = np.empty(nchanged, dtype=np.int64)
@@ -275,17 +306,20 @@ def mask_decode(base, seg_bounds, q, tab, words, nchanged):
     nseg = seg_bounds.size - 1
     for s in range(nseg):
         off = s * 256
-        for i in range(seg_bounds[s], seg_bounds[s + 1]):
+        i = seg_bounds[s]
+        hi = seg_bounds[s + 1]
+        while True:
+            i = _scan(base, nxt, off, i, hi)
+            if i == hi:
+                break
+            if found == nchanged or w > words.size:
+                return pos, False
+            pos[found] = i
+            found += 1
             c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            r = nxt[c] - 1
-            nxt[c] = r
-            if r < 0:
-                if found == nchanged or w > words.size:
-                    return pos, False
-                pos[found] = i
-                found += 1
-                g, x, w = _dec_gap(x, words, w, tab, c)
-                nxt[c] = g
+            g, x, w = _dec_gap(x, words, w, tab, c)
+            nxt[c] = g
+            i += 1
     for c in range(q.size):
         if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
             return pos, False

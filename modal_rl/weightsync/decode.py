@@ -113,6 +113,7 @@ class _Applier:
     def _apply_chunk(self, job: _GroupJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
         gh = job.header
         where = f"group of {gh.tensors[0].name!r}"
+
         def base_for(index: int, count: int):
             # v2 chunks model the held words: check where the chunk lies before reading them
             if index != expected_index or count != min(gh.chunk_elems, gh.total - index * gh.chunk_elems):
