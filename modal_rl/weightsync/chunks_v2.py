@@ -107,7 +107,7 @@ def encode(
         return None, positions, old_w, new_w
     q = k_.quantize_p(n, last, np.bincount(ctxs, minlength=n.size))
     tab = k_.geo_model(q)
-    mask_words = k_.rans_encode(*k_.mask_symbols(n, last, ctxs, gaps, tab))
+    mask_words = k_.mask_encode(n, last, ctxs, gaps, tab)
     res_words = k_.rans_encode(*k_.residual_symbols(old_w, new_w))
     streams = [_side_info(q, bounds.size - 1), mask_words.view(np.uint8), res_words.view(np.uint8)]
     body = header_for(positions.size) + pack_streams(streams, [ZSTD, STORED, STORED], level)

@@ -51,16 +51,8 @@ def rans_encode(starts, freqs):
     n = 0
     x = np.int64(RANS_L)
     for i in range(count - 1, -1, -1):
-        f = freqs[i]
-        if x >= (f << 47):
-            out[n] = x & 0xFFFFFFFF
-            n += 1
-            x >>= 32
-        x = ((x // f) << PROB_BITS) + (x % f) + starts[i]
-    out[n] = x & 0xFFFFFFFF
-    out[n + 1] = x >> 32
-    n += 2
-    return out[:n][::-1].copy()
+        x, n = _put(x, out, n, starts[i], freqs[i])
+    return _flush(x, out, n)
 
 
 @_kernel
@@ -90,14 +82,31 @@ def _dec_uniform(x, words, w, nb):
 
 
 @_kernel
-def _count_equal(base, new, n, off, i, hi):
+def _count_equal(base, new, n0, n1, off, i, hi):
     """Count words into their contexts from ``i`` while base and new agree; returns the
-    first differing index, or ``hi``."""
-    while i < hi:
+    first differing index, or ``hi``. Even and odd words count into separate arrays, so
+    runs of one context make two independent store-to-load chains instead of one."""
+    if i < hi and i & 1:
         b = base[i]
         if b != new[i]:
             return i
-        n[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        n1[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        i += 1
+    while i + 1 < hi:
+        b0 = base[i]
+        b1 = base[i + 1]
+        if b0 != new[i]:
+            return i
+        n0[off + ((np.int64(b0) >> 7) & 0xFF)] += 1
+        if b1 != new[i + 1]:
+            return i + 1
+        n1[off + ((np.int64(b1) >> 7) & 0xFF)] += 1
+        i += 2
+    if i < hi:
+        b = base[i]
+        if b != new[i]:
+            return i
+        n0[off + ((np.int64(b) >> 7) & 0xFF)] += 1
         i += 1
     return hi
 
@@ -109,7 +118,8 @@ def encode_pass(base, new, seg_bounds):
     change there, or since the context's start). Returns (n, last, pos, ctxs, gaps);
     ``last`` = rank of each context's last change (-1: none)."""
     nseg = seg_bounds.size - 1
-    n = np.zeros(nseg * 256, dtype=np.int64)
+    n0 = np.zeros(nseg * 256, dtype=np.int64)  # words at even indices
+    n1 = np.zeros(nseg * 256, dtype=np.int64)  # words at odd indices
     last = np.full(nseg * 256, -1, dtype=np.int64)
     count = base.size
     pos = np.empty(count, dtype=np.int64)  # pages are only touched as far as changes go
@@ -121,19 +131,22 @@ def encode_pass(base, new, seg_bounds):
         i = seg_bounds[s]
         hi = seg_bounds[s + 1]
         while True:
-            i = _count_equal(base, new, n, off, i, hi)
+            i = _count_equal(base, new, n0, n1, off, i, hi)
             if i == hi:
                 break
             c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            r = n[c]
-            n[c] = r + 1
+            r = n0[c] + n1[c]
+            if i & 1:
+                n1[c] += 1
+            else:
+                n0[c] += 1
             pos[j] = i
             ctxs[j] = c
             gaps[j] = r - last[c] - 1
             last[c] = r
             j += 1
             i += 1
-    return n, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
+    return n0 + n1, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
 
 
 @_kernel
@@ -178,6 +191,84 @@ def geo_model(q):
 
 
 @_kernel
+def _put(x, out, n, start, f):
+    """rANS-encode one symbol (encoder runs in reverse); returns (x, n)."""
+    if x >= (f << 47):
+        out[n] = x & 0xFFFFFFFF
+        n += 1
+        x >>= 32
+    # x < f << 47, so the quotient has < 48 bits: the float estimate is off by at most 1
+    qt = np.int64(x * (1.0 / f))
+    rem = x - qt * f
+    if rem < 0:
+        qt -= 1
+        rem += f
+    elif rem >= f:
+        qt += 1
+        rem -= f
+    return (qt << PROB_BITS) + rem + start, n
+
+
+@_kernel
+def _put_uniform(x, out, n, v, nb):
+    """``nb`` bits of ``v`` as uniform symbols of at most 16 bits (high part decoded
+    first, so encoded last)."""
+    done = 0
+    take = nb - PROB_BITS * ((nb - 1) // PROB_BITS)  # the lowest piece, read last
+    while done < nb:
+        f = np.int64(1) << (PROB_BITS - take)
+        x, n = _put(x, out, n, ((v >> done) & ((1 << take) - 1)) * f, f)
+        done += take
+        take = PROB_BITS
+    return x, n
+
+
+@_kernel
+def _put_gap(x, out, n, g, tab, c):
+    """Run length ``g`` in context ``c``, in reverse of the decoder's reading order."""
+    m = tab[c, 0]
+    u = g >> m
+    x, n = _put_uniform(x, out, n, g & ((np.int64(1) << m) - 1), m)
+    sym = min(u, QSYM)
+    if sym == QSYM:  # escape: bit length of the excess (6 bits), then its bits
+        extra = u - QSYM
+        nb = 0
+        while extra >> nb:
+            nb += 1
+        x, n = _put_uniform(x, out, n, extra, nb)
+        x, n = _put_uniform(x, out, n, nb, 6)
+    return _put(x, out, n, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+
+
+@_kernel
+def _flush(x, out, n):
+    out[n] = x & 0xFFFFFFFF
+    out[n + 1] = x >> 32
+    return out[: n + 2][::-1].copy()
+
+
+@_kernel
+def mask_encode(n, last, ctxs, gaps, tab):
+    """The mask's rANS words. Reading order (the receiver's): each changed context's first
+    run length (context order), then at each change (word order) its context's next run
+    length, the last one to the context's end. Encoded in reverse, in one pass."""
+    nch = ctxs.size
+    pending = n - last - 1  # per context: the run length read after its latest change
+    cap = 16 * (nch + n.size) + 64
+    out = np.empty(cap, dtype=np.uint32)
+    x = np.int64(RANS_L)
+    w = 0
+    for j in range(nch - 1, -1, -1):
+        c = ctxs[j]
+        x, w = _put_gap(x, out, w, pending[c], tab, c)
+        pending[c] = gaps[j]
+    for c in range(n.size - 1, -1, -1):
+        if last[c] >= 0:
+            x, w = _put_gap(x, out, w, pending[c], tab, c)
+    return _flush(x, out, w)
+
+
+@_kernel
 def _push(starts, freqs, t, start, f):
     starts[t] = start
     freqs[t] = f
@@ -193,60 +284,6 @@ def _push_uniform(starts, freqs, t, v, nb):
         f = np.int64(1) << (PROB_BITS - take)
         t = _push(starts, freqs, t, ((v >> nb) & ((1 << take) - 1)) * f, f)
     return t
-
-
-@_kernel
-def _push_gap(g, tab, c, starts, freqs, t):
-    m = tab[c, 0]
-    u = g >> m
-    sym = min(u, QSYM)
-    t = _push(starts, freqs, t, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
-    if sym == QSYM:  # escape: bit length of the excess (6 bits), then its bits
-        extra = u - QSYM
-        nb = 0
-        while extra >> nb:
-            nb += 1
-        t = _push_uniform(starts, freqs, t, nb, 6)
-        t = _push_uniform(starts, freqs, t, extra, nb)
-    return _push_uniform(starts, freqs, t, g & ((np.int64(1) << m) - 1), m)
-
-
-@_kernel
-def mask_symbols(n, last, ctxs, gaps, tab):
-    """The mask's symbols in the receiver's order: each changed context's first run
-    length (context order), then at each change (word order) its context's next run
-    length — the last one to the context's end."""
-    nch = ctxs.size
-    nxt = np.full(nch, -1, dtype=np.int64)
-    first = np.full(n.size, -1, dtype=np.int64)
-    prev = np.full(n.size, -1, dtype=np.int64)
-    for j in range(nch):
-        c = ctxs[j]
-        if prev[c] >= 0:
-            nxt[prev[c]] = j
-        else:
-            first[c] = j
-        prev[c] = j
-    cap = 4 * (nch + n.size) + 16
-    starts = np.empty(cap, dtype=np.int64)
-    freqs = np.empty(cap, dtype=np.int64)
-    t = 0
-    for c in range(n.size):
-        if first[c] >= 0:
-            t = _push_gap(gaps[first[c]], tab, c, starts, freqs, t)
-    for j in range(nch):
-        c = ctxs[j]
-        g = gaps[nxt[j]] if nxt[j] >= 0 else n[c] - last[c] - 1
-        if t + 8 > cap:
-            cap *= 2
-            s2 = np.empty(cap, dtype=np.int64)
-            s2[:t] = starts[:t]
-            starts = s2
-            f2 = np.empty(cap, dtype=np.int64)
-            f2[:t] = freqs[:t]
-            freqs = f2
-        t = _push_gap(g, tab, c, starts, freqs, t)
-    return starts[:t], freqs[:t]
 
 
 @_kernel
