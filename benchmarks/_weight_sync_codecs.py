@@ -52,9 +52,9 @@ def _bytes_of(t) -> np.ndarray:
 
 def make_codecs(threads: int, chunk_elems: int = CodecConfig.chunk_elems) -> list[Codec]:
     config = CodecConfig(threads=threads, chunk_elems=chunk_elems)
-    config_v1 = CodecConfig(threads=threads, chunk_elems=chunk_elems, format=1)
+    config_v1 = CodecConfig(threads=threads, chunk_elems=chunk_elems, coding=1)
 
-    # --- modal_rl (format v2; v1 beside it) ----------------------------------------------
+    # --- modal_rl (chunk coding v2; v1 beside it) ----------------------------------------------
     def ours_encode(base, new, base_sums, config=config):
         if base is None:
             return frame_bytes(encode_anchor(new, version=0, config=config))
@@ -160,7 +160,7 @@ def _h_bits(symbols: np.ndarray) -> float:
 
 
 def context_entropy_bytes(base: State, new: State) -> float:
-    """The conditional bound of format v2, in bytes: H(changed-word mask | tensor, base
+    """The conditional bound of chunk coding v2, in bytes: H(changed-word mask | tensor, base
     exponent) + H(residual | base exponent), both empirical (order-0 within each context).
 
     Residual = zigzag of ``new - old`` in wrapping word arithmetic; exponent =

@@ -5,7 +5,7 @@ its words moved by ±1–2 ulps, and times, against the device's measured copy b
 diff (compare + nonzero on the device), gather (changed words to the host), the whole
 encode (``encode_delta`` with ``TorchDiffer``), and decode + apply onto a device copy of
 the base (host decode, device scatter, checksum verification). Prints a table and checks
-the receiver ends bit-identical. Encode and decode run for both chunk formats: v1, and v2
+the receiver ends bit-identical. Encode and decode run for both chunk codings: v1, and v2
 (context-conditioned coding, which reads every held word of a chunk on the host: a device
 copy of the whole state per sync, timed here against the copy bandwidth). Runs on the CPU
 too (``--device cpu --gb 0.05``) as a smoke test of the script itself.
@@ -107,7 +107,7 @@ def main() -> None:
     )
     frames, exact = {}, True
     for fmt in (1, 2):
-        config = CodecConfig(threads=args.threads, format=fmt)
+        config = CodecConfig(threads=args.threads, coding=fmt)
         sums: dict[str, str] = {}
         encode_s, frame = timed(
             dev,

@@ -183,7 +183,7 @@ def test_device_apply_path_scatters_with_torch_and_rolls_back(monkeypatch, fmt):
     import modal_rl.weightsync.decode as decode
 
     monkeypatch.setattr(decode, "_words", lambda t: TorchDiffer().prepare(t))
-    config = CodecConfig(chunk_elems=4096, threads=2, format=fmt)
+    config = CodecConfig(chunk_elems=4096, threads=2, coding=fmt)
     base, new = model_state(), perturb(model_state(), 0.05)
     delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=config))
     held = clone_state(base)

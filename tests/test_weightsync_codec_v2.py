@@ -1,4 +1,4 @@
-"""Format v2 (context-conditioned chunk coding): round trips, the v1 fallback and v1
+"""Chunk coding v2 (context-conditioned): round trips, the v1 fallback and v1
 frames, refusals of damaged v2 chunks with the held state unchanged."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from modal_rl.weightsync.chunks import CHUNK_HEADER, CTX_SPARSE, ENCODING_NAMES
 from tests.weightsync_helpers import clone_state, perturb, records, reseal, same_state
 
 V2 = CodecConfig(chunk_elems=1 << 14, threads=2)
-V1 = CodecConfig(chunk_elems=1 << 14, threads=2, format=1)
+V1 = CodecConfig(chunk_elems=1 << 14, threads=2, coding=1)
 
 
 def adam_like(shapes: dict[str, tuple[int, ...]], lr: float, seed: int = 0):

@@ -113,7 +113,7 @@ def test_delta_made_from_other_weights_is_refused_up_front():
 def test_without_held_checksums_a_wrong_base_is_caught_by_the_tensor_checksums(fmt):
     # v2 chunks are modelled on the held words: against other words most fail to decode
     # (CorruptFrameError) before the tensor checksums would catch them.
-    config = CodecConfig(chunk_elems=2048, threads=2, format=fmt)
+    config = CodecConfig(chunk_elems=2048, threads=2, coding=fmt)
     delta = frame_bytes(encode_delta(BASE, NEW, base_version=0, version=1, config=config))
     held = perturb(BASE, 0.01, seed=9)
     before = clone_state(held)

@@ -42,7 +42,7 @@ from modal_rl.weightsync.streams import (
 )
 
 UNCHANGED, XOR_SPARSE, XOR_DENSE, FULL, SUB_SPARSE, SUB_DENSE = 0, 1, 2, 3, 4, 5
-CTX_SPARSE = 6  # format v2: context-conditioned coding (``chunks_v2``)
+CTX_SPARSE = 6  # chunk coding v2: context-conditioned coding (``chunks_v2``)
 ENCODING_NAMES = {
     UNCHANGED: "unchanged",
     XOR_SPARSE: "xor-sparse",

@@ -57,7 +57,7 @@ class CodecConfig:
     window: int = 0  # 0 = 2 × threads
     # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where smaller;
     # 1: v1 coding only (what receivers without numba need). Readers decode both.
-    format: int = 2
+    coding: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
@@ -66,12 +66,12 @@ class CodecConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
-        if self.format not in (1, 2):
-            raise ValueError(f"format must be 1 or 2, got {self.format}")
+        if self.coding not in (1, 2):
+            raise ValueError(f"coding must be 1 or 2, got {self.coding}")
 
     def wire_params(self) -> dict[str, int]:
         """What a reader may want to know; threads and window do not change the bytes."""
-        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level, "format": self.format}
+        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level, "coding": self.coding}
 
     @property
     def in_flight(self) -> int:
@@ -193,7 +193,7 @@ def _encode(
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
-    v2 = config.format == 2 and _v2_available()
+    v2 = config.coding == 2 and _v2_available()
     group_bodies: list[bytes] = []
     ntensors = 0
 
