@@ -21,8 +21,8 @@ run: ``u`` (geometric, ratio ~1/2) by a static table of ``QSYM`` symbols plus an
 
 Residual model. ``z = zigzag(new - old)`` (never 0) as a symbol (``z`` below 8, else its
 bit length and the bit after the leading one) with per-exponent frequencies learned as
-the chunk is coded (rebuilt when a context's count doubles), then the remaining bits
-uniform.
+the chunk is coded (an observation weighs 32 prior counts; rebuilt when a context's
+count doubles), then the remaining bits uniform.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ QSYM = 24  # run-length quotient symbols 0..QSYM-1, then an escape
 GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
 RES_CTX = 256
 RES_SYM = 34
-RES_FIRST_REBUILD = 16
+RES_FIRST_REBUILD = 1
+RES_INC = 32  # an observation weighs 32 prior counts: unseen symbols stay cheap to exclude
 
 _kernel = njit(nogil=True, cache=True)
 
@@ -408,7 +409,7 @@ def _res_model():
 
 @_kernel
 def _res_learn(counts, cum, seen, nextb, c, sym):
-    counts[c, sym] += 1
+    counts[c, sym] += RES_INC
     seen[c] += 1
     if seen[c] == nextb[c]:
         nextb[c] *= 2
