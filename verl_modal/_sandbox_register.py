@@ -8,6 +8,9 @@ verl 0.9.1 selects a reward manager by name (``reward.reward_manager.name``, sou
 Tools have no by-name registry in verl 0.9.1 (a tool config names its class path), so the
 sandboxed tool needs no registration: ``verl_modal.tools.SandboxCodeTool``.
 
+The sample mask (``verl_modal.sample_mask``) is installed the same way, once verl's agent-loop
+module loads: a sample whose sandbox failed is masked out of the loss, not scored.
+
 Invariant: if registration fails, the failure is logged at ERROR and ``modal_sandbox`` is
 still listed, bound to a stand-in whose construction raises ``ImportError`` with the cause,
 so a run asking for it fails with the reason instead of "not registered".
@@ -22,6 +25,7 @@ from verl_modal._register import after_import, as_import_error, loudly
 TARGET = "verl.experimental.reward_loop.reward_manager"
 NAME = "modal_sandbox"
 MANAGER_MODULE = "verl_modal.reward_manager"
+MASK_TARGET = "verl.experimental.agent_loop.agent_loop"
 
 
 def _import_manager() -> None:
@@ -38,6 +42,13 @@ def _record(exc: Exception) -> None:
     sys.modules[f"{TARGET}.registry"].REWARD_MANAGER.setdefault(NAME, UnavailableRewardManager)
 
 
+def _install_mask() -> None:
+    from verl_modal import sample_mask
+
+    sample_mask.install()
+
+
 register = loudly(f"reward manager {NAME!r}", _import_manager, _record)
 
 after_import(TARGET, register)
+after_import(MASK_TARGET, loudly("the sandbox sample mask", _install_mask))

@@ -10,8 +10,9 @@ Returns ``{"score": 1.0/0.0 (or the pass fraction with partial=True), "passed", 
 ``reward.reward_manager.name=modal_sandbox`` (``verl_modal.reward_manager``).
 
 Sandbox failures never become a reward: a failed evaluation is retried with a fresh sandbox
-(``sandbox_retries``), and if the infrastructure still fails the ``SandboxError`` propagates
-(verl 0.9.1's reward managers have no per-sample mask to set from a reward function).
+(``sandbox_retries``), and if the infrastructure still fails the ``SandboxError`` propagates.
+The ``modal_sandbox`` manager turns it into a masked sample (``verl_modal.sample_mask``); any
+other manager fails the sample's group with it.
 """
 
 from __future__ import annotations

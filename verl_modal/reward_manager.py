@@ -16,8 +16,11 @@ registry (and so torch and transformers), which is why ``import verl`` does not 
 
 Invariants:
 - unknown ``reward_kwargs`` are an error when the manager is built, not at the first sample;
-- a sandbox infrastructure failure is never a score: ``SandboxError`` propagates (verl 0.9.1
-  has no per-sample mask), counted in ``sandbox_errors`` first;
+- a sandbox infrastructure failure is never a score: after ``sandbox_retries`` fresh sandboxes
+  the sample is answered with ``reward_extra_info["sandbox_masked"] = 1`` (every scored sample
+  carries ``0``) and counted in ``sandbox_errors``; ``verl_modal.sample_mask`` then takes it out
+  of the loss (zero response mask, a GRPO group of its own). The ``reward_score`` of a masked
+  sample is a placeholder that no loss term reads;
 - with a metrics dir, ``sandbox-reward-<pid>.json`` there is rewritten atomically after every
   sample: ``samples``, ``execs`` (programs run), ``sandbox_errors`` and the pool's snapshot.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -35,7 +39,9 @@ from verl.experimental.reward_loop.reward_manager.registry import register
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.shared import shared_pool
 from verl_modal import reward as sandbox_reward
+from verl_modal.sample_mask import MASK_KEY
 
+log = logging.getLogger("verl_modal")
 NAME = "modal_sandbox"
 METRICS_ENV = "MODAL_RL_SANDBOX_METRICS_DIR"
 OPTION_KEYS = (*sandbox_reward.POOL_KEYS, *sandbox_reward.SCORE_KEYS)
@@ -72,10 +78,11 @@ class SandboxRewardManager(NaiveRewardManager):
     async def run_single(self, data) -> dict:
         try:
             out = await super().run_single(data)
-        except SandboxError:
+        except SandboxError as exc:
             self.counts["sandbox_errors"] += 1
             await self._write_metrics()
-            raise
+            return masked_result(exc)
+        out["reward_extra_info"][MASK_KEY] = 0
         self.counts["samples"] += 1
         self.counts["execs"] += int(out["reward_extra_info"].get("execs", 0))
         await self._write_metrics()
@@ -91,3 +98,10 @@ class SandboxRewardManager(NaiveRewardManager):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(snapshot, default=str))
         tmp.replace(path)
+
+
+def masked_result(exc: BaseException) -> dict:
+    """The answer for a sample whose sandbox failed: flagged for the mask, keys as a scored one."""
+    info = {"score": 0.0, "passed": 0, "total": 0, "execs": 0, MASK_KEY: 1}
+    log.warning("sample masked: sandbox failure: %s", exc)
+    return {"reward_score": 0.0, "reward_extra_info": info}

@@ -16,7 +16,10 @@ Every node runs the same ``bootstrap`` as a Modal container. What differs, and w
   which runs the Modal cluster's authenticated bring-up here;
 - the run key reaches node processes through their environment, never their argv;
 - teardown at exit, on error and on Ctrl-C/SIGTERM ends exactly the processes whose
-  environment carries this run's ``MODAL_RL_RUN_ID`` (see ``procs.py``).
+  environment carries this run's ``MODAL_RL_RUN_ID`` (see ``procs.py``);
+- ``spec.retries``: a run that lost a node is started again on a fresh cluster (new run id,
+  new ports), as Modal's function retries would (see ``retries.py``); ``retry_log`` records
+  each attempt.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from modal_rl.cluster import procs
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.plan import RAY_AUTH_SWITCH_ENV, BootstrapPlan
 from modal_rl.cluster.raynode import node_environment, ray_start_argv
+from modal_rl.cluster.retries import RetryLog, run_with_retries
 from modal_rl.cluster.spec import ClusterSpec
 from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, redact
 
@@ -91,6 +95,7 @@ class LocalBackend(ClusterBackend):
         self.last_run_id: str | None = None
         self.started_pids: dict[int, int] = {}
         self.follower_exit_codes: dict[int, int | None] = {}
+        self.retry_log = RetryLog()
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         n = spec.nodes
@@ -138,8 +143,13 @@ class LocalBackend(ClusterBackend):
         }
 
     def run(self, spec: ClusterSpec, job: JobRequest) -> int:
-        plan = self.make_plan(spec, job)
-        return self.run_plan(plan)
+        self.retry_log = RetryLog()
+
+        def once() -> tuple[str, int]:
+            plan = self.make_plan(spec, job)
+            return plan.run_id, self.run_plan(plan)
+
+        return run_with_retries(once, spec.retries, self.on_err, self.retry_log)
 
     def run_plan(self, plan: BootstrapPlan, ranks: list[int] | None = None) -> int:
         """Start ``ranks`` (default: all) of ``plan`` as node processes and wait for rank 0."""

@@ -202,7 +202,23 @@ class Head:
         finally:
             if tail is not None and not tail.done():
                 tail.cancel()
+        if info.status != JobStatus.SUCCEEDED and await self._lost_during_job():
+            return P.EXIT_FOLLOWER_LOST
         return _exit_code(info)
+
+    async def _lost_during_job(self, grace_s: float = 2.0) -> bool:
+        """A job that failed because a node died can end before rank 0 hears of the death
+        (its driver sees the dead actors first); then the loss, not the job, is the cause,
+        which is what decides whether the run is retried."""
+        deadline = time.monotonic() + (grace_s if self.plan.nodes > 1 else 0.0)
+        while True:
+            lost = self.control.failures()
+            if lost:
+                _say(self._lost_message(lost))
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
 
     async def _tail(self, job_id: str) -> None:
         async for chunk in self.client.tail_job_logs(job_id):
@@ -232,6 +248,8 @@ class Head:
                     timeout_s=plan.collective_timeout_s,
                     tail_logs=False,
                 )
+                if code == P.EXIT_FOLLOWER_LOST:  # a lost node, not a broken collective
+                    return code
                 if code != 0:
                     _say(f"collective check failed (exit {code}); not starting the job")
                     return P.EXIT_COLLECTIVE_FAILED

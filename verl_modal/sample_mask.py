@@ -1,0 +1,93 @@
+"""Per-sample masking for verl 0.9.1: a sample whose sandbox failed is left out of the loss.
+
+verl 0.9.1 has no per-sample mask a reward manager can set: a manager returns a score and a
+``reward_extra_info`` dict, and a manager that raises fails the sample's whole GRPO group in
+the agent loop. So the mask is two halves:
+
+- the ``modal_sandbox`` manager (``verl_modal.reward_manager``) answers a sample whose sandbox
+  infrastructure failed (after its retries) with ``reward_extra_info[MASK_KEY] = 1`` (every
+  other sample carries ``0``, so the keys agree across a batch); the ``modal_vllm`` replica
+  flags a sample whose engine died mid-request with ``extra_fields[ENGINE_MASK_KEY]``;
+- :func:`install` wraps verl's ``AgentLoopWorker._compute_score`` (the method that asks the
+  reward worker and stores its answer on the trajectory) so that, on the V1 TransferQueue
+  path (``AgentLoopWorkerTQ``, what ``main_ppo``'s V1 runner uses), a flagged trajectory gets
+  ``response_mask`` all zeros and a group id (``uid``) of its own before it is written to
+  the TransferQueue.
+
+Why this excludes the sample rather than scoring it 0: every loss term verl computes (policy
+loss, entropy, KL; ``loss_mask = response_mask``) is aggregated over ``response_mask``, so an
+all-zero row adds nothing to numerator or denominator; and GRPO normalises rewards within a
+``uid`` group, so a row moved to a group of its own does not shift its siblings' mean and
+std (the same two moves verl's own batch padding makes for its synthetic rows,
+``verl/trainer/ppo/padding_utils.py``). Tested with verl's own advantage and loss functions.
+
+Invariants: :func:`install` is idempotent and only wraps (the original always runs first);
+the trajectory's TransferQueue key keeps its original uid, so verl's group bookkeeping is
+unchanged; on the legacy (non-TQ) agent loop the response mask is already padded into the
+batch when the score arrives, so a flagged sample raises ``SandboxError`` there instead -
+it is never scored.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import uuid
+from typing import Any
+
+from modal_rl.sandboxes.errors import SandboxError
+
+MASK_KEY = "sandbox_masked"
+# Set by the modal_vllm replica on a sample whose engine died mid-request (an empty, aborted
+# response): verl already pads it to a zero response mask; the own group keeps its
+# placeholder reward out of its siblings' GRPO statistics.
+ENGINE_MASK_KEY = "modal_rl_masked"
+TARGET = "verl.experimental.agent_loop.agent_loop"
+TQ_MODULE = "verl.trainer.ppo.v1.agent_loop_tq"
+MASKED_UID_PREFIX = "masked-"
+_MARK = "__verl_modal_sample_mask__"
+
+
+def is_flagged(outputs: list[Any]) -> bool:
+    """True if the trajectory's final output carries the sandbox or the engine mask flag."""
+    extra = outputs[-1].extra_fields or {}
+    info = extra.get("reward_extra_info") or {}
+    return bool(info.get(MASK_KEY) or extra.get(ENGINE_MASK_KEY))
+
+
+def mask_trajectory(outputs: list[Any], kwargs: dict) -> str:
+    """Zero every output's response mask and give the trajectory a group of its own.
+
+    ``kwargs`` is the dict verl's ``_agent_loop_postprocess`` later merges into each stored
+    row, so the new ``uid`` reaches the advantage computation; returns that uid."""
+    for out in outputs:
+        out.response_mask = [0] * len(out.response_mask)
+    kwargs["uid"] = f"{MASKED_UID_PREFIX}{uuid.uuid4().hex}"
+    return kwargs["uid"]
+
+
+def _on_tq_path(worker: Any) -> bool:
+    return any(cls.__module__ == TQ_MODULE for cls in type(worker).__mro__)
+
+
+def install() -> None:
+    """Wrap ``AgentLoopWorker._compute_score`` in the loaded agent-loop module (idempotent)."""
+    cls = sys.modules[TARGET].AgentLoopWorker
+    original = cls._compute_score
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    async def _compute_score(self, outputs, kwargs):
+        await original(self, outputs, kwargs=kwargs)
+        if not outputs or not is_flagged(outputs):
+            return
+        if not _on_tq_path(self):
+            raise SandboxError(
+                "sandbox failed while scoring a sample; verl's legacy agent loop cannot mask it "
+                "(use the V1 trainer, which masks it)"
+            )
+        mask_trajectory(outputs, kwargs)
+
+    setattr(_compute_score, _MARK, True)
+    cls._compute_score = _compute_score
