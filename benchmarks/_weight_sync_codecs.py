@@ -52,14 +52,18 @@ def _bytes_of(t) -> np.ndarray:
 
 def make_codecs(threads: int, chunk_elems: int = CodecConfig.chunk_elems) -> list[Codec]:
     config = CodecConfig(threads=threads, chunk_elems=chunk_elems)
+    config_v1 = CodecConfig(threads=threads, chunk_elems=chunk_elems, coding=1)
 
-    # --- modal_rl ------------------------------------------------------------------
-    def ours_encode(base, new, base_sums):
+    # --- modal_rl (chunk coding v2; v1 beside it) ----------------------------------------------
+    def ours_encode(base, new, base_sums, config=config):
         if base is None:
             return frame_bytes(encode_anchor(new, version=0, config=config))
         return frame_bytes(
             encode_delta(base, new, base_version=0, version=1, config=config, base_checksums=base_sums)
         )
+
+    def ours_v1_encode(base, new, base_sums):
+        return ours_encode(base, new, base_sums, config_v1)
 
     def ours_decode(payload, target, held_sums):
         result = apply_frame(
@@ -142,11 +146,50 @@ def make_codecs(threads: int, chunk_elems: int = CodecConfig.chunk_elems) -> lis
 
     return [
         Codec("modal_rl", ours_encode, ours_decode, len),
+        Codec("modal_rl_v1", ours_v1_encode, ours_decode, len),
         Codec("slime_xor_zstd", xor_encode, xor_decode, dict_size),
         Codec("slime_overwrite_zstd", overwrite_encode, overwrite_decode, dict_size),
         Codec("verl_indices", indices_encode, indices_decode, indices_size),
         Codec("zstd1_full", full_encode, full_decode, dict_size, deltas=False),
     ]
+
+
+def _h_bits(symbols: np.ndarray) -> float:
+    _, counts = np.unique(symbols, return_counts=True)
+    return float(-(counts * np.log2(counts / counts.sum())).sum())
+
+
+def context_entropy_bytes(base: State, new: State) -> float:
+    """The conditional bound of chunk coding v2, in bytes: H(changed-word mask | tensor, base
+    exponent) + H(residual | base exponent), both empirical (order-0 within each context).
+
+    Residual = zigzag of ``new - old`` in wrapping word arithmetic; exponent =
+    ``(base >> 7) & 0xFF`` (bfloat16's; for other 2-byte types a context of the top bits).
+    Words of other widths count with their order-0 bits (gaps + XOR, as ``entropy_bytes``).
+    The model's own parameters are not counted: a real coder pays for them.
+    """
+    mask_bits, residuals, exponents, other = 0.0, [], [], {}
+    for name in new:
+        b, n = words_of(base[name]), words_of(new[name])
+        changed = b != n
+        if b.dtype.itemsize != 2:
+            other[name] = (base[name], new[name])
+            continue
+        e = (b >> 7) & 0xFF
+        words, changes = np.bincount(e, minlength=256), np.bincount(e[changed], minlength=256)
+        live = (changes > 0) & (changes < words)
+        k, m = changes[live].astype(float), words[live].astype(float)
+        mask_bits -= float((k * np.log2(k / m) + (m - k) * np.log2(1 - k / m)).sum())
+        d = (n[changed].astype(np.int32) - b[changed].astype(np.int32)).astype(np.int16).astype(np.int32)
+        residuals.append(((d << 1) ^ (d >> 31)) & 0xFFFF)
+        exponents.append(e[changed])
+    res_bits = 0.0
+    if residuals:
+        r, e = np.concatenate(residuals), np.concatenate(exponents)
+        key = e.astype(np.int64) << 16 | r
+        res_bits = _h_bits(key) - _h_bits(e)  # H(r, e) - H(e) = H(r | e)
+    rest = entropy_bytes({k: v[0] for k, v in other.items()}, {k: v[1] for k, v in other.items()})
+    return (mask_bits + res_bits) / 8 + (rest if other else 0.0)
 
 
 def entropy_bytes(base: State, new: State) -> float:

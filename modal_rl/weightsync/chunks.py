@@ -32,6 +32,7 @@ import numpy as np
 
 from modal_rl.weightsync.errors import CorruptFrameError
 from modal_rl.weightsync.streams import (
+    STORED,
     ZSTD,
     byte_planes,
     join_planes,
@@ -41,6 +42,7 @@ from modal_rl.weightsync.streams import (
 )
 
 UNCHANGED, XOR_SPARSE, XOR_DENSE, FULL, SUB_SPARSE, SUB_DENSE = 0, 1, 2, 3, 4, 5
+CTX_SPARSE = 6  # chunk coding v2: context-conditioned coding (``chunks_v2``)
 ENCODING_NAMES = {
     UNCHANGED: "unchanged",
     XOR_SPARSE: "xor-sparse",
@@ -48,8 +50,9 @@ ENCODING_NAMES = {
     FULL: "full",
     SUB_SPARSE: "sub-sparse",
     SUB_DENSE: "sub-dense",
+    CTX_SPARSE: "ctx-sparse",
 }
-SPARSE, DENSE = {XOR_SPARSE, SUB_SPARSE}, {XOR_DENSE, SUB_DENSE}
+SPARSE, DENSE = {XOR_SPARSE, SUB_SPARSE, CTX_SPARSE}, {XOR_DENSE, SUB_DENSE}
 # chunk_index u32, elem_count u32, nchanged u32, encoding u8, nstreams u8
 CHUNK_HEADER = struct.Struct("<IIIBB")
 MAX_CHUNK_ELEMS = 1 << 28
@@ -135,11 +138,37 @@ def encode_delta_chunk(
     return header + pack_streams(streams, coders, level)
 
 
+def encode_delta_chunk_v2(
+    chunk: ChunkSpec, base: np.ndarray, new: np.ndarray, member_starts: list[int], level: int
+) -> bytes:
+    """Body of a delta chunk of 2-byte words from the chunk's base and new words
+    (``member_starts``: chunk-local starts of its tensors): the v2 coding, or the v1
+    body where that is smaller."""
+    from modal_rl.weightsync import chunks_v2
+
+    def header_for(nchanged: int) -> bytes:
+        return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
+
+    bounds = chunks_v2.segment_bounds(member_starts, chunk.elem_count)
+    body, positions, old, new_w = chunks_v2.encode(header_for, base, new, bounds, level)
+    v1 = encode_delta_chunk(chunk, positions, old, new_w, level)
+    return v1 if body is None or len(v1) <= len(body) else body
+
+
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
     streams = byte_planes(words)
     header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, chunk.elem_count, FULL, len(streams))
-    # Anchors are large and dense: zstd only, for its speed (Huffman-only DEFLATE is ~5x slower).
-    return header + pack_streams(streams, [ZSTD] * len(streams), level)
+    # Anchors are large and dense: zstd only, for its speed (Huffman-only DEFLATE is ~5x
+    # slower); planes of mantissa noise are stored (zstd-1 gains < 0.01% there, at a cost).
+    return header + pack_streams(streams, [_anchor_coder(p) for p in streams], level)
+
+
+def _anchor_coder(plane: np.ndarray, sample: int = 1 << 14, noisy_bits: float = 7.9) -> int:
+    """STORED for a plane whose sampled order-0 entropy is near 8 bits, else ZSTD."""
+    if plane.size < 4 * sample:
+        return ZSTD
+    picked = plane[:: plane.size // sample]
+    return STORED if _plane_entropy_bits([picked]) / picked.size > noisy_bits else ZSTD
 
 
 @dataclass
@@ -163,6 +192,7 @@ class DecodedChunk:
             return
         lo, hi = self.elem_start, self.elem_start + self.elem_count
         op = "set" if self.encoding == FULL else "xor" if self.encoding in (XOR_SPARSE, XOR_DENSE) else "add"
+        # SUB_* and CTX_SPARSE carry new - old
         values = self.values
         if op == "add" and undo:
             values = values.dtype.type(0) - values
@@ -204,8 +234,12 @@ def _update(words: Any, where: np.ndarray | slice, values: np.ndarray, op: str) 
         words[where] += values
 
 
-def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int) -> DecodedChunk:
-    """Parse and validate a chunk body. Raises ``CorruptFrameError`` on any inconsistency."""
+def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base_for=None) -> DecodedChunk:
+    """Parse and validate a chunk body. Raises ``CorruptFrameError`` on any inconsistency.
+
+    ``base_for(index, count)`` returns the chunk's held words and its tensors'
+    chunk-local starts (``chunks_v2.base_words``); v2 chunks need them, v1 never calls it.
+    """
     body = memoryview(body)
     if len(body) < CHUNK_HEADER.size:
         raise CorruptFrameError("chunk body shorter than its header")
@@ -215,8 +249,18 @@ def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int) -> D
         raise CorruptFrameError(f"chunk {index}: impossible sizes (count={count}, changed={nchanged})")
     expected = {UNCHANGED: 0, FULL: itemsize} | dict.fromkeys(SPARSE, GAP_STREAMS + itemsize)
     expected |= dict.fromkeys(DENSE, itemsize)
+    expected[CTX_SPARSE] = 3 if itemsize == 2 else -1
     if encoding not in expected or nstreams != expected[encoding]:
         raise CorruptFrameError(f"chunk {index}: bad encoding {encoding} with {nstreams} streams")
+    if encoding == CTX_SPARSE:
+        from modal_rl.weightsync import chunks_v2
+
+        if base_for is None:
+            raise CorruptFrameError(f"chunk {index}: a v2 chunk where no held words are available")
+        base, member_starts = base_for(index, count)
+        bounds = chunks_v2.segment_bounds(member_starts, count)
+        positions, values = chunks_v2.decode(body, index, count, nchanged, base, bounds)
+        return DecodedChunk(index, index * chunk_elems, count, nchanged, encoding, positions, values)
     streams = unpack_streams(body, CHUNK_HEADER.size, nstreams, 4 * count)
     positions = values = None
     if encoding in SPARSE:

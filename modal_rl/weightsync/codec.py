@@ -16,7 +16,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from modal_rl.weightsync.chunks import MAX_CHUNK_ELEMS, ChunkSpec, encode_delta_chunk, encode_full_chunk
+import numpy as np
+
+from modal_rl.weightsync.chunks import (
+    MAX_CHUNK_ELEMS,
+    ChunkSpec,
+    encode_delta_chunk,
+    encode_delta_chunk_v2,
+    encode_full_chunk,
+)
 from modal_rl.weightsync.differ import Differ, default_differ
 from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name
 from modal_rl.weightsync.errors import LayoutMismatchError
@@ -47,6 +55,9 @@ class CodecConfig:
     threads: int = min(8, os.cpu_count() or 1)
     zstd_level: int = 1
     window: int = 0  # 0 = 2 × threads
+    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where smaller;
+    # 1: v1 coding only (what receivers without numba need). Readers decode both.
+    coding: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
@@ -55,10 +66,12 @@ class CodecConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
+        if self.coding not in (1, 2):
+            raise ValueError(f"coding must be 1 or 2, got {self.coding}")
 
     def wire_params(self) -> dict[str, int]:
         """What a reader may want to know; threads and window do not change the bytes."""
-        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level}
+        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level, "coding": self.coding}
 
     @property
     def in_flight(self) -> int:
@@ -180,6 +193,7 @@ def _encode(
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
+    v2 = config.coding == 2 and _v2_available()
     group_bodies: list[bytes] = []
     ntensors = 0
 
@@ -201,7 +215,7 @@ def _encode(
                 if base is None:
                     yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
                 else:
-                    yield from emit(pool.submit(_delta_chunk, members, spec, config.zstd_level))
+                    yield from emit(pool.submit(_delta_chunk, members, spec, config.zstd_level, v2))
         yield from emit(pool.drain())
         yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
     finally:
@@ -230,9 +244,25 @@ def _space(members: list[_Member], attr: str) -> Any:
     return members[0].differ.concat([getattr(m, attr) for m in members])
 
 
-def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
+def _v2_available() -> bool:
+    from modal_rl.weightsync import chunks_v2
+
+    return chunks_v2.available()
+
+
+def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int, v2: bool) -> bytes:
     d = members[0].differ
     base, new = _space(members, "base"), _space(members, "new")
+    if v2 and ITEMSIZE[members[0].dtype] == 2:
+        # v2 models every held word of the chunk, so it reads the whole chunk on the host
+        # (a copy from the device for TorchDiffer).
+        starts, offset = [], 0
+        for m in members:
+            starts.append(offset - spec.elem_start)
+            offset += m.numel
+        b = d.read(base, spec.elem_start, spec.elem_count).view(np.uint16)
+        n = d.read(new, spec.elem_start, spec.elem_count).view(np.uint16)
+        return record(TAG_CHUNK, encode_delta_chunk_v2(spec, b, n, starts, level))
     positions, old_words, new_words = d.diff(base, new, spec.elem_start, spec.elem_count)
     return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level))
 

@@ -20,7 +20,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys
-from modal_rl.weightsync.chunks import FULL, decode_chunk
+from modal_rl.weightsync.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
+from modal_rl.weightsync.chunks_v2 import base_words
 from modal_rl.weightsync.codec import CodecConfig, shape_of
 from modal_rl.weightsync.differ import TorchDiffer, checksum_words
 from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name, empty_like_spec, is_torch, words_of
@@ -94,7 +95,7 @@ class _Applier:
     def __init__(self, config: CodecConfig) -> None:
         self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="weightsync-apply")
         self.limit = config.in_flight
-        self.applied: list[tuple[_GroupJob, bytes]] = []  # for rollback
+        self.applied: list[tuple[_GroupJob, bytes | DecodedChunk]] = []  # for rollback
         self.lock = threading.Lock()
         self.in_flight: list[Future] = []
         self.changed = 0
@@ -112,7 +113,15 @@ class _Applier:
     def _apply_chunk(self, job: _GroupJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
         gh = job.header
         where = f"group of {gh.tensors[0].name!r}"
-        chunk = decode_chunk(body, job.itemsize, gh.chunk_elems)
+
+        def base_for(index: int, count: int):
+            # v2 chunks model the held words: check where the chunk lies before reading them
+            if index != expected_index or count != min(gh.chunk_elems, gh.total - index * gh.chunk_elems):
+                raise CorruptFrameError(f"{where}: chunk {index} is not chunk {expected_index} of its group")
+            lo = index * gh.chunk_elems
+            return base_words(job.segments, lo, lo + count)
+
+        chunk = decode_chunk(body, job.itemsize, gh.chunk_elems, base_for)
         if chunk.index != expected_index:
             raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
         if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
@@ -123,7 +132,8 @@ class _Applier:
         with self.lock:
             self.changed += chunk.nchanged
             if not is_anchor:
-                self.applied.append((job, body))
+                # v2 chunks decode only against the words they replaced: keep them decoded
+                self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
 
     def verify(self, job: _GroupJob) -> Future:
         def run() -> None:
@@ -151,8 +161,10 @@ class _Applier:
     def rollback(self) -> None:
         # Wait for every chunk still running, then undo all applied XOR chunks.
         wait(self.in_flight)
-        for job, body in self.applied:
-            decode_chunk(body, job.itemsize, job.header.chunk_elems).apply(job.segments, undo=True)
+        for job, done in self.applied:
+            if not isinstance(done, DecodedChunk):
+                done = decode_chunk(done, job.itemsize, job.header.chunk_elems)
+            done.apply(job.segments, undo=True)
         self.applied.clear()
 
     def close(self) -> None:

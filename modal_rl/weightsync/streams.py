@@ -105,7 +105,7 @@ def pack_streams(streams: list[np.ndarray], coders: list[int], level: int) -> by
     for stream, coder in zip(streams, coders, strict=True):
         raw = memoryview(np.ascontiguousarray(stream)).cast("B")
         coded = None
-        if len(raw) >= 32:
+        if len(raw) >= 32 and coder != STORED:  # STORED: already entropy-coded (rANS words)
             coded = _huffman(raw) if coder == HUFFMAN else _compressor(level).compress(raw)
         if coded is not None and len(coded) < len(raw):
             parts += [_varint(coder) + _varint(len(raw)) + _varint(len(coded)), coded]

@@ -1,0 +1,157 @@
+"""Chunk coding v2: context-conditioned entropy coding of a sparse bf16 delta.
+
+The model conditions on what the receiver already holds — the base words — so the frame
+carries only what the receiver cannot derive (see ``ctxcoder`` for the models):
+
+- **mask**: which words changed, coded per context (tensor segment × base exponent) as
+  run lengths under a geometric model with ``p = k / n``. The receiver counts ``n`` (the
+  words of each context) as it decodes; the frame carries ``p`` as one byte per context.
+- **residual**: ``zigzag(new - old)`` of the changed words, adaptive per base exponent.
+
+Body: the v1 chunk header with encoding ``CTX_SPARSE`` and three streams: the mask
+model's ``q`` bytes (zstd), the mask's rANS words, the residual's rANS words (u32 LE, stored).
+Only 2-byte words are coded this way; the encoder keeps the v1 body when it is smaller.
+Decoding needs the chunk's base words and its tensors' boundaries, and validates
+everything (``CorruptFrameError``) before a word is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from modal_rl.weightsync.errors import CorruptFrameError, WeightSyncError
+from modal_rl.weightsync.streams import STORED, ZSTD, pack_streams, unpack_streams
+
+CTX_SPARSE = 6
+CTX_STREAMS = 3
+# chunk_index u32, elem_count u32, nchanged u32, encoding u8, nstreams u8 (as v1)
+ENCODING_OFFSET = 12
+
+
+def _kernels():
+    try:
+        from modal_rl.weightsync import ctxcoder
+    except ImportError as exc:  # numba missing
+        raise WeightSyncError(f"v2 chunks need numba ({exc}); install it: pip install numba") from None
+    return ctxcoder
+
+
+def available() -> bool:
+    try:
+        _kernels()
+    except WeightSyncError:
+        return False
+    return True
+
+
+def segment_bounds(member_starts: list[int], count: int) -> np.ndarray:
+    """Context segments of a chunk from its tensors' chunk-local starts: a tensor opens a
+    new segment only when the current one holds at least ``SEG_MIN`` words, so a run of
+    small tensors shares one (their own contexts would cost more ``k`` than they save)."""
+    from modal_rl.weightsync.ctxcoder import SEG_MIN
+
+    bounds = [0]
+    for start in member_starts:
+        if 0 < start < count and start - bounds[-1] >= SEG_MIN:
+            bounds.append(start)
+    bounds.append(count)
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def _side_info(q: np.ndarray, nseg: int) -> np.ndarray:
+    """Per segment: first and last exponent with changes (u8 each; 1, 0 = none), then
+    their q bytes, each as the difference to the previous one (mod 256: smooth, so it
+    compresses)."""
+    out = []
+    for row in q.reshape(nseg, 256):
+        live = np.flatnonzero(row)
+        if live.size == 0:
+            out.append(np.array([1, 0], np.uint8))
+            continue
+        lo, hi = int(live[0]), int(live[-1])
+        span = row[lo : hi + 1].astype(np.int16)
+        out += [np.array([lo, hi], np.uint8), np.diff(span, prepend=0).astype(np.uint8)]
+    return np.concatenate(out)
+
+
+def _read_side_info(raw: np.ndarray, nseg: int, index: int) -> np.ndarray:
+    q = np.zeros((nseg, 256), np.uint8)
+    at = 0
+    for s in range(nseg):
+        if at + 2 > raw.size:
+            raise CorruptFrameError(f"chunk {index}: context table ends early")
+        lo, hi = int(raw[at]), int(raw[at + 1])
+        at += 2
+        if hi < lo:
+            continue
+        if at + hi - lo + 1 > raw.size:
+            raise CorruptFrameError(f"chunk {index}: context table ends early")
+        q[s, lo : hi + 1] = np.cumsum(raw[at : at + hi - lo + 1], dtype=np.uint8)
+        at += hi - lo + 1
+    if at != raw.size:
+        raise CorruptFrameError(f"chunk {index}: trailing bytes after the context table")
+    return q.reshape(-1)
+
+
+def encode(
+    header_for, base: np.ndarray, new: np.ndarray, bounds: np.ndarray, level: int
+) -> tuple[bytes | None, np.ndarray, np.ndarray, np.ndarray]:
+    """(v2 body or None when nothing changed, positions, old words, new words).
+    ``header_for(nchanged)`` makes the chunk header."""
+    k_ = _kernels()
+    n, last, positions, ctxs, gaps = k_.encode_pass(base, new, bounds)
+    old_w, new_w = base[positions], new[positions]
+    if positions.size == 0:
+        return None, positions, old_w, new_w
+    q = k_.quantize_p(n, last, np.bincount(ctxs, minlength=n.size))
+    tab = k_.geo_model(q)
+    mask_words = k_.mask_encode(n, last, ctxs, gaps, tab)
+    res_words = k_.rans_encode(*k_.residual_symbols(old_w, new_w))
+    streams = [_side_info(q, bounds.size - 1), mask_words.view(np.uint8), res_words.view(np.uint8)]
+    body = header_for(positions.size) + pack_streams(streams, [ZSTD, STORED, STORED], level)
+    return body, positions, old_w, new_w
+
+
+def decode(
+    body: memoryview, index: int, count: int, nchanged: int, base: np.ndarray, bounds: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk-local positions, residuals new - old) of a v2 chunk body's streams."""
+    from modal_rl.weightsync.chunks import CHUNK_HEADER
+
+    k_ = _kernels()
+    if base.size != count or base.dtype != np.uint16:
+        raise CorruptFrameError(f"chunk {index}: v2 coding needs 2-byte words")
+    streams = unpack_streams(body, CHUNK_HEADER.size, CTX_STREAMS, 16 * count + 64)
+    q = _read_side_info(np.frombuffer(streams[0], np.uint8), bounds.size - 1, index)
+    if len(streams[1]) % 4 or len(streams[2]) % 4:
+        raise CorruptFrameError(f"chunk {index}: rANS streams are not whole words")
+    tab = k_.geo_model(q)
+    positions, ok = k_.mask_decode(base, bounds, q, tab, np.frombuffer(streams[1], "<u4"), nchanged)
+    if not ok:
+        raise CorruptFrameError(
+            f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)"
+        )
+    values, ok = k_.residual_decode(base[positions], np.frombuffer(streams[2], "<u4"))
+    if not ok:
+        raise CorruptFrameError(f"chunk {index}: the residuals do not decode")
+    return positions, values
+
+
+def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[np.ndarray, list[int]]:
+    """Host words ``[lo, hi)`` of a group's word space and the chunk-local starts of its
+    tensors there. A single host tensor is a view; device tensors are copied to the host."""
+    parts, starts = [], []
+    for start, words in segments:
+        size = int(words.size) if isinstance(words, np.ndarray) else int(words.numel())
+        a, b = max(lo, start), min(hi, start + size)
+        if a >= b:
+            continue
+        piece = words[a - start : b - start]
+        if not isinstance(piece, np.ndarray):
+            piece = piece.cpu().numpy()
+        parts.append(piece.view(np.uint16) if piece.dtype.itemsize == 2 else piece)
+        starts.append(a - lo)
+    words = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return words, starts

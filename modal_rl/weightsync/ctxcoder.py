@@ -1,0 +1,466 @@
+"""Compiled kernels of the v2 chunk coding (see ``chunks_v2``): context passes and rANS.
+
+These run under numba (``nogil``, so the codec's thread pool runs chunks in parallel):
+the model is conditioned per word, which in numpy took several full passes per chunk, and
+a per-symbol coder loop must run at native speed.
+
+Coder: 64-bit rANS, 32-bit renormalisation, 16-bit frequencies (``M = 2**16``); states
+stay below ``2**63``, so all arithmetic is int64. Symbols are (start, freq) pairs; a
+decoder that runs out of words, or does not end in the encoder's initial state, reports
+failure (``ok`` false) and never reads out of bounds.
+
+Mask model. Word ``i`` has the context ``seg(i) * 256 + e(i)``: ``e = (base >> 7) & 0xFF``
+(the bfloat16 exponent of the held word) and ``seg`` its context segment (tensors, merged
+up to ``SEG_MIN`` words). Per context the changes are i.i.d. with ``p = 2 ** (-q / 8)``
+(``q``: one byte per context in the frame, 0 = no change there) and are coded as run
+lengths in the context's own word order, the last one running to the context's end.
+A geometric run length ``g`` is split as ``g = (u << m) + r`` with ``2**m`` ≈ the median
+run: ``u`` (geometric, ratio ~1/2) by a static table of ``QSYM`` symbols plus an escape,
+``r`` as ``m`` uniform bits (the truncated geometric within one period is close to flat:
+≤ 0.03 bit per change lost).
+
+Residual model. ``z = zigzag(new - old)`` (never 0) as a symbol (``z`` below 8, else its
+bit length and the bit after the leading one) with per-exponent frequencies learned as
+the chunk is coded (an observation weighs 32 prior counts; rebuilt when a context's
+count doubles), then the remaining bits uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+PROB_BITS = 16
+M = 1 << PROB_BITS
+RANS_L = 1 << 31
+SEG_MIN = 1 << 16  # tensors smaller than this share a context segment with their neighbours
+QSYM = 24  # run-length quotient symbols 0..QSYM-1, then an escape
+GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
+RES_CTX = 256
+RES_SYM = 34
+RES_FIRST_REBUILD = 1
+RES_INC = 32  # an observation weighs 32 prior counts: unseen symbols stay cheap to exclude
+
+_kernel = njit(nogil=True, cache=True)
+
+
+@_kernel
+def rans_encode(starts, freqs):
+    """Encode symbols given as (start, freq) under M; returns the u32 words, in order."""
+    count = starts.size
+    out = np.empty(count + 4, dtype=np.uint32)
+    n = 0
+    x = np.int64(RANS_L)
+    for i in range(count - 1, -1, -1):
+        x, n = _put(x, out, n, starts[i], freqs[i])
+    return _flush(x, out, n)
+
+
+@_kernel
+def _start(words):
+    if words.size < 2:
+        return np.int64(0), np.int64(words.size + 1)
+    return (np.int64(words[0]) << 32) | np.int64(words[1]), np.int64(2)
+
+
+@_kernel
+def _advance(x, words, w, slot, start, f):
+    x = f * (x >> PROB_BITS) + slot - start
+    if x < RANS_L:
+        if w < words.size:
+            x = (x << 32) | np.int64(words[w])
+        w += 1
+    return x, w
+
+
+@_kernel
+def _dec_uniform(x, words, w, nb):
+    f = np.int64(1) << (PROB_BITS - nb)
+    slot = x & (M - 1)
+    v = slot >> (PROB_BITS - nb)
+    x, w = _advance(x, words, w, slot, v * f, f)
+    return v, x, w
+
+
+@_kernel
+def _count_equal(base, new, n0, n1, off, i, hi):
+    """Count words into their contexts from ``i`` while base and new agree; returns the
+    first differing index, or ``hi``. Even and odd words count into separate arrays, so
+    runs of one context make two independent store-to-load chains instead of one."""
+    if i < hi and i & 1:
+        b = base[i]
+        if b != new[i]:
+            return i
+        n1[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        i += 1
+    while i + 1 < hi:
+        b0 = base[i]
+        b1 = base[i + 1]
+        if b0 != new[i]:
+            return i
+        n0[off + ((np.int64(b0) >> 7) & 0xFF)] += 1
+        if b1 != new[i + 1]:
+            return i + 1
+        n1[off + ((np.int64(b1) >> 7) & 0xFF)] += 1
+        i += 2
+    if i < hi:
+        b = base[i]
+        if b != new[i]:
+            return i
+        n0[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        i += 1
+    return hi
+
+
+@_kernel
+def encode_pass(base, new, seg_bounds):
+    """Encoder pass: per context its word count, and per change (word order) its
+    position, context and run length (its context's words skipped since the previous
+    change there, or since the context's start). Returns (n, last, pos, ctxs, gaps);
+    ``last`` = rank of each context's last change (-1: none)."""
+    nseg = seg_bounds.size - 1
+    n0 = np.zeros(nseg * 256, dtype=np.int64)  # words at even indices
+    n1 = np.zeros(nseg * 256, dtype=np.int64)  # words at odd indices
+    last = np.full(nseg * 256, -1, dtype=np.int64)
+    count = base.size
+    pos = np.empty(count, dtype=np.int64)  # pages are only touched as far as changes go
+    ctxs = np.empty(count, dtype=np.int64)
+    gaps = np.empty(count, dtype=np.int64)
+    j = 0
+    for s in range(nseg):
+        off = s * 256
+        i = seg_bounds[s]
+        hi = seg_bounds[s + 1]
+        while True:
+            i = _count_equal(base, new, n0, n1, off, i, hi)
+            if i == hi:
+                break
+            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+            r = n0[c] + n1[c]
+            if i & 1:
+                n1[c] += 1
+            else:
+                n0[c] += 1
+            pos[j] = i
+            ctxs[j] = c
+            gaps[j] = r - last[c] - 1
+            last[c] = r
+            j += 1
+            i += 1
+    return n0 + n1, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
+
+
+@_kernel
+def quantize_p(n, last, gaps_count):
+    """q byte per context: 0 without changes, else round(-8 log2(k / n)) in [1, 255]."""
+    q = np.zeros(n.size, dtype=np.uint8)
+    for c in range(n.size):
+        if gaps_count[c] > 0:
+            v = np.int64(np.round(-8.0 * np.log2(gaps_count[c] / n[c])))
+            q[c] = min(255, max(1, v))
+    return q
+
+
+@_kernel
+def geo_model(q):
+    """Per context with q > 0: m and the cumulative table of the quotient symbols."""
+    tab = np.zeros((q.size, GEO_COLS), dtype=np.int64)
+    for c in range(q.size):
+        if q[c] == 0:
+            continue
+        p = 2.0 ** (-np.float64(q[c]) / 8.0)
+        lq = np.log1p(-min(p, 0.999))  # ln(1 - p) < 0
+        m = 0
+        while m < 31 and (1 << (m + 1)) * -lq <= np.log(2.0):
+            m += 1
+        theta = np.exp((1 << m) * lq)
+        tab[c, 0] = m
+        # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
+        total = 0
+        freqs = np.empty(QSYM + 1, dtype=np.int64)
+        for u in range(QSYM + 1):
+            pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
+            freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
+            total += freqs[u]
+        freqs[0] += M - total
+        cum = 0
+        for u in range(QSYM + 1):
+            tab[c, 1 + u] = cum
+            cum += freqs[u]
+        tab[c, 2 + QSYM] = cum
+    return tab
+
+
+@_kernel
+def _put(x, out, n, start, f):
+    """rANS-encode one symbol (encoder runs in reverse); returns (x, n)."""
+    if x >= (f << 47):
+        out[n] = x & 0xFFFFFFFF
+        n += 1
+        x >>= 32
+    # x < f << 47, so the quotient has < 48 bits: the float estimate is off by at most 1
+    qt = np.int64(x * (1.0 / f))
+    rem = x - qt * f
+    if rem < 0:
+        qt -= 1
+        rem += f
+    elif rem >= f:
+        qt += 1
+        rem -= f
+    return (qt << PROB_BITS) + rem + start, n
+
+
+@_kernel
+def _put_uniform(x, out, n, v, nb):
+    """``nb`` bits of ``v`` as uniform symbols of at most 16 bits (high part decoded
+    first, so encoded last)."""
+    done = 0
+    take = nb - PROB_BITS * ((nb - 1) // PROB_BITS)  # the lowest piece, read last
+    while done < nb:
+        f = np.int64(1) << (PROB_BITS - take)
+        x, n = _put(x, out, n, ((v >> done) & ((1 << take) - 1)) * f, f)
+        done += take
+        take = PROB_BITS
+    return x, n
+
+
+@_kernel
+def _put_gap(x, out, n, g, tab, c):
+    """Run length ``g`` in context ``c``, in reverse of the decoder's reading order."""
+    m = tab[c, 0]
+    u = g >> m
+    x, n = _put_uniform(x, out, n, g & ((np.int64(1) << m) - 1), m)
+    sym = min(u, QSYM)
+    if sym == QSYM:  # escape: bit length of the excess (6 bits), then its bits
+        extra = u - QSYM
+        nb = 0
+        while extra >> nb:
+            nb += 1
+        x, n = _put_uniform(x, out, n, extra, nb)
+        x, n = _put_uniform(x, out, n, nb, 6)
+    return _put(x, out, n, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+
+
+@_kernel
+def _flush(x, out, n):
+    out[n] = x & 0xFFFFFFFF
+    out[n + 1] = x >> 32
+    return out[: n + 2][::-1].copy()
+
+
+@_kernel
+def mask_encode(n, last, ctxs, gaps, tab):
+    """The mask's rANS words. Reading order (the receiver's): each changed context's first
+    run length (context order), then at each change (word order) its context's next run
+    length, the last one to the context's end. Encoded in reverse, in one pass."""
+    nch = ctxs.size
+    pending = n - last - 1  # per context: the run length read after its latest change
+    cap = 16 * (nch + n.size) + 64
+    out = np.empty(cap, dtype=np.uint32)
+    x = np.int64(RANS_L)
+    w = 0
+    for j in range(nch - 1, -1, -1):
+        c = ctxs[j]
+        x, w = _put_gap(x, out, w, pending[c], tab, c)
+        pending[c] = gaps[j]
+    for c in range(n.size - 1, -1, -1):
+        if last[c] >= 0:
+            x, w = _put_gap(x, out, w, pending[c], tab, c)
+    return _flush(x, out, w)
+
+
+@_kernel
+def _push(starts, freqs, t, start, f):
+    starts[t] = start
+    freqs[t] = f
+    return t + 1
+
+
+@_kernel
+def _push_uniform(starts, freqs, t, v, nb):
+    """``nb`` bits of ``v`` as uniform symbols of at most 16 bits, high part first."""
+    while nb > 0:
+        take = min(nb, PROB_BITS)
+        nb -= take
+        f = np.int64(1) << (PROB_BITS - take)
+        t = _push(starts, freqs, t, ((v >> nb) & ((1 << take) - 1)) * f, f)
+    return t
+
+
+@_kernel
+def _dec_gap(x, words, w, tab, c):
+    slot = x & (M - 1)
+    sym = 0
+    while sym < QSYM and tab[c, 2 + sym] <= slot:
+        sym += 1
+    x, w = _advance(x, words, w, slot, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+    u = np.int64(sym)
+    if sym == QSYM:
+        nb, x, w = _dec_uniform(x, words, w, 6)
+        extra = np.int64(0)
+        while nb > 0:
+            take = min(nb, PROB_BITS)
+            nb -= take
+            v, x, w = _dec_uniform(x, words, w, take)
+            extra = (extra << take) | v
+        u += extra
+    m = tab[c, 0]
+    r = np.int64(0)
+    while m > 0:
+        take = min(m, PROB_BITS)
+        m -= take
+        v, x, w = _dec_uniform(x, words, w, take)
+        r = (r << take) | v
+    if u > (np.int64(1) << 30):
+        u = np.int64(1) << 30  # corrupt input; the final checks refuse it
+    return (u << tab[c, 0]) + r, x, w
+
+
+@_kernel
+def _scan(base, nxt, off, i, hi):
+    """Count words into their contexts' countdowns from ``i``; stop at the first word
+    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop."""
+    while i < hi:
+        c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+        r = nxt[c] - 1
+        nxt[c] = r
+        if r < 0:
+            return i
+        i += 1
+    return hi
+
+
+@_kernel
+def mask_decode(base, seg_bounds, q, tab, words, nchanged):
+    """Receiver's pass: the changed positions (chunk-local). Returns (positions, ok)."""
+    pos = np.empty(nchanged, dtype=np.int64)
+    x, w = _start(words)
+    nxt = np.full(q.size, np.int64(1) << 62)  # words to skip before the next change
+    for c in range(q.size):
+        if q[c]:
+            g, x, w = _dec_gap(x, words, w, tab, c)
+            nxt[c] = g
+    found = 0
+    nseg = seg_bounds.size - 1
+    for s in range(nseg):
+        off = s * 256
+        i = seg_bounds[s]
+        hi = seg_bounds[s + 1]
+        while True:
+            i = _scan(base, nxt, off, i, hi)
+            if i == hi:
+                break
+            if found == nchanged or w > words.size:
+                return pos, False
+            pos[found] = i
+            found += 1
+            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+            g, x, w = _dec_gap(x, words, w, tab, c)
+            nxt[c] = g
+            i += 1
+    for c in range(q.size):
+        if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
+            return pos, False
+    return pos, found == nchanged and w == words.size and x == RANS_L
+
+
+@_kernel
+def _res_symbol(z):
+    if z < 8:
+        return z, 0
+    b = 0
+    while z >> b:
+        b += 1
+    return 8 + 2 * (b - 4) + ((z >> (b - 2)) & 1), b - 2
+
+
+@_kernel
+def _rebuild(counts, cum, c):
+    total = 0
+    for s in range(RES_SYM):
+        total += counts[c, s]
+    acc = 0
+    big, bigf = 0, -1
+    freq = np.empty(RES_SYM, dtype=np.int64)
+    for s in range(RES_SYM):
+        f = max(1, counts[c, s] * (M - RES_SYM) // total)
+        freq[s] = f
+        acc += f
+        if f > bigf:
+            big, bigf = s, f
+    freq[big] += M - acc
+    acc = 0
+    for s in range(RES_SYM):
+        cum[c, s] = acc
+        acc += freq[s]
+    cum[c, RES_SYM] = acc
+
+
+@_kernel
+def _res_model():
+    counts = np.ones((RES_CTX, RES_SYM), dtype=np.int64)
+    cum = np.zeros((RES_CTX, RES_SYM + 1), dtype=np.int64)
+    seen = np.zeros(RES_CTX, dtype=np.int64)
+    nextb = np.full(RES_CTX, RES_FIRST_REBUILD, dtype=np.int64)
+    for c in range(RES_CTX):
+        _rebuild(counts, cum, c)
+    return counts, cum, seen, nextb
+
+
+@_kernel
+def _res_learn(counts, cum, seen, nextb, c, sym):
+    counts[c, sym] += RES_INC
+    seen[c] += 1
+    if seen[c] == nextb[c]:
+        nextb[c] *= 2
+        _rebuild(counts, cum, c)
+
+
+@_kernel
+def residual_symbols(old, new):
+    """(start, freq) of the residuals of the changed words, in word order."""
+    nch = old.size
+    starts = np.empty(nch * 3, dtype=np.int64)
+    freqs = np.empty(nch * 3, dtype=np.int64)
+    counts, cum, seen, nextb = _res_model()
+    t = 0
+    for j in range(nch):
+        d = (np.int64(new[j]) - np.int64(old[j])) & 0xFFFF
+        s = d - 0x10000 if d >= 0x8000 else d
+        z = ((s << 1) ^ (s >> 63)) & 0xFFFF
+        c = (np.int64(old[j]) >> 7) & 0xFF
+        sym, nb = _res_symbol(z)
+        t = _push(starts, freqs, t, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
+        if nb:
+            t = _push_uniform(starts, freqs, t, z, nb)
+        _res_learn(counts, cum, seen, nextb, c, sym)
+    return starts[:t], freqs[:t]
+
+
+@_kernel
+def residual_decode(old, words):
+    """Residuals ``new - old`` (wrapping u16) of the changed words. Returns (values, ok)."""
+    nch = old.size
+    out = np.empty(nch, dtype=np.uint16)
+    counts, cum, seen, nextb = _res_model()
+    x, w = _start(words)
+    for j in range(nch):
+        c = (np.int64(old[j]) >> 7) & 0xFF
+        slot = x & (M - 1)
+        sym = 0
+        while sym < RES_SYM - 1 and cum[c, sym + 1] <= slot:
+            sym += 1
+        x, w = _advance(x, words, w, slot, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
+        if sym < 8:
+            z = np.int64(sym)
+        else:
+            b = (sym - 8) // 2 + 4
+            nb = b - 2
+            v, x, w = _dec_uniform(x, words, w, nb)
+            z = (np.int64(1) << (b - 1)) | (np.int64((sym - 8) & 1) << (b - 2)) | v
+        if w > words.size or z == 0:
+            return out, False
+        _res_learn(counts, cum, seen, nextb, c, sym)
+        s = (z >> 1) ^ -(z & 1)
+        out[j] = s & 0xFFFF
+    return out, w == words.size and x == RANS_L
