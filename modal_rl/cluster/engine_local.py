@@ -170,6 +170,8 @@ class LocalEnginePool(EnginePool):
         pending = set(indices)
         last: dict[int, str] = {}
         while pending:
+            if self._stopped:  # a replacement that stop() overtook: give up, stop() ends it
+                raise EngineStartError(f"{self.spec.name}: the pool stopped while engines were starting")
             for index in sorted(pending):
                 code = self.procs[index].poll()
                 if code is not None:

@@ -119,15 +119,21 @@ class EngineSupervisor:
     # -- life cycle ---------------------------------------------------------------------------
 
     def start(self) -> list[str]:
+        """Start the pool (or take over one already started: its engines count as serving the
+        weights they hold, version None), bring every engine to ``source`` if one is set, and
+        start watching. ``started`` events carry ``cold_start_s`` (spawn -> serving the current
+        version), ``up_s`` (spawn -> up) and ``load_s`` (the initial weight load)."""
         t0 = time.monotonic()
-        addresses = self.pool.start()
+        addresses = list(self.pool.addresses) or self.pool.start()
         up_s = time.monotonic() - t0
         self.engines = [EngineState(i, url) for i, url in enumerate(addresses)]
         self._slot_locks = [threading.Lock() for _ in addresses]
         self._stop.clear()
         for engine in self.engines:
+            t1 = time.monotonic()
             self._bring_to_current(engine)
-            self._event("started", engine, cold_start_s=time.monotonic() - t0, up_s=up_s)
+            now = time.monotonic()
+            self._event("started", engine, cold_start_s=now - t0, up_s=up_s, load_s=now - t1)
         self._threads = [
             threading.Thread(target=self._watch, args=(i,), name=f"engine-watch-{i}", daemon=True)
             for i in range(len(self.engines))
@@ -240,42 +246,20 @@ class EngineSupervisor:
                 self._cond.wait(min(left, 1.0))
 
     async def run(self, send, *, wait_s: float, attempts: int = 3, check_s: float = 0.5, transient=()):
-        """``await send(lease)`` on a serving engine; a transport failure, or the engine being
-        lost meanwhile, retries on an engine of the *same* weight version (up to ``attempts``
-        in all). Returns ``(result, lease)``; raises ``EngineLost`` when it cannot (the caller
-        masks the sample). ``transient``: the client library's connection errors, beyond
-        ``OSError``/``TimeoutError``. Errors the engine *answered* (HTTP 4xx/5xx from a live
-        server) are the caller's: ``send`` raises them as other exceptions and they pass through."""
-        import asyncio
+        """``engine_requests.run``: send a request with retries on the same weight version."""
+        from modal_rl.cluster.engine_requests import run
 
-        version: Any = ...
-        why = "no attempt made"
-        for _ in range(attempts):
-            try:
-                lease = self.acquire(0.0, version)
-            except EngineLost:
-                lease = await asyncio.to_thread(self.acquire, wait_s, version)
-            version = lease.version
-            task = asyncio.ensure_future(send(lease))
-            while not task.done():
-                await asyncio.wait({task}, timeout=check_s)
-                if not task.done() and not self.is_current(lease):
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                    why = f"engine {lease.index} was lost during the request"
-                    break
-            if task.cancelled():
-                continue
-            try:
-                result = task.result()
-            except (OSError, TimeoutError, *transient) as exc:
-                why = f"engine {lease.index}: {type(exc).__name__}: {exc}"
-                await asyncio.to_thread(self.report_failure, lease, why)
-                continue
-            self.finished(lease)
-            return result, lease
-        raise EngineLost(f"request not served after {attempts} attempts ({why})")
+        return await run(self, send, wait_s=wait_s, attempts=attempts, check_s=check_s, transient=transient)
+
+    def leases(self) -> list[Lease]:
+        """The engines that are up now (serving or loading), whatever version they hold: for
+        control calls that every engine must get (pause, sleep, ...)."""
+        with self._cond:
+            return [
+                Lease(e.index, e.generation, e.url, e.version)
+                for e in self.engines
+                if e.status in (SERVING, LOADING)
+            ]
 
     def is_current(self, lease: Lease) -> bool:
         """Whether ``lease``'s engine is still the one handed out, serving the same version."""
