@@ -268,7 +268,7 @@ class ModalVLLMReplica(RolloutReplica):
         self._server_handle = proxy
         # The actor owns the engine: killing it (a dropped replica) takes local engines along
         # (parent-death signal) and ends the Modal app run it holds.
-        weakref.finalize(self, _kill_quietly, proxy)
+        self._finalizer = weakref.finalize(self, _kill_quietly, proxy)
         started = await proxy.start.remote()
         self.proxy_started = True
         address = started["address"]
@@ -297,6 +297,8 @@ class ModalVLLMReplica(RolloutReplica):
         for worker in self.workers:
             ray.kill(worker)
         self.servers, self.workers, self._server_handle = [], [], None
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
 
 
 def _kill_quietly(actor) -> None:
@@ -304,5 +306,6 @@ def _kill_quietly(actor) -> None:
 
     import ray
 
-    with contextlib.suppress(Exception):
-        ray.kill(actor)
+    if ray.is_initialized():  # never start a Ray instance just to kill an actor of a gone one
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
