@@ -216,6 +216,7 @@ def is_probe(record: dict) -> bool:
     return str((record["body"] or {}).get("request_id", "")).startswith(PROBE_ID_PREFIX)
 
 
+@pytest.mark.slow
 def test_a_killed_engine_is_replaced_and_a_request_on_a_hung_one_is_masked(
     replica_cls, local_ray, tmp_path, monkeypatch
 ):
