@@ -62,7 +62,9 @@ def third_party_imports(tree: Path) -> dict[str, set[str]]:
     same-directory modules left out)."""
     found: dict[str, set[str]] = {}
     for path in sorted(tree.rglob("*.py")):
-        local = {p.stem for p in path.parent.glob("*.py")} | {p.name for p in path.parent.iterdir() if p.is_dir()}
+        local = {p.stem for p in path.parent.glob("*.py")} | {
+            p.name for p in path.parent.iterdir() if p.is_dir()
+        }
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -70,7 +70,9 @@ def test_post_import_hook_runs_after_a_submodule_executes(tmp_path, monkeypatch)
     (pkg / "mod.py").write_text("VALUE = 7\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    _post_import.after_import("tooling_pi_pkg.mod", lambda: seen.append(sys.modules["tooling_pi_pkg.mod"].VALUE))
+    _post_import.after_import(
+        "tooling_pi_pkg.mod", lambda: seen.append(sys.modules["tooling_pi_pkg.mod"].VALUE)
+    )
     assert seen == [] and _post_import.pending("tooling_pi_pkg.mod")
     import tooling_pi_pkg.mod  # noqa: F401
 
