@@ -13,9 +13,11 @@ of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ..
   before the job; they need the run's key, which slime cannot send, so the job runs through
   ``slime_modal.engine_job`` and slime gets its key forwarders as ``--rollout-external-engine-addrs``.
 
-Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags or
-a slime command line that cannot run on the cluster (one line per problem on stderr, before
-anything starts; see ``preflight.py``), otherwise the job's own exit code.
+Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags,
+missing Modal credentials or a slime command line that cannot run on the cluster (one line
+per problem on stderr, before anything starts; see ``preflight.py``), 130 on Ctrl-C,
+otherwise the job's own exit code (1 for a launcher failure: one line, ``--debug`` adds the
+traceback; see ``modal_rl.cli_errors``).
 """
 
 from __future__ import annotations
@@ -37,12 +39,20 @@ def _named_volume(default_path: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from modal_rl.cli_errors import OneLineParser, add_debug_flag
     from modal_rl.cluster import ClusterSpec, add_cluster_args
     from slime_modal import launch as L
     from slime_modal import upstream
 
-    parser = argparse.ArgumentParser(prog="python -m slime_modal", description=__doc__.split("\n")[0])
+    parser = OneLineParser(
+        prog="python -m slime_modal",
+        usage="%(prog)s [flags] -- [slime's train.py arguments, e.g. --actor-num-nodes 1 ...]",
+        description=__doc__.split("\n")[0],
+        epilog="Everything after `--` is slime's command line (what follows `python3 train.py`), passed "
+        "on unchanged; see docs/quickstart-slime.md.",
+    )
     add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
+    add_debug_flag(parser)
     g = parser.add_argument_group("slime")
     g.add_argument("--entry", default="train.py", help="script to run; relative paths are in --slime-path")
     g.add_argument("--slime-path", default=L.SLIME_PATH, help="slime checkout in the image")
@@ -57,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-volume", type=_named_volume(L.CKPT_PATH), metavar="NAME[:PATH]")
     g.add_argument(
         "--rollout-engines",
-        metavar="modal:N[:GPU]",
-        help="N SGLang engines as their own Modal function (GPU per engine from slime's flags)",
+        metavar="modal:N[:TYPE[:COUNT]]",
+        help="N SGLang engines as their own Modal function, e.g. modal:4 or modal:4:H100 or modal:4:H100:2; "
+        "GPU TYPE default H100, COUNT per engine default (and must equal) --rollout-num-gpus-per-engine",
     )
     upstream.add_args(g)  # --no-slime-patches
     return parser
@@ -79,6 +90,12 @@ def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from modal_rl.cli_errors import run_main
+
+    return run_main("slime_modal", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     from modal_rl.cluster import ClusterSpecError, run_job, spec_from_args, split_passthrough
     from modal_rl.cluster.cli import run_options
     from modal_rl.run_key import ensure_run_key
@@ -89,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # First: the run key (contract 1) for this process and all it starts, engines included.
     ensure_run_key()
-    argv = sys.argv[1:] if argv is None else argv
     ours, slime_argv = split_passthrough(argv)
     parser = build_parser()
     args = parser.parse_args(ours)
@@ -115,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     # The local backend mounts no Volumes (it accepts and ignores them): nothing to commit there.
     volumes = spec.volumes if args.backend == "modal" else {}
     mounts = list(volumes.values())
+    shipped = []
+    if args.backend == "modal":
+        from modal_rl.cluster.local_inputs import LocalInputError
+
+        try:
+            shipped = pf.local_inputs(slime_argv, mounts, [args.slime_path, args.megatron_path])
+        except LocalInputError as exc:
+            return _fail(str(exc))
     need, problems = pf.check(
         slime_argv,
         backend=args.backend,
@@ -122,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         mounts=mounts,
         image_roots=[args.slime_path, args.megatron_path],
         external_engines=engines is not None,
+        shipped=[item.path for item in shipped],
     )
     entry = L.entry_path(args.entry, args.slime_path)
     if args.backend == "local":
@@ -134,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)
         return 2
+    if args.backend == "modal" and not (args.dry_run or args.preflight_only):
+        from modal_rl.modal_check import check_modal_access
+
+        check_modal_access()  # after the preflight (a second, no slime import), before any Modal call
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
     runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             backend=args.backend,
             framework_argv=slime_argv,
             address_env=L.address_env(spec.env),
+            local_files=shipped,
             plan_extra={
                 "slime": slime_plan,
                 "rollout_engines": engines_plan,

@@ -16,7 +16,8 @@ would reject after a queue wait is rejected here in a second:
   ``--update-weight-local-checkpoint-dir``; disk transport needs ``--update-weight-disk-dir``.
 - paths: on ``--backend local`` the inputs (checkpoints, data) must exist; on Modal every
   absolute path that must outlive or be shared between containers must sit under a mounted
-  Volume (or in the image, under ``--slime-path``).
+  Volume (or in the image, under ``--slime-path``); an input that exists on the launching
+  machine travels with the job instead (:func:`local_inputs`, capped in size).
 
 Each problem is one line; :func:`check` returns them all. Invariant: importing this module
 and running :func:`check` start nothing and read only the file system.
@@ -163,9 +164,28 @@ def under(path: str, roots) -> str | None:
     return None
 
 
-def path_problems(args: SlimeArgs, backend: str, mounts: list[str], image_roots: list[str]) -> list[str]:
-    """Inputs must exist (local) or sit on a Volume or in the image (Modal); shared outputs on a
-    Volume (Modal). A Hub id (``org/name``, no leading ``/`` or ``.``) is not a path."""
+# Flags whose values are inputs that travel into the Modal containers when they exist on the
+# launching machine (``modal_rl.cluster.local_inputs``); ``--eval-prompt-data`` takes
+# ``name path`` pairs, and only values that exist here are paths.
+SHIPPABLE_FLAGS = (*INPUT_PATH_FLAGS, "--eval-prompt-data")
+
+
+def local_inputs(argv: list[str], mounts: list[str], image_roots: list[str]):
+    """The slime inputs that exist on this machine, outside Volumes and the image, to ship
+    into the Modal containers at the same path; raises ``LocalInputError`` (one line)."""
+    from modal_rl.cluster.local_inputs import collect
+
+    args = SlimeArgs(argv)
+    candidates = [(flag, value) for flag in SHIPPABLE_FLAGS for value in args.values(flag) or []]
+    return collect(candidates, mounts=mounts, image_roots=image_roots)
+
+
+def path_problems(
+    args: SlimeArgs, backend: str, mounts: list[str], image_roots: list[str], shipped: list[str] = ()
+) -> list[str]:
+    """Inputs must exist (local) or sit on a Volume, in the image or on this machine (Modal:
+    ``shipped`` paths travel with the job); shared outputs on a Volume (Modal). A Hub id
+    (``org/name``, no leading ``/`` or ``.``) is not a path."""
     problems = []
     for flag in INPUT_PATH_FLAGS + SHARED_OUTPUT_FLAGS:
         path = args.get(flag)
@@ -175,11 +195,14 @@ def path_problems(args: SlimeArgs, backend: str, mounts: list[str], image_roots:
             if flag in INPUT_PATH_FLAGS and not os.path.exists(path):
                 problems.append(f"{flag} {path}: no such file or directory")
         elif os.path.isabs(path) and not under(path, mounts):
-            if flag in INPUT_PATH_FLAGS and under(path, image_roots):
+            if flag in INPUT_PATH_FLAGS and (under(path, image_roots) or under(path, shipped)):
                 continue
             where = "mounted Volumes" if mounts else "mounted Volumes (none: add --volume NAME:PATH)"
+            local = (
+                " nor on this machine (local inputs travel with the job)" if flag in INPUT_PATH_FLAGS else ""
+            )
             problems.append(
-                f"{flag} {path} is not under any of the {where} {sorted(mounts)}; "
+                f"{flag} {path} is not under any of the {where} {sorted(mounts)}{local}; "
                 "Modal containers start from the image, so the path would be missing or lost"
             )
     return problems
@@ -212,8 +235,10 @@ def check(
     mounts: list[str],
     image_roots: list[str],
     external_engines: bool = False,
+    shipped: list[str] = (),
 ) -> tuple[GpuNeed | None, list[str]]:
-    """``(gpu need, problems)`` for a slime argv on a cluster of ``cluster_gpus`` GPUs."""
+    """``(gpu need, problems)`` for a slime argv on a cluster of ``cluster_gpus`` GPUs;
+    ``shipped``: local inputs that travel with the job (``local_inputs``)."""
     args = SlimeArgs(argv)
     problems: list[str] = []
     need = None
@@ -227,5 +252,5 @@ def check(
             "change --nodes/--gpu or the slime GPU flags"
         )
     problems += weight_sync_problems(args)
-    problems += path_problems(args, backend, mounts, image_roots)
+    problems += path_problems(args, backend, mounts, image_roots, shipped)
     return need, problems

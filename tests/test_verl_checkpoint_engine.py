@@ -114,14 +114,14 @@ def test_trajectory_is_bit_identical_every_version_with_verl_metrics():
     states = trajectory(6)
     cluster = Cluster(n_rollout=2, anchor_every=3)
     try:
-        for step, state in enumerate(states, start=1):
+        for step, state in enumerate(states):  # verl syncs global_steps 0 (before training), 1, 2, ...
             metrics, outcomes = cluster.sync(state, step)
             assert outcomes == [None, None]
             for r in cluster.rollouts:
-                assert same_state(r.live, state), f"version {step - 1} differs on a receiver"
-                assert r.engine.metrics["checkpoint_engine/version"] == step - 1
-            assert metrics["checkpoint_engine/version"] == step - 1
-            is_anchor = (step - 1) % 3 == 0
+                assert same_state(r.live, state), f"version {step} differs on a receiver"
+                assert r.engine.metrics["checkpoint_engine/version"] == step
+            assert metrics["checkpoint_engine/version"] == step
+            is_anchor = step % 3 == 0
             assert metrics["checkpoint_engine/anchor"] == float(is_anchor)
             assert metrics["checkpoint_engine/send_s"] > 0
             if not is_anchor:  # ~2% of bf16 words changed: the delta is far smaller than the state
@@ -210,10 +210,10 @@ def test_corrupt_frame_is_refused_and_the_receiver_keeps_its_weights():
         _metrics, outcomes = cluster.sync(states[2], 3)
         err = outcomes[0]
         assert isinstance(err, ModalDeltaSyncError), err
-        assert "refused" in str(err) and "stay at version 1" in str(err), str(err)
+        assert "refused" in str(err) and "stay at version 2" in str(err), str(err)  # = global_steps
         assert same_state(rollout.live, before_live)  # the rollout's weights: untouched
         assert same_state(rollout.engine._subscriber.chain.state, before_staged)
-        assert rollout.engine._subscriber.live_version == 1
+        assert rollout.engine._subscriber.live_version == 2
         assert not same_state(rollout.live, states[2])
         assert bits(rollout.live["embed.weight"]) == bits(states[1]["embed.weight"])
     finally:
@@ -438,12 +438,12 @@ def test_manager_and_workers_move_a_trajectory_bit_identically(local_ray):
     )
 
     states = trajectory(5)
-    for step, state in enumerate(states, start=1):
+    for step, state in enumerate(states):
         trainer_wg.set_state(state)
         metrics = manager.update_weights(global_steps=step)
-        assert metrics["checkpoint_engine/version"] == step - 1, metrics
+        assert metrics["checkpoint_engine/version"] == step, metrics
         for w in rollouts:
-            assert same_state(ray.get(w.live_state.remote()), state), f"version {step - 1} differs"
+            assert same_state(ray.get(w.live_state.remote()), state), f"version {step} differs"
     assert metrics["checkpoint_engine/anchor"] == 0.0 and metrics["checkpoint_engine/compression_ratio"] > 5
     receiver = ray.get(rollouts[0].engine_metrics.remote())
     assert (
@@ -463,18 +463,28 @@ def test_manager_and_workers_move_a_trajectory_bit_identically(local_ray):
         ray.kill(h)
 
 
-def test_restarted_trainer_on_the_same_port_reseeds_the_receivers():
+def test_a_trainer_restarted_from_a_checkpoint_resumes_its_versions_in_a_new_epoch():
+    """verl restores ``global_steps`` from the checkpoint and syncs it first: the restarted
+    master (same port) publishes that step as its new epoch's anchor. The receiver, which
+    holds the old epoch's v3, ends at the new epoch's v2 and then v3' — never a mix."""
     states = trajectory(4)
     cluster = Cluster(n_rollout=1, actor_ranks=1, anchor_every=100)
     try:
-        for step, state in enumerate(states[:3], start=1):
+        for step, state in enumerate(states):
             assert cluster.sync(state, step)[1] == [None]
-        port = cluster.actors[0]._server.address[1]
-        cluster.actors[0].close()  # the trainer restarts: same address, version counter from 0
-        cluster.actors = [registry().new("modal_delta", bucket_size=1 << 20, is_master=True, port=port)]
-        assert cluster.sync(states[3], 4)[1] == [None]
         rollout = cluster.rollouts[0]
-        assert same_state(rollout.live, states[3])
-        assert rollout.engine.metrics["checkpoint_engine/version"] == 0
+        old_epoch = rollout.engine._subscriber.live_epoch
+        port = cluster.actors[0]._server.address[1]
+        cluster.actors[0].close()  # the trainer dies; the job restarts it with resume_mode=auto
+        cluster.actors = [registry().new("modal_delta", bucket_size=1 << 20, is_master=True, port=port)]
+        retrained = perturb(states[2], 0.02, seed=777)  # step 3 again, trained differently
+        for step, state in ((2, states[2]), (3, retrained)):  # the checkpoint of step 2, then step 3
+            metrics, outcomes = cluster.sync(state, step)
+            assert outcomes == [None] and metrics["checkpoint_engine/version"] == step
+            assert same_state(rollout.live, state)
+        assert metrics["checkpoint_engine/anchor"] == 0.0  # the new epoch's anchor was step 2
+        assert rollout.engine._subscriber.live_epoch > old_epoch
+        assert rollout.engine.metrics["checkpoint_engine/version"] == 3
+        assert not same_state(rollout.live, states[3])
     finally:
         cluster.close()

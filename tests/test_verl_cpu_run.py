@@ -33,8 +33,30 @@ def parse_metrics(log: str) -> dict[int, dict[str, str]]:
     return steps
 
 
-def run_launcher(args: list[str], timeout: int, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
-    """``python -m verl_modal ARGS`` in its own process group; ``extra_env`` wins over ours."""
+LOG_LINE = re.compile(r"^verl_modal: verl's full output \(config, workers, per-step metrics\): (/\S+)$", re.M)
+
+
+def run_launcher(
+    args: list[str],
+    timeout: int,
+    extra_env: dict[str, str] | None = None,
+    *,
+    terminal: list[str] | None = None,
+) -> tuple[int, str]:
+    """``python -m verl_modal ARGS`` in its own process group; ``extra_env`` wins over ours.
+
+    Returns the exit code and everything printed: the launcher's own lines, then, for an
+    in-process run, the log file they name (verl's and its workers' output; in a temporary
+    directory removed afterwards unless ARGS has ``--log-dir``). ``terminal``, when given,
+    receives the launcher's own lines alone."""
+    if "--log-dir" not in args:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="verl-modal-test-logs-") as logs:
+            cut = args.index("--") if "--" in args else len(args)
+            return run_launcher(
+                [*args[:cut], "--log-dir", logs, *args[cut:]], timeout, extra_env, terminal=terminal
+            )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "VLLM_"))}
     env.update({"PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0", **(extra_env or {})})
     proc = subprocess.Popen(
@@ -52,17 +74,27 @@ def run_launcher(args: list[str], timeout: int, extra_env: dict[str, str] | None
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"verl run did not finish in {timeout} s; last output:\n{out[-4000:]}")
+    if terminal is not None:
+        terminal.extend(out.splitlines())
+    named = LOG_LINE.search(out)
+    if named and Path(named.group(1)).is_file():
+        out += "\n" + Path(named.group(1)).read_text(errors="replace")
     return proc.returncode, out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_one_grpo_step_with_weight_sync(tmp_path):
+    # The main job's entry (scripts/main.sh runs the same command with 3 steps).
+    ours: list[str] = []
     code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", "trainer.total_training_steps=1"],
+        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--log-dir", str(tmp_path / "logs"), "--",
+         "trainer.total_training_steps=1"],
         timeout=1400,
-    )
+        terminal=ours,
+    )  # fmt: skip
     assert code == 0, log[-6000:]
+    check_our_output(ours, tmp_path / "logs", steps=1)
     assert "[verl_modal] TaskRunner on verl platform 'cpu', node 127.0.0.1;" in log
 
     metrics = parse_metrics(log)
@@ -83,6 +115,43 @@ def test_one_grpo_step_with_weight_sync(tmp_path):
     assert len(reloads) >= 2, reloads
     assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99
     assert float(step["training/rollout_probs_diff_max"]) < 0.01
+
+
+# Expected on a CPU run, silenced where they are raised (verl_modal/cpu/quiet.py).
+QUIETED = (
+    "engine is not available",
+    "Disabled critic",
+    "No supported accelerator detected",
+    "Platform override from VERL_PLATFORM",
+    "with dtype torch.float32 into parameter with dtype torch.bfloat16",
+    "should not exceed total physical CPU cores",
+)
+
+
+def check_our_output(ours: list[str], log_dir: Path, steps: int) -> None:
+    """The launcher's own output: a few lines of ours (verl's go to the log), one compact
+    line per step, and the closing summary table naming the log, metrics and checkpoints."""
+    assert 10 <= len(ours) <= 60, "\n".join(ours)
+    assert all(line.startswith("verl_modal: ") for line in ours), "\n".join(ours)
+    (run_dir,) = log_dir.iterdir()
+    log = (run_dir / "verl.log").read_text(errors="replace")
+    assert "'actor_rollout_ref':" in log and re.search(r"step:1 - ", log)  # verl's dumps: in the log
+    text = "\n".join(ours)
+    assert "'actor_rollout_ref':" not in text and "step:1 - " not in text
+    for warning in QUIETED:
+        assert warning not in log + text, warning
+    step_lines = [line for line in ours if re.search(r"\] step \d+/\d+ \| reward ", line)]
+    assert len(step_lines) == steps, text
+    assert re.search(r"sync \d+\.\d\d MB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
+    table = ours[ours.index("verl_modal: summary") :]
+    rows = dict(re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups() for line in table[2:-1])
+    assert rows["result"] == "finished" and rows["steps"] == f"{steps} of {steps}"
+    assert rows["log"] == str(run_dir / "verl.log") and rows["metrics"] == str(run_dir / "metrics.jsonl")
+    assert rows["checkpoints"].startswith("none (trainer.save_freq=-1)")
+    assert re.fullmatch(r"\d+\.\d\d MB in \d+\.\d\d s \(mean\)", rows["weight sync / step"])
+    for key in ("wall time", "reward mean", "response length", "step time"):
+        assert rows[key] and "n/a" not in rows[key], (key, rows[key])
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps
 
 
 SEPARATE_ASYNC_MODAL_DELTA = [

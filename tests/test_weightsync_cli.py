@@ -174,3 +174,59 @@ def test_keys_must_match_and_keyless_is_explicit(files):
         cli("encode", "--new", tmp / "B.safetensors", "--out", tmp / "x"),
     ):
         assert TEST_KEY not in r.stdout + r.stderr
+
+
+# -- exit codes and one-line failures (issue 15) ------------------------------------------
+
+
+def test_bad_input_exits_2_and_names_the_cause(files):
+    tmp, _, _ = files
+    r = cli("apply", "--base", tmp / "nope.safetensors", "--delta", tmp / "D", "--out", tmp / "C")
+    assert r.returncode == 2 and "no such file" in one_error_line(r)
+    r = cli("receive", "--tcp", "no-port-here", "--until", "1")
+    assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
+
+
+def test_apply_into_a_missing_directory_fails_and_creates_nothing(files):
+    tmp, _, _ = files
+    cli("encode", "--base", tmp / "A.safetensors", "--new", tmp / "B.safetensors", "--out", tmp / "D")
+    out = tmp / "nonexistent" / "dir" / "C.safetensors"
+    r = cli("apply", "--base", tmp / "A.safetensors", "--delta", tmp / "D", "--out", out)
+    line = one_error_line(r)
+    assert r.returncode == 2 and "does not exist" in line and "nonexistent" in line
+    assert not (tmp / "nonexistent").exists()
+
+
+def test_receive_from_a_closed_port_says_connection_refused(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port on 127.0.0.1 that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("receive", "--tcp", f"127.0.0.1:{port}", "--until", "1", "--connect-timeout", "1")
+    line = one_error_line(r)
+    assert r.returncode == 1 and "connection refused" in line and f"127.0.0.1:{port}" in line
+    assert "--tcp" in line and "not live" not in line
+
+
+def test_receive_keeps_a_status_file_with_the_epoch_it_serves(tmp_path):
+    from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.publisher import Publisher
+    from modal_rl.weightsync.transport_store import DirectoryStore
+
+    state = {k: v for k, v in model_state().items() if v.dim()}
+    publisher = Publisher(DirectoryStore(tmp_path / "store", lease_wait_s=0), config=CodecConfig(threads=1))
+    publisher.publish(state)
+    publisher.publish(perturb(state, 0.02))
+    status = tmp_path / "status.json"
+    r = cli("receive", "--store", tmp_path / "store", "--until", "1", "--status-file", status)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(e["version"], e["epoch"]) for e in events if e["event"] == "activated"] == [
+        (0, publisher.epoch),
+        (1, publisher.epoch),
+    ]
+    held = json.loads(status.read_text())
+    assert (held["epoch"], held["version"], held["run"]) == (publisher.epoch, 1, publisher.run)
+    assert held["activated_at"] >= held["started_at"] and held["activations"] == 2
+    publisher.sink.close()

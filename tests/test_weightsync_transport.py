@@ -46,17 +46,19 @@ def test_store_publish_subscribe_and_restart_catch_up(tmp_path):
         assert subscriber.run_until(v, timeout=30)
         assert same_state(live, state)
     assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta"]
-    # Frames before the newest anchor are pruned; a fresh receiver starts from it.
+    # Frames before the previous anchor are pruned (the previous window stays for readers
+    # that may be reading it); a fresh receiver starts from the newest anchor.
+    epoch = f"{publisher.epoch:016x}"
     assert sorted(p.name for p in (tmp_path / "frames").iterdir()) == [
-        "000000000003.anchor",
-        "000000000004.delta",
-        "000000000005.delta",
+        f"{epoch}-{v:012d}.{kind}" for v, kind in enumerate(kinds)
     ]
     restarted: dict = {}
     fresh = Subscriber(DirectoryStore(tmp_path), copy_into(restarted), CONFIG)
     assert fresh.run_until(5, timeout=30)
     assert [t.kind for t in fresh.timings] == ["anchor", "delta", "delta"]
     assert same_state(restarted, states[5])
+    publisher.publish(perturb(states[5], 0.02, seed=7))  # anchor 6: window 0-2 goes
+    assert sorted(p.name for p in (tmp_path / "frames").iterdir())[0] == f"{epoch}-000000000003.anchor"
 
 
 class RecordingVolume:
@@ -88,7 +90,7 @@ def test_modal_volume_store_commits_bytes_before_the_pointer(tmp_path):
     commits = [(frames, latest) for kind, frames, latest in volume.events if kind == "commit"]
     for version in range(4):
         first_pointing = next(i for i, (_, latest) in enumerate(commits) if latest == version)
-        name = f"{version:012d}.{'anchor' if version % 2 == 0 else 'delta'}"
+        name = f"{publisher.epoch:016x}-{version:012d}.{'anchor' if version % 2 == 0 else 'delta'}"
         # The frame was committed before any commit that publishes a pointer to it.
         assert any(name in frames for frames, _ in commits[:first_pointing])
     reader = ModalVolumeStore(volume, tmp_path)

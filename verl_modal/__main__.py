@@ -13,8 +13,14 @@ cluster through ``modal_rl.cluster.run_job`` (default image: verl's, ``launch.VE
 from the cluster; an explicit one that disagrees is an error.
 
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
-overrides (one line on stderr, before anything is provisioned: see ``preflight.py``),
-otherwise the run's own exit code (1 for an in-process failure).
+overrides (one line on stderr, before anything is provisioned: see ``preflight.py``), 130
+on Ctrl-C, otherwise the run's own exit code (1 for an in-process failure); every failure
+is one line (``modal_rl.cli_errors``; ``--debug`` adds the traceback). ``--backend modal``
+checks the Modal credentials and the route to Modal first (``modal_rl.modal_check``).
+
+A local in-process run prints a few lines of its own (phases, one line per step, a closing
+summary) and writes everything verl and its workers print to a log file whose path it
+prints (``verl_modal.console``); ``--verbose`` shows that output on the terminal instead.
 
 ``modal_vllm`` rollout engines follow the backend: ``--backend local`` sets
 ``VERL_MODAL_ENGINE_BACKEND=local`` for the run unless it is already set.
@@ -31,9 +37,16 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from modal_rl.cli_errors import OneLineParser, add_debug_flag
     from modal_rl.cluster import ClusterSpec, add_cluster_args
 
-    parser = argparse.ArgumentParser(prog="python -m verl_modal", description=__doc__.split("\n")[0])
+    parser = OneLineParser(
+        prog="python -m verl_modal",
+        usage="%(prog)s [flags] -- [verl Hydra overrides, e.g. trainer.total_training_steps=3]",
+        description=__doc__.split("\n")[0],
+        epilog="Everything after `--` is verl's: Hydra overrides (key=value, +key=value to add a key) "
+        "for verl's ppo_trainer config, passed on unchanged; see docs/quickstart-verl.md.",
+    )
     add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
     parser.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: cpu when torch sees no GPU"
@@ -47,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="arith",
         help="--tiny's task: arith (shaping reward) or code (sandboxed reward and tool)",
     )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="local run: where the full log and the per-step metrics go (default runs/verl-cpu/logs)",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="local run: show verl's full output here instead of in the log"
+    )
+    add_debug_flag(parser)
     return parser
 
 
@@ -92,14 +116,31 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from modal_rl.cli_errors import run_main
+
+    return run_main("verl_modal", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    import time
+
     from modal_rl.run_key import ensure_run_key
+
+    started = time.monotonic()
 
     # First: the run key (contract 1) reaches every process this launcher starts, the
     # in-process Ray's workers and local engines included.
     ensure_run_key()
-    args, user_overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    args, user_overrides = parse_args(argv)
     if args.tiny is None and args.tiny_task != "arith":
         return _fail("--tiny-task needs --tiny DIR")
+    if args.tiny is not None:
+        from verl_modal.cpu.tiny import check_dir
+
+        try:
+            check_dir(args.tiny)
+        except ValueError as exc:
+            return _fail(str(exc))
     from modal_rl.cluster import ClusterSpecError
     from verl_modal import preflight as pf
     from verl_modal.cpu import overrides as ov
@@ -121,13 +162,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
+    if args.backend == "modal" and not (args.dry_run or args.preflight_only):
+        from modal_rl.modal_check import check_modal_access
+
+        check_modal_access()  # after the flag checks (no verl): before the preflight that imports verl
 
     cpu = args.device == "cpu"
-    if args.device == "auto" and args.backend == "local":
+    if args.device != "cpu" and args.backend == "local":
         import torch
 
-        cpu = not torch.cuda.is_available()
+        has_gpu = torch.cuda.is_available()
+        if args.device == "gpu" and not has_gpu:
+            return _fail(
+                "--device gpu: torch sees no GPU on this machine (torch.cuda.is_available() is False); "
+                "use --device cpu (or auto), or run on Modal with --backend modal --gpu H100:8"
+            )
+        cpu = not has_gpu
+    from verl_modal.cpu import quiet
+
     env = ov.worker_env() if cpu else {}
+    if cpu:
+        quiet.install()  # this process validates the config: verl warns here too
+        env.update(quiet.worker_env())
+    else:
+        quiet.quiet_remote_platform_probe()  # this host's accelerator is not the cluster's
     from verl_modal.runner import prepare_process_env
 
     in_process = args.backend == "local" and spec.nodes == 1  # else the cluster layer brings Ray up
@@ -150,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
-        checks = [ov.check_required, check_local_inputs] if cpu else []
+        # The value types first: a word where verl wants a number is the user's one mistake.
+        checks = [pf.value_type_check(user_overrides)]
+        checks += [ov.check_required, check_local_inputs] if cpu else []
         config = pf.preflight(shape, overrides, checks)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
@@ -158,9 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     if not in_process:
         from verl_modal.pools import placement_plan
 
+        local_files = []
+        if args.backend == "modal":
+            from modal_rl.cluster.local_inputs import LocalInputError, collect
+            from verl_modal.launch import local_input_candidates
+
+            try:
+                local_files = collect(local_input_candidates(user_overrides), mounts=spec.volumes.values())
+            except LocalInputError as exc:
+                return _fail(str(exc))
         placement = placement_plan(config, spec.nodes)
         gpus = pf.required_gpus(config)
-        return run_on_cluster(args, spec, overrides, user_overrides, cpu=cpu, gpus=gpus, placement=placement)
+        return run_on_cluster(
+            args,
+            spec,
+            overrides,
+            user_overrides,
+            cpu=cpu,
+            gpus=gpus,
+            placement=placement,
+            local_files=local_files,
+        )
 
     if args.dry_run:
         from modal_rl.run_key import redact
@@ -173,10 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         print("preflight ok", file=sys.stderr)
         return 0
 
-    from verl_modal.runner import run
+    from verl_modal import console
 
-    run(config, {**spec.env, **env}, cpu=cpu)  # --env reaches every Ray worker, as on a cluster
-    return 0
+    # --env reaches every Ray worker, as on a cluster
+    return console.run_local(
+        config, {**spec.env, **env}, cpu=cpu, log_dir=args.log_dir, verbose=args.verbose, started=started
+    )
 
 
 def run_on_cluster(
@@ -188,6 +268,7 @@ def run_on_cluster(
     cpu: bool,
     gpus: int,
     placement: dict[str, list[int]] | None = None,
+    local_files=(),
 ) -> int:
     """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
     gets a ``verl`` section (the composed overrides, the pools' placement on ranks)."""
@@ -212,6 +293,7 @@ def run_on_cluster(
         framework_argv=user_overrides,
         required_gpus=gpus,
         out=out,
+        local_files=local_files,
         **options,
     )
     if out is not None:

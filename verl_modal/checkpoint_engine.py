@@ -11,10 +11,18 @@ How verl drives it (``CheckpointEngineManager.update_weights``, every sync):
 → ``send_weights`` (actor) ‖ ``receive_weights`` (rollout) → ``finalize()``.
 
 Invariants:
-- wire versions are the engine's own counter (0, 1, 2, …), not verl's ``global_steps``
-  (which may repeat or be None); the master announces the version it will publish in
-  ``prepare()``, so each receiver knows exactly which version ends this sync and catches
-  up to it (a late or restarted receiver gets the last anchor and the deltas after it);
+- wire versions follow verl's ``global_steps`` — ``max(global_steps, last + 1)``, so they
+  strictly increase even where a step repeats or is None — which makes a trainer restarted
+  from a checkpoint (``trainer.resume_mode``: verl restores ``global_steps`` and syncs it
+  first) resume its numbering at the restored step; every engine instance (one trainer
+  start) publishes in an epoch of its own and starts it with an anchor, and receivers order
+  what they hold by (epoch, version) (``modal_rl.weightsync.epoch``), so a restarted
+  trainer's versions never collide with what they hold;
+- the master announces in ``prepare()`` the epoch and the lowest version it will publish;
+  each receiver's target is ``max(announced, global_steps)`` of that epoch, the same number
+  the master computes, so it knows exactly which version ends this sync and catches up to it
+  (a late or restarted receiver gets the newest anchor — wire or recovery
+  (``recovery_every``) — and the deltas after it);
 - ``receive_weights`` yields nothing until the target version is staged and verified: a
   refused frame (corrupt, truncated, wrong base) leaves the receiver's staged state and
   the rollout's weights unchanged; after ``max_refusals`` refusals it raises
@@ -69,7 +77,10 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
     Args:
         bucket_size: verl's bucket size; unused (frames are streamed record by record).
         is_master: trainer rank 0, the one that publishes.
-        anchor_every: a full anchor every K versions (the rest are deltas).
+        anchor_every: a full anchor on the wire every K versions (the rest are deltas); 0
+            or None: only the first of each epoch.
+        recovery_every: a recovery anchor (kept for receivers that catch up, not sent to
+            live ones) every K versions without an anchor; None: none.
         bind_host / port: where the master's frame server listens (port 0: any free one).
         advertise_host: the address receivers dial; defaults to ``bind_host`` (for a
             wildcard bind, the Ray node's IP).
@@ -87,7 +98,8 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         bucket_size: int = 0,
         is_master: bool = False,
         *,
-        anchor_every: int = 16,
+        anchor_every: int | None = 16,
+        recovery_every: int | None = None,
         bind_host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
@@ -100,7 +112,8 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
         self.bucket_size = bucket_size
         self.is_master = is_master
-        self.anchor_every = anchor_every
+        self.anchor_every = anchor_every or None
+        self.recovery_every = recovery_every or None
         self.bind_host, self.port, self.advertise_host = bind_host, port, advertise_host
         self.rate_gbps = rate_gbps
         self.receive_timeout_s = receive_timeout_s
@@ -117,7 +130,12 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
     def _ensure_server(self) -> None:
         if self._server is None:
             self._server = FrameServer(self.bind_host, self.port, rate_bytes_per_s=gbps(self.rate_gbps))
-            self._publisher = Publisher(self._server, anchor_every=self.anchor_every, config=self.config)
+            self._publisher = Publisher(
+                self._server,
+                anchor_every=self.anchor_every,
+                recovery_every=self.recovery_every,
+                config=self.config,
+            )
 
     def _advertised(self) -> str:
         if self.advertise_host:
@@ -140,6 +158,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
                 "host": self._advertised(),
                 "port": int(self._server.address[1]),
                 "version": 0 if last is None else last + 1,
+                "epoch": self._publisher.epoch,
             }
         }
 
@@ -181,7 +200,9 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         if rank < 1:
             return
         addr = (endpoint["host"], int(endpoint["port"]))
-        self._subscriber = tcp_subscriber(self._subscriber, addr, endpoint["version"], self.config)
+        self._subscriber = tcp_subscriber(
+            self._subscriber, addr, endpoint["version"], self.config, epoch=endpoint.get("epoch")
+        )
 
     def finalize(self) -> None:
         """Per-sync cleanup: nothing to free — the server's retained frames and the receivers'
@@ -211,7 +232,8 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
                     pass
             return {}
         self._ensure_server()
-        expected = None if self.endpoint is None else self.endpoint["version"]
+        floor = self._publisher.next_version if self.endpoint is None else self.endpoint["version"]
+        expected = _target(floor, global_steps)
         pairs = _synced(weights, asyncio.get_running_loop()) if hasattr(weights, "__aiter__") else weights
         t0 = time.perf_counter()
         if hasattr(weights, "__aiter__"):
@@ -244,17 +266,20 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             raise ModalDeltaSyncError(
                 f"{BACKEND}: receive_weights before init_process_group (no master endpoint)"
             )
-        state = await asyncio.to_thread(self._stage)
+        state = await asyncio.to_thread(self._stage, global_steps)
         for name, tensor in state.items():
             yield name, tensor
 
-    def _stage(self) -> dict[str, torch.Tensor]:
+    def _stage(self, global_steps: int | None = None) -> dict[str, torch.Tensor]:
         sub = self._subscriber
         held = sub.live_version
-        target = self.endpoint["version"] if self.endpoint else (0 if held is None else held + 1)
+        if self.endpoint:
+            target, epoch = _target(self.endpoint["version"], global_steps), self.endpoint.get("epoch")
+        else:
+            target, epoch = (0 if held is None else held + 1), None
         refused_before = len(sub.refused)
         try:
-            timings = sub.stage_until(target, self.receive_timeout_s, self.max_refusals)
+            timings = sub.stage_until(target, self.receive_timeout_s, self.max_refusals, epoch=epoch)
         except VersionNotReachedError as exc:
             raise ModalDeltaSyncError(f"{BACKEND}: {exc}") from exc
         self.metrics = {
@@ -266,6 +291,13 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             f"{METRIC_PREFIX}refused": float(len(sub.refused) - refused_before),
         }
         return sub.chain.state
+
+
+def _target(floor: int, global_steps: int | None) -> int:
+    """The version a sync publishes: verl's step when it moves forward, else the next number."""
+    if isinstance(global_steps, int) and not isinstance(global_steps, bool) and global_steps > floor:
+        return global_steps
+    return floor
 
 
 def _synced(agen, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[str, torch.Tensor]]:

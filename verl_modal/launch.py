@@ -51,6 +51,43 @@ def cluster_job(
     return entrypoint, {"env_vars": env}
 
 
+# Keys of verl's config whose value names a file or directory the job reads (the last
+# component of the key; ``data.train_files``, ``actor_rollout_ref.model.path``,
+# ``reward.custom_reward_function.path``, ``...multi_turn.tool_config_path``, ...). Outputs
+# (``trainer.default_local_dir``, profiler ``save_path``) are not inputs.
+INPUT_KEY_ENDINGS = (
+    "train_files",
+    "val_files",
+    "path",
+    "tokenizer_path",
+    "hf_config_path",
+    "adapter_path",
+    "lora_adapter_path",
+    "model_path",
+    "tool_config_path",
+    "interaction_config_path",
+    "agent_loop_config_path",
+    "function_tool_path",
+    "router_config_path",
+    "quantization_config_path",
+    "quantization_config_file",
+    "resume_from_path",
+)
+
+
+def local_input_candidates(user_overrides: list[str]) -> list[tuple[str, str]]:
+    """``(key, path)`` for every path the user's overrides give to an input key of verl's
+    config; ``modal_rl.cluster.local_inputs.collect`` keeps those that exist here."""
+    from modal_rl.cluster.local_inputs import hydra_values
+    from verl_modal.preflight import explicit_values
+
+    out = []
+    for key, value in explicit_values(user_overrides).items():
+        if key.rsplit(".", 1)[-1] in INPUT_KEY_ENDINGS:
+            out += [(key, path) for path in hydra_values(value)]
+    return out
+
+
 def job_main(argv: list[str] | None = None) -> int:
     """The Ray job's driver on rank 0: compose, attach to the cluster, ``run_ppo``."""
     argv = sys.argv[1:] if argv is None else argv

@@ -19,7 +19,7 @@ Invariant: nothing here starts Ray, a process or a container; importing this is 
 from __future__ import annotations
 
 import contextlib
-import sys
+import io
 from dataclasses import dataclass
 
 
@@ -154,8 +154,9 @@ def validate(config) -> None:
     from verl.utils.device import auto_set_device
 
     try:
-        # verl prints its verdict; stdout is for our plan/metrics, so it goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
+        # verl prints its verdict ("All configuration checks passed"); stdout is for our plan and
+        # a failure raises, so the verdict is dropped.
+        with contextlib.redirect_stdout(io.StringIO()):
             auto_set_device(config)
             validate_config(
                 config=config,
@@ -228,6 +229,56 @@ def check_off_cluster_weights(config) -> None:
     problem = checkpoint_engine_problem(backend)
     if problem:
         raise VerlPreflightError(problem)
+
+
+def _kind(value) -> str | None:
+    """What kind of value verl's default is, for the type check; None: anything goes."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    return None
+
+
+def _fits(value, kind: str) -> bool:
+    if kind == "true or false":
+        return isinstance(value, bool)
+    if kind == "an integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def value_type_check(user_overrides: list[str]):
+    """A preflight check: each of the user's overrides whose key has a number or boolean
+    default in verl's config must compose to one (``rollout.n=two`` would otherwise surface
+    as a formatting error deep in verl's validation)."""
+
+    def check(config) -> None:
+        from omegaconf import OmegaConf
+
+        # Only a value that composed to a string can be a misplaced word; the defaults cost a
+        # second compose (about a second), so they are read only then.
+        keys = [
+            k
+            for k in explicit_values(user_overrides)
+            if isinstance(OmegaConf.select(config, k, default=None, throw_on_missing=False), str)
+        ]
+        if not keys:
+            return
+        defaults = compose([])
+        for key in keys:
+            default = OmegaConf.select(defaults, key, default=None, throw_on_missing=False)
+            kind = _kind(default)
+            got = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+            if kind is None or got is None or _fits(got, kind):
+                continue
+            raise VerlPreflightError(
+                f"{key}={got}: verl expects {kind} there (its default is {default}); fix the value"
+            )
+
+    return check
 
 
 def check_gpus(config, shape: ClusterShape) -> None:

@@ -25,10 +25,12 @@ from __future__ import annotations
 import collections
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
+from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
@@ -76,6 +78,46 @@ def build_image(spec: ClusterSpec):
             f"ray[default]=={RAY_VERSION}", "torch"
         )
     return image.add_local_python_source(*LOCAL_PACKAGES)
+
+
+def with_local_files(image, local_files: Sequence[LocalInput]):
+    """``image`` plus the job's local input files at their own paths, attached at container
+    start (``copy=False``: a changed config needs no image rebuild; mount layers come last)."""
+    for item in local_files:
+        if item.is_dir:
+            image = image.add_local_dir(item.path, item.path, copy=False)
+        else:
+            image = image.add_local_file(item.path, item.path, copy=False)
+    return image
+
+
+def image_local_files(image) -> list[dict[str, str]]:
+    """The local files and directories a built image attaches, ``{"local", "remote"}`` each,
+    read back from its (lazy, offline) layers; this project's Python source is not listed."""
+    found: list[dict[str, str]] = []
+    seen: set[int] = set()
+    pending = [image]
+    while pending:
+        obj = _unwrap(pending.pop())
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for entry in getattr(obj, "_entries", None) or []:
+            local = getattr(entry, "local_file", None) or getattr(entry, "local_dir", None)
+            remote = getattr(entry, "remote_path", None)
+            if (
+                local is not None
+                and remote is not None
+                and type(entry).__name__ in ("_MountFile", "_MountDir")
+            ):
+                found.append({"local": str(local), "remote": str(remote)})
+        deps = getattr(obj, "_deps", None)
+        pending.extend(deps() if callable(deps) else [])
+    return sorted(found, key=lambda item: item["remote"])
+
+
+def _unwrap(obj):
+    return next((v for k, v in vars(obj).items() if k.startswith("_sync_original")), obj)
 
 
 RUN_SECRET_NOTE = f"run secret ({RUN_KEY_ENV}, {RAY_TOKEN_ENV}): made for this run"
@@ -157,8 +199,16 @@ class ModalBackend(ClusterBackend):
     name = "modal"
     can_detach = True
 
-    def __init__(self, app_name: str = "modal-rl-cluster", on_line=None, on_err=None):
+    def __init__(
+        self,
+        app_name: str = "modal-rl-cluster",
+        on_line=None,
+        on_err=None,
+        local_files: Sequence[LocalInput] = (),
+    ):
         self.app_name = app_name
+        self.local_files = tuple(local_files)  # the job's local inputs, shipped at their paths
+        self.last_image = None
         self.on_line = on_line
         self.on_err = on_err or (lambda line: print(line, file=sys.stderr, flush=True))
         self.last_kwargs: dict[str, Any] = {}
@@ -197,8 +247,10 @@ class ModalBackend(ClusterBackend):
             "secrets": [*spec.secrets, RUN_SECRET_NOTE],
         }
         clustered = modal.clustered(size=spec.nodes, rdma=spec.rdma)(container_main)
+        image = with_local_files(build_image(spec), self.local_files)
+        self.last_image = image
         fn = app.function(
-            image=build_image(spec),
+            image=image,
             volumes=volumes,
             secrets=secrets,
             env=dict(spec.env),
@@ -215,6 +267,12 @@ class ModalBackend(ClusterBackend):
             "spec": spec.to_dict(),
             "image": spec.image or f"debian_slim(python 3.11) + ray[default]=={RAY_VERSION} + torch",
             "modal_function": {**self.last_kwargs, "inspected": inspect_function(fn)},
+            "local_files": {
+                "what": "local inputs the job names, attached to every container at the same path",
+                "files": [item.to_dict() for item in self.local_files],
+                "total_bytes": sum(item.bytes for item in self.local_files),
+                "inspected": image_local_files(self.last_image),
+            },
             "commands": ["modal_rl.cluster.backend_modal.container_main(plan) on every container"],
             "env": {
                 **node_environment(plan, "<interface of the cluster address>"),

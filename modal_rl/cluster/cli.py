@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from modal_rl.cluster.backend import JobRequest, get_backend
+from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 from modal_rl.run_key import ensure_run_key, redact
@@ -69,14 +70,49 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         "--rdma", action=argparse.BooleanOptionalAction, default=d.rdma, help="RDMA fabric (Modal)"
     )
     g.add_argument("--image", default=d.image, help="container image (registry tag) for Modal")
-    g.add_argument("--volume", type=_volume, action="append", default=[], metavar="NAME:PATH")
+    g.add_argument(
+        "--volume",
+        type=_volume,
+        action="append",
+        default=[],
+        metavar="NAME:PATH",
+        help="Modal: mount the Volume NAME at PATH on every node (made if missing; repeat for more; "
+        "--backend local ignores it)",
+    )
     g.add_argument("--secret", action="append", default=[], metavar="NAME", help="Modal Secret name")
-    g.add_argument("--env", type=_key_value, action="append", default=[], metavar="K=V")
-    g.add_argument("--join-timeout", type=float, default=d.join_timeout_s, metavar="S")
-    g.add_argument("--job-timeout", type=float, default=d.job_timeout_s, metavar="S")
-    g.add_argument("--retries", type=int, default=d.retries)
-    g.add_argument("--region", default=d.region)
-    g.add_argument("--cloud", default=d.cloud)
+    g.add_argument(
+        "--env",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="environment variable for every node and the job's processes (repeat for more)",
+    )
+    g.add_argument(
+        "--join-timeout",
+        type=float,
+        default=d.join_timeout_s,
+        metavar="S",
+        help=f"seconds to wait for every node to join the cluster (default {d.join_timeout_s:g})",
+    )
+    g.add_argument(
+        "--job-timeout",
+        type=float,
+        default=d.job_timeout_s,
+        metavar="S",
+        help=f"seconds the job may run before it is stopped (default {d.job_timeout_s:g})",
+    )
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=d.retries,
+        metavar="N",
+        help=f"Modal: restart a failed cluster up to N times (default {d.retries})",
+    )
+    g.add_argument("--region", default=d.region, help="Modal: region for the containers, e.g. us-east")
+    g.add_argument(
+        "--cloud", default=d.cloud, help="Modal: cloud provider for the containers, e.g. aws, gcp, oci"
+    )
     g.add_argument(
         "--collective-check", action="store_true", help="all-reduce across all nodes before the job"
     )
@@ -142,13 +178,16 @@ def run_job(
     detach: bool = False,
     collective_check: bool = False,
     out: TextIO | None = None,
+    local_files: Sequence[LocalInput] = (),
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
     ``address_env`` names env vars filled with cluster addresses at bring-up (see
     ``plan.address_env_values``); ``plan_extra`` adds the adapter's own sections to a dry run's
-    plan. Returns the process exit code: 0 for a clean dry run or preflight, 2 for a preflight
-    failure (nothing was started), else rank 0's (the job's) exit code.
+    plan. ``local_files`` (``local_inputs.collect``) travel into the Modal containers at the
+    same path and are listed in the plan; the local backend's nodes already see them. Returns
+    the process exit code: 0 for a clean dry run or preflight, 2 for a preflight failure
+    (nothing was started), else rank 0's (the job's) exit code.
     """
     out = out or sys.stdout
     key = ensure_run_key()
@@ -158,7 +197,7 @@ def run_job(
         collective_check=collective_check,
         address_env=dict(address_env or {}),
     )
-    impl = get_backend(backend)
+    impl = get_backend(backend, **({"local_files": tuple(local_files)} if backend == "modal" else {}))
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
         return 2

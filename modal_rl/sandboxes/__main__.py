@@ -1,7 +1,9 @@
 """``python -m modal_rl.sandboxes sweep --tag KEY=VALUE ...``: terminate orphaned sandboxes.
 
 Local: every sandbox in the host registry whose tags include all given tags (by process group,
-checked against the leader's start time). Modal: ``modal.Sandbox.list(tags=...)`` + terminate.
+checked against the leader's start time). Modal: ``modal.Sandbox.list(tags=...)`` + terminate,
+after checking the credentials and the route to Modal (``modal_rl.modal_check``). Failures
+are one line (exit 2 bad input, 1 failed, 130 Ctrl-C; ``--debug`` adds the traceback).
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ def _tag(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m modal_rl.sandboxes")
+    from modal_rl.cli_errors import run_main
+
+    return run_main("modal_rl.sandboxes", _main, argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from modal_rl.cli_errors import OneLineParser, add_debug_flag
+
+    parser = OneLineParser(prog="python -m modal_rl.sandboxes")
+    add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     sweep = sub.add_parser("sweep", help="terminate every sandbox carrying all the given tags")
     sweep.add_argument(
@@ -29,15 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--provider", choices=("local", "modal"), default="local")
     sweep.add_argument("--registry", type=Path, default=None, help="local registry dir (default: the host's)")
     sweep.add_argument("--app", default=None, help="Modal app name (modal provider)")
-    args = parser.parse_args(argv)
+    add_debug_flag(sweep)
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     tags = dict(args.tag)
     if args.provider == "local":
         from modal_rl.sandboxes import registry
 
         count = registry.sweep(args.registry or registry.DEFAULT_DIR, tags)
     else:
+        from modal_rl.modal_check import check_modal_access
         from modal_rl.sandboxes.modal_provider import ModalProvider
 
+        check_modal_access()  # one line, before the provider's first call
         provider = ModalProvider(app_name=args.app) if args.app else ModalProvider()
         count = asyncio.run(provider.sweep(tags))
     print(f"swept {count} sandbox(es) tagged {tags}")

@@ -64,12 +64,16 @@ FROM_ENV = _FromEnv()  # the default of every ``key`` parameter: the run's key f
 class FrameKeys:
     """Keys derived from the run key for weight sync; the run key itself is not kept."""
 
-    __slots__ = ("mac", "handshake", "pull")
+    __slots__ = ("mac", "handshake", "pull", "lease", "run_id")
 
     def __init__(self, key: str) -> None:
         self.mac = derive(key, "weightsync-frame-mac")
         self.handshake = derive(key, "weightsync-handshake")
         self.pull = derive(key, "weightsync-pull")
+        self.lease = derive(key, "weightsync-lease")
+        # The run's public name in frames and leases: a fingerprint of the key (one-way, so
+        # it reveals nothing of it); a restarted trainer of the same run has the same id.
+        self.run_id = "run-" + derive(key, "weightsync-run-id")[:8].hex()
 
     def __repr__(self) -> str:
         return "FrameKeys(<redacted>)"
@@ -85,6 +89,33 @@ def frame_keys(key) -> FrameKeys | None:
     if not isinstance(key, str) or not key:
         raise ValueError("key must be the run key (text), or None for an explicitly keyless setup")
     return FrameKeys(key)
+
+
+def run_id_of(keys: FrameKeys | None) -> str:
+    """The run id frames carry: the key's fingerprint, or ``MODAL_RL_RUN_ID`` (else
+    ``"keyless"``) for an explicitly keyless setup."""
+    if keys is not None:
+        return keys.run_id
+    import os
+
+    return os.environ.get("MODAL_RL_RUN_ID") or "keyless"
+
+
+def sign_json(keys: FrameKeys | None, obj: dict) -> dict:
+    """``obj`` plus ``mac`` (HMAC-SHA256 under the lease key over its canonical JSON);
+    keyless: ``obj`` unchanged."""
+    if keys is None:
+        return dict(obj)
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return {**obj, "mac": hmac.new(keys.lease, canonical, hashlib.sha256).hexdigest()}
+
+
+def verify_json(keys: FrameKeys | None, obj: dict) -> bool:
+    """Whether ``obj`` (from ``sign_json``) carries a matching MAC (keyless: it carries none)."""
+    if keys is None:
+        return "mac" not in obj
+    body = {k: v for k, v in obj.items() if k != "mac"}
+    return same_proof(sign_json(keys, body)["mac"], obj.get("mac"))
 
 
 def is_signed_tag(tag: bytes) -> bool:
@@ -215,12 +246,18 @@ def same_proof(expected: str, got) -> bool:
     return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
 
 
-def hello_line(have: int | None, keys: FrameKeys | None) -> tuple[bytes, str | None]:
-    """The receiver's first line, and its nonce (None when keyless)."""
+def hello_line(
+    have: int | None, keys: FrameKeys | None, epoch: int | None = None
+) -> tuple[bytes, str | None]:
+    """The receiver's first line, and its nonce (None when keyless). ``epoch``: the epoch of
+    the version held (the client proof covers the whole line, so it is authenticated)."""
+    hello: dict = {"have": have}
+    if epoch is not None:
+        hello["epoch"] = epoch
     if keys is None:
-        return json.dumps({"have": have}).encode() + b"\n", None
+        return json.dumps(hello).encode() + b"\n", None
     nonce = new_nonce()
-    return json.dumps({"have": have, "auth": HANDSHAKE, "nonce": nonce}).encode() + b"\n", nonce
+    return json.dumps({**hello, "auth": HANDSHAKE, "nonce": nonce}).encode() + b"\n", nonce
 
 
 def _line_json(line: bytes):

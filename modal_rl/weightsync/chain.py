@@ -8,6 +8,12 @@ Invariants:
 - With a key (the default: the run's key from the environment), only frames signed with
   it are accepted, every record verified before use; ``key=None`` accepts only unsigned
   frames.
+- Frames are ordered by ``(epoch, version)`` (``epoch``): a frame of an older epoch than
+  the held one is refused (``StaleEpochError``: its trainer was replaced), a frame of a newer
+  epoch must be an anchor (``EpochMismatchError`` for a delta) and replaces the held state
+  whatever its version, dropping every retained frame of the old epoch; within an epoch,
+  versions strictly increase. Once a run is held, frames of another run are refused
+  (``ForeignRunError``).
 - With ``retain=True`` the chain keeps every frame from its ``keep_anchors``-th newest
   anchor on, so ``rebuild(v)`` reproduces any retained version v from its last anchor plus
   the deltas after it, and a peer that fell behind can be served from ``frames_since``.
@@ -22,7 +28,14 @@ from typing import Any, BinaryIO
 from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.decode import ApplyResult, apply_frame, read_version_header
-from modal_rl.weightsync.errors import BaseMismatchError, StaleVersionError
+from modal_rl.weightsync.epoch import describe
+from modal_rl.weightsync.errors import (
+    BaseMismatchError,
+    EpochMismatchError,
+    ForeignRunError,
+    StaleEpochError,
+    StaleVersionError,
+)
 from modal_rl.weightsync.frames import VersionHeader, read_records
 
 
@@ -50,6 +63,8 @@ class VersionChain:
         self.keep_anchors = keep_anchors
         self.state: dict[str, Any] = {}
         self.version: int | None = None
+        self.epoch: int | None = None
+        self.run: str | None = None
         self.checksums: dict[str, str] = {}
         self._frames: dict[int, tuple[VersionHeader, bytes]] = {}
 
@@ -57,12 +72,7 @@ class VersionChain:
         """Accept the next frame (an anchor, or a delta whose base is the held version)."""
         data = frame.read() if hasattr(frame, "read") else frame_bytes(frame)
         header = peek_header(data, self.keys)
-        if self.version is not None and header.version <= self.version:
-            raise StaleVersionError(
-                f"frame for version {header.version} is not newer than held {self.version}"
-            )
-        if header.kind == "delta" and self.version is None:
-            raise BaseMismatchError(f"delta {header.base_version}→{header.version} needs an anchor first")
+        self.check_order(header)
         result = apply_frame(
             self.state,
             io.BytesIO(data),
@@ -73,12 +83,43 @@ class VersionChain:
         )
         if result.state is not None:  # an anchor: swap in the freshly built tensors
             self.state = result.state
-        self.version = header.version
+        if header.epoch != self.epoch:  # a new epoch: the old one's frames are history
+            self._frames.clear()
+        self.version, self.epoch, self.run = header.version, header.epoch, header.run
         self.checksums = dict(result.checksums)
         if self.retain:
             self._frames[header.version] = (header, data)
             self._prune()
         return result
+
+    def check_order(self, header: VersionHeader) -> None:
+        """Raise unless ``header`` may follow the held state (see the module invariants)."""
+        if self.run is not None and header.run != self.run:
+            raise ForeignRunError(f"frame of run {header.run!r}; this receiver follows run {self.run!r}")
+        if self.epoch is not None and header.epoch < self.epoch:
+            raise StaleEpochError(
+                f"frame v{header.version} is from epoch {describe(header.epoch)}, older than the held "
+                f"epoch {describe(self.epoch)}: its trainer was replaced"
+            )
+        new_epoch = self.epoch is None or header.epoch > self.epoch
+        if header.kind == "delta" and self.version is None:
+            raise BaseMismatchError(f"delta {header.base_version}→{header.version} needs an anchor first")
+        if header.kind == "delta" and new_epoch:
+            raise EpochMismatchError(
+                f"delta {header.base_version}→{header.version} of epoch {describe(header.epoch)} does not "
+                f"apply to epoch {describe(self.epoch)}: a new epoch starts with its anchor"
+            )
+        if not new_epoch and header.version <= self.version:
+            raise StaleVersionError(
+                f"frame for version {header.version} is not newer than held {self.version}"
+            )
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """What is held, in the order receivers keep: (epoch, version); see ``epoch``."""
+        from modal_rl.weightsync.epoch import position
+
+        return position(self.epoch, self.version)
 
     def _prune(self) -> None:
         anchors = sorted(v for v, (h, _) in self._frames.items() if h.kind == "anchor")

@@ -9,10 +9,16 @@ Frames are signed (encode) and verified (apply, inspect, receive) with the run's
 ``MODAL_RL_RUN_KEY``; ``--keyless`` reads and writes unsigned frames instead. The key is
 never taken from the command line (it would show in ``ps``).
 
-Any refusal (wrong base, mismatched shapes, truncated, corrupt or forged frame, wrong or
-missing key) exits non-zero with one line on stderr, and no output file is left behind:
-outputs are written to a temporary file beside the target and renamed into place only
-after everything succeeded.
+Every failure is one line on stderr, no traceback: bad input (a missing file or output
+directory, a file that is not safetensors or not a frame, a frame refused for the given base —
+wrong base, mismatched shapes, truncated, corrupt or forged — a missing key) exits 2, like the
+launchers; a run that fails (``receive``: nothing to connect to, the version never came)
+exits 1; Ctrl-C exits 130. No output file is left behind: outputs are written to a
+temporary file beside the target and renamed into place only after everything succeeded.
+An output's directory must exist (a typo does not silently create directories).
+
+``encode`` stamps frames with the run (the key's fingerprint) and a fresh epoch (``--epoch``
+to choose one), like a publisher.
 """
 
 from __future__ import annotations
@@ -45,9 +51,15 @@ from modal_rl.weightsync.frames import (
     read_records,
 )
 
+BAD_INPUT, FAILED = 2, 1
+
 
 class CliError(Exception):
-    """A user-facing failure: printed as one line, exit code 1."""
+    """A user-facing failure: printed as one line; exit code ``code`` (bad input: 2)."""
+
+    def __init__(self, message: str, code: int = BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def load_safetensors(path: Path) -> dict[str, Any]:
@@ -63,7 +75,7 @@ def load_safetensors(path: Path) -> dict[str, Any]:
 
 
 def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_out(out)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
     os.close(fd)
     try:
@@ -72,6 +84,15 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output whose directory does not exist (before any work is done)."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise CliError(f"{out}: directory {parent} does not exist; create it first or choose another --out")
+    if out.is_dir():
+        raise CliError(f"{out} is a directory; --out names a file")
 
 
 def keys_of(args: argparse.Namespace) -> FrameKeys | None:
@@ -93,6 +114,11 @@ def add_key_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
+    from modal_rl.weightsync.auth import run_id_of
+    from modal_rl.weightsync.epoch import new_epoch
+    from modal_rl.weightsync.frames import stamp
+
+    check_out(args.out)
     keys = keys_of(args)
     config = CodecConfig(chunk_elems=args.chunk_elems, threads=args.threads, zstd_level=args.level)
     new = load_safetensors(args.new)
@@ -104,7 +130,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            for rec in sign_records(records, keys):
+            epoch = args.epoch if args.epoch is not None else new_epoch()
+            for rec in sign_records(stamp(records, run_id_of(keys), epoch), keys):
                 f.write(rec)
 
     write_atomically(args.out, write)
@@ -115,6 +142,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
+    check_out(args.out)
     keys = keys_of(args)
     state = load_safetensors(args.base)
     if not args.delta.is_file():
@@ -179,6 +207,8 @@ def inspect_frame(data: bytes, keys: FrameKeys | None) -> dict[str, Any]:
         "kind": header.kind,
         "version": header.version,
         "base_version": header.base_version,
+        "run": header.run,
+        "epoch": header.epoch,
         "groups": groups,
         "tensors": sum(len(g["tensors"]) for g in groups),
         "elements": elements,
@@ -225,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--chunk-elems", type=int, default=CodecConfig.chunk_elems)
     enc.add_argument("--threads", type=int, default=CodecConfig.threads)
     enc.add_argument("--level", type=int, default=CodecConfig.zstd_level, help="zstd level")
+    enc.add_argument("--epoch", type=int, help="the epoch to stamp (default: a fresh one)")
     add_key_flag(enc)
     enc.set_defaults(fn=cmd_encode)
     app = sub.add_parser("apply", help="apply a frame onto a base; writes the verified result")
@@ -246,9 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors: argparse's one line, exit 2
     try:
         return args.fn(args)
-    except (CliError, WeightSyncError, ValueError, MissingRunKeyError) as exc:
+    except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
+    except (WeightSyncError, ValueError, MissingRunKeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    except OSError as exc:  # a file that cannot be read or written
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}".replace(": : ", ": "), file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

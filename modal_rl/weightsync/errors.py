@@ -60,3 +60,25 @@ class HandshakeError(AuthenticationError):
 class PullRefusedError(AuthenticationError):
     """An engine refused a weight-pull request that was not signed with the run's key (or
     was altered, expired or replayed); it dialled nothing and its weights are unchanged."""
+
+
+class ForeignRunError(BaseMismatchError):
+    """A frame names another run than the one the receiver follows (same key, other run)."""
+
+
+class StaleEpochError(StaleVersionError):
+    """A frame comes from an older epoch than the one held: its trainer was replaced by a
+    newer start of the same run, so its versions no longer count."""
+
+
+class EpochMismatchError(BaseMismatchError):
+    """A delta from an epoch the receiver does not hold: a new epoch starts with its anchor."""
+
+
+class LeaseHeldError(WeightSyncError):
+    """Another publisher holds the run's lease on this store: one trainer at a time."""
+
+
+class LeaseLostError(WeightSyncError):
+    """This publisher's lease lapsed and another trainer took it (or a newer epoch of the
+    run is publishing): this trainer must stop publishing."""

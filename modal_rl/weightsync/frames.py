@@ -9,8 +9,9 @@ contents are used. A frame signed with the run's key (``auth``) has lower-case t
 32-byte MAC after the digest of every record; a reader given the key accepts only signed
 frames, a keyless reader only unsigned ones. The records of one version, in order:
 
-- ``V`` version header: ``b"MRLW"``, format version u16, then JSON (kind, version,
-  base_version, digest of the base's tensor checksums, codec parameters);
+- ``V`` version header: ``b"MRLW"``, format version u16 (2), then JSON (kind, version,
+  base_version, digest of the base's tensor checksums, codec parameters, and the publishing
+  ``run`` and ``epoch``: see ``epoch``; signed like every record, so they cannot be altered);
 - per group of tensors, a ``G`` group header (the manifest of its tensors: name, dtype,
   shape, xxh3-128 of the new state; chunking), followed by its ``nchunks`` ``C`` chunk
   records (see ``streams``) over the group's concatenated words;
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, BinaryIO
 
 import xxhash
@@ -36,7 +37,11 @@ from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 from modal_rl.weightsync.errors import CorruptFrameError, TruncatedFrameError
 
 MAGIC = b"MRLW"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 had no run or epoch: its frames cannot be ordered across trainer restarts, so a
+# format-2 reader refuses them by name (re-encode or re-publish them).
+FORMAT_HISTORY = {1: "before frames named their run and epoch"}
+MAX_EPOCH = (1 << 64) - 1
 RECORD_HEADER = struct.Struct("<cI")
 RECORD_TRAILER = struct.Struct("<Q")
 MAX_RECORD_BYTES = 1 << 31
@@ -62,6 +67,13 @@ class VersionHeader:
     base_version: int | None
     base_digest: str | None = None  # deltas: state_digest() of the base's tensor checksums
     codec: dict[str, Any] = field(default_factory=dict)
+    run: str = ""  # the publishing run (``auth.FrameKeys.run_id``); "" = unstamped codec output
+    epoch: int = 0  # the publishing trainer start (``epoch.new_epoch``); 0 = unstamped
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """How receivers order frames: (epoch, version), see ``epoch``."""
+        return (self.epoch, self.version)
 
     def to_record(self) -> bytes:
         return record(TAG_VERSION, MAGIC + struct.pack("<H", FORMAT_VERSION) + _json(asdict(self)))
@@ -72,10 +84,21 @@ class VersionHeader:
             raise CorruptFrameError("not a modal-rl weight-sync frame (bad magic)")
         (fmt,) = struct.unpack_from("<H", body, 4)
         if fmt != FORMAT_VERSION:
+            why = f", written {FORMAT_HISTORY[fmt]}" if fmt in FORMAT_HISTORY else ""
             raise CorruptFrameError(
-                f"frame format version {fmt} is not supported (this reader: {FORMAT_VERSION})"
+                f"frame format version {fmt}{why}, is not supported (this reader: {FORMAT_VERSION}); "
+                "re-encode or re-publish it with this modal-rl"
             )
         data = _loads(body[6:], "version header")
+        run, epoch = data.get("run"), data.get("epoch")
+        if not isinstance(run, str) or not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise CorruptFrameError("the version header must name its run (text) and epoch (integer)")
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise CorruptFrameError(f"epoch {epoch} is out of range")
+        if set(data) - {f.name for f in fields(cls)}:
+            raise CorruptFrameError(
+                f"unknown version header keys {sorted(set(data) - {f.name for f in fields(cls)})}"
+            )
         if data.get("kind") not in ("anchor", "delta"):
             raise CorruptFrameError(f"unknown frame kind {data.get('kind')!r}")
         if data["kind"] == "delta" and data.get("base_version") is None:
@@ -179,6 +202,22 @@ class EndRecord:
 
     def to_record(self) -> bytes:
         return record(TAG_END, _json(asdict(self)))
+
+
+def stamp(records: Iterable[bytes], run: str, epoch: int) -> Iterator[bytes]:
+    """One frame's unsigned records (as the codec writes them) with the version header
+    rewritten to name ``run`` and ``epoch``. Signing happens after (the sink), so the MAC
+    chain covers the stamped header. The end record's manifest digest covers only the
+    group headers, so it stays valid."""
+    it = iter(records)
+    first = next(it, None)
+    if first is None:
+        return
+    if first[:1] != TAG_VERSION:
+        raise CorruptFrameError("frame does not start with a version header")
+    header = VersionHeader.from_body(record_body(first))
+    yield replace(header, run=run, epoch=epoch).to_record()
+    yield from it
 
 
 def state_digest(checksums: dict[str, str]) -> str:

@@ -3,8 +3,20 @@
 Invariants:
 - ``snapshot`` holds, bit for bit, the last version published (on the host; in pinned
   memory when the trainer's tensors are on CUDA, so device→host copies are fast);
-- versions strictly increase; the first version and every ``anchor_every``-th after it
-  are anchors, the rest deltas against the previous version;
+- every frame names the run (``run``) and this publisher's ``epoch`` (drawn when it is made:
+  one trainer start = one epoch; a store may raise it to stay above the previous holder's,
+  see ``epoch``); a sink that keeps a lease (stores) grants it when the publisher is made,
+  and refuses a second publisher while the lease is live (``LeaseHeldError``);
+- versions strictly increase within the epoch; the first version may be any number (a
+  trainer restarted from a checkpoint resumes its numbering there: ``start_version`` or the
+  first ``publish(version=...)``), and the first frame of an epoch is always an anchor;
+- on the wire, the first version and every ``anchor_every``-th after it are anchors
+  (``None``: only the first, and after a failure), the rest deltas against the previous
+  version;
+- every ``recovery_every``-th version without an anchor gets a *recovery anchor* as well:
+  an anchor of the same version handed to the sink's ``send_recovery`` (kept for cold and
+  restarted receivers, not streamed to the live ones), so catching up costs at most one
+  anchor plus ``recovery_every`` deltas while live receivers only ever get deltas;
 - a version whose encode or send fails leaves the snapshot at the previous version, and
   the next publish is an anchor (receivers may have seen a partial frame and refused it).
 
@@ -14,6 +26,7 @@ later ones are still being encoded.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -21,10 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from modal_rl.weightsync.auth import run_id_of
 from modal_rl.weightsync.codec import CodecConfig, Tensors, encode_anchor, encode_delta
 from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.frames import VersionHeader
+from modal_rl.weightsync.epoch import new_epoch
+from modal_rl.weightsync.frames import VersionHeader, stamp
 from modal_rl.weightsync.transport import FrameSink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,19 +51,40 @@ class PublishReport:
     bytes: int
     raw_bytes: int
     seconds: float
+    epoch: int = 0
+    recovery_bytes: int = 0  # a recovery anchor written with this version (0: none)
 
 
 class Publisher:
-    def __init__(self, sink: FrameSink, *, anchor_every: int = 16, config: CodecConfig | None = None) -> None:
-        if anchor_every < 1:
-            raise ValueError("anchor_every must be >= 1")
+    def __init__(
+        self,
+        sink: FrameSink,
+        *,
+        anchor_every: int | None = 16,
+        recovery_every: int | None = None,
+        config: CodecConfig | None = None,
+        run: str | None = None,
+        epoch: int | None = None,
+        start_version: int = 0,
+    ) -> None:
+        for name, value in (("anchor_every", anchor_every), ("recovery_every", recovery_every)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {value}")
         self.sink = sink
         self.anchor_every = anchor_every
+        self.recovery_every = recovery_every
         self.config = config or CodecConfig()
+        self.run = run or run_id_of(getattr(sink, "keys", None))
+        self.epoch = epoch if epoch is not None else new_epoch()
+        opener = getattr(sink, "open_epoch", None)
+        if opener is not None:  # a store takes its lease here: a second trainer fails now
+            self.epoch = opener(self.run, self.epoch)
+        self.start_version = start_version
         self.snapshot: dict[str, Any] = {}
         self.checksums: dict[str, str] = {}
         self.version: int | None = None
         self._since_anchor = 0
+        self._since_recovery = 0
         self._force_anchor = True
 
     def _to_host(self, name: str, tensor: Any) -> Any:
@@ -66,13 +104,19 @@ class Publisher:
             np.copyto(words_of(out), words_of(tensor.detach()))
         return out
 
+    @property
+    def next_version(self) -> int:
+        """The version ``publish`` uses when it is given none."""
+        return self.start_version if self.version is None else self.version + 1
+
     def publish(self, tensors: Tensors, version: int | None = None) -> PublishReport:
         """Publish one version: a state dict, or an iterator of ``(name, tensor)`` pairs."""
         if version is None:
-            version = 0 if self.version is None else self.version + 1
+            version = self.next_version
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
-        anchor = self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        every = self.anchor_every
+        anchor = self._force_anchor or (every is not None and self._since_anchor + 1 >= every)
         staged: dict[str, Any] = {}
 
         def host_items() -> Iterator[tuple[str, Any]]:
@@ -85,7 +129,7 @@ class Publisher:
         t0 = time.perf_counter()
         if anchor:
             records = encode_anchor(host_items(), version=version, config=self.config, checksums_out=sums)
-            header = VersionHeader("anchor", version, None)
+            header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
         else:
             records = encode_delta(
                 self.snapshot,
@@ -96,14 +140,39 @@ class Publisher:
                 base_checksums=self.checksums,
                 checksums_out=sums,
             )
-            header = VersionHeader("delta", version, self.version)
+            header = VersionHeader("delta", version, self.version, run=self.run, epoch=self.epoch)
         try:
-            size = self.sink.send(header, records)
+            size = self.sink.send(header, stamp(records, self.run, self.epoch))
         except BaseException:
             self._force_anchor = True
             raise
         self.snapshot, self.checksums, self.version = staged, sums, version
         self._force_anchor = False
         self._since_anchor = 0 if anchor else self._since_anchor + 1
+        self._since_recovery = 0 if anchor else self._since_recovery + 1
+        recovery = 0
+        if self.recovery_every is not None and self._since_recovery >= self.recovery_every:
+            recovery = self._send_recovery(version)
         raw = sum(t.numel() * t.element_size() for t in staged.values())
-        return PublishReport(version, header.kind, size, raw, time.perf_counter() - t0)
+        return PublishReport(version, header.kind, size, raw, time.perf_counter() - t0, self.epoch, recovery)
+
+    def _send_recovery(self, version: int) -> int:
+        """An anchor of the version just published, for receivers that catch up. Its failure
+        costs only catch-up length (the next version tries again), so it is logged, not raised
+        — except a lost lease, which ends this publisher."""
+        send = getattr(self.sink, "send_recovery", None)
+        if send is None:
+            return 0
+        from modal_rl.weightsync.errors import LeaseLostError
+
+        header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
+        records = encode_anchor(self.snapshot.items(), version=version, config=self.config)
+        try:
+            size = send(header, stamp(records, self.run, self.epoch))
+        except LeaseLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("recovery anchor for v%d not written: %s", version, exc)
+            return 0
+        self._since_recovery = 0
+        return size

@@ -12,6 +12,9 @@ Invariants:
   live weights nor the staging state; the subscriber records the error, drops the
   connection and asks again for what it lacks (catch-up from the last anchor if needed);
 - after a restart the subscriber starts empty and catches up from the last anchor;
+- what it holds is ordered by ``(epoch, version)`` (``epoch``): a newer epoch's anchor
+  replaces it whatever the version, an older epoch's frames are refused; ``status()`` says
+  which run, epoch and version are live and since when (the chaos benchmark reads it);
 - frames are verified with the source's key (``source.keys``: signed frames only, every
   record's MAC checked before it is used; a source without ``keys`` means the run's key
   from the environment); a source that fails its handshake counts as a refusal.
@@ -19,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -49,6 +53,7 @@ class SyncTiming:
     verify_s: float  # of decode_s: hashing the rebuilt tensors (summed over threads)
     activate_s: float  # the engine pause
     activated_at: float  # time.time() when activation finished
+    epoch: int = 0  # the epoch of the activated version
 
 
 @dataclass
@@ -60,9 +65,29 @@ class Subscriber:
     timings: list[SyncTiming] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     live_version: int | None = None
+    live_epoch: int | None = None
+    started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
+        self._epoch_kw = _takes_epoch(self.source)
+
+    def status(self) -> dict[str, Any]:
+        """What this receiver serves: ``run``, ``epoch``, ``version`` (None before the first
+        activation), ``kind`` and ``activated_at`` of the last activation, ``started_at`` (when
+        this subscriber was made: ``activated_at - started_at`` is its time to serving), the
+        number of activations and of refusals."""
+        last = self.timings[-1] if self.timings else None
+        return {
+            "run": self.chain.run,
+            "epoch": self.live_epoch,
+            "version": self.live_version,
+            "kind": last.kind if last else None,
+            "activated_at": last.activated_at if last else None,
+            "started_at": self.started_at,
+            "activations": len(self.timings),
+            "refused": len(self.refused),
+        }
 
     def _refuse(self, exc: WeightSyncError) -> None:
         self.refused.append(f"{type(exc).__name__}: {exc}")
@@ -76,7 +101,10 @@ class Subscriber:
         the frame (or the source's handshake) was refused (see ``refused``)."""
         t0 = time.monotonic()
         try:
-            frame = self.source.next_frame(self.chain.version, timeout)
+            if self._epoch_kw:
+                frame = self.source.next_frame(self.chain.version, timeout, epoch=self.chain.epoch)
+            else:
+                frame = self.source.next_frame(self.chain.version, timeout)
         except AuthenticationError as exc:
             self._refuse(exc)
             return None
@@ -93,7 +121,7 @@ class Subscriber:
         t2 = time.monotonic()
         self.activate(self.chain.state, self.chain.version)
         activate_s = time.monotonic() - t2
-        self.live_version = self.chain.version
+        self.live_version, self.live_epoch = self.chain.version, self.chain.epoch
         timing = SyncTiming(
             version=result.header.version,
             kind=result.header.kind,
@@ -103,29 +131,46 @@ class Subscriber:
             verify_s=result.verify_s,
             activate_s=activate_s,
             activated_at=time.time(),
+            epoch=result.header.epoch,
         )
         self.timings.append(timing)
         return timing
 
-    def run_until(self, version: int, timeout: float) -> bool:
-        """Poll until ``version`` is live or ``timeout`` passes; True if it got there."""
+    def reached(self, version: int, epoch: int | None = None) -> bool:
+        """Whether ``version`` (of ``epoch``, when given) or a later one of that epoch is live."""
+        if self.live_version is None or (epoch is not None and self.live_epoch != epoch):
+            return False
+        return self.live_version >= version
+
+    def run_until(self, version: int, timeout: float, epoch: int | None = None) -> bool:
+        """Poll until ``version`` (of ``epoch``, when given) is live or ``timeout`` passes;
+        True if it got there."""
         deadline = time.monotonic() + timeout
-        while self.live_version is None or self.live_version < version:
+        while not self.reached(version, epoch):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             self.poll(remaining)
         return True
 
-    def stage_until(self, target: int, timeout_s: float, max_refusals: int) -> list[SyncTiming]:
-        """Poll until ``target`` (or a newer version) is staged; return this call's timings.
+    def stage_until(
+        self, target: int, timeout_s: float, max_refusals: int, epoch: int | None = None
+    ) -> list[SyncTiming]:
+        """Poll until ``target`` (or a newer version; of ``epoch`` when given) is staged;
+        return this call's timings. A receiver that already holds a newer epoch than
+        ``epoch`` fails at once: the publisher it was sent to was replaced.
 
         Raises ``VersionNotReachedError`` after ``timeout_s`` or after more than
         ``max_refusals`` refused frames (each refusal reconnects and asks again, which heals
         corruption on the wire); the staged state then stays at the version held before."""
         deadline = time.monotonic() + timeout_s
         refused_before, first = len(self.refused), len(self.timings)
-        while self.live_version is None or self.live_version < target:
+        while not self.reached(target, epoch):
+            if epoch is not None and self.live_epoch is not None and self.live_epoch > epoch:
+                raise VersionNotReachedError(
+                    f"this receiver holds epoch {self.live_epoch:x}, newer than the publisher's "
+                    f"{epoch:x}: that publisher was replaced by a newer trainer of the run"
+                )
             refusals = len(self.refused) - refused_before
             if refusals > max_refusals:
                 raise VersionNotReachedError(
@@ -150,23 +195,39 @@ def tcp_subscriber(
     *,
     key=FROM_ENV,
     tls: bool = False,
+    epoch: int | None = None,
 ) -> Subscriber:
-    """The subscriber that should stage ``target`` from the frame server at ``addr``
-    (``key``, ``tls``: see ``TcpSource``).
+    """The subscriber that should stage ``target`` (of ``epoch``, when the caller knows it)
+    from the frame server at ``addr`` (``key``, ``tls``: see ``TcpSource``).
 
-    ``current`` is kept while it follows that server and holds an older version (its staged
-    state is the next delta's base). A moved server, or one that announces a version already
-    held (it restarted and counts from 0 again), starts a fresh chain that catches up from
-    the server's last anchor; the old connection is closed."""
+    With ``epoch``, ``current`` is always kept — its chain takes a new epoch's anchor by
+    itself (``VersionChain``) and its staged state is the next delta's base — and only its
+    connection moves when the server did. Without it, ``current`` is kept while it follows
+    that server and holds an older version; a moved server, or one that announces a version
+    already held (a restarted trainer of unknown epoch), starts a fresh chain that catches
+    up from the server's last anchor. The old connection is closed."""
     from modal_rl.weightsync.transport_tcp import TcpSource
 
     if current is not None:
         held = current.live_version
         same = current.source.addr == addr and getattr(current.source, "tls", False) == tls
+        if epoch is not None:
+            if not same:
+                current.source.close()
+                current.source = TcpSource(*addr, key=key, tls=tls)
+            return current
         if same and (held is None or target > held):
             return current
         current.source.close()
     return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
+
+
+def _takes_epoch(source: Any) -> bool:
+    """Whether ``source.next_frame`` accepts ``epoch=`` (sources written before epochs do not)."""
+    try:
+        return "epoch" in inspect.signature(source.next_frame).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def copy_into(live: dict[str, Any]) -> Activate:

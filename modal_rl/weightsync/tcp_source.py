@@ -6,6 +6,10 @@ Invariants:
   handshake); a server that fails it, refuses us, or presents a TLS certificate that does
   not verify raises ``HandshakeError`` (after a short backoff, so a retrying caller does not
   hammer it); connection failures are retried until the caller's deadline;
+- the hello names the version held and its epoch; a server of an older epoch refuses the
+  receiver (its trainer was replaced), which counts as a refusal like a failed handshake;
+- ``last_error`` keeps why the last connection attempt failed (e.g. connection refused),
+  so a caller whose deadline passed can say so;
 - records are taken whole and passed on unverified (the ``Subscriber``'s chain verifies them
   with ``keys``); a frame is returned only once its end record arrived.
 """
@@ -71,12 +75,14 @@ class TcpSource:
         self.frame_started = 0.0
         self.last_fetch_s = 0.0
         self.reconnects = 0
+        self.connected_once = False
+        self.last_error: str | None = None
 
     @property
     def where(self) -> str:
         return f"{self.addr[0]}:{self.addr[1]}{' (TLS)' if self.tls else ''}"
 
-    def _connect(self, have: int | None, deadline: float | None) -> bool:
+    def _connect(self, have: int | None, deadline: float | None, epoch: int | None = None) -> bool:
         """Connect and pass the handshake; False when the deadline passed first. A server
         that fails the handshake (or a TLS certificate check) raises ``HandshakeError``."""
         while True:
@@ -86,7 +92,8 @@ class TcpSource:
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=self.server_hostname)
                 self.sock, self.buf, self.parts = sock, bytearray(), []
-                self._handshake(have)
+                self._handshake(have, epoch)
+                self.connected_once, self.last_error = True, None
                 return True
             except ssl.SSLCertVerificationError as exc:
                 self._fail(sock, refused=True)
@@ -96,7 +103,8 @@ class TcpSource:
             except HandshakeError:
                 self._fail(sock, refused=True)
                 raise
-            except OSError:
+            except OSError as exc:
+                self.last_error = _why(exc)
                 self._fail(sock)
                 if deadline is not None and time.monotonic() + self.backoff > deadline:
                     return False
@@ -109,8 +117,8 @@ class TcpSource:
         if refused:
             time.sleep(self.backoff)  # a receiver that retries does not hammer a refusing server
 
-    def _handshake(self, have: int | None) -> None:
-        line, nonce = hello_line(have, self.keys)
+    def _handshake(self, have: int | None, epoch: int | None = None) -> None:
+        line, nonce = hello_line(have, self.keys, epoch)
         self.sock.sendall(line)
         if self.keys is None:
             return  # keyless: records follow (or the server's refusal line)
@@ -157,10 +165,12 @@ class TcpSource:
         del self.buf[:total]
         return tag, raw
 
-    def next_frame(self, have_version: int | None, timeout: float | None = None) -> bytes | None:
+    def next_frame(
+        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+    ) -> bytes | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self.sock is None and not self._connect(have_version, deadline):
+            if self.sock is None and not self._connect(have_version, deadline, epoch):
                 return None
             taken = self._take_record()
             if taken is not None:
@@ -193,3 +203,14 @@ class TcpSource:
 
     def close(self) -> None:
         self.reset()
+
+
+def _why(exc: OSError) -> str:
+    """A connection failure in words (``connection refused``, ``timed out``, ...)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "connection timed out"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host ({exc.strerror})"
+    return exc.strerror or type(exc).__name__

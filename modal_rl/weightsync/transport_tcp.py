@@ -23,6 +23,17 @@ Invariants of ``FrameServer``:
   slow receiver stalls the publisher — and through it the others — at most that long;
 - all connections share one ``TokenBucket``: the rate limit models the host's NIC.
 
+Epochs (``epoch``): a publishing server holds its publisher's epoch (``open_epoch``). A
+receiver's hello names the epoch it holds; a receiver that holds a *newer* epoch of the run
+than the server's is refused — the server belongs to a trainer that a newer one replaced —
+and from then on the server's ``send`` raises ``LeaseLostError``: over TCP the epoch is the
+lease, so a replaced trainer that is still running stops publishing as soon as one receiver
+that moved on reaches it. Receivers of an older epoch (or none) get the newest anchor.
+
+Recovery anchors (``send_recovery``) are retained, never broadcast: a receiver that catches
+up gets the newest anchor — wire or recovery — and the deltas after it, or the deltas after
+its own version when it holds the server's epoch and those weigh less.
+
 A relay (``FrameServer.forward``) re-serves records as they arrive from upstream, so
 receivers can form a tree instead of all drawing on the trainer's link.
 """
@@ -36,6 +47,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from modal_rl.weightsync.auth import (
     FROM_ENV,
@@ -47,6 +59,8 @@ from modal_rl.weightsync.auth import (
     server_proof,
     sign_records,
 )
+from modal_rl.weightsync.epoch import describe
+from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.frames import (
     TAG_END,
     TAG_VERSION,
@@ -66,11 +80,20 @@ class _Refused(Exception):
     """A receiver failed admission; the message is sent to it and logged (one line)."""
 
 
+class _Kept(NamedTuple):
+    """A retained frame; ``recovery``: a recovery anchor (catch-up only, never broadcast)."""
+
+    header: VersionHeader
+    frame: bytes
+    recovery: bool = False
+
+
 @dataclass
 class _Conn:
     writer: asyncio.StreamWriter
     have: int | None
     peer: str
+    epoch: int | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     buffered: int = 0
     space: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,7 +120,10 @@ class FrameServer:
         self.max_buffer = max_buffer_bytes
         self.slow_timeout = slow_timeout_s
         self.keep_anchors = keep_anchors
-        self.retained: list[tuple[VersionHeader, bytes]] = []
+        self.retained: list[_Kept] = []
+        self.run: str | None = None
+        self.epoch: int | None = None  # the publisher's epoch (None: a relay, or no publisher yet)
+        self.superseded_by: int | None = None  # a newer epoch a receiver reported
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
@@ -129,7 +155,7 @@ class FrameServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
         try:
-            have = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            have, epoch = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
         except _Refused as exc:
             log.warning("weight-sync receiver %s refused: %s", peer, exc)
             try:
@@ -143,26 +169,28 @@ class FrameServer:
             log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
             writer.close()
             return
-        conn = _Conn(writer, have, peer)
+        conn = _Conn(writer, have, peer, epoch)
         conn.task = asyncio.ensure_future(self._write_loop(conn))
         if self.in_frame:
             self.pending.append(conn)  # joins at the next frame boundary
         else:
             self._admit(conn)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | None:
-        """The receiver's version once it is admitted; ``_Refused`` otherwise. Nothing of a
-        frame is written before this returns."""
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int | None, int | None]:
+        """The receiver's (version, epoch) once it is admitted; ``_Refused`` otherwise.
+        Nothing of a frame is written before this returns."""
         line = await reader.readline()
         hello = json.loads(line)
         if not isinstance(hello, dict):
             raise _Refused("the hello is not a JSON object")
-        have = hello.get("have")
-        have = have if isinstance(have, int) and not isinstance(have, bool) else None
+        have, epoch = (_int_or_none(hello.get(k)) for k in ("have", "epoch"))
         if self.keys is None:
             if "auth" in hello:
                 raise _Refused("this frame server is keyless (key=None); a receiver with a key refuses it")
-            return have
+            self._check_epoch(epoch)
+            return have, epoch
         nonce = hello.get("nonce")
         if hello.get("auth") != HANDSHAKE or not isinstance(nonce, str) or len(nonce) != 64:
             raise _Refused("this frame server requires the run's key; the receiver offered none (keyless?)")
@@ -174,10 +202,22 @@ class FrameServer:
         got = reply.get("proof") if isinstance(reply, dict) else None
         if not same_proof(client_proof(self.keys, nonce, mine, line), got):
             raise _Refused("the receiver does not know this run's key")
-        return have
+        self._check_epoch(epoch)  # the epoch is in the hello the proof covers
+        return have, epoch
+
+    def _check_epoch(self, epoch: int | None) -> None:
+        """Refuse a receiver that holds a newer epoch than this publisher's: this server's
+        trainer was replaced, so it must stop (``send`` raises from now on)."""
+        if self.epoch is None or epoch is None or epoch <= self.epoch:
+            return
+        self.superseded_by = max(epoch, self.superseded_by or 0)
+        raise _Refused(
+            f"this frame server publishes epoch {describe(self.epoch)}, older than the receiver's "
+            f"{describe(epoch)}: its trainer was replaced by a newer one"
+        )
 
     def _admit(self, conn: _Conn) -> None:
-        for frame in self.frames_since(conn.have):
+        for frame in self.frames_since(conn.have, conn.epoch):
             self._enqueue(conn, frame)
         self.active.append(conn)
 
@@ -232,11 +272,14 @@ class FrameServer:
         self.in_frame = True
 
     async def _end(self, header: VersionHeader, frame: bytes) -> None:
-        self.retained.append((header, frame))
-        anchors = [i for i, (h, _) in enumerate(self.retained) if h.kind == "anchor"]
+        self._retain(_Kept(header, frame))
+        await self._frame_closed()
+
+    def _retain(self, kept: _Kept) -> None:
+        self.retained.append(kept)
+        anchors = [i for i, k in enumerate(self.retained) if k.header.kind == "anchor"]
         if len(anchors) > self.keep_anchors:
             del self.retained[: anchors[-self.keep_anchors]]
-        await self._frame_closed()
 
     async def _frame_closed(self) -> None:
         """A frame boundary: receivers that connected mid-frame join now."""
@@ -249,18 +292,60 @@ class FrameServer:
         asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     # -- public -----------------------------------------------------------------------
-    def frames_since(self, have: int | None) -> list[bytes]:
-        versions = [h.version for h, _ in self.retained]
-        if have is not None and have in versions:
-            return [frame for _, frame in self.retained[versions.index(have) + 1 :]]
-        if have is not None and versions and have > versions[-1]:
+    def frames_since(self, have: int | None, epoch: int | None = None) -> list[bytes]:
+        """What a receiver at ``(epoch, have)`` lacks, of the newest retained epoch: the
+        frames after ``have`` when it holds that epoch (``epoch=None``: the version alone
+        decides, as before epochs) and they weigh less than the newest anchor's path, else
+        that anchor and the deltas after it."""
+        if not self.retained:
             return []
-        anchors = [i for i, (h, _) in enumerate(self.retained) if h.kind == "anchor"]
-        return [frame for _, frame in self.retained[anchors[-1] :]] if anchors else []
+        cur = self.retained[-1].header.epoch
+        kept = [k for k in self.retained if k.header.epoch == cur]
+        if epoch is not None and epoch > cur:
+            return []
+        same = epoch is None or epoch == cur
+        anchors = [i for i, k in enumerate(kept) if k.header.kind == "anchor"]
+        cold = [kept[anchors[-1]].frame] if anchors else []
+        if anchors:
+            cold += [k.frame for k in kept[anchors[-1] + 1 :] if not k.recovery]
+        versions = [k.header.version for k in kept]
+        if same and have is not None and have in versions:
+            warm = [k.frame for k in kept[versions.index(have) + 1 :] if not k.recovery]
+            if not cold or sum(map(len, warm)) <= sum(map(len, cold)):
+                return warm
+            return cold
+        if same and have is not None and versions and have >= versions[-1]:
+            return []
+        return cold
+
+    def open_epoch(self, run: str, epoch: int) -> int:
+        """A publisher starts on this server: it publishes ``epoch`` of ``run`` from now on."""
+        self.run, self.epoch, self.superseded_by = run, epoch, None
+        return epoch
+
+    def _check_lease(self, header: VersionHeader) -> None:
+        if self.superseded_by is not None:
+            raise LeaseLostError(
+                f"a receiver holds epoch {describe(self.superseded_by)} of this run, newer than this "
+                f"trainer's {describe(self.epoch)}: a newer trainer is publishing, so this one stops"
+            )
+        if self.epoch is not None and header.epoch != self.epoch:
+            raise ValueError(f"frame of epoch {header.epoch:x} on a server of epoch {self.epoch:x}")
+
+    def send_recovery(self, header: VersionHeader, records: Iterable[bytes]) -> int:
+        """Retain a recovery anchor for receivers that catch up (not broadcast)."""
+        self._check_lease(header)
+        frame = b"".join(sign_records(records, self.keys))
+        self._call(self._keep_recovery(_Kept(header, frame, recovery=True)))
+        return len(frame)
+
+    async def _keep_recovery(self, kept: _Kept) -> None:
+        self._retain(kept)
 
     def send(self, header: VersionHeader, records: Iterable[bytes]) -> int:
         """FrameSink: broadcast records as they are produced (signed with the server's key);
         retain the frame for catch-up."""
+        self._check_lease(header)
         parts: list[bytes] = []
         self._call(self._begin())
         try:
@@ -305,6 +390,10 @@ class FrameServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
         self.loop.close()
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 __all__ = ["FrameServer", "TcpSource"]

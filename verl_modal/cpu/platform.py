@@ -6,7 +6,8 @@ back to ``nvidia``, asks Ray for GPUs and waits forever (blocker 2 in
 
 Invariants:
 - Importing this module registers the platform (idempotent) and, when the process runs with
-  ``VERL_PLATFORM=cpu``, installs the run-time fixes of :mod:`verl_modal.cpu.patches`.
+  ``VERL_PLATFORM=cpu``, installs the run-time fixes of :mod:`verl_modal.cpu.patches` and
+  the filters for the run's expected warnings (:mod:`verl_modal.cpu.quiet`).
   verl imports it in every process that imports verl, through ``VERL_USE_EXTERNAL_MODULES``
   (set by our launcher for all Ray workers) or the ``verl.plugins`` entry point.
 - The platform is never picked by verl's auto-detection: only ``VERL_PLATFORM=cpu`` selects
@@ -191,6 +192,7 @@ def selected() -> bool:
 
 register()
 if selected():
-    from verl_modal.cpu import patches
+    from verl_modal.cpu import patches, quiet
 
     patches.install()
+    quiet.install()  # the CPU run's expected warnings, before they fire in this process

@@ -190,6 +190,24 @@ def task_of(out: Path) -> str | None:
     return marker.read_text().strip() if marker.exists() else "arith"
 
 
+def check_dir(out: Path) -> None:
+    """Make ``out`` (with parents) unless it exists; ``ValueError`` (one line) when it is a
+    file or cannot be made. Cheap (no torch): the launcher calls it before anything slow."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--tiny {out}: that is a file, not a directory; give a directory for the tiny model and "
+            "data (made if missing), e.g. --tiny runs/verl-cpu/tiny"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--tiny {out}: cannot make that directory ({exc.strerror or exc}); give a directory you "
+            "can write, e.g. --tiny runs/verl-cpu/tiny"
+        ) from None
+
+
 def make(
     out: Path,
     *,
@@ -212,11 +230,14 @@ def make(
         if made != task:
             raise ValueError(f"{out} holds tiny assets for task {made!r}, not {task!r}; use another DIR")
         return overrides_for(out, task)
-    out.mkdir(parents=True, exist_ok=True)
+    check_dir(out)
     rows = code_rows if task == "code" else arithmetic_rows
     train, test = rows(n_train, seed, "train"), rows(n_test, seed, "test")
     tokenizer = make_tokenizer(train + test, vocab_size)
     model = make_model(tokenizer, seed)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a 2 MB file says nothing
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     pd.DataFrame(train).to_parquet(out / "train.parquet")
