@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import leftovers
 
 HERE = Path(__file__).resolve().parent
@@ -50,6 +51,7 @@ def test_a_leaking_test_fails_the_session_in_fail_mode(tmp_path):
     assert "1 passed" in out.stdout  # the test itself passed; the leftover failed the session
 
 
+@pytest.mark.slow
 def test_report_mode_reports_and_passes_and_clean_sessions_say_nothing(tmp_path):
     out = _session(tmp_path / "a", LEAKY, "report")
     assert out.returncode == 0 and "leaky-" in out.stdout, out.stdout + out.stderr
