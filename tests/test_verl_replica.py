@@ -162,6 +162,7 @@ def local_ray(tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_path, monkeypatch):
     from modal_rl.cluster import procs
 
