@@ -3,7 +3,7 @@
 Temp-directory leftovers: the entries of the temp directory (``tempfile.gettempdir()``) are
 listed when the session starts and again when it ends; every new one is a file, socket or
 folder some test (or a process it started) left behind, and is listed in the summary.
-``MODAL_RL_TMP_CHECK=fail`` (what ``.ci/run`` sets: a CI machine runs one suite at a time)
+``MODAL_RL_TMP_CHECK=fail`` (on a machine that runs one suite at a time)
 also fails the session; the default only reports, because on a shared machine other
 people's runs write to the same directory. ``MODAL_RL_TMP_CHECK=off`` skips the check.
 """
@@ -20,9 +20,6 @@ import pytest
 TMP_ALLOWED = {
     "pytest-of-*": "pytest's own tmp_path root (it keeps the last 3 runs by design)",
     "modal-rl-sandboxes": "the host-wide sandbox registry, kept on purpose for orphan sweeps",
-    # TODO(enginepool): the engine pool's log folders; drop this line once helper "enginepool"'s
-    # branch (which removes them at teardown) is merged.
-    "mrl-engines-*": "engine pool log folders (being fixed by the enginepool branch)",
 }
 
 _before: set[str] | None = None
