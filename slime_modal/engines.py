@@ -22,6 +22,12 @@ admin key on admin routes and only the API key elsewhere, so one key keeps one h
 every route without a per-route table that changes with SGLang's versions. slime cannot send a
 key, so the job runs through ``slime_modal.engine_job``, whose key forwarder is what slime gets
 as ``--rollout-external-engine-addrs`` (:func:`forwarded_job_command`).
+
+Health: an engine counts as up when it answers a keyed 1-token ``/generate`` (not only
+``/health``). Engines that die during a slime run are not replaced yet: slime pushes weights
+to its engines over NCCL groups it opens once, so a replacement could not be brought to the
+current weights, and its new address would have to reach the key forwarder (see
+docs/architecture.md, "Engine health and replacement").
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from modal_rl.cluster.engine_health import sglang_generate
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
 from slime_modal.preflight import SlimeArgs
@@ -168,6 +175,7 @@ def engine_spec(
         image=image or DEFAULT_IMAGE,
         port=SGLANG_PORT,
         health_path="/health",
+        generate=sglang_generate(),  # up = answers a keyed 1-token generation, not just /health
         volumes=volumes or {},
         env=env or {},
         startup_timeout_s=startup_timeout_s,

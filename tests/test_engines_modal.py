@@ -187,3 +187,63 @@ def test_pool_waits_for_health_through_the_tunnel_then_times_out(container, tmp_
     finally:
         mailbox["stop"] = True
         body.join(30)
+
+
+class ContainerCall:
+    """A spawned engine function call, run here: ``engine_container_main`` in a thread."""
+
+    def __init__(self, spec_json, index, mailbox, generation=0):
+        self.mailbox, self.slot = mailbox, engines_modal.slot(index, generation)
+        self.thread = threading.Thread(
+            target=engines_modal.engine_container_main, args=(spec_json, index, mailbox, generation)
+        )
+        self.thread.start()
+        self.cancelled = False
+
+    def get(self, timeout=None):
+        self.thread.join(timeout or 0)
+        if self.thread.is_alive():
+            raise TimeoutError
+        return {}
+
+    def cancel(self, terminate_containers=False):
+        self.cancelled = terminate_containers
+        self.mailbox[f"stop/{self.slot}"] = True  # what terminating the container does to it
+        self.thread.join(30)
+
+
+class SpawningFunction:
+    def __init__(self):
+        self.spawned: list[tuple] = []
+
+    def spawn(self, spec_json, index, mailbox, generation=0):
+        self.spawned.append((index, generation))
+        return ContainerCall(spec_json, index, mailbox, generation)
+
+
+def test_replace_cancels_the_old_container_and_spawns_the_same_spec_as_the_next_generation(
+    container, tmp_path, key
+):
+    from modal_rl.cluster.engine_health import vllm_generate
+
+    spec = spec_for(tmp_path, count=1, generate=vllm_generate("m"), startup_timeout_s=30)
+    mailbox: dict = {}
+    fn = SpawningFunction()
+    pool = pool_waiting_on(spec, mailbox, [fn.spawn(spec.to_dict(), 0, mailbox)])
+    pool._fn, pool._key, pool.generations = fn, key, [0]
+    pool.addresses = pool._wait_all()
+    first = pool.calls[0]
+    assert pool.alive(0) is True
+    mailbox["addr/0"] = "http://127.0.0.1:9"  # the dead engine's stale address: never taken again
+    url = pool.replace(0)
+    try:
+        assert first.cancelled and not first.thread.is_alive() and pool.alive(0) is True
+        assert fn.spawned == [(0, 0), (0, 1)] and pool.generations == [1]
+        assert mailbox["addr/0.1"] == url == pool.addresses[0]
+        assert probe(url + "/health", key=key)[0]
+        # health through the tunnel was the keyed 1-token generation
+        posts = [line for line in (tmp_path / f"{spec.port}.jsonl").read_text().splitlines()]
+        assert any('"max_tokens": 1' in line for line in posts)
+    finally:
+        pool.stop()
+    assert mailbox["stop"] is True and pool.calls == []

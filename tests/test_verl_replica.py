@@ -123,7 +123,7 @@ def test_a_checkpoint_engine_that_cannot_reach_the_engine_is_refused_before_it_s
     replica = make(replica_cls, config)
     with pytest.raises(ValueError, match="checkpoint_engine.backend=modal_delta"):
         asyncio.run(replica.init_standalone())
-    assert replica.pool is None
+    assert not replica.proxy_started
 
 
 def test_hybrid_mode_is_refused_with_the_way_out(replica_cls, config):
@@ -162,6 +162,7 @@ def local_ray(tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_path, monkeypatch):
     from modal_rl.cluster import procs
 
@@ -184,7 +185,7 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
         await replica.abort_all_requests()
         await replica.resume_generation()
         await replica.clear_kv_cache()
-        pid = replica.pool.procs[0].pid
+        (pid,) = await replica.engine_pids()
         (relay,) = replica.workers  # the CPU worker verl's CheckpointEngineManager updates
         assert await relay.get_replica_rank.remote() == 0
         await replica.shutdown()
@@ -194,7 +195,8 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
     assert out.token_ids == [6, 7, 8] and out.log_probs == [-0.5] * 3 and out.stop_reason == "completed"
     seen = [json.loads(line) for line in (tmp_path / f"{port}.jsonl").read_text().splitlines()]
     assert seen and not [r for r in seen if r["refused"]]  # every call carried the key
-    posts = [r for r in seen if r["method"] == "POST"]
+    posts = [r for r in seen if r["method"] == "POST" and not is_probe(r)]
+    assert [r for r in seen if is_probe(r)]  # health = a keyed 1-token generation
     completion = posts[0]["body"]
     assert posts[0]["path"] == "/v1/completions"
     assert completion["model"] == MODEL and completion["prompt"] == [5, 6, 7]
@@ -207,6 +209,65 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
         "/reset_prefix_cache",
     ]
     assert procs.alive([pid]) == []
+
+
+def is_probe(record: dict) -> bool:
+    from modal_rl.cluster.engine_health import PROBE_ID_PREFIX
+
+    return str((record["body"] or {}).get("request_id", "")).startswith(PROBE_ID_PREFIX)
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_replaced_and_a_request_on_a_hung_one_is_masked(
+    replica_cls, local_ray, tmp_path, monkeypatch
+):
+    """Through verl's replica and the proxy actor: SIGKILL the engine, the next request is
+    answered by its replacement; SIGSTOP it with no time to wait for a replacement, and the
+    request comes back as a masked sample (no tokens, "aborted", the reason), not an error."""
+    import signal
+
+    from modal_rl.cluster import procs
+    from verl_modal.replica_proxy import MASKED, WEIGHT_VERSION
+
+    monkeypatch.setenv("VERL_MODAL_ENGINE_BACKEND", "local")
+    monkeypatch.setenv(
+        "VERL_MODAL_ENGINE_SERVER", f"{sys.executable} {SERVER} --state {tmp_path} --require-key"
+    )
+    monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_INTERVAL_S", "0.2")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S", "1")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_FAILURES", "2")
+    monkeypatch.setenv("VERL_MODAL_ENGINE_RETRY_WAIT_S", "0.01")
+    # Rank 1: the other test's replica 0 left its relay's placement group name in this Ray session.
+    replica = make(
+        replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"), rank=1
+    )
+    ask = {"prompt_ids": [5, 6, 7], "sampling_params": {"temperature": 0.7}, "request_id": "r"}
+
+    async def scenario():
+        await replica.init_standalone()
+        proxy = replica.server_handle
+        (first,) = await replica.engine_pids()
+        os.kill(first, signal.SIGKILL)
+        for _ in range(1200):  # the replacement serves (slow only on a loaded host)
+            if [e for e in await replica.engine_events() if e["kind"] == "serving"]:
+                break
+            await asyncio.sleep(0.1)
+        served = await proxy.generate.remote(**ask)
+        (second,) = await replica.engine_pids()
+        os.kill(second, signal.SIGSTOP)
+        masked = await proxy.generate.remote(**ask)
+        events, stats = await replica.engine_events(), await proxy.request_stats.remote()
+        await replica.shutdown()
+        return first, second, served, masked, events, stats
+
+    first, second, served, masked, events, stats = asyncio.run(scenario())
+    assert second != first and served.token_ids == [6, 7, 8]
+    assert served.extra_fields[MASKED] is None and WEIGHT_VERSION in served.extra_fields
+    assert masked.token_ids == [] and masked.stop_reason == "aborted"
+    assert "no engine serves the current weights" in masked.extra_fields[MASKED]
+    assert stats["masked"] == 1 and stats["requests"] == 2
+    assert [e["kind"] for e in events][:4] == ["started", "lost", "replaced", "serving"]
+    assert events[1]["pid"] == first and procs.alive([first, second]) == []
 
 
 def test_entry_point_registers_modal_vllm_lazily(tmp_path):

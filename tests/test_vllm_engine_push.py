@@ -8,7 +8,12 @@ weights, sent back as a delta, restore the original completion.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +29,8 @@ from modal_rl.weightsync.publisher import Publisher  # noqa: E402
 from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
 from modal_rl.weightsync.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
 from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
+
+pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
 
 AUTH = {"Authorization": f"Bearer {TEST_KEY}"}  # what the engine's guard asks of every caller
 
@@ -64,7 +71,9 @@ def engine(tiny_model, tmp_path_factory):
         # The run's key, as a launcher sets it: the engine inherits it, pushers read it.
         mp.setenv(RUN_KEY_ENV, TEST_KEY)
         pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
+        t0 = time.monotonic()
         (url,) = pool.start()
+        pool.up_s = time.monotonic() - t0  # spawn -> up, for the recovery comparison below
         try:
             yield url, pool
         finally:
@@ -166,3 +175,81 @@ def test_a_pull_not_signed_with_the_run_key_is_refused_and_the_engine_keeps_its_
         ours.close()
         rogue.close()
     assert complete(url, str(tiny_model)) == before
+
+
+def complete_on(url: str, model: str, max_tokens: int) -> list[int]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json", **AUTH}
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return list(json.load(resp)["choices"][0]["token_ids"])
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_replaced_catches_up_and_serves_the_request_it_had(engine, tiny_model):
+    """Runs last (it kills the module's engine). A real vllm-cpu engine holds v1 (v0 anchor +
+    v1 delta, neither equal to the weights on disk); it is SIGKILLed while a request is in
+    flight. The supervisor replaces it with a new process, which starts from the disk weights,
+    pulls the anchor and the delta, and only then serves: the request in flight is answered
+    again, by v1, and so is every later one."""
+    from safetensors.torch import load_file
+
+    from modal_rl.cluster.engine_supervisor import EngineSupervisor
+
+    url, pool = engine
+    model = str(tiny_model)
+    original = load_file(str(tiny_model / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in original else "model.embed_tokens.weight"
+    zeroed = {**original, head: original[head].clone().zero_()}
+    flipped = {n: (t * -8 if n.endswith("v_proj.weight") else t) for n, t in original.items()}
+    with EnginePusher(None) as pusher:
+        sup = EngineSupervisor(pool, load=pusher.load, interval_s=0.5, probe_timeout_s=30.0)
+        sup.start()  # takes over the running engine
+        try:
+            disk_answer = complete(url, model)  # the engine holds the weights on disk (last test)
+            t_anchor = time.monotonic()
+            sup.set_source(pusher.publish(zeroed)[0])  # v0: an anchor
+            anchor_s = time.monotonic() - t_anchor
+            t0 = time.monotonic()
+            source, numbers = pusher.publish(flipped)  # v1: a delta
+            sup.set_source(source)
+            delta_s = time.monotonic() - t0
+            assert numbers["anchor"] == 0.0 and sup.acquire(1.0).version == 1
+            v1_answer = complete_on(url, model, 8)
+            assert v1_answer != disk_answer  # so a replacement that did not catch up would show
+            assert sup.acquire(1.0).url == url
+            old_pid = pool.pid(0)
+
+            async def send(lease):
+                return await asyncio.to_thread(complete_on, lease.url, model, 48)  # 72 + 48 <= 128
+
+            out: dict = {}
+            runner = threading.Thread(
+                target=lambda: out.update(result=asyncio.run(sup.run(send, wait_s=600.0)))
+            )
+            runner.start()
+            time.sleep(0.3)  # the request is in flight
+            os.kill(old_pid, signal.SIGKILL)
+            runner.join(600)
+            answer, lease = out["result"]
+            assert lease.generation == 1 and lease.version == 1 and lease.url != url
+            assert answer[:8] == v1_answer  # answered again, by v1
+            new_url = sup.pool.addresses[0]
+            assert complete_on(new_url, model, 8) == v1_answer
+            kinds = [e["kind"] for e in sup.events]
+            assert kinds[-3:] == ["lost", "replaced", "serving"]
+            lost, replaced, serving = sup.events[-3:]
+            assert lost["pid"] == old_pid and serving["pid"] != old_pid
+            assert f"{LOG_PREFIX} version 1:" in pool.log_path(0).read_text()  # the new engine's log
+        finally:
+            sup.stop()
+    # One anchor transfer: a fresh engine pulling v0 (anchor) and v1 (delta) is the catch-up;
+    # the load of the anchor alone into the first engine is timed by set_source above.
+    print(
+        f"\nengine cold start (spawn -> up) {pool.up_s:.1f}s; replacement up {replaced['up_s']:.1f}s, "
+        f"catch-up (anchor + 1 delta) {serving['catch_up_s']:.2f}s; recovery (loss -> serving v1) "
+        f"{serving['recovery_s']:.1f}s; anchor transfer (publish + pull + load v0) {anchor_s:.2f}s; "
+        f"v1 delta push {delta_s:.2f}s"
+    )

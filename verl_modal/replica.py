@@ -23,13 +23,20 @@ engine the key through its environment. The proxy reads the key with ``run_key()
 launcher puts it in every Ray worker's environment) and sends it on every call, only over
 https (a Modal TLS tunnel) or to a loopback engine.
 
+The proxy owns the engine (``replica_proxy``): an ``EngineSupervisor`` keeps it serving the
+replica's current weights -- a dead or hung engine is replaced, the replacement catches up
+from the relay before it takes requests, requests in flight are retried or masked.
+
 Engine settings, first found wins: ``rollout.custom.modal_engines.<key>``, then the env var
 ``VERL_MODAL_ENGINE_<KEY>``, then the default: ``backend`` (modal | local), ``gpu`` (GPU type;
 the count is the replica's TP x DP x PP), ``image``, ``volumes`` ("name:/path,..."),
 ``startup_timeout_s``, ``server`` (the command before the model, default ``vllm serve``),
 ``weights_timeout_s`` (bound on one weight update), ``weights_expose`` (how the engine reaches
 the relay worker's frame server: ``local``, ``modal``, or ``auto`` = the engine backend),
-``log_dir`` (local engines: where their logs go; default a fresh temporary directory).
+``log_dir`` (local engines: where their logs go; default a temporary directory removed at the
+end), ``health_interval_s``, ``health_timeout_s`` (one 1-token generation), ``health_failures``
+(failed checks in a row that make a live engine lost), ``retry_wait_s`` (how long a request
+whose engine died waits for the replacement before it is masked).
 
 Weights: a policy replica's engine loads ``modal_rl.weightsync.vllm_extension`` and gets each
 update from a relay worker on the trainer cluster (``replica_weights``); the run's
@@ -38,19 +45,18 @@ checkpoint engine must be ``modal_delta``. Reward and teacher replicas keep thei
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shlex
 import weakref
-from typing import Any
 
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from modal_rl.cluster.engine_auth import bearer_header, check_key_safe_url, vllm_auth_args
-from modal_rl.cluster.engines import EngineSpec, get_engine_pool
-from modal_rl.run_key import run_key
+from modal_rl.cluster.engine_auth import vllm_auth_args
+from modal_rl.cluster.engine_health import vllm_generate
+from modal_rl.cluster.engines import EngineSpec
 from modal_rl.weightsync.vllm_extension import EXTENSION
+from verl_modal.replica_proxy import VLLMHttpProxy
 
 log = logging.getLogger("verl_modal")
 
@@ -64,6 +70,10 @@ DEFAULTS = {
     "weights_timeout_s": "600",
     "weights_expose": "auto",
     "log_dir": "",
+    "health_interval_s": "5",
+    "health_timeout_s": "60",
+    "health_failures": "3",
+    "retry_wait_s": "1800",
 }
 VLLM_PORT = 8000
 WEIGHT_SYNC_PIP = ("zstandard>=0.22", "xxhash>=3.4")  # what vllm_extension needs beyond vLLM
@@ -133,134 +143,13 @@ def vllm_command(
     return cmd
 
 
-class VLLMHttpProxy:
-    """The replica's server handle (a Ray actor): verl's server calls, as HTTP to one vLLM server."""
-
-    def __init__(self, base_url: str, served_name: str, rollout: dict, replica_rank: int = 0):
-        check_key_safe_url(base_url)  # the key goes only over TLS or to loopback
-        self.base_url = base_url.rstrip("/")
-        self._headers = bearer_header(run_key())
-        self.served_name = served_name
-        self.rollout = rollout  # max_model_len, prompt/response length, free_cache_engine, ...
-        self.replica_rank = replica_rank
-        self.global_steps = None
-        self._session = None
-
-    async def _post(self, path: str, payload: dict | None = None, params: dict | None = None) -> Any:
-        import aiohttp
-
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), headers=self._headers
-            )
-        async with self._session.post(self.base_url + path, json=payload or {}, params=params) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise RuntimeError(f"vLLM {self.base_url}{path} answered HTTP {resp.status}: {text[:500]}")
-            return (await resp.json(content_type=None)) if text else None
-
-    def max_tokens(self, prompt_len: int, sampling_params: dict) -> int:
-        room = self.rollout["max_model_len"] - prompt_len
-        if room < 1:
-            raise ValueError(f"prompt of {prompt_len} tokens leaves no room within max_model_len")
-        wanted = sampling_params.pop("max_tokens", sampling_params.pop("max_new_tokens", None))
-        if wanted is None:
-            r = self.rollout
-            wanted = min(r["response_length"], r["prompt_length"] + r["response_length"] - prompt_len)
-        return max(1, min(int(wanted), room))
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data=None,
-        video_data=None,
-        audio_data=None,
-        mm_processor_kwargs=None,
-        priority: int = 0,
-        **_: Any,
-    ) -> TokenOutput:
-        if image_data is not None or video_data is not None or audio_data is not None:
-            raise NotImplementedError("modal_vllm: multimodal prompts are not supported by the HTTP proxy")
-        params = dict(sampling_params)
-        prompt = [int(t) for t in prompt_ids]
-        body = {
-            "model": self.served_name,
-            "prompt": prompt,
-            "max_tokens": self.max_tokens(len(prompt), params),
-        }
-        body["logprobs"] = 0 if params.pop("logprobs", False) else None
-        body.update(params)
-        body.update({"return_token_ids": True, "request_id": request_id, "priority": priority})
-        body.setdefault("ignore_eos", self.rollout["ignore_eos"])
-        choice = (await self._post("/v1/completions", body))["choices"][0]
-        token_ids = list(choice.get("token_ids") or [])
-        log_probs = None
-        if body["logprobs"] is not None and choice.get("logprobs"):
-            log_probs = list(choice["logprobs"]["token_logprobs"])
-        finish = choice.get("finish_reason")
-        stop_reason = (
-            "aborted" if finish == "abort" else "completed" if finish in ("stop", "length") else finish
-        )
-        return TokenOutput(
-            token_ids=token_ids,
-            log_probs=log_probs,
-            stop_reason=stop_reason,
-            extra_fields={"global_steps": self.global_steps},
-        )
-
-    async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = global_steps
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.rollout["free_cache_engine"]:
-            await self._post("/wake_up", params=[("tags", t) for t in tags] if tags else None)
-
-    async def sleep(self) -> None:
-        if self.rollout["free_cache_engine"]:
-            await self._post("/sleep", params={"level": 1})
-
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        # vLLM's pause aborts in-flight requests and holds new ones until /resume.
-        await self._post("/pause", params={"clear_cache": str(bool(reset_prefix_cache)).lower()})
-        return {"aborted_count": None, "request_ids": []}
-
-    async def resume_generation(self) -> None:
-        await self._post("/resume")
-
-    async def clear_kv_cache(self) -> None:
-        await self._post("/reset_prefix_cache")
-
-    async def release_kv_cache(self) -> None:
-        if self.rollout["free_cache_engine"]:
-            await self._post("/sleep", params={"level": 1})
-            await self._post("/wake_up", params={"tags": "weights"})
-
-    async def resume_kv_cache(self) -> None:
-        if self.rollout["free_cache_engine"]:
-            await self._post("/wake_up", params={"tags": "kv_cache"})
-            await self._post("/reset_prefix_cache")
-
-    async def start_profile(self, **kwargs) -> None:
-        log.warning("modal_vllm: profiling a remote engine is not supported; ignored")
-
-    async def stop_profile(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class ModalVLLMReplica(RolloutReplica):
     """One vLLM engine per replica, on GPUs of its own; see the module docstring."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.settings = engine_settings(self.config)
-        self.pool = None
+        self.proxy_started = False
         self._engine_url = ""
         if self.nnodes != 1:
             raise ValueError(
@@ -298,7 +187,7 @@ class ModalVLLMReplica(RolloutReplica):
             check_checkpoint_engine(self.config)  # before an engine is paid for
         await self.launch_servers()
         if self.receives_weights:
-            self.workers = await start_relay_worker(self, self._engine_url, self.settings["weights_expose"])
+            self.workers = await start_relay_worker(self, self.settings["weights_expose"])
 
     @property
     def model_path(self) -> str:
@@ -325,6 +214,7 @@ class ModalVLLMReplica(RolloutReplica):
             image=self.settings["image"],
             port=VLLM_PORT,
             health_path="/health",
+            generate=vllm_generate(self.served_name),  # healthy = answers a 1-token generation
             volumes=parse_volumes(self.settings["volumes"]),
             env={"VLLM_SERVER_DEV_MODE": "1"},
             pip=WEIGHT_SYNC_PIP if self.receives_weights else (),
@@ -342,14 +232,19 @@ class ModalVLLMReplica(RolloutReplica):
             "ignore_eos": bool(c.ignore_eos),
         }
 
+    def health_settings(self) -> dict:
+        s = self.settings
+        return {
+            "interval_s": float(s["health_interval_s"]),
+            "probe_timeout_s": float(s["health_timeout_s"]),
+            "failures": int(s["health_failures"]),
+        }
+
     async def launch_servers(self) -> None:
         import ray
 
         local = self.settings["backend"] == "local"
         pool_kwargs = {"log_dir": self.settings["log_dir"]} if local and self.settings["log_dir"] else {}
-        self.pool = get_engine_pool(self.engine_spec(), self.settings["backend"], **pool_kwargs)
-        (address,) = await asyncio.to_thread(self.pool.start)
-        weakref.finalize(self, self.pool.stop)  # a dropped replica still ends its engine
         proxy = (
             ray.remote(VLLMHttpProxy)
             .options(
@@ -357,14 +252,38 @@ class ModalVLLMReplica(RolloutReplica):
                 max_concurrency=self.max_concurrency,
                 num_cpus=0,
             )
-            .remote(address, self.served_name, self.proxy_settings(), self.replica_rank)
+            .remote(
+                self.engine_spec().to_dict(),
+                self.settings["backend"],
+                self.served_name,
+                self.proxy_settings(),
+                self.replica_rank,
+                pool_kwargs=pool_kwargs,
+                health=self.health_settings(),
+                retry_wait_s=float(self.settings["retry_wait_s"]),
+                weights_timeout_s=float(self.settings["weights_timeout_s"]),
+            )
         )
         self.servers = [proxy]
         self._server_handle = proxy
+        # The actor owns the engine: killing it (a dropped replica) takes local engines along
+        # (parent-death signal) and ends the Modal app run it holds.
+        self._finalizer = weakref.finalize(self, _kill_quietly, proxy)
+        started = await proxy.start.remote()
+        self.proxy_started = True
+        address = started["address"]
         self._engine_url = address  # http://127.0.0.1:port locally, https://... through a tunnel
         self._server_address = address.split("://", 1)[1]  # verl's name for the server: no scheme
-        where = f" (logs: {self.pool.log_dir})" if local else ""
+        where = f" (logs: {started['log_dir']})" if started["log_dir"] else ""
         print(f"[verl_modal] modal_vllm replica {self.replica_rank}: engine at {address}{where}", flush=True)
+
+    async def engine_pids(self) -> list[int | None]:
+        """The engine's local process id(s) (None on Modal): what a chaos test kills."""
+        return await self._server_handle.engine_pids.remote()
+
+    async def engine_events(self) -> list[dict]:
+        """The supervisor's events (started, lost, replaced, serving, ...), wall-clock ``t``."""
+        return await self._server_handle.engine_events.remote()
 
     async def shutdown(self) -> None:
         """Stop the engine and the proxy (verl has no replica teardown hook; call at the end)."""
@@ -378,5 +297,15 @@ class ModalVLLMReplica(RolloutReplica):
         for worker in self.workers:
             ray.kill(worker)
         self.servers, self.workers, self._server_handle = [], [], None
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.stop)
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
+
+
+def _kill_quietly(actor) -> None:
+    import contextlib
+
+    import ray
+
+    if ray.is_initialized():  # never start a Ray instance just to kill an actor of a gone one
+        with contextlib.suppress(Exception):
+            ray.kill(actor)

@@ -13,9 +13,15 @@ So the trainer → relay hop is whatever checkpoint engine the run configures (i
 without a GPU: ``modal_delta``), and the relay → engine hop is always compressed deltas over
 TCP (a ``modal.forward`` tunnel when the relay runs in a Modal container).
 
+The relay only *publishes*; loading is the replica's proxy's job (``load_weights``), because
+the proxy's ``EngineSupervisor`` knows which engine is up: it has every serving engine pull the
+version now, and a replacement engine (after a crash or hang) pull it -- the retained anchor
+and the deltas after it -- before it takes a request.
+
 Invariants: the adapter is pickled into the worker and opens its frame server there, on the
-first update; ``update_weights`` returns only after the engine reported the version loaded
-and raises otherwise (the engine keeps the weights it had).
+first update; ``update_weights`` returns after the version is published and every serving
+engine reported it loaded (an engine that fails to load it is replaced, and serves again only
+with it); the frame server keeps the last anchor and the deltas after it for replacements.
 """
 
 from __future__ import annotations
@@ -55,10 +61,7 @@ class EngineWeightsAdapter:
     ``expose``: ``"local"`` when the engine runs on this machine, ``"modal"`` when the relay
     runs in a Modal container and the engine in another app's container."""
 
-    def __init__(
-        self, engine_url: str, server_handle, replica_rank: int, expose: str, pull_timeout_s: float
-    ) -> None:
-        self.engine_url = engine_url
+    def __init__(self, server_handle, replica_rank: int, expose: str, pull_timeout_s: float) -> None:
         self.server_handle = server_handle  # the replica's VLLMHttpProxy: it tags outputs with steps
         self.replica_rank = replica_rank
         self.is_leader_rank = True  # one relay per replica
@@ -74,9 +77,7 @@ class EngineWeightsAdapter:
         if self._pusher is None:
             from modal_rl.weightsync.engine_push import EnginePusher
 
-            self._pusher = EnginePusher(
-                self.engine_url, expose=self.expose, pull_timeout_s=self.pull_timeout_s
-            )
+            self._pusher = EnginePusher(None, expose=self.expose, pull_timeout_s=self.pull_timeout_s)
         return self._pusher
 
     async def update_weights(self, weights, global_steps: int | None = None, wire_format: str = "named_tensors",
@@ -90,16 +91,20 @@ class EngineWeightsAdapter:
         else:
             for name, tensor in weights:
                 state[name] = tensor
+        from dataclasses import asdict
+
         pusher = self._ensure_pusher()
-        self.metrics = await asyncio.to_thread(pusher.push, state)
-        if global_steps is not None:  # as verl's own adapters do: outputs carry their policy's step
-            await self.server_handle.set_global_steps.remote(global_steps)
+        source, numbers = await asyncio.to_thread(pusher.publish, state)
+        # As verl's own adapters do, outputs carry their policy's step: the proxy tags each
+        # sample with the step of the version its engine held.
+        loaded = await self.server_handle.load_weights.remote(asdict(source), global_steps)
+        self.metrics = {**numbers, **loaded}
         log.info("modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs",
                  self.replica_rank, int(self.metrics["version"]), global_steps,
                  self.metrics["payload_mbytes"], self.metrics["engine_s"])  # fmt: skip
 
 
-async def start_relay_worker(replica, engine_url: str, expose: str) -> list:
+async def start_relay_worker(replica, expose: str) -> list:
     """One CPU ``CheckpointEngineWorker`` for ``replica``, built as verl builds a standalone
     replica's workers (a resource pool and a ``RayWorkerGroup``), with our adapter."""
     import ray
@@ -109,7 +114,6 @@ async def start_relay_worker(replica, engine_url: str, expose: str) -> list:
     prefix = f"modal_vllm_relay_{replica.replica_rank}{replica.name_suffix}"
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, name_prefix=prefix, max_colocate_count=1)
     adapter = EngineWeightsAdapter(
-        engine_url,
         replica.server_handle,
         replica.replica_rank,
         expose,

@@ -1,13 +1,19 @@
 """Disaggregated inference engines: N servers (vLLM, SGLang, ...) on their own machines.
 
 ``EnginePool`` is the port: ``start()`` brings up ``spec.count`` servers, each running
-``spec.command`` and answering ``GET spec.health_path``, and returns their reachable base URLs
-(``http://127.0.0.1:port`` locally, ``https://...`` through a Modal TLS tunnel) in engine
-order; ``stop()`` ends every one of them.
+``spec.command``, and returns their reachable base URLs (``http://127.0.0.1:port`` locally,
+``https://...`` through a Modal TLS tunnel) in engine order; ``replace(i)`` ends engine ``i``
+and starts a new one from the same spec (its address may change); ``stop()`` ends every one.
 ``running(spec, backend)`` is the context manager the adapters use.
 
-Implementations: ``LocalEnginePool`` (processes on 127.0.0.1, here) and ``ModalEnginePool``
-(``engines_modal.py``: one Modal GPU container per engine, a TLS tunnel each).
+Implementations: ``LocalEnginePool`` (``engine_local.py``: processes on 127.0.0.1) and
+``ModalEnginePool`` (``engines_modal.py``: one Modal GPU container per engine, a TLS tunnel
+each). Keeping engines *healthy* during a run (probing, replacing, bringing a replacement to
+the current weights before it takes traffic) is ``engine_supervisor.EngineSupervisor``'s job.
+
+Health (``engine_health``): an engine is up when ``GET spec.health_path`` answers 2xx *and*,
+when ``spec.generate`` names a request, that request (a 1-token generation) answers 2xx; an
+open port or a 200 on ``/health`` alone does not count then.
 
 Auth (``spec.auth``): ``"bearer"`` (the default) says the server refuses requests without
 ``Authorization: Bearer <run key>`` and reads the key from ``MODAL_RL_RUN_KEY`` in its own
@@ -17,9 +23,9 @@ environment only (local: the process env; Modal: a Modal Secret made for the run
 with every health check. ``None`` is an explicitly keyless server: it gets no key at all.
 
 Invariants:
-- ``start()`` returns only when every engine answered its health endpoint, or raises
-  ``EngineStartError`` naming the engine, why, and its last log lines; in that case every
-  engine it started has already been stopped (one bad engine never leaves the others running);
+- ``start()`` returns only when every engine is up (above), or raises ``EngineStartError``
+  naming the engine, why, and its last log lines; in that case every engine it started has
+  already been stopped (one bad engine never leaves the others running);
 - ``stop()`` is idempotent and is also run by ``running()`` on errors and KeyboardInterrupt;
 - ``spec.command`` is a template: ``{port}`` and ``{host}`` are filled per engine (the port
   an engine listens on, the interface it binds), nothing else is interpreted;
@@ -31,30 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import queue
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modal_rl.cluster import procs
 from modal_rl.cluster.engine_auth import bearer_header, key_safe_url
 from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, MissingRunKeyError, redact, run_key
+from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
+from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, MissingRunKeyError, run_key
 
-MAX_MODAL_TIMEOUT_S = 24 * 3600
 LOG_TAIL_LINES = 30
 AUTH_MODES = ("bearer", None)
 KEY_ENVS = (RUN_KEY_ENV, RAY_TOKEN_ENV)
@@ -77,6 +72,9 @@ class EngineSpec:
     ``max_containers`` defaults to ``count`` so an engine function never grows beyond the pool.
     ``auth``: ``"bearer"`` (server needs the run key, given through ``MODAL_RL_RUN_KEY``) or
     ``None`` (keyless: only for servers that must not see the key); see the module docstring.
+    ``generate``: ``{"path": "/v1/completions", "body": {...}}``, a JSON POST asking for one
+    token: what "healthy" means for this server (``engine_health``); None: ``GET health_path``
+    only (servers that cannot generate, e.g. stand-ins).
     """
 
     command: tuple[str, ...]
@@ -95,6 +93,7 @@ class EngineSpec:
     max_containers: int | None = None
     name: str = "engine"
     auth: str | None = "bearer"
+    generate: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
@@ -102,6 +101,8 @@ class EngineSpec:
         object.__setattr__(self, "pip", tuple(str(p) for p in self.pip))
         object.__setattr__(self, "volumes", dict(self.volumes))
         object.__setattr__(self, "env", {str(k): str(v) for k, v in dict(self.env).items()})
+        if self.generate is not None:
+            object.__setattr__(self, "generate", dict(self.generate))
         if self.max_containers is None:
             object.__setattr__(self, "max_containers", self.count)
         self._validate()
@@ -148,6 +149,14 @@ class EngineSpec:
                 )
         if self.auth not in AUTH_MODES:
             raise ClusterSpecError(f"engine auth={self.auth!r}: choose 'bearer' or None (keyless)")
+        if self.generate is not None and (
+            not str(self.generate.get("path", "")).startswith("/")
+            or not isinstance(self.generate.get("body", {}), dict)
+            or set(self.generate) - {"path", "body"}
+        ):
+            raise ClusterSpecError(
+                f"engine generate={self.generate!r}: use {{'path': '/v1/completions', 'body': {{...}}}}"
+            )
         if not _NAME_RE.match(self.name):
             raise ClusterSpecError(f"engine name {self.name!r}: use letters, digits, '.', '_' or '-'")
 
@@ -217,6 +226,20 @@ class EnginePool(ABC):
         """End every engine (idempotent)."""
 
     @abstractmethod
+    def replace(self, index: int) -> str:
+        """End engine ``index`` (dead, hung or alive) and start a new one from the same spec;
+        returns its address once it is up (``engine_health.ready``), else raises
+        ``EngineStartError`` (the slot is then left without an engine)."""
+
+    def alive(self, index: int) -> bool | None:
+        """Whether engine ``index``'s process/container is still running; None: unknown here."""
+        return None
+
+    def pid(self, index: int) -> int | None:
+        """The local process id of engine ``index`` (None on backends without one)."""
+        return None
+
+    @abstractmethod
     def describe(self) -> dict[str, Any]:
         """What ``start`` would do, JSON-able, touching nothing."""
 
@@ -233,6 +256,8 @@ class EnginePool(ABC):
 
 def get_engine_pool(spec: EngineSpec, backend: str = "local", **kwargs: Any) -> EnginePool:
     if backend == "local":
+        from modal_rl.cluster.engine_local import LocalEnginePool
+
         return LocalEnginePool(spec, **kwargs)
     if backend == "modal":
         from modal_rl.cluster.engines_modal import ModalEnginePool
@@ -248,168 +273,6 @@ def running(spec: EngineSpec, backend: str = "local", **kwargs: Any) -> Iterator
         yield addresses
 
 
-class LocalEnginePool(EnginePool):
-    """Engines as processes on 127.0.0.1, each on a free port, output to a log file each.
-
-    Each engine runs in its own session (its process group is what ``stop`` signals), under
-    ``setpriv --pdeathsig KILL`` where available (so a killed pool process takes its engines
-    along), with ``MODAL_RL_RUN_ID`` set, so ``procs.end_run`` also finds children that left
-    the group. ``GPU`` is not enforced here: the command decides what it runs on.
-    """
-
-    backend = "local"
-    host = "127.0.0.1"
-
-    def __init__(
-        self, spec: EngineSpec, log_dir: str | None = None, poll_s: float = 0.2, grace_s: float = 5.0
-    ):
-        super().__init__(spec)
-        self.run_id = uuid.uuid4().hex[:12]
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"mrl-engines-{self.run_id}-"))
-        self.poll_s = poll_s
-        self.grace_s = grace_s
-        self.procs: list[subprocess.Popen] = []
-        self.ports: list[int] = []
-
-    def log_path(self, index: int) -> Path:
-        return self.log_dir / f"{self.spec.name}-{index}.log"
-
-    def _env(self) -> dict[str, str]:
-        env = {**os.environ, **self.spec.env, procs.RUN_ID_ENV: self.run_id, "PYTHONUNBUFFERED": "1"}
-        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
-            env.pop(name, None)
-        if self._key is not None:
-            env[RUN_KEY_ENV] = self._key
-        return env
-
-    def describe(self) -> dict[str, Any]:
-        auth = (
-            "bearer key required (Authorization: Bearer <run key>; each engine gets the key as "
-            f"{RUN_KEY_ENV} in its environment); plain http on 127.0.0.1 only"
-            if self.spec.auth
-            else "none (keyless server, explicitly asked for); plain http on 127.0.0.1 only"
-        )
-        return {
-            "backend": self.backend,
-            "spec": self.spec.to_dict(),
-            "commands": [self.spec.argv(self.host, 0) for _ in range(self.spec.count)],
-            "auth": auth,
-            "note": "each engine gets a free port on 127.0.0.1 at start ({port} above shows 0)",
-        }
-
-    def start(self) -> list[str]:
-        from modal_rl.cluster.backend_local import free_ports
-
-        self._key = engine_key(self.spec)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.ports = free_ports(self.spec.count, self.host)
-        setpriv = shutil.which("setpriv")
-        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-        try:
-            for index, port in enumerate(self.ports):
-                with open(self.log_path(index), "wb") as log:
-                    self.procs.append(
-                        spawn(
-                            prefix + self.spec.argv(self.host, port),
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            env=self._env(),
-                            start_new_session=True,
-                        )
-                    )
-            self._wait_all()
-        except BaseException:
-            self.stop()
-            raise
-        self.addresses = [f"http://{self.host}:{port}" for port in self.ports]
-        return list(self.addresses)
-
-    def _wait_all(self) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
-        pending = set(range(self.spec.count))
-        last: dict[int, str] = {}
-        while pending:
-            for index in sorted(pending):
-                code = self.procs[index].poll()
-                if code is not None:
-                    raise EngineStartError(
-                        self._failure(index, f"exited with code {code} before it was healthy")
-                    )
-                url = f"http://{self.host}:{self.ports[index]}{self.spec.health_path}"
-                ok, last[index] = probe(url, key=self._key)
-                if ok:
-                    pending.discard(index)
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                index = min(pending)
-                raise EngineStartError(
-                    self._failure(
-                        index,
-                        f"did not answer GET {self.spec.health_path} within {self.spec.startup_timeout_s:g} s "
-                        f"(last: {last.get(index)})",
-                    )
-                )
-            time.sleep(self.poll_s)
-
-    def _failure(self, index: int, why: str) -> str:
-        tail = [redact(line, self._key) for line in tail_of(self.log_path(index))]
-        return engine_failure(self.spec.name, index, why, tail)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
-        if survivors:
-            print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)
-        self.procs = []
-        self.addresses = []
-
-
-_spawn_requests: queue.Queue = queue.Queue()
-_spawner_lock = threading.Lock()
-_spawner: threading.Thread | None = None
-
-
-def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """``Popen`` from one long-lived daemon thread.
-
-    The kernel's parent-death signal fires when the *thread* that forked the child exits, not
-    the process. Callers start pools from short-lived threads (``asyncio.to_thread``, executor
-    threads torn down by ``asyncio.run``); forking from them would kill the engines early.
-    """
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None or not _spawner.is_alive():
-            _spawner = threading.Thread(target=_spawn_loop, name="modal-rl-engine-spawner", daemon=True)
-            _spawner.start()
-    done: queue.Queue = queue.Queue(maxsize=1)
-    _spawn_requests.put((argv, popen_kwargs, done))
-    ok, value = done.get()
-    if not ok:
-        raise value
-    return value
-
-
-def _spawn_loop() -> None:
-    while True:
-        argv, kwargs, done = _spawn_requests.get()
-        try:
-            done.put((True, subprocess.Popen(argv, **kwargs)))
-        except BaseException as exc:  # handed to the caller's thread
-            done.put((False, exc))
-
-
 def tail_of(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     try:
         return path.read_text(errors="replace").splitlines()[-lines:]
@@ -420,3 +283,12 @@ def tail_of(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 def engine_failure(name: str, index: int, why: str, tail: list[str]) -> str:
     body = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
     return f"{name} {index} {why}; its last lines:\n{body}"
+
+
+def __getattr__(name: str):
+    # ``LocalEnginePool`` moved to ``engine_local``; the old import path keeps working.
+    if name == "LocalEnginePool":
+        from modal_rl.cluster.engine_local import LocalEnginePool
+
+        return LocalEnginePool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

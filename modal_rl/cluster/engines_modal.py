@@ -21,6 +21,13 @@ mailbox or ``describe()``. Health checks (in the container and from here) send i
 engine (mailbox ``stop``, then ``FunctionCall.cancel``) and raises ``EngineStartError``.
 Closing the app is the backstop: Modal stops the app's containers when ``app.run()`` exits.
 
+Replacement (``replace(i)``, asked for by ``engine_supervisor``): the old engine's call is
+cancelled with its containers, and the function is spawned again for slot ``i`` with the next
+*generation*; that container writes ``addr/<i>.<generation>`` (generation 0 keeps the plain
+``addr/<i>``), so an address left in the mailbox by the dead engine is never taken for the new
+one. The same spec, image, Secret and tunnel apply; the wait is the start's (health through
+the tunnel, ``startup_timeout_s``).
+
 Nothing contacts Modal before ``start``; ``build_function`` works offline for spec tests.
 """
 
@@ -35,6 +42,7 @@ from collections import deque
 from typing import Any
 
 from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
+from modal_rl.cluster.engine_health import ready
 from modal_rl.cluster.engines import (
     EnginePool,
     EngineSpec,
@@ -104,16 +112,22 @@ def build_function(spec: EngineSpec, app_name: str = APP_NAME, key: str | None =
     return app, fn
 
 
-def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
+def slot(index: int, generation: int = 0) -> str:
+    """The mailbox suffix of engine ``index``'s ``generation``-th container."""
+    return f"{index}.{generation}" if generation else str(index)
+
+
+def engine_container_main(spec_json: dict, index: int, mailbox, generation: int = 0) -> dict:
     """Body of one engine container; see the module docstring for the mailbox protocol."""
     import modal
 
     spec = EngineSpec.from_dict(spec_json)
+    name = slot(index, generation)
     tail: deque[str] = deque(maxlen=30)
     key = os.environ.get(RUN_KEY_ENV) or None
     if spec.auth is not None and key is None:
         why = f"no run key in the container ({RUN_KEY_ENV}): the run's Modal Secret is not attached"
-        mailbox[f"error/{index}"] = {"why": why, "tail": []}
+        mailbox[f"error/{name}"] = {"why": why, "tail": []}
         return {"index": index, "exit": why}
     proc = subprocess.Popen(
         spec.argv(CONTAINER_HOST, spec.port),
@@ -129,17 +143,19 @@ def engine_container_main(spec_json: dict, index: int, mailbox) -> dict:
         while not probe(local, key=key)[0]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
-                mailbox[f"error/{index}"] = {"why": why, "tail": _redacted(tail, key)}
+                mailbox[f"error/{name}"] = {"why": why, "tail": _redacted(tail, key)}
                 return {"index": index, "exit": why}
             time.sleep(CONTAINER_POLL_S)
         # TLS (unencrypted=False): the key and the traffic cross the internet encrypted.
         with modal.forward(spec.port) as tunnel:
-            mailbox[f"addr/{index}"] = tunnel.url
-            while proc.poll() is None and not mailbox.get("stop", False):
+            mailbox[f"addr/{name}"] = tunnel.url
+            while proc.poll() is None and not (
+                mailbox.get("stop", False) or mailbox.get(f"stop/{name}", False)
+            ):
                 time.sleep(CONTAINER_POLL_S)
         if proc.poll() is not None:
             why = f"exited with code {proc.returncode}"
-            mailbox[f"error/{index}"] = {"why": why, "tail": _redacted(tail, key)}
+            mailbox[f"error/{name}"] = {"why": why, "tail": _redacted(tail, key)}
         return {"index": index, "exit": proc.poll()}
     finally:
         if proc.poll() is None:
@@ -170,6 +186,8 @@ class ModalEnginePool(EnginePool):
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.calls: list = []
+        self.generations: list[int] = []
+        self._fn = None
         self._stack: contextlib.ExitStack | None = None
         self._mailbox = None
 
@@ -202,6 +220,8 @@ class ModalEnginePool(EnginePool):
             self._stack.enter_context(app.run())
             self._mailbox = self._stack.enter_context(modal.Dict.ephemeral())
             spec_json = self.spec.to_dict()
+            self._fn = fn
+            self.generations = [0] * self.spec.count
             self.calls = [fn.spawn(spec_json, i, self._mailbox) for i in range(self.spec.count)]
             self.addresses = self._wait_all()
         except BaseException:
@@ -209,27 +229,51 @@ class ModalEnginePool(EnginePool):
             raise
         return list(self.addresses)
 
-    def _wait_all(self) -> list[str]:
+    def alive(self, index: int) -> bool | None:
+        """False once the engine's call has finished (crash, OOM, preemption, cancel)."""
+        try:
+            self.calls[index].get(timeout=0)
+        except TimeoutError:
+            return True
+        except Exception:
+            return False
+        return False
+
+    def replace(self, index: int) -> str:
+        if self._fn is None or self._mailbox is None or index >= len(self.calls):
+            raise EngineStartError(f"{self.spec.name} {index}: the pool is not running; nothing to replace")
+        old = slot(index, self.generations[index])
+        with contextlib.suppress(Exception):
+            self._mailbox[f"stop/{old}"] = True
+        with contextlib.suppress(Exception):
+            self.calls[index].cancel(terminate_containers=True)
+        self.generations[index] += 1
+        self.calls[index] = self._fn.spawn(self.spec.to_dict(), index, self._mailbox, self.generations[index])
+        (address,) = self._wait_all([index])
+        self.addresses[index] = address
+        return address
+
+    def _wait_all(self, indices=None) -> list[str]:
+        indices = list(range(self.spec.count) if indices is None else indices)
         deadline = time.monotonic() + self.spec.startup_timeout_s
         found: dict[int, str] = {}
-        while len(found) < self.spec.count:
-            for index in range(self.spec.count):
+        while len(found) < len(indices):
+            for index in indices:
                 if index in found:
                     continue
-                error = self._mailbox.get(f"error/{index}")
+                name = slot(index, self.generations[index] if index < len(self.generations) else 0)
+                error = self._mailbox.get(f"error/{name}")
                 if error is not None:
                     raise EngineStartError(engine_failure(self.spec.name, index, error["why"], error["tail"]))
                 self._check_call(index)
-                address = self._mailbox.get(f"addr/{index}")
-                health = (
-                    probe(address + self.spec.health_path, timeout_s=5.0, key=self._key) if address else None
-                )
+                address = self._mailbox.get(f"addr/{name}")
+                health = ready(address, self.spec, self._key, timeout_s=5.0) if address else None
                 if health is not None and health[0]:
                     found[index] = address
-            if len(found) == self.spec.count:
+            if len(found) == len(indices):
                 break
             if time.monotonic() > deadline:
-                missing = [i for i in range(self.spec.count) if i not in found]
+                missing = [i for i in indices if i not in found]
                 raise EngineStartError(
                     engine_failure(
                         self.spec.name,
@@ -239,7 +283,7 @@ class ModalEnginePool(EnginePool):
                     )
                 )
             time.sleep(self.poll_s)
-        return [found[i] for i in range(self.spec.count)]
+        return [found[i] for i in indices]
 
     def _check_call(self, index: int) -> None:
         """An engine's call that already finished (crash, OOM, cancel) fails the start."""

@@ -25,6 +25,12 @@ Invariants:
   missed a version (a failed push, a restart) catches up on the next push: it asks the
   server for the frames after the version it holds;
 - ``close`` ends the frame server and the tunnel; it is idempotent.
+
+Engines that come and go (``modal_rl.cluster.engine_supervisor``): ``publish`` only publishes
+and returns the ``WeightSource`` (this server's reachable address and the version);
+``load_version(url, source)`` has one engine pull that version -- a new engine pulls the
+retained anchor and the deltas after it, one that holds an older version only the deltas -- and
+is what the supervisor runs before a replacement takes traffic. ``push`` = both, for one engine.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ class EnginePushError(RuntimeError):
 class EnginePusher:
     def __init__(
         self,
-        engine_url: str,
+        engine_url: str | None,
         *,
         key=FROM_ENV,
         expose: str = "local",
@@ -74,7 +80,7 @@ class EnginePusher:
             )
         self._bearer = key
         self.keys = frame_keys(key)
-        self.engine_url = engine_url.rstrip("/")
+        self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
         self.pull_timeout_s = pull_timeout_s
         self._stack = contextlib.ExitStack()
         self._server = FrameServer("0.0.0.0" if expose == "modal" else bind_host, 0, key=self.keys)
@@ -92,60 +98,35 @@ class EnginePusher:
             self.address = (bind_host, port)
             self.tls = False
 
-    def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
-        """Publish the next version and have the engine load it; returns the numbers."""
+    def publish(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> tuple[Any, dict[str, float]]:
+        """Publish the next version on this pusher's frame server (no engine is asked);
+        returns ``(WeightSource, numbers)``."""
+        from modal_rl.cluster.engine_supervisor import WeightSource
+
         t0 = time.perf_counter()
         report = self.publisher.publish(tensors)
-        encode_s = time.perf_counter() - t0
-        body = pull_request(
-            *self.address, report.version, timeout_s=self.pull_timeout_s, key=self.keys, tls=self.tls
-        )
-        t1 = time.perf_counter()
-        answer = self._post("/collective_rpc", body, timeout=body["timeout"] + 30.0)
-        try:
-            results = pull_results(answer, report.version)
-        except RuntimeError as exc:
-            raise EnginePushError(f"{self.engine_url}: {exc}") from exc
-        self._reset_prefix_cache(report.version)
-        return {
+        numbers = {
             "version": float(report.version),
             "anchor": 1.0 if report.kind == "anchor" else 0.0,
             "payload_mbytes": report.bytes / (1 << 20),
             "raw_mbytes": report.raw_bytes / (1 << 20),
             "compression_ratio": report.raw_bytes / max(report.bytes, 1),
-            "encode_s": encode_s,
-            "engine_s": time.perf_counter() - t1,
-            "engine_load_s": max(float(r.get("load_s", 0.0)) for r in results),
-            "engine_workers": float(len(results)),
+            "encode_s": time.perf_counter() - t0,
         }
+        return WeightSource(str(self.address[0]), int(self.address[1]), report.version, self.tls), numbers
 
-    def _reset_prefix_cache(self, version: int, tries: int = 5) -> None:
-        for attempt in range(tries):
-            answer = self._post("/reset_prefix_cache?reset_running_requests=true", {}, timeout=60.0)
-            if isinstance(answer, dict) and answer.get("success"):
-                return
-            time.sleep(0.2 * (attempt + 1))  # vLLM: blocks still held (e.g. in-flight KV transfers)
-        raise EnginePushError(
-            f"{self.engine_url}: version {version} is loaded but the prefix cache could not be reset "
-            f"after {tries} tries; cached prefixes still hold keys/values of the old weights"
-        )
+    def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
+        """Publish the next version and have the engine load it; returns the numbers."""
+        if not self.engine_url:
+            raise ValueError(
+                "EnginePusher(None) has no engine to push to; use publish() and load(url, source)"
+            )
+        source, numbers = self.publish(tensors)
+        return {**numbers, **self.load(self.engine_url, source)}
 
-    def _post(self, path: str, body: dict, timeout: float) -> Any:
-        request = urllib.request.Request(
-            self.engine_url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._bearer}"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                text = resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            detail = redact(exc.read().decode(errors="replace")[-500:], self._bearer)
-            raise EnginePushError(f"{self.engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
-        except OSError as exc:
-            raise EnginePushError(f"{self.engine_url}{path}: {exc}") from exc
-        return json.loads(text) if text else None
+    def load(self, engine_url: str, source) -> dict[str, float]:
+        """``load_version`` with this pusher's key and bound."""
+        return load_version(engine_url, source, key=self._bearer, pull_timeout_s=self.pull_timeout_s)
 
     def close(self) -> None:
         self._stack.close()
@@ -155,6 +136,63 @@ class EnginePusher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def load_version(engine_url: str, source, *, key=FROM_ENV, pull_timeout_s: float = 600.0) -> dict[str, float]:
+    """Have the vLLM engine at ``engine_url`` pull and load ``source.version`` from the frame
+    server ``source`` names (a signed pull), then reset its prefix cache; the numbers, or
+    ``EnginePushError`` (the engine then keeps the weights it had)."""
+    if key is FROM_ENV:
+        key = run_key()
+    keys = frame_keys(key)
+    engine_url = engine_url.rstrip("/")
+    body = pull_request(
+        source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls
+    )
+    t1 = time.perf_counter()
+    answer = _post(engine_url, "/collective_rpc", body, body["timeout"] + 30.0, key)
+    try:
+        results = pull_results(answer, source.version)
+    except RuntimeError as exc:
+        raise EnginePushError(f"{engine_url}: {exc}") from exc
+    _reset_prefix_cache(engine_url, source.version, key)
+    return {
+        "engine_s": time.perf_counter() - t1,
+        "engine_load_s": max(float(r.get("load_s", 0.0)) for r in results),
+        "engine_fetch_s": max(float(r.get("fetch_s", 0.0)) for r in results),
+        "engine_frames": float(max(int(r.get("frames", 0)) for r in results)),
+        "engine_workers": float(len(results)),
+    }
+
+
+def _reset_prefix_cache(engine_url: str, version: int, key: str, tries: int = 5) -> None:
+    for attempt in range(tries):
+        answer = _post(engine_url, "/reset_prefix_cache?reset_running_requests=true", {}, 60.0, key)
+        if isinstance(answer, dict) and answer.get("success"):
+            return
+        time.sleep(0.2 * (attempt + 1))  # vLLM: blocks still held (e.g. in-flight KV transfers)
+    raise EnginePushError(
+        f"{engine_url}: version {version} is loaded but the prefix cache could not be reset "
+        f"after {tries} tries; cached prefixes still hold keys/values of the old weights"
+    )
+
+
+def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> Any:
+    request = urllib.request.Request(
+        engine_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        detail = redact(exc.read().decode(errors="replace")[-500:], key)
+        raise EnginePushError(f"{engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
+    except OSError as exc:
+        raise EnginePushError(f"{engine_url}{path}: {exc}") from exc
+    return json.loads(text) if text else None
 
 
 def local_vllm_spec(
@@ -173,8 +211,11 @@ def local_vllm_spec(
         "--block-size", "32", "--worker-extension-cls", EXTENSION,
         "--middleware", "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
     ]  # fmt: skip
+    from modal_rl.cluster.engine_health import vllm_generate
+
     return EngineSpec(
         command=command,
+        generate=vllm_generate(str(model_dir)),  # healthy = answers a 1-token generation
         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
         startup_timeout_s=startup_timeout_s,
         name=name,

@@ -1,0 +1,265 @@
+"""Local engine pool: each engine a process on 127.0.0.1, on a free port, with a log file.
+
+Invariants (beyond ``engines.EnginePool``'s):
+- each engine runs in its own session (its process group is what ``stop``/``replace`` signal),
+  under ``setpriv --pdeathsig KILL`` where available (a killed pool process takes its engines
+  along), with ``MODAL_RL_RUN_ID`` set, so ``procs.end_run`` also finds children that left the
+  group;
+- engines are forked from one long-lived spawner thread (``spawn``): the parent-death signal
+  follows the forking *thread*, and pools are started from short-lived ones;
+- logs: in ``log_dir`` when the caller names one (kept); otherwise in a fresh
+  ``mrl-engines-*`` temporary directory that ``stop()`` removes (and, as a backstop, the
+  process's exit), so runs and tests leave nothing in the temp directory;
+- ``replace(i)`` SIGKILLs engine ``i``'s process group (it may be hung: SIGSTOPped processes
+  die of SIGKILL too), starts the same command on a new free port and returns its address
+  once it is up; its log is ``<name>-<i>.<generation>.log``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from modal_rl.cluster import procs
+from modal_rl.cluster.engine_health import ready
+from modal_rl.cluster.engines import (
+    KEY_ENVS,
+    EnginePool,
+    EngineSpec,
+    EngineStartError,
+    engine_failure,
+    engine_key,
+    tail_of,
+)
+from modal_rl.run_key import RUN_KEY_ENV, redact
+
+TEMP_PREFIX = "mrl-engines-"
+_owned_dirs: set[str] = set()
+
+
+@atexit.register
+def _remove_owned_dirs() -> None:
+    for path in list(_owned_dirs):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class LocalEnginePool(EnginePool):
+    """Engines as processes on 127.0.0.1 (see the module docstring). ``GPU`` is not enforced
+    here: the command decides what it runs on."""
+
+    backend = "local"
+    host = "127.0.0.1"
+
+    def __init__(
+        self, spec: EngineSpec, log_dir: str | None = None, poll_s: float = 0.2, grace_s: float = 5.0
+    ):
+        super().__init__(spec)
+        self.run_id = uuid.uuid4().hex[:12]
+        self._owned_log_dir = not log_dir
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.run_id}-"))
+        if self._owned_log_dir:
+            _owned_dirs.add(str(self.log_dir))
+        self.generations: list[int] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+
+    def log_path(self, index: int) -> Path:
+        generation = self.generations[index] if index < len(self.generations) else 0
+        suffix = f".{generation}" if generation else ""
+        return self.log_dir / f"{self.spec.name}-{index}{suffix}.log"
+
+    def alive(self, index: int) -> bool | None:
+        with self._lock:
+            return index < len(self.procs) and self.procs[index].poll() is None
+
+    def pid(self, index: int) -> int | None:
+        with self._lock:
+            return self.procs[index].pid if index < len(self.procs) else None
+
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, **self.spec.env, procs.RUN_ID_ENV: self.run_id, "PYTHONUNBUFFERED": "1"}
+        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
+            env.pop(name, None)
+        if self._key is not None:
+            env[RUN_KEY_ENV] = self._key
+        return env
+
+    def describe(self) -> dict[str, Any]:
+        auth = (
+            "bearer key required (Authorization: Bearer <run key>; each engine gets the key as "
+            f"{RUN_KEY_ENV} in its environment); plain http on 127.0.0.1 only"
+            if self.spec.auth
+            else "none (keyless server, explicitly asked for); plain http on 127.0.0.1 only"
+        )
+        return {
+            "backend": self.backend,
+            "spec": self.spec.to_dict(),
+            "commands": [self.spec.argv(self.host, 0) for _ in range(self.spec.count)],
+            "auth": auth,
+            "note": "each engine gets a free port on 127.0.0.1 at start ({port} above shows 0)",
+        }
+
+    def start(self) -> list[str]:
+        from modal_rl.cluster.backend_local import free_ports
+
+        self._key = engine_key(self.spec)
+        self._stopped = False
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.ports = free_ports(self.spec.count, self.host)
+        self.generations = [0] * self.spec.count
+        try:
+            for index, port in enumerate(self.ports):
+                self.procs.append(self._spawn(index, port))
+            self._wait_all(range(self.spec.count))
+        except BaseException:
+            self.stop()
+            raise
+        self.addresses = [f"http://{self.host}:{port}" for port in self.ports]
+        return list(self.addresses)
+
+    def _spawn(self, index: int, port: int) -> subprocess.Popen:
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+        with open(self.log_path(index), "wb") as log:
+            return spawn(
+                prefix + self.spec.argv(self.host, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(),
+                start_new_session=True,
+            )
+
+    def replace(self, index: int) -> str:
+        from modal_rl.cluster.backend_local import free_ports
+
+        with self._lock:
+            if self._stopped or index >= len(self.procs):
+                raise EngineStartError(f"{self.spec.name} {index}: the pool is stopped; nothing to replace")
+            old = self.procs[index]
+        _kill_group(old)
+        (port,) = free_ports(1, self.host)
+        with self._lock:
+            if self._stopped:
+                raise EngineStartError(f"{self.spec.name} {index}: the pool stopped during the replacement")
+            self.generations[index] += 1
+            self.ports[index] = port
+            self.procs[index] = self._spawn(index, port)
+            self.addresses[index] = f"http://{self.host}:{port}"
+        self._wait_all([index])  # on failure the new process stays for stop() to end
+        return self.addresses[index]
+
+    def _wait_all(self, indices) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        pending = set(indices)
+        last: dict[int, str] = {}
+        while pending:
+            if self._stopped:  # a replacement that stop() overtook: give up, stop() ends it
+                raise EngineStartError(f"{self.spec.name}: the pool stopped while engines were starting")
+            for index in sorted(pending):
+                code = self.procs[index].poll()
+                if code is not None:
+                    raise EngineStartError(
+                        self._failure(index, f"exited with code {code} before it was healthy")
+                    )
+                url = f"http://{self.host}:{self.ports[index]}"
+                ok, last[index] = ready(url, self.spec, self._key)
+                if ok:
+                    pending.discard(index)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                index = min(pending)
+                raise EngineStartError(
+                    self._failure(
+                        index,
+                        f"did not answer GET {self.spec.health_path}{' and a 1-token generation' if self.spec.generate else ''} "
+                        f"within {self.spec.startup_timeout_s:g} s "
+                        f"(last: {last.get(index)})",
+                    )
+                )
+            time.sleep(self.poll_s)
+
+    def _failure(self, index: int, why: str) -> str:
+        tail = [redact(line, self._key) for line in tail_of(self.log_path(index))]
+        return engine_failure(self.spec.name, index, why, tail)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
+        if survivors:
+            print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)
+        self.procs = []
+        self.addresses = []
+        if self._owned_log_dir:  # nobody asked for these logs: leave nothing in the temp dir
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            _owned_dirs.discard(str(self.log_dir))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+_spawn_requests: queue.Queue = queue.Queue()
+_spawner_lock = threading.Lock()
+_spawner: threading.Thread | None = None
+
+
+def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``Popen`` from one long-lived daemon thread.
+
+    The kernel's parent-death signal fires when the *thread* that forked the child exits, not
+    the process. Callers start pools from short-lived threads (``asyncio.to_thread``, executor
+    threads torn down by ``asyncio.run``); forking from them would kill the engines early.
+    """
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_spawn_loop, name="modal-rl-engine-spawner", daemon=True)
+            _spawner.start()
+    done: queue.Queue = queue.Queue(maxsize=1)
+    _spawn_requests.put((argv, popen_kwargs, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _spawn_loop() -> None:
+    while True:
+        argv, kwargs, done = _spawn_requests.get()
+        try:
+            done.put((True, subprocess.Popen(argv, **kwargs)))
+        except BaseException as exc:  # handed to the caller's thread
+            done.put((False, exc))
