@@ -53,31 +53,39 @@ GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
 
 
 @_kernel
+def _exp(word):
+    """The bfloat16 exponent of a u16 word, as an unsigned index."""
+    return np.uint64((word >> np.uint16(7)) & np.uint16(0xFF))
+
+
+@_kernel
 def _count_equal(base, new, n0, n1, off, i, hi):
     """Count words into their contexts from ``i`` while base and new agree; returns the
     first differing index, or ``hi``. Even and odd words count into separate arrays, so
-    runs of one context make two independent store-to-load chains instead of one."""
+    runs of one context make two independent store-to-load chains instead of one. Indices
+    are unsigned so the compiler emits no negative-index wraparound (a third of the time)."""
+    uoff = np.uint64(off)
     if i < hi and i & 1:
         b = base[i]
         if b != new[i]:
             return i
-        n1[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        n1[uoff + _exp(b)] += 1
         i += 1
     while i + 1 < hi:
         b0 = base[i]
         b1 = base[i + 1]
         if b0 != new[i]:
             return i
-        n0[off + ((np.int64(b0) >> 7) & 0xFF)] += 1
+        n0[uoff + _exp(b0)] += 1
         if b1 != new[i + 1]:
             return i + 1
-        n1[off + ((np.int64(b1) >> 7) & 0xFF)] += 1
+        n1[uoff + _exp(b1)] += 1
         i += 2
     if i < hi:
         b = base[i]
         if b != new[i]:
             return i
-        n0[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        n0[uoff + _exp(b)] += 1
         i += 1
     return hi
 
@@ -231,9 +239,11 @@ def _dec_gap(x, words, w, tab, c):
 @_kernel
 def _scan(base, nxt, off, i, hi):
     """Count words into their contexts' countdowns from ``i``; stop at the first word
-    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop."""
+    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop
+    (unsigned indices: no negative-index wraparound code)."""
+    uoff = np.uint64(off)
     while i < hi:
-        c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+        c = uoff + _exp(base[i])
         r = nxt[c] - 1
         nxt[c] = r
         if r < 0:
