@@ -172,3 +172,42 @@ def test_v2_streams_are_near_the_context_entropy_bound():
     bound = context_entropy_bytes(base, new)
     assert 0.97 * bound < payload < 1.05 * bound, payload / bound
     assert np.isfinite(bound)
+
+
+def test_v1_is_coded_in_full_only_where_a_sample_says_it_may_be_smaller():
+    from modal_rl.weightsync import chunks_v2
+
+    total = chunks_v2.V1_SAMPLE_SHARE * 2048
+    positions = np.sort(np.random.default_rng(0).choice(1 << 22, total, replace=False))
+    words = np.arange(total, dtype=np.uint16)
+    seen = []
+
+    def v1_of(bytes_per_change):
+        def encode_v1(p, old, new):
+            seen.append(p)
+            assert p.size == old.size == new.size and np.all(np.diff(p) > 0)
+            return b"x" * int(bytes_per_change * p.size)
+
+        return encode_v1
+
+    assert not chunks_v2.v1_may_be_smaller(total, positions, words, words, v1_of(2.0))
+    assert chunks_v2.v1_may_be_smaller(total, positions, words, words, v1_of(1.1))
+    assert seen[0].size == chunks_v2.V1_SAMPLES * (total // chunks_v2.V1_SAMPLE_SHARE)
+    # few changes: v1 is cheap, so it is always coded in full
+    assert chunks_v2.v1_may_be_smaller(1, positions[:100], words[:100], words[:100], v1_of(100.0))
+
+
+def test_a_large_chunk_that_skips_the_v1_coding_round_trips(monkeypatch):
+    from modal_rl.weightsync import chunks_v2
+
+    answers, decide = [], chunks_v2.v1_may_be_smaller
+    monkeypatch.setattr(chunks_v2, "v1_may_be_smaller", lambda *a: answers.append(decide(*a)) or answers[-1])
+    big = CodecConfig(chunk_elems=1 << 20, threads=2)
+    base, new = adam_like({"w": (1 << 20,)}, 3e-5, seed=5)
+    frame = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=big))
+    assert answers == [False]  # v2 is clearly smaller here: v1 was never coded in full
+    assert CTX_SPARSE in chunk_encodings(frame)
+    chain = VersionChain(big, key=None)
+    chain.apply(encode_anchor(base, version=0, config=big))
+    chain.apply(frame)
+    assert same_state(chain.state, new)

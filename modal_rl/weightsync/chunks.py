@@ -143,7 +143,7 @@ def encode_delta_chunk_v2(
 ) -> bytes:
     """Body of a delta chunk of 2-byte words from the chunk's base and new words
     (``member_starts``: chunk-local starts of its tensors): the v2 coding, or the v1
-    body where that is smaller."""
+    body where that is smaller (v1 is coded in full only where a sample says it may be)."""
     from modal_rl.weightsync import chunks_v2
 
     def header_for(nchanged: int) -> bytes:
@@ -151,6 +151,10 @@ def encode_delta_chunk_v2(
 
     bounds = chunks_v2.segment_bounds(member_starts, chunk.elem_count)
     body, positions, old, new_w = chunks_v2.encode(header_for, base, new, bounds, level)
+    if body is not None and not chunks_v2.v1_may_be_smaller(
+        len(body), positions, old, new_w, lambda p, o, n: encode_delta_chunk(chunk, p, o, n, level)
+    ):
+        return body
     v1 = encode_delta_chunk(chunk, positions, old, new_w, level)
     return v1 if body is None or len(v1) <= len(body) else body
 

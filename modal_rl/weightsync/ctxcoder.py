@@ -1,13 +1,10 @@
-"""Compiled kernels of the v2 chunk coding (see ``chunks_v2``): context passes and rANS.
+"""Compiled kernels of the v2 chunk coding (see ``chunks_v2``): the mask model and its passes.
 
 These run under numba (``nogil``, so the codec's thread pool runs chunks in parallel):
 the model is conditioned per word, which in numpy took several full passes per chunk, and
-a per-symbol coder loop must run at native speed.
-
-Coder: 64-bit rANS, 32-bit renormalisation, 16-bit frequencies (``M = 2**16``); states
-stay below ``2**63``, so all arithmetic is int64. Symbols are (start, freq) pairs; a
-decoder that runs out of words, or does not end in the encoder's initial state, reports
-failure (``ok`` false) and never reads out of bounds.
+a per-symbol coder loop must run at native speed. The rANS primitives are in
+``ctxrans``, the residual model in ``ctxresidual``; this module re-exports what
+``chunks_v2`` calls.
 
 Mask model. Word ``i`` has the context ``seg(i) * 256 + e(i)``: ``e = (base >> 7) & 0xFF``
 (the bfloat16 exponent of the held word) and ``seg`` its context segment (tensors, merged
@@ -18,96 +15,77 @@ A geometric run length ``g`` is split as ``g = (u << m) + r`` with ``2**m`` ≈ 
 run: ``u`` (geometric, ratio ~1/2) by a static table of ``QSYM`` symbols plus an escape,
 ``r`` as ``m`` uniform bits (the truncated geometric within one period is close to flat:
 ≤ 0.03 bit per change lost).
-
-Residual model. ``z = zigzag(new - old)`` (never 0) as a symbol (``z`` below 8, else its
-bit length and the bit after the leading one) with per-exponent frequencies learned as
-the chunk is coded (an observation weighs 32 prior counts; rebuilt when a context's
-count doubles), then the remaining bits uniform.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-PROB_BITS = 16
-M = 1 << PROB_BITS
-RANS_L = 1 << 31
+from modal_rl.weightsync.ctxrans import (
+    PROB_BITS,
+    RANS_L,
+    M,
+    _advance,
+    _dec_uniform,
+    _flush,
+    _kernel,
+    _put,
+    _put_uniform,
+    _start,
+    rans_encode,
+)
+from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
+
+__all__ = [
+    "encode_pass",
+    "geo_model",
+    "mask_decode",
+    "mask_encode",
+    "quantize_p",
+    "rans_encode",
+    "residual_decode",
+    "residual_symbols",
+]
+
 SEG_MIN = 1 << 16  # tensors smaller than this share a context segment with their neighbours
 QSYM = 24  # run-length quotient symbols 0..QSYM-1, then an escape
 GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
-RES_CTX = 256
-RES_SYM = 34
-RES_FIRST_REBUILD = 1
-RES_INC = 32  # an observation weighs 32 prior counts: unseen symbols stay cheap to exclude
-
-_kernel = njit(nogil=True, cache=True)
 
 
 @_kernel
-def rans_encode(starts, freqs):
-    """Encode symbols given as (start, freq) under M; returns the u32 words, in order."""
-    count = starts.size
-    out = np.empty(count + 4, dtype=np.uint32)
-    n = 0
-    x = np.int64(RANS_L)
-    for i in range(count - 1, -1, -1):
-        x, n = _put(x, out, n, starts[i], freqs[i])
-    return _flush(x, out, n)
-
-
-@_kernel
-def _start(words):
-    if words.size < 2:
-        return np.int64(0), np.int64(words.size + 1)
-    return (np.int64(words[0]) << 32) | np.int64(words[1]), np.int64(2)
-
-
-@_kernel
-def _advance(x, words, w, slot, start, f):
-    x = f * (x >> PROB_BITS) + slot - start
-    if x < RANS_L:
-        if w < words.size:
-            x = (x << 32) | np.int64(words[w])
-        w += 1
-    return x, w
-
-
-@_kernel
-def _dec_uniform(x, words, w, nb):
-    f = np.int64(1) << (PROB_BITS - nb)
-    slot = x & (M - 1)
-    v = slot >> (PROB_BITS - nb)
-    x, w = _advance(x, words, w, slot, v * f, f)
-    return v, x, w
+def _exp(word):
+    """The bfloat16 exponent of a u16 word, as an unsigned index."""
+    return np.uint64((word >> np.uint16(7)) & np.uint16(0xFF))
 
 
 @_kernel
 def _count_equal(base, new, n0, n1, off, i, hi):
     """Count words into their contexts from ``i`` while base and new agree; returns the
     first differing index, or ``hi``. Even and odd words count into separate arrays, so
-    runs of one context make two independent store-to-load chains instead of one."""
+    runs of one context make two independent store-to-load chains instead of one. Indices
+    are unsigned so the compiler emits no negative-index wraparound (a third of the time)."""
+    uoff = np.uint64(off)
     if i < hi and i & 1:
         b = base[i]
         if b != new[i]:
             return i
-        n1[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        n1[uoff + _exp(b)] += 1
         i += 1
     while i + 1 < hi:
         b0 = base[i]
         b1 = base[i + 1]
         if b0 != new[i]:
             return i
-        n0[off + ((np.int64(b0) >> 7) & 0xFF)] += 1
+        n0[uoff + _exp(b0)] += 1
         if b1 != new[i + 1]:
             return i + 1
-        n1[off + ((np.int64(b1) >> 7) & 0xFF)] += 1
+        n1[uoff + _exp(b1)] += 1
         i += 2
     if i < hi:
         b = base[i]
         if b != new[i]:
             return i
-        n0[off + ((np.int64(b) >> 7) & 0xFF)] += 1
+        n0[uoff + _exp(b)] += 1
         i += 1
     return hi
 
@@ -192,39 +170,6 @@ def geo_model(q):
 
 
 @_kernel
-def _put(x, out, n, start, f):
-    """rANS-encode one symbol (encoder runs in reverse); returns (x, n)."""
-    if x >= (f << 47):
-        out[n] = x & 0xFFFFFFFF
-        n += 1
-        x >>= 32
-    # x < f << 47, so the quotient has < 48 bits: the float estimate is off by at most 1
-    qt = np.int64(x * (1.0 / f))
-    rem = x - qt * f
-    if rem < 0:
-        qt -= 1
-        rem += f
-    elif rem >= f:
-        qt += 1
-        rem -= f
-    return (qt << PROB_BITS) + rem + start, n
-
-
-@_kernel
-def _put_uniform(x, out, n, v, nb):
-    """``nb`` bits of ``v`` as uniform symbols of at most 16 bits (high part decoded
-    first, so encoded last)."""
-    done = 0
-    take = nb - PROB_BITS * ((nb - 1) // PROB_BITS)  # the lowest piece, read last
-    while done < nb:
-        f = np.int64(1) << (PROB_BITS - take)
-        x, n = _put(x, out, n, ((v >> done) & ((1 << take) - 1)) * f, f)
-        done += take
-        take = PROB_BITS
-    return x, n
-
-
-@_kernel
 def _put_gap(x, out, n, g, tab, c):
     """Run length ``g`` in context ``c``, in reverse of the decoder's reading order."""
     m = tab[c, 0]
@@ -239,13 +184,6 @@ def _put_gap(x, out, n, g, tab, c):
         x, n = _put_uniform(x, out, n, extra, nb)
         x, n = _put_uniform(x, out, n, nb, 6)
     return _put(x, out, n, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
-
-
-@_kernel
-def _flush(x, out, n):
-    out[n] = x & 0xFFFFFFFF
-    out[n + 1] = x >> 32
-    return out[: n + 2][::-1].copy()
 
 
 @_kernel
@@ -267,24 +205,6 @@ def mask_encode(n, last, ctxs, gaps, tab):
         if last[c] >= 0:
             x, w = _put_gap(x, out, w, pending[c], tab, c)
     return _flush(x, out, w)
-
-
-@_kernel
-def _push(starts, freqs, t, start, f):
-    starts[t] = start
-    freqs[t] = f
-    return t + 1
-
-
-@_kernel
-def _push_uniform(starts, freqs, t, v, nb):
-    """``nb`` bits of ``v`` as uniform symbols of at most 16 bits, high part first."""
-    while nb > 0:
-        take = min(nb, PROB_BITS)
-        nb -= take
-        f = np.int64(1) << (PROB_BITS - take)
-        t = _push(starts, freqs, t, ((v >> nb) & ((1 << take) - 1)) * f, f)
-    return t
 
 
 @_kernel
@@ -319,9 +239,11 @@ def _dec_gap(x, words, w, tab, c):
 @_kernel
 def _scan(base, nxt, off, i, hi):
     """Count words into their contexts' countdowns from ``i``; stop at the first word
-    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop."""
+    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop
+    (unsigned indices: no negative-index wraparound code)."""
+    uoff = np.uint64(off)
     while i < hi:
-        c = off + ((np.int64(base[i]) >> 7) & 0xFF)
+        c = uoff + _exp(base[i])
         r = nxt[c] - 1
         nxt[c] = r
         if r < 0:
@@ -362,105 +284,3 @@ def mask_decode(base, seg_bounds, q, tab, words, nchanged):
         if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
             return pos, False
     return pos, found == nchanged and w == words.size and x == RANS_L
-
-
-@_kernel
-def _res_symbol(z):
-    if z < 8:
-        return z, 0
-    b = 0
-    while z >> b:
-        b += 1
-    return 8 + 2 * (b - 4) + ((z >> (b - 2)) & 1), b - 2
-
-
-@_kernel
-def _rebuild(counts, cum, c):
-    total = 0
-    for s in range(RES_SYM):
-        total += counts[c, s]
-    acc = 0
-    big, bigf = 0, -1
-    freq = np.empty(RES_SYM, dtype=np.int64)
-    for s in range(RES_SYM):
-        f = max(1, counts[c, s] * (M - RES_SYM) // total)
-        freq[s] = f
-        acc += f
-        if f > bigf:
-            big, bigf = s, f
-    freq[big] += M - acc
-    acc = 0
-    for s in range(RES_SYM):
-        cum[c, s] = acc
-        acc += freq[s]
-    cum[c, RES_SYM] = acc
-
-
-@_kernel
-def _res_model():
-    counts = np.ones((RES_CTX, RES_SYM), dtype=np.int64)
-    cum = np.zeros((RES_CTX, RES_SYM + 1), dtype=np.int64)
-    seen = np.zeros(RES_CTX, dtype=np.int64)
-    nextb = np.full(RES_CTX, RES_FIRST_REBUILD, dtype=np.int64)
-    for c in range(RES_CTX):
-        _rebuild(counts, cum, c)
-    return counts, cum, seen, nextb
-
-
-@_kernel
-def _res_learn(counts, cum, seen, nextb, c, sym):
-    counts[c, sym] += RES_INC
-    seen[c] += 1
-    if seen[c] == nextb[c]:
-        nextb[c] *= 2
-        _rebuild(counts, cum, c)
-
-
-@_kernel
-def residual_symbols(old, new):
-    """(start, freq) of the residuals of the changed words, in word order."""
-    nch = old.size
-    starts = np.empty(nch * 3, dtype=np.int64)
-    freqs = np.empty(nch * 3, dtype=np.int64)
-    counts, cum, seen, nextb = _res_model()
-    t = 0
-    for j in range(nch):
-        d = (np.int64(new[j]) - np.int64(old[j])) & 0xFFFF
-        s = d - 0x10000 if d >= 0x8000 else d
-        z = ((s << 1) ^ (s >> 63)) & 0xFFFF
-        c = (np.int64(old[j]) >> 7) & 0xFF
-        sym, nb = _res_symbol(z)
-        t = _push(starts, freqs, t, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
-        if nb:
-            t = _push_uniform(starts, freqs, t, z, nb)
-        _res_learn(counts, cum, seen, nextb, c, sym)
-    return starts[:t], freqs[:t]
-
-
-@_kernel
-def residual_decode(old, words):
-    """Residuals ``new - old`` (wrapping u16) of the changed words. Returns (values, ok)."""
-    nch = old.size
-    out = np.empty(nch, dtype=np.uint16)
-    counts, cum, seen, nextb = _res_model()
-    x, w = _start(words)
-    for j in range(nch):
-        c = (np.int64(old[j]) >> 7) & 0xFF
-        slot = x & (M - 1)
-        sym = 0
-        while sym < RES_SYM - 1 and cum[c, sym + 1] <= slot:
-            sym += 1
-        x, w = _advance(x, words, w, slot, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
-        if sym < 8:
-            z = np.int64(sym)
-        else:
-            b = (sym - 8) // 2 + 4
-            nb = b - 2
-            v, x, w = _dec_uniform(x, words, w, nb)
-            z = (np.int64(1) << (b - 1)) | (np.int64((sym - 8) & 1) << (b - 2)) | v
-        if w > words.size or z == 0:
-            return out, False
-        _res_learn(counts, cum, seen, nextb, c, sym)
-        s = (z >> 1) ^ -(z & 1)
-        out[j] = s & 0xFFFF
-    return out, w == words.size and x == RANS_L

@@ -1,0 +1,129 @@
+"""Residual model of the v2 chunk coding (see ``ctxcoder``): numba kernels, ``nogil``.
+
+Residual model. ``z = zigzag(new - old)`` (never 0) as a symbol (``z`` below 8, else its
+bit length and the bit after the leading one) with per-exponent frequencies learned as
+the chunk is coded (an observation weighs 32 prior counts; rebuilt when a context's
+count doubles), then the remaining bits uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from modal_rl.weightsync.ctxrans import (
+    RANS_L,
+    M,
+    _advance,
+    _dec_uniform,
+    _kernel,
+    _push,
+    _push_uniform,
+    _start,
+)
+
+RES_CTX = 256
+RES_SYM = 34
+RES_FIRST_REBUILD = 1
+RES_INC = 32  # an observation weighs 32 prior counts: unseen symbols stay cheap to exclude
+
+
+@_kernel
+def _res_symbol(z):
+    if z < 8:
+        return z, 0
+    b = 0
+    while z >> b:
+        b += 1
+    return 8 + 2 * (b - 4) + ((z >> (b - 2)) & 1), b - 2
+
+
+@_kernel
+def _rebuild(counts, cum, c):
+    total = 0
+    for s in range(RES_SYM):
+        total += counts[c, s]
+    acc = 0
+    big, bigf = 0, -1
+    freq = np.empty(RES_SYM, dtype=np.int64)
+    for s in range(RES_SYM):
+        f = max(1, counts[c, s] * (M - RES_SYM) // total)
+        freq[s] = f
+        acc += f
+        if f > bigf:
+            big, bigf = s, f
+    freq[big] += M - acc
+    acc = 0
+    for s in range(RES_SYM):
+        cum[c, s] = acc
+        acc += freq[s]
+    cum[c, RES_SYM] = acc
+
+
+@_kernel
+def _res_model():
+    counts = np.ones((RES_CTX, RES_SYM), dtype=np.int64)
+    cum = np.zeros((RES_CTX, RES_SYM + 1), dtype=np.int64)
+    seen = np.zeros(RES_CTX, dtype=np.int64)
+    nextb = np.full(RES_CTX, RES_FIRST_REBUILD, dtype=np.int64)
+    for c in range(RES_CTX):
+        _rebuild(counts, cum, c)
+    return counts, cum, seen, nextb
+
+
+@_kernel
+def _res_learn(counts, cum, seen, nextb, c, sym):
+    counts[c, sym] += RES_INC
+    seen[c] += 1
+    if seen[c] == nextb[c]:
+        nextb[c] *= 2
+        _rebuild(counts, cum, c)
+
+
+@_kernel
+def residual_symbols(old, new):
+    """(start, freq) of the residuals of the changed words, in word order."""
+    nch = old.size
+    starts = np.empty(nch * 3, dtype=np.int64)
+    freqs = np.empty(nch * 3, dtype=np.int64)
+    counts, cum, seen, nextb = _res_model()
+    t = 0
+    for j in range(nch):
+        d = (np.int64(new[j]) - np.int64(old[j])) & 0xFFFF
+        s = d - 0x10000 if d >= 0x8000 else d
+        z = ((s << 1) ^ (s >> 63)) & 0xFFFF
+        c = (np.int64(old[j]) >> 7) & 0xFF
+        sym, nb = _res_symbol(z)
+        t = _push(starts, freqs, t, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
+        if nb:
+            t = _push_uniform(starts, freqs, t, z, nb)
+        _res_learn(counts, cum, seen, nextb, c, sym)
+    return starts[:t], freqs[:t]
+
+
+@_kernel
+def residual_decode(old, words):
+    """Residuals ``new - old`` (wrapping u16) of the changed words. Returns (values, ok)."""
+    nch = old.size
+    out = np.empty(nch, dtype=np.uint16)
+    counts, cum, seen, nextb = _res_model()
+    x, w = _start(words)
+    for j in range(nch):
+        c = (np.int64(old[j]) >> 7) & 0xFF
+        slot = x & (M - 1)
+        sym = 0
+        while sym < RES_SYM - 1 and cum[c, sym + 1] <= slot:
+            sym += 1
+        x, w = _advance(x, words, w, slot, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
+        if sym < 8:
+            z = np.int64(sym)
+        else:
+            b = (sym - 8) // 2 + 4
+            nb = b - 2
+            v, x, w = _dec_uniform(x, words, w, nb)
+            z = (np.int64(1) << (b - 1)) | (np.int64((sym - 8) & 1) << (b - 2)) | v
+        if w > words.size or z == 0:
+            return out, False
+        _res_learn(counts, cum, seen, nextb, c, sym)
+        s = (z >> 1) ^ -(z & 1)
+        out[j] = s & 0xFFFF
+    return out, w == words.size and x == RANS_L
