@@ -49,7 +49,10 @@ _uv() {
 
 venv_install() {
   if [ "$INSTALLER" = uv ]; then
-    _uv pip install -q --python "$PY" "$@"
+    # --compile-bytecode: pip writes .pyc files at install and uv does not; without them every
+    # process compiles what it imports, and under PYTHONDONTWRITEBYTECODE it does so each time
+    # (measured: a launcher's start-up took 1.9 s of CPU instead of 0.6 s).
+    _uv pip install -q --compile-bytecode --python "$PY" "$@"
   else
     "$PY" -m pip install -q --disable-pip-version-check "$@"
   fi
