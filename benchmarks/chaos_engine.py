@@ -11,9 +11,9 @@ a request, and the run must finish every step.
 How it is observed: the run's driver is ``python -m benchmarks.chaos_engine --observe FILE --
 <verl_modal args>``, i.e. ``verl_modal``'s own ``main`` plus a thread that polls the named
 proxy actor (``modal_vllm_server_0``: ``engine_pids``, ``engine_events``, ``request_stats``)
-and writes the newest answer to FILE. The engine logs every request it takes
-(``--enable-log-requests``) and every weight version it loads; a verl request logged by an
-engine before its first load would have been answered by dummy weights.
+and writes the newest answer to FILE. Per-sample weight versions: ``modal_vllm`` stamps each
+sample with its engine's version (as ``global_steps``), and verl reports their staleness per
+step (``training/off_policy/trajectory_staleness``).
 
 Reported against an undisturbed run of the same command and seed: completed, steps lost,
 wrong-version samples, recovery (SIGKILL -> the replacement serving the current version,
@@ -41,8 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"step:(\d+) - ")
 PROXY = "modal_vllm_server_0"
-ADDED = re.compile(r"Added request (\S+?)\.?$")
-LOADED = "[modal_rl.weightsync] vllm loaded version "
+LAG = 1  # trainer.v1.separate_async.parameter_sync_step: the staleness verl allows
 
 
 def _observe(path: Path) -> None:
@@ -132,22 +131,25 @@ class _Run:
         return code
 
 
-def engine_requests(log_dir: Path) -> list[dict]:
-    """Per engine log (one per generation): verl requests taken before its first weight load
-    (answered by dummy weights: wrong version), after it, and the versions it loaded."""
-    out = []
-    for log in sorted(log_dir.glob("*.log")):
-        before = after = 0
-        versions: list[int] = []
-        for line in log.read_text(errors="replace").splitlines():
-            if LOADED in line:
-                versions.append(int(line.split(LOADED)[1].split(":")[0]))
-            elif (m := ADDED.search(line)) and "modal-rl-health-" not in m.group(1):
-                if versions:
-                    after += 1
-                else:
-                    before += 1
-        out.append({"log": log.name, "before_first_load": before, "after": after, "versions": versions})
+STALENESS = re.compile(r"training/off_policy/trajectory_staleness/(min|max|mean):(?:np\.\w+\()?([-\d.]+)")
+CORR = re.compile(r"training/rollout_actor_probs_pearson_corr:([-\d.naif]+)")
+
+
+def sample_versions(lines: list[str], lag: int) -> dict[int, dict]:
+    """Per step, from verl's own metrics: the staleness of its samples (step minus the step of
+    the weight version that generated each one; ``modal_vllm`` stamps every sample with its
+    engine's version) and the rollout/actor probability correlation. A sample is of a wrong
+    version if its staleness is outside ``[0, lag]`` (``parameter_sync_step``); a sample from
+    dummy or foreign weights would also show as a collapsed correlation."""
+    out = {}
+    for line in lines:
+        if m := STEP_LINE.search(line):
+            stale = {k: float(v) for k, v in STALENESS.findall(line)}
+            corr = CORR.search(line)
+            out[int(m.group(1))] = {**stale, "pearson": float(corr.group(1)) if corr else None}
+    for rec in out.values():
+        # No staleness metric for the step: unknown (None), never counted as right.
+        rec["in_window"] = rec["min"] >= 0 and rec["max"] <= lag if "min" in rec and "max" in rec else None
     return out
 
 
@@ -172,13 +174,12 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             return ["--backend", "local", "--verbose", "--tiny", str(tmp / "tiny"), "--"] + [
                 f"trainer.total_training_steps={steps}",
                 "trainer.v1.trainer_mode=separate_async",
-                "trainer.v1.separate_async.parameter_sync_step=1",
+                f"trainer.v1.separate_async.parameter_sync_step={LAG}",
                 "actor_rollout_ref.hybrid_engine=false",
                 "actor_rollout_ref.rollout.nnodes=1",
                 "actor_rollout_ref.rollout.n_gpus_per_node=1",
                 "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
                 "actor_rollout_ref.rollout.name=modal_vllm",
-                "+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_log_requests=true",
                 f"trainer.save_freq={steps}",
                 f"trainer.default_local_dir={tmp / name / 'ckpt'}",
             ]
@@ -217,8 +218,8 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
                 actor_weights(tmp / "dis" / "ckpt", steps),
             )
             match = _equal(ref_w, dis_w) if ref_w and dis_w else None
-        requests = engine_requests(dis.engine_logs)
-        ref_requests = engine_requests(ref.engine_logs)
+        per_step = sample_versions([x for _, x in dis.lines], LAG)
+        ref_per_step = sample_versions([x for _, x in ref.lines], LAG)
         done = dis.steps()
     events = state.get("events", [])
     started = [e for e in events if e["kind"] == "started"]
@@ -228,9 +229,13 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
     # The replacement must serve the replica's current version: the newest published before it served.
     current_at_serving = [e["version"] for e in versions if serving and e["t"] <= serving[0]["t"]]
     say(f"(a) engine: disturbed run exit {code}, steps {done}, events {[e['kind'] for e in events]}")
-    wrong = sum(r["before_first_load"] for r in requests)
+    # verl reports min/max/mean per step, not a count: a step outside the window counts as at
+    # least one wrong sample (flagged, never hidden); so does a replacement that served a
+    # version other than the replica's current one.
+    known = [rec["in_window"] for rec in per_step.values()]
+    wrong = None if not known or None in known else sum(not ok for ok in known)
     if serving and current_at_serving and serving[0].get("version") != current_at_serving[-1]:
-        wrong = max(wrong, 1)  # a replacement that served an older version: flagged, never hidden
+        wrong = (wrong or 0) + 1
     return {
         "name": "a_engine_kill",
         "completed": code == 0 and ref_code == 0 and sorted(set(done)) == list(range(1, steps + 1)),
@@ -252,14 +257,15 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             "replacement_version": serving[0].get("version") if serving else None,
             "current_version_at_serving": current_at_serving[-1] if current_at_serving else None,
             "request_stats": state.get("stats"),
-            "engine_requests": requests,
-            "reference_engine_requests": ref_requests,
+            "sample_staleness_per_step": per_step,
+            "reference_sample_staleness_per_step": ref_per_step,
             "events": [{k: v for k, v in e.items() if k != "url"} for e in events],
             "exit_codes": {"reference": ref_code, "disturbed": code},
             "leaked_pids": leaked,
             "note": "anchor_transfer_s is the replacement's catch-up: the retained anchor plus the "
-            "deltas after it, pulled and loaded; wrong_version_samples counts verl requests an "
-            "engine took before its first weight load (vLLM's request log)",
+            "deltas after it, pulled and loaded; wrong_version_samples: steps whose samples' "
+            "weight-version staleness left [0, parameter_sync_step], plus a replacement that "
+            "served a version other than the current one",
         },
     }
 
