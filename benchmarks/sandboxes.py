@@ -17,6 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
+
 from benchmarks import _sandboxes_sim as sim
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.sandboxes import LocalProvider, SandboxPool, SandboxSpec
@@ -27,20 +29,18 @@ SUITE = "sandboxes"
 
 
 def _descendants(root: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                kids.setdefault(int(fields[1]), []).append(int(name))
-    out, todo = set(), [root]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
+    """Live (non-zombie) descendants of ``root``."""
+    try:
+        kids = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    out = set()
+    for kid in kids:
+        try:
+            if kid.status() != psutil.STATUS_ZOMBIE:
+                out.add(kid.pid)
+        except psutil.NoSuchProcess:
+            continue
     return out
 
 

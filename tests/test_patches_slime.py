@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # a patched slime checkout built per module
+
 ROOT = Path(__file__).resolve().parents[1]
 SERIES = ROOT / "patches" / "slime" / "series.toml"
 MIRROR = Path("/work/.mirror/THUDM+slime/repo")

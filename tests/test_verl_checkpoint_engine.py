@@ -231,6 +231,7 @@ def test_topology_rejects_a_missing_master():
 # -- registration through the verl.plugins entry point, in fresh interpreters -----------
 
 
+@pytest.mark.slow
 def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
     out = run_python(
         """
@@ -249,6 +250,7 @@ def test_import_verl_is_enough_to_list_modal_delta(tmp_path):
     assert module == "verl_modal.checkpoint_engine"
 
 
+@pytest.mark.slow
 def test_a_registration_failure_is_loud(tmp_path):
     out = run_python(
         """

@@ -147,6 +147,7 @@ def test_launcher_rejects_missing_data(tmp_path):
     assert f"data.train_files: {tmp_path}/missing.parquet does not exist" in out.stderr
 
 
+@pytest.mark.slow
 def test_launcher_dry_run_lists_the_composed_overrides(tmp_path):
     out, _ = launcher(
         "--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--dry-run", "--", "trainer.total_epochs=1"

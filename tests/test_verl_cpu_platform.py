@@ -75,6 +75,7 @@ def test_never_auto_detected_without_verl_platform(monkeypatch):
     assert PlatformCPU().is_platform_available(use_smi_check=True) is True
 
 
+@pytest.mark.slow
 def test_verl_picks_it_through_its_own_external_module_hook():
     out = run_py(
         """
@@ -92,6 +93,7 @@ def test_verl_picks_it_through_its_own_external_module_hook():
     assert "'init_process_group': True" in second and "'vllm_hook': True" in second
 
 
+@pytest.mark.slow
 def test_other_platforms_untouched_without_verl_platform():
     out = run_py(
         """
@@ -135,12 +137,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_verl_process_group_comes_up_on_gloo_with_the_fix():
     out = run_py(INIT_PG.format(port=_free_port()), env=CPU_ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "ok cpu:gloo [1.0, 1.0]"
 
 
+@pytest.mark.slow
 def test_verl_process_group_fails_without_the_fix():
     # Blocker 3 as verl 0.9.1 hits it: the same env, our platform, but no backend de-dup.
     code = "import verl_modal.cpu.patches as p; p._patch_init_process_group = lambda: None\n"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _launcher import run_module
 
 from verl_modal.launch import VERL_IMAGE, cluster_job
@@ -46,6 +47,7 @@ def launcher(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProc
     return run_module("verl_modal", *argv, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     flags = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8", "--rdma"]
     flags += ["--volume", "hf-cache:/root/.cache/huggingface", "--volume", "ckpt:/ckpt"]
@@ -90,6 +92,7 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     assert plan["preflight"] == "ok"
 
 
+@pytest.mark.slow
 def test_standalone_rollout_replicas_get_the_last_nodes():
     line = [*VERL_LINE, "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]
     line += [
@@ -106,6 +109,7 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
     assert json.loads(plan["runtime_env"]["env_vars"][PLACEMENT_ENV]) == want
 
 
+@pytest.mark.slow
 def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():
     out, _ = launcher(
         "--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--image", "me/verl:mine",

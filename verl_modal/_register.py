@@ -4,8 +4,9 @@ verl imports every ``verl.plugins`` entry point at the end of ``import verl`` an
 failing one at DEBUG only. A registry usually lives in a module that ``import verl`` does
 not load (the checkpoint-engine base, the reward-loop managers), and importing it from the
 plugin would add seconds of Ray / transformers to every process that imports verl. So a
-plugin calls :func:`after_import`: a one-shot import hook runs the registration right after
-the registry's module finishes loading, and whoever can see that registry sees our name.
+plugin calls :func:`after_import`: the one post-import hook (:mod:`verl_modal._post_import`)
+runs the registration right after the registry's module finishes loading, and whoever can
+see that registry sees our name.
 
 Invariants:
 - a registration runs at most once per process, and only after the real loader executed the
@@ -18,15 +19,12 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 from collections.abc import Callable
 
-log = logging.getLogger("verl_modal")
+from verl_modal import _post_import
 
-_PENDING: dict[str, list[Callable[[], None]]] = {}  # target module -> registrations waiting for it
+log = logging.getLogger("verl_modal")
 
 
 def loudly(what: str, register: Callable[[], None], on_error: Callable[[Exception], None] | None = None):
@@ -51,47 +49,10 @@ def as_import_error(exc: Exception) -> ImportError:
     return exc if isinstance(exc, ImportError) else ImportError(f"{type(exc).__name__}: {exc}")
 
 
-class _RunAfter(importlib.abc.Loader):
-    """Wraps the real loader of a target module; runs its pending registrations after it."""
-
-    def __init__(self, inner: importlib.abc.Loader, target: str) -> None:
-        self.inner, self.target = inner, target
-
-    def __getattr__(self, name):  # get_source, get_filename, is_package … for tools that ask
-        return getattr(self.inner, name)
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.inner.exec_module(module)
-        for register in _PENDING.pop(self.target, []):
-            register()
-
-
-class _Hook(importlib.abc.MetaPathFinder):
-    """One finder for all pending targets; answers only for those, once each."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _PENDING:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RunAfter(spec.loader, fullname)
-        return spec
-
-
-_HOOK = _Hook()
-
-
 def after_import(target: str, register: Callable[[], None]) -> None:
-    """Run ``register`` once ``target`` (a dotted module name) has been imported.
+    """Run ``register`` once ``target`` (a dotted module name) has been imported
+    (verl_modal's one post-import hook, :mod:`verl_modal._post_import`).
 
     ``register`` should come from :func:`loudly`: it runs inside verl's own import statement.
     """
-    if target in sys.modules:
-        register()
-        return
-    _PENDING.setdefault(target, []).append(register)
-    if _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
+    _post_import.after_import(target, register)

@@ -270,6 +270,9 @@ class ModalVLLMReplica(RolloutReplica):
         # (parent-death signal) and ends the Modal app run it holds.
         self._finalizer = weakref.finalize(self, _kill_quietly, proxy)
         started = await proxy.start.remote()
+        if started.get("run_id"):  # local engines: end every process of theirs with this replica
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _kill_quietly, proxy, started["run_id"])
         self.proxy_started = True
         address = started["address"]
         self._engine_url = address  # http://127.0.0.1:port locally, https://... through a tunnel
@@ -298,13 +301,18 @@ class ModalVLLMReplica(RolloutReplica):
             ray.kill(worker)
         self.servers, self.workers, self._server_handle = [], [], None
         if getattr(self, "_finalizer", None) is not None:
-            self._finalizer.detach()
+            self._finalizer()  # ends what close() did not (local engines' forked cores), once
 
 
-def _kill_quietly(actor) -> None:
+def _kill_quietly(actor, engine_run_id: str | None = None) -> None:
     import contextlib
 
     import ray
+
+    from modal_rl.cluster import procs
+
+    if engine_run_id:
+        procs.end_run(engine_run_id, grace_s=2.0)
 
     if ray.is_initialized():  # never start a Ray instance just to kill an actor of a gone one
         with contextlib.suppress(Exception):

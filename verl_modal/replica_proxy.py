@@ -90,7 +90,10 @@ class VLLMHttpProxy:
         (address,) = await asyncio.to_thread(self.supervisor.start)
         check_key_safe_url(address)  # the key goes only over TLS or to loopback
         log_dir = getattr(pool, "log_dir", None)
-        return {"address": address, "log_dir": str(log_dir) if log_dir and not pool._owned_log_dir else None}
+        kept = str(log_dir) if log_dir and not pool._owned_log_dir else None
+        # Local engines' run id: the replica ends them by it if this actor is killed before close()
+        # (a parent-death signal reaches the server process, not the engine cores it forked).
+        return {"address": address, "log_dir": kept, "run_id": getattr(pool, "run_id", None)}
 
     async def load_weights(self, source: dict, global_steps: int | None = None) -> dict:
         """Make ``source`` (a ``WeightSource`` as a dict) the replica's version: every serving

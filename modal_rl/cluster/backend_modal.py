@@ -34,10 +34,11 @@ from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
 from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, modal_secret, redact
 
 RAY_VERSION = "2.60.0"
-MAX_MODAL_TIMEOUT_S = 24 * 3600
+
 # Time the function needs beyond the job itself: image pull, Ray start, join wait, teardown.
 TIMEOUT_MARGIN_S = 600
 

@@ -47,9 +47,9 @@ from typing import Any
 
 from modal_rl.cluster.engine_auth import bearer_header, key_safe_url
 from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
+from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
 from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, MissingRunKeyError, run_key
 
-MAX_MODAL_TIMEOUT_S = 24 * 3600
 LOG_TAIL_LINES = 30
 AUTH_MODES = ("bearer", None)
 KEY_ENVS = (RUN_KEY_ENV, RAY_TOKEN_ENV)

@@ -2,45 +2,29 @@
 
 NCCL and Gloo pick an interface on their own and often pick the wrong one (Gloo falls back
 to loopback, NCCL to a docker bridge); both honour ``*_SOCKET_IFNAME``. We name the interface
-that holds the node's cluster address, found from the kernel (IPv4 via SIOCGIFADDR/netmask
-ioctls, IPv6 via ``/proc/net/if_inet6``), so the collectives use the same network Ray does.
+that holds the node's cluster address, as the kernel reports it (``psutil.net_if_addrs``), so
+the collectives use the same network Ray does.
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import socket
-import struct
 
-_SIOCGIFADDR = 0x8915
-_SIOCGIFNETMASK = 0x891B
+import psutil
 
 
-def _ipv4_networks() -> list[tuple[str, ipaddress.IPv4Interface]]:
-    nets = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            packed = struct.pack("256s", name.encode()[:15])
-            try:
-                addr = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, packed)[20:24])
-                mask = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFNETMASK, packed)[20:24])
-            except OSError:
-                continue  # interface without an IPv4 address
-            nets.append((name, ipaddress.IPv4Interface(f"{addr}/{mask}")))
-    return nets
-
-
-def _ipv6_addresses() -> list[tuple[str, ipaddress.IPv6Interface]]:
+def _networks(version: int) -> list[tuple[str, ipaddress.IPv4Interface | ipaddress.IPv6Interface]]:
+    family = socket.AF_INET if version == 4 else socket.AF_INET6
     out = []
-    try:
-        with open("/proc/net/if_inet6") as f:
-            for line in f:
-                hexaddr, _, prefix, _, _, name = line.split()
-                addr = ipaddress.IPv6Address(int(hexaddr, 16))
-                out.append((name, ipaddress.IPv6Interface(f"{addr}/{int(prefix, 16)}")))
-    except FileNotFoundError:
-        pass
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family != family:
+                continue
+            addr = a.address.split("%", 1)[0]  # fe80::1%eth0: the scope is the interface itself
+            # The prefix length from the netmask: ipaddress takes "addr/mask" for both families.
+            prefix = bin(int(ipaddress.ip_address(a.netmask))).count("1") if a.netmask else None
+            out.append((name, ipaddress.ip_interface(addr if prefix is None else f"{addr}/{prefix}")))
     return out
 
 
@@ -51,7 +35,7 @@ def interface_for(address: str) -> str:
     be told to use an address that is its own.
     """
     ip = ipaddress.ip_address(address)
-    candidates = _ipv4_networks() if ip.version == 4 else _ipv6_addresses()
+    candidates = _networks(ip.version)
     # An exact host match beats a subnet match (two interfaces may share a subnet).
     for name, iface in candidates:
         if iface.ip == ip:

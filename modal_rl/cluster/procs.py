@@ -3,8 +3,9 @@
 Every node process we launch carries ``MODAL_RL_RUN_ID=<uuid>`` in its environment, and
 every process Ray starts beneath it (GCS, raylet, dashboard, workers, job drivers) inherits
 it, even after it is re-parented to init. So "processes of this run" is an exact, lineage-
-independent set read from ``/proc/<pid>/environ``; teardown ends that set and nothing else
-(never ``ray stop`` or a kill by name, which would hit other users' clusters on the host).
+independent set read from each process's environment (``psutil``); teardown ends that set and
+nothing else (never ``ray stop`` or a kill by name, which would hit other users' clusters on
+the host).
 """
 
 from __future__ import annotations
@@ -13,47 +14,43 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
+
+import psutil
 
 RUN_ID_ENV = "MODAL_RL_RUN_ID"
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+
+
+def _live(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except _GONE:
+        return False
 
 
 def pids_of_run(run_id: str) -> list[int]:
     """Live PIDs whose environment holds ``MODAL_RL_RUN_ID=run_id`` (zombies excluded)."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
     me = os.getpid()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+    for proc in psutil.process_iter():
+        if proc.pid == me:
             continue
         try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+            if proc.environ().get(RUN_ID_ENV) != run_id:
                 continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
+        except _GONE:
+            continue  # gone, a zombie, or another user's process (not ours to end)
+        if _live(proc):
+            found.append(proc.pid)
     return sorted(found)
 
 
 def children_of(pid: int) -> list[int]:
-    """Direct and indirect children of ``pid`` at this moment (walks PPid in /proc)."""
-    parent_of: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue
-        parent_of[int(entry.name)] = ppid
-    out, frontier = [], [pid]
-    while frontier:
-        nxt = [c for c, p in parent_of.items() if p in frontier]
-        out += nxt
-        frontier = nxt
-    return out
+    """Direct and indirect children of ``pid`` at this moment."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except _GONE:
+        return []
 
 
 def signal_pids(pids: list[int], sig: int) -> None:
@@ -63,13 +60,14 @@ def signal_pids(pids: list[int], sig: int) -> None:
 
 
 def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run (a zombie has exited: it does not count)."""
     out = []
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
+            proc = psutil.Process(pid)
+        except _GONE:
             continue
-        if state != "Z":
+        if _live(proc):
             out.append(pid)
     return out
 

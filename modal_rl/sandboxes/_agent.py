@@ -46,6 +46,10 @@ def kill_all_but_me():
 
 
 def nprocs():
+    # Stdlib on purpose, not psutil (which the host side uses): this file runs as
+    # `python3 -I -S` — no site-packages — with the host's base interpreter, or with an image's
+    # own python3 that may have no psutil at all. The /proc here is the sandbox's own PID
+    # namespace, so counting its numeric entries is counting the sandbox's processes.
     pids = [name for name in os.listdir("/proc") if name.isdigit()]
     if len(pids) <= CFG["max_procs"]:
         return len(pids)

@@ -73,10 +73,17 @@ def _host_root_args() -> tuple[list[str], list[str]]:
     for name in _ETC_FILES:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     path = ["/usr/local/bin", "/usr/bin", "/bin"]
-    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
+    python = os.path.realpath(sys.executable)
+    prefixes = {os.path.realpath(sys.base_prefix)}
+    # A venv's prefix is bound only when the interpreter itself lives there: the agent runs
+    # with -I -S (no site-packages), and a venv under /tmp would otherwise put a /tmp on the
+    # frozen root where the work dir's /tmp symlink has to go.
+    if python.startswith(os.path.realpath(sys.prefix) + os.sep):
+        prefixes.add(os.path.realpath(sys.prefix))
+    for prefix in prefixes:
         if not prefix.startswith("/usr/"):
             args += ["--ro-bind", prefix, prefix]
-    path.insert(0, os.path.dirname(os.path.realpath(sys.executable)))
+    path.insert(0, os.path.dirname(python))
     return args, path
 
 

@@ -13,18 +13,20 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
+
 DEFAULT_DIR = Path(os.environ.get("MODAL_RL_SANDBOX_REGISTRY", "/tmp/modal-rl-sandboxes"))
 
 
-def proc_starttime(pid: int) -> int | None:
-    """Kernel start time (clock ticks since boot) of ``pid``; None if it is gone or a zombie."""
+def proc_starttime(pid: int) -> float | None:
+    """When ``pid`` started (``psutil``'s create time, fixed for a process's life), so a
+    recycled PID is never mistaken for the sandbox; None if it is gone or a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        proc = psutil.Process(pid)
+        # a zombie is already dead
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    # The command name is parenthesised and may contain spaces: split after the last ')'.
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie is already dead
 
 
 def register(registry_dir: Path, sandbox_id: str, pid: int, tags: Mapping[str, str]) -> Path:

@@ -9,12 +9,10 @@ them — the subscriber's ``VersionChain`` verifies every frame.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from collections.abc import Iterable
 from typing import Protocol
 
+from modal_rl import ratelimit
 from modal_rl.weightsync.frames import VersionHeader
 
 
@@ -39,39 +37,13 @@ class FrameSource(Protocol):
     def close(self) -> None: ...
 
 
-class TokenBucket:
-    """A byte-rate limit shared by every connection of one process: it models the host's
-    NIC (e.g. a 1 Gbps WAN link), so fanning out to N receivers divides the rate."""
+class TokenBucket(ratelimit.TokenBucket):
+    """The project's token bucket counted in bytes, shared by every connection of one process:
+    it models the host's NIC (e.g. a 1 Gbps WAN link), so fanning out to N receivers divides
+    the rate. ``bytes_per_s=None``: no limit."""
 
     def __init__(self, bytes_per_s: float | None, burst_bytes: int = 256 * 1024) -> None:
-        if bytes_per_s is not None and bytes_per_s <= 0:
-            raise ValueError(f"rate must be positive, got {bytes_per_s}")
-        self.rate = bytes_per_s
-        self.burst = burst_bytes
-        self.tokens = float(burst_bytes)
-        self.stamp = time.monotonic()
-        self.lock = threading.Lock()
-
-    def _reserve(self, n: int) -> float:
-        """Take n bytes of budget; return how long to wait before sending them."""
-        with self.lock:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            self.tokens -= n
-            return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
-
-    async def acquire(self, n: int) -> None:
-        if self.rate is not None:
-            delay = self._reserve(n)
-            if delay > 0:
-                await asyncio.sleep(delay)
-
-    def acquire_blocking(self, n: int) -> None:
-        if self.rate is not None:
-            delay = self._reserve(n)
-            if delay > 0:
-                time.sleep(delay)
+        super().__init__(bytes_per_s, burst_bytes)
 
 
 def gbps(value: float | None) -> float | None:

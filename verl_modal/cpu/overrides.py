@@ -82,12 +82,25 @@ class OverrideError(ValueError):
 
 
 def override_key(override: str) -> str:
-    """``"++a.b=1"`` -> ``"a.b"``; raises :class:`OverrideError` on anything but ``key=value``."""
-    body = override.lstrip("+~")
-    key, sep, _ = body.partition("=")
-    if not key or (not sep and not override.startswith("~")) or any(c.isspace() for c in key):
-        raise OverrideError(f"not a Hydra override of the form key=value: {override!r}")
-    return key
+    """``"++a.b=1"`` -> ``"a.b"`` (``"+grp@pkg=x"`` -> ``"grp@pkg"``): the key as Hydra's own
+    override parser reads it. Raises :class:`OverrideError` when Hydra refuses the key part
+    (or there is no ``=``); the value is Hydra's to judge when the config is composed
+    (:func:`compose`), which turns its refusal into an :class:`OverrideError` too.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    # Keys cannot hold "=" in Hydra's grammar: everything before the first "=" is the key part,
+    # and "key=" (empty value) or "~key" is a complete override to Hydra.
+    key_part, sep, _ = override.partition("=")
+    try:
+        parsed = OverridesParser.create().parse_override(key_part + sep)
+    except HydraException as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OverrideError(f"not a Hydra override of the form key=value: {override!r} ({reason})") from None
+    if not parsed.key_or_group:  # Hydra's grammar lets "=1" through; its config lookup would not
+        raise OverrideError(f"not a Hydra override of the form key=value: {override!r} (no key)")
+    return parsed.get_key_element().lstrip("+~")
 
 
 def merge(*layers: list[str]) -> list[str]:

@@ -25,15 +25,15 @@ process that needs it (installed files are never edited):
   :func:`verl_modal.upstream.pause_mode_aware`).
 
 Invariants: :func:`install` is idempotent and only ever wraps; each wrapper calls the
-original; the module wrappers are applied whenever their module is imported in a process
-where ``install`` ran (a post-import hook, since vLLM worker processes import them late);
+original; the module wrappers are applied once their module is imported in a process where
+``install`` ran (verl_modal's one post-import hook, :mod:`verl_modal._post_import`, since
+vLLM worker processes import them late);
 the weight-reload wrapper does nothing for LoRA or quantized updates, which verl handles itself.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 from typing import Any
 
@@ -153,39 +153,23 @@ _MODULE_PATCHES = {
 }
 
 
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Applies the module's entry of ``_MODULE_PATCHES`` right after the module executes."""
+_hooked = False  # install() ran in this process: the module wrappers wait in the post-import hook
 
-    def find_spec(self, fullname, path=None, target=None):
-        patch = _MODULE_PATCHES.get(fullname)
-        if patch is None:
-            return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
 
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
+def _patch_when_imported(name: str) -> None:
+    from verl_modal._post_import import after_import
 
-        spec.loader.exec_module = exec_and_patch
-        return spec
+    after_import(name, lambda: _MODULE_PATCHES[name](sys.modules[name]))
 
 
 def install() -> None:
     """Install every fix in this process (idempotent)."""
+    global _hooked
     _patch_init_process_group()
-    for name, patch in _MODULE_PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-    if not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportHook())
+    if not _hooked:
+        for name in _MODULE_PATCHES:
+            _patch_when_imported(name)  # at once if already imported, else right after its import
+        _hooked = True
 
 
 def installed() -> dict[str, bool]:
@@ -196,7 +180,7 @@ def installed() -> dict[str, bool]:
     async_llm = sys.modules.get(VLLM_ASYNC_LLM_MODULE)
     return {
         "init_process_group": bool(getattr(dist.init_process_group, _MARK, False)),
-        "vllm_hook": any(isinstance(f, _PostImportHook) for f in sys.meta_path),
+        "vllm_hook": _hooked,
         "vllm_update_weights": bool(
             ext is not None and getattr(ext.vLLMColocateWorkerExtension._update_weights, _MARK, False)
         ),
