@@ -153,6 +153,18 @@ def sample_versions(lines: list[str], lag: int) -> dict[int, dict]:
     return out
 
 
+def max_abs_diff(a: dict, b: dict) -> float | None:
+    """Largest elementwise difference of two actor state dicts (None if their keys differ):
+    two undisturbed runs of this command differ too (async batch make-up, vLLM sampling)."""
+
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).float()
+
+    if sorted(a) != sorted(b):
+        return None
+    return max(float((local(a[k]) - local(b[k])).abs().max()) for k in a)
+
+
 def _wait_for(cond, timeout_s: float, run: _Run) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and run.proc.poll() is None:
@@ -211,13 +223,14 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
         )
         for tag in tags:
             kill_run(tag)
-        match = None
+        match = diff = None
         if code == 0 and ref_code == 0:
             ref_w, dis_w = (
                 actor_weights(tmp / "ref" / "ckpt", steps),
                 actor_weights(tmp / "dis" / "ckpt", steps),
             )
             match = _equal(ref_w, dis_w) if ref_w and dis_w else None
+            diff = max_abs_diff(ref_w, dis_w) if ref_w and dis_w else None
         per_step = sample_versions([x for _, x in dis.lines], LAG)
         ref_per_step = sample_versions([x for _, x in ref.lines], LAG)
         done = dis.steps()
@@ -261,6 +274,7 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             "reference_sample_staleness_per_step": ref_per_step,
             "events": [{k: v for k, v in e.items() if k != "url"} for e in events],
             "exit_codes": {"reference": ref_code, "disturbed": code},
+            "final_weights_max_abs_diff": diff,
             "leaked_pids": leaked,
             "note": "anchor_transfer_s is the replacement's catch-up: the retained anchor plus the "
             "deltas after it, pulled and loaded; wrong_version_samples: steps whose samples' "
