@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--slime-src", type=Path, help="weight-sync: also measure slime's own code from this checkout"
     )
+    parser.add_argument("--only", help="chaos: run only this scenario (e.g. a_engine_kill)")
     args = parser.parse_args(argv)
     if args.suite == "list":
         print("\n".join(available_suites()))
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"slime_src": args.slime_src} if args.slime_src else {}  # only weight-sync takes it
+    extra |= {"only": args.only} if args.only else {}  # only chaos takes it
     module.run(quick=args.quick, out=args.out, **extra)
     return 0
 
