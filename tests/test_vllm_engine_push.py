@@ -229,8 +229,11 @@ def test_a_killed_engine_is_replaced_catches_up_and_serves_the_request_it_had(en
             runner = threading.Thread(
                 target=lambda: out.update(result=asyncio.run(sup.run(send, wait_s=600.0)))
             )
+            # Stopped first, so the request is surely still in flight when the engine dies (a
+            # quiet machine answers 48 tokens in well under a second).
+            os.kill(old_pid, signal.SIGSTOP)
             runner.start()
-            time.sleep(0.3)  # the request is in flight
+            time.sleep(0.3)
             os.kill(old_pid, signal.SIGKILL)
             runner.join(600)
             answer, lease = out["result"]
