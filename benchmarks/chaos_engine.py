@@ -30,7 +30,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,8 +37,9 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"step:(\d+) - ")
+from benchmarks.chaos_trainer import STEP_LINE
+from benchmarks.chaos_trainer import _Run as _VerlRun
+
 PROXY = "modal_vllm_server_0"
 LAG = 1  # trainer.v1.separate_async.parameter_sync_step: the staleness verl allows
 
@@ -76,38 +76,18 @@ def _driver(argv: list[str]) -> int:
     return main(argv[argv.index("--") + 1 :])
 
 
-class _Run:
+class _Run(_VerlRun):
     """The driver above, tagged with a run id; its output lines with arrival times."""
 
     def __init__(self, args: list[str], tag: str, tmp: Path, name: str):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "VLLM_"))}
         self.observed, self.engine_logs = tmp / f"{name}-observed.json", tmp / f"{name}-engine-logs"
-        env.update(
-            {
-                "PYTHONPATH": str(ROOT),
-                "RAY_DEDUP_LOGS": "0",
-                "MODAL_RL_RUN_ID": tag,
-                "VERL_MODAL_ENGINE_LOG_DIR": str(self.engine_logs),
-            }
+        super().__init__(
+            args,
+            tag,
+            tmp / f"{name}.log",
+            module=("benchmarks.chaos_engine", "--observe", str(self.observed), "--"),
+            extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(self.engine_logs)},
         )
-        self.tag, self.lines = tag, []
-        self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos_engine", "--observe", str(self.observed), "--", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-            self.log.write(line)
 
     def steps(self) -> list[int]:
         return [int(m.group(1)) for _, line in list(self.lines) if (m := STEP_LINE.search(line))]
@@ -117,18 +97,6 @@ class _Run:
             return json.loads(self.observed.read_text())
         except (OSError, ValueError):
             return {}
-
-    def wait(self, timeout: float) -> int:
-        from benchmarks.chaos_trainer import kill_run
-
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_run(self.tag)
-            code = self.proc.wait(30)
-        self.reader.join(10)
-        self.log.close()
-        return code
 
 
 STALENESS = re.compile(r"training/off_policy/trajectory_staleness/(min|max|mean):(?:np\.\w+\()?([-\d.]+)")

@@ -36,13 +36,22 @@ STEP_LINE = re.compile(r"step:(\d+) - ")
 class _Run:
     """``python -m verl_modal ...`` tagged with a run id; its output lines with arrival times."""
 
-    def __init__(self, args: list[str], tag: str, log: Path):
+    def __init__(
+        self,
+        args: list[str],
+        tag: str,
+        log: Path,
+        *,
+        module: tuple[str, ...] = ("verl_modal",),
+        extra_env: dict[str, str] | None = None,
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "VLLM_"))}
         env.update({"PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0", "MODAL_RL_RUN_ID": tag})
+        env.update(extra_env or {})
         self.tag, self.lines = tag, []
         self.log = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "verl_modal", *args],
+            [sys.executable, "-m", *module, *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
