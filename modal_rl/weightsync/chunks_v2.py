@@ -106,8 +106,7 @@ def encode(
     if positions.size == 0:
         return None, positions, old_w, new_w
     q = k_.quantize_p(n, last, np.bincount(ctxs, minlength=n.size))
-    tab = k_.geo_model(q)
-    mask_words = k_.mask_encode(n, last, ctxs, gaps, tab)
+    mask_words = k_.mask_encode(n, last, ctxs, gaps, q)
     res_words = k_.rans_encode(*k_.residual_symbols(old_w, new_w))
     streams = [_side_info(q, bounds.size - 1), mask_words.view(np.uint8), res_words.view(np.uint8)]
     body = header_for(positions.size) + pack_streams(streams, [ZSTD, STORED, STORED], level)
@@ -127,8 +126,7 @@ def decode(
     q = _read_side_info(np.frombuffer(streams[0], np.uint8), bounds.size - 1, index)
     if len(streams[1]) % 4 or len(streams[2]) % 4:
         raise CorruptFrameError(f"chunk {index}: rANS streams are not whole words")
-    tab = k_.geo_model(q)
-    positions, ok = k_.mask_decode(base, bounds, q, tab, np.frombuffer(streams[1], "<u4"), nchanged)
+    positions, ok = k_.mask_decode(base, bounds, q, np.frombuffer(streams[1], "<u4"), nchanged)
     if not ok:
         raise CorruptFrameError(
             f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)"

@@ -38,7 +38,7 @@ from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
 
 __all__ = [
     "encode_pass",
-    "geo_model",
+    "geo_table",
     "mask_decode",
     "mask_encode",
     "quantize_p",
@@ -50,6 +50,8 @@ __all__ = [
 SEG_MIN = 1 << 16  # tensors smaller than this share a context segment with their neighbours
 QSYM = 24  # run-length quotient symbols 0..QSYM-1, then an escape
 GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
+NEVER = np.int32(2**31 - 1)  # countdown of a context without changes: never runs out
+GAP_CAP = np.int64(1) << 30  # above any chunk's length (MAX_CHUNK_ELEMS = 2**28): corrupt
 
 
 @_kernel
@@ -140,39 +142,47 @@ def quantize_p(n, last, gaps_count):
 
 
 @_kernel
-def geo_model(q):
-    """Per context with q > 0: m and the cumulative table of the quotient symbols."""
-    tab = np.zeros((q.size, GEO_COLS), dtype=np.int64)
-    for c in range(q.size):
-        if q[c] == 0:
-            continue
-        p = 2.0 ** (-np.float64(q[c]) / 8.0)
+def _fill_geo_row(row, theta, m):
+    """``row``: m, then the cumulative table of the quotient symbols of a run length
+    ``g = (u << m) + r`` whose quotient is geometric with ratio ``theta``."""
+    row[0] = m
+    # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
+    total = 0
+    freqs = np.empty(QSYM + 1, dtype=np.int64)
+    for u in range(QSYM + 1):
+        pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
+        freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
+        total += freqs[u]
+    freqs[0] += M - total
+    cum = 0
+    for u in range(QSYM + 1):
+        row[1 + u] = cum
+        cum += freqs[u]
+    row[2 + QSYM] = cum
+
+
+@_kernel
+def geo_table():
+    """Per q byte (row 0 unused): the run-length model of a context with
+    ``p = 2 ** (-q / 8)``. Made once: a context's model depends on nothing but its q."""
+    tab = np.zeros((256, GEO_COLS), dtype=np.int64)
+    for c in range(1, 256):
+        p = 2.0 ** (-np.float64(c) / 8.0)
         lq = np.log1p(-min(p, 0.999))  # ln(1 - p) < 0
         m = 0
         while m < 31 and (1 << (m + 1)) * -lq <= np.log(2.0):
             m += 1
-        theta = np.exp((1 << m) * lq)
-        tab[c, 0] = m
-        # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
-        total = 0
-        freqs = np.empty(QSYM + 1, dtype=np.int64)
-        for u in range(QSYM + 1):
-            pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
-            freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
-            total += freqs[u]
-        freqs[0] += M - total
-        cum = 0
-        for u in range(QSYM + 1):
-            tab[c, 1 + u] = cum
-            cum += freqs[u]
-        tab[c, 2 + QSYM] = cum
+        _fill_geo_row(tab[c], np.exp((1 << m) * lq), m)
     return tab
 
 
+GEO = geo_table()  # a module constant: numba compiles it into the kernels
+
+
 @_kernel
-def _put_gap(x, out, n, g, tab, c):
-    """Run length ``g`` in context ``c``, in reverse of the decoder's reading order."""
-    m = tab[c, 0]
+def _put_gap(x, out, n, g, row):
+    """Run length ``g`` under the model ``row``, in reverse of the decoder's reading order."""
+    m = row[0]
     u = g >> m
     x, n = _put_uniform(x, out, n, g & ((np.int64(1) << m) - 1), m)
     sym = min(u, QSYM)
@@ -183,11 +193,11 @@ def _put_gap(x, out, n, g, tab, c):
             nb += 1
         x, n = _put_uniform(x, out, n, extra, nb)
         x, n = _put_uniform(x, out, n, nb, 6)
-    return _put(x, out, n, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+    return _put(x, out, n, row[1 + sym], row[2 + sym] - row[1 + sym])
 
 
 @_kernel
-def mask_encode(n, last, ctxs, gaps, tab):
+def mask_encode(n, last, ctxs, gaps, q):
     """The mask's rANS words. Reading order (the receiver's): each changed context's first
     run length (context order), then at each change (word order) its context's next run
     length, the last one to the context's end. Encoded in reverse, in one pass."""
@@ -199,21 +209,22 @@ def mask_encode(n, last, ctxs, gaps, tab):
     w = 0
     for j in range(nch - 1, -1, -1):
         c = ctxs[j]
-        x, w = _put_gap(x, out, w, pending[c], tab, c)
+        x, w = _put_gap(x, out, w, pending[c], GEO[q[c]])
         pending[c] = gaps[j]
     for c in range(n.size - 1, -1, -1):
         if last[c] >= 0:
-            x, w = _put_gap(x, out, w, pending[c], tab, c)
+            x, w = _put_gap(x, out, w, pending[c], GEO[q[c]])
     return _flush(x, out, w)
 
 
 @_kernel
-def _dec_gap(x, words, w, tab, c):
+def _dec_gap(x, words, w, row):
+    """One run length under the model ``row`` of the geometric table (a context's q)."""
     slot = x & (M - 1)
     sym = 0
-    while sym < QSYM and tab[c, 2 + sym] <= slot:
-        sym += 1
-    x, w = _advance(x, words, w, slot, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+    for u in range(QSYM):  # branch-free: the table is short and the search would mispredict
+        sym += row[2 + u] <= slot
+    x, w = _advance(x, words, w, slot, row[1 + sym], row[2 + sym] - row[1 + sym])
     u = np.int64(sym)
     if sym == QSYM:
         nb, x, w = _dec_uniform(x, words, w, 6)
@@ -224,62 +235,64 @@ def _dec_gap(x, words, w, tab, c):
             v, x, w = _dec_uniform(x, words, w, take)
             extra = (extra << take) | v
         u += extra
-    m = tab[c, 0]
+    m = row[0]  # < 32: at most two uniform pieces, the high 16 bits first
     r = np.int64(0)
-    while m > 0:
-        take = min(m, PROB_BITS)
-        m -= take
-        v, x, w = _dec_uniform(x, words, w, take)
-        r = (r << take) | v
-    if u > (np.int64(1) << 30):
-        u = np.int64(1) << 30  # corrupt input; the final checks refuse it
-    return (u << tab[c, 0]) + r, x, w
+    if m > PROB_BITS:
+        r, x, w = _dec_uniform(x, words, w, PROB_BITS)
+        m -= PROB_BITS
+    if m > 0:
+        v, x, w = _dec_uniform(x, words, w, m)
+        r = (r << m) | v
+    if u > GAP_CAP:
+        u = GAP_CAP  # corrupt input; the final checks refuse it
+    return min((u << row[0]) + r, GAP_CAP), x, w
 
 
 @_kernel
-def _scan(base, nxt, off, i, hi):
-    """Count words into their contexts' countdowns from ``i``; stop at the first word
-    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop
-    (unsigned indices: no negative-index wraparound code)."""
-    uoff = np.uint64(off)
+def _scan(base, nxt, uoff, i, hi):
+    """Count words down in their contexts' countdowns from ``i``; stop at the first word
+    whose countdown runs out (a change) or at ``hi``. The decoder's hot loop: unsigned
+    indices (no negative-index wraparound code) and int32 countdowns keep it at about
+    two cycles a word."""
     while i < hi:
         c = uoff + _exp(base[i])
-        r = nxt[c] - 1
+        r = nxt[c] - np.int32(1)
         nxt[c] = r
         if r < 0:
             return i
-        i += 1
+        i += np.uint64(1)
     return hi
 
 
 @_kernel
-def mask_decode(base, seg_bounds, q, tab, words, nchanged):
+def mask_decode(base, seg_bounds, q, words, nchanged):
     """Receiver's pass: the changed positions (chunk-local). Returns (positions, ok)."""
     pos = np.empty(nchanged, dtype=np.int64)
     x, w = _start(words)
-    nxt = np.full(q.size, np.int64(1) << 62)  # words to skip before the next change
+    # words to skip before each context's next change; int32 halves the hot loop's cost
+    nxt = np.full(q.size, NEVER, dtype=np.int32)
     for c in range(q.size):
         if q[c]:
-            g, x, w = _dec_gap(x, words, w, tab, c)
+            g, x, w = _dec_gap(x, words, w, GEO[q[c]])
             nxt[c] = g
     found = 0
     nseg = seg_bounds.size - 1
     for s in range(nseg):
-        off = s * 256
-        i = seg_bounds[s]
-        hi = seg_bounds[s + 1]
+        uoff = np.uint64(s * 256)
+        i = np.uint64(seg_bounds[s])
+        hi = np.uint64(seg_bounds[s + 1])
         while True:
-            i = _scan(base, nxt, off, i, hi)
+            i = _scan(base, nxt, uoff, i, hi)
             if i == hi:
                 break
             if found == nchanged or w > words.size:
                 return pos, False
             pos[found] = i
             found += 1
-            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            g, x, w = _dec_gap(x, words, w, tab, c)
+            c = uoff + _exp(base[i])
+            g, x, w = _dec_gap(x, words, w, GEO[q[c]])
             nxt[c] = g
-            i += 1
+            i += np.uint64(1)
     for c in range(q.size):
         if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
             return pos, False
