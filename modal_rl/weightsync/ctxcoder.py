@@ -61,34 +61,34 @@ def _exp(word):
 
 
 @_kernel
-def _count_equal(base, new, n0, n1, off, i, hi):
+def _count_equal(base, new, n0, n1, uoff, i, hi):
     """Count words into their contexts from ``i`` while base and new agree; returns the
     first differing index, or ``hi``. Even and odd words count into separate arrays, so
     runs of one context make two independent store-to-load chains instead of one. Indices
     are unsigned so the compiler emits no negative-index wraparound (a third of the time)."""
-    uoff = np.uint64(off)
-    if i < hi and i & 1:
+    one = np.uint64(1)
+    if i < hi and i & one:
         b = base[i]
         if b != new[i]:
             return i
         n1[uoff + _exp(b)] += 1
-        i += 1
-    while i + 1 < hi:
+        i += one
+    while i + one < hi:
         b0 = base[i]
-        b1 = base[i + 1]
+        b1 = base[i + one]
         if b0 != new[i]:
             return i
         n0[uoff + _exp(b0)] += 1
-        if b1 != new[i + 1]:
-            return i + 1
+        if b1 != new[i + one]:
+            return i + one
         n1[uoff + _exp(b1)] += 1
-        i += 2
+        i += np.uint64(2)
     if i < hi:
         b = base[i]
         if b != new[i]:
             return i
         n0[uoff + _exp(b)] += 1
-        i += 1
+        i += one
     return hi
 
 
@@ -99,8 +99,8 @@ def encode_pass(base, new, seg_bounds):
     change there, or since the context's start). Returns (n, last, pos, ctxs, gaps);
     ``last`` = rank of each context's last change (-1: none)."""
     nseg = seg_bounds.size - 1
-    n0 = np.zeros(nseg * 256, dtype=np.int64)  # words at even indices
-    n1 = np.zeros(nseg * 256, dtype=np.int64)  # words at odd indices
+    n0 = np.zeros(nseg * 256, dtype=np.int32)  # words at even indices (int32: a chunk < 2**28)
+    n1 = np.zeros(nseg * 256, dtype=np.int32)  # words at odd indices
     last = np.full(nseg * 256, -1, dtype=np.int64)
     count = base.size
     pos = np.empty(count, dtype=np.int64)  # pages are only touched as far as changes go
@@ -108,26 +108,27 @@ def encode_pass(base, new, seg_bounds):
     gaps = np.empty(count, dtype=np.int64)
     j = 0
     for s in range(nseg):
-        off = s * 256
-        i = seg_bounds[s]
-        hi = seg_bounds[s + 1]
+        uoff = np.uint64(s * 256)
+        i = np.uint64(seg_bounds[s])
+        hi = np.uint64(seg_bounds[s + 1])
         while True:
-            i = _count_equal(base, new, n0, n1, off, i, hi)
+            i = _count_equal(base, new, n0, n1, uoff, i, hi)
             if i == hi:
                 break
-            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            r = n0[c] + n1[c]
-            if i & 1:
+            c = uoff + _exp(base[i])
+            r = np.int64(n0[c]) + np.int64(n1[c])
+            if i & np.uint64(1):
                 n1[c] += 1
             else:
                 n0[c] += 1
-            pos[j] = i
-            ctxs[j] = c
+            pos[j] = np.int64(i)
+            ctxs[j] = np.int64(c)
             gaps[j] = r - last[c] - 1
             last[c] = r
             j += 1
-            i += 1
-    return n0 + n1, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
+            i += np.uint64(1)
+    n = n0.astype(np.int64) + n1.astype(np.int64)
+    return n, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
 
 
 @_kernel
