@@ -37,10 +37,12 @@ from modal_rl.weightsync.ctxrans import (
 from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
 
 __all__ = [
-    "encode_pass",
+    "encode_part",
     "geo_table",
-    "mask_decode",
     "mask_encode",
+    "mask_finish",
+    "mask_part",
+    "mask_start",
     "quantize_p",
     "rans_encode",
     "residual_decode",
@@ -93,42 +95,34 @@ def _count_equal(base, new, n0, n1, uoff, i, hi):
 
 
 @_kernel
-def encode_pass(base, new, seg_bounds):
-    """Encoder pass: per context its word count, and per change (word order) its
-    position, context and run length (its context's words skipped since the previous
-    change there, or since the context's start). Returns (n, last, pos, ctxs, gaps);
-    ``last`` = rank of each context's last change (-1: none)."""
-    nseg = seg_bounds.size - 1
-    n0 = np.zeros(nseg * 256, dtype=np.int32)  # words at even indices (int32: a chunk < 2**28)
-    n1 = np.zeros(nseg * 256, dtype=np.int32)  # words at odd indices
-    last = np.full(nseg * 256, -1, dtype=np.int64)
-    count = base.size
-    pos = np.empty(count, dtype=np.int64)  # pages are only touched as far as changes go
-    ctxs = np.empty(count, dtype=np.int64)
-    gaps = np.empty(count, dtype=np.int64)
-    j = 0
-    for s in range(nseg):
-        uoff = np.uint64(s * 256)
-        i = np.uint64(seg_bounds[s])
-        hi = np.uint64(seg_bounds[s + 1])
-        while True:
-            i = _count_equal(base, new, n0, n1, uoff, i, hi)
-            if i == hi:
-                break
-            c = uoff + _exp(base[i])
-            r = np.int64(n0[c]) + np.int64(n1[c])
-            if i & np.uint64(1):
-                n1[c] += 1
-            else:
-                n0[c] += 1
-            pos[j] = np.int64(i)
-            ctxs[j] = np.int64(c)
-            gaps[j] = r - last[c] - 1
-            last[c] = r
-            j += 1
-            i += np.uint64(1)
-    n = n0.astype(np.int64) + n1.astype(np.int64)
-    return n, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
+def encode_part(base, new, uoff, start, n0, n1, last, pos, ctxs, gaps, old_w, new_w, j):
+    """Encoder pass over one part of a chunk (words ``[start, start + base.size)``, all in
+    the context segment at ``uoff // 256``), continuing at change ``j``: counts words into
+    their contexts (``n0`` + ``n1``), and per change records its position, context, run
+    length (its context's words skipped since the previous change there, or since the
+    context's start), old and new word; ``last`` = rank of each context's latest change
+    (-1: none). Returns the next ``j``. Parts are passed in chunk order."""
+    one = np.uint64(1)
+    i = np.uint64(0)
+    hi = np.uint64(base.size)
+    while True:
+        i = _count_equal(base, new, n0, n1, uoff, i, hi)
+        if i == hi:
+            return j
+        c = uoff + _exp(base[i])
+        r = np.int64(n0[c]) + np.int64(n1[c])
+        if i & one:
+            n1[c] += 1
+        else:
+            n0[c] += 1
+        pos[j] = start + np.int64(i)
+        ctxs[j] = np.int64(c)
+        gaps[j] = r - last[c] - 1
+        last[c] = r
+        old_w[j] = base[i]
+        new_w[j] = new[i]
+        j += 1
+        i += one
 
 
 @_kernel
@@ -266,9 +260,9 @@ def _scan(base, nxt, uoff, i, hi):
 
 
 @_kernel
-def mask_decode(base, seg_bounds, q, words, nchanged):
-    """Receiver's pass: the changed positions (chunk-local). Returns (positions, ok)."""
-    pos = np.empty(nchanged, dtype=np.int64)
+def mask_start(q, words):
+    """Decoder's state before the first word: (countdowns, rANS state ``[x, w, found]``);
+    each context's first run length is read here."""
     x, w = _start(words)
     # words to skip before each context's next change; int32 halves the hot loop's cost
     nxt = np.full(q.size, NEVER, dtype=np.int32)
@@ -276,25 +270,42 @@ def mask_decode(base, seg_bounds, q, words, nchanged):
         if q[c]:
             g, x, w = _dec_gap(x, words, w, GEO[q[c]])
             nxt[c] = g
-    found = 0
-    nseg = seg_bounds.size - 1
-    for s in range(nseg):
-        uoff = np.uint64(s * 256)
-        i = np.uint64(seg_bounds[s])
-        hi = np.uint64(seg_bounds[s + 1])
-        while True:
-            i = _scan(base, nxt, uoff, i, hi)
-            if i == hi:
-                break
-            if found == nchanged or w > words.size:
-                return pos, False
-            pos[found] = i
-            found += 1
-            c = uoff + _exp(base[i])
-            g, x, w = _dec_gap(x, words, w, GEO[q[c]])
-            nxt[c] = g
-            i += np.uint64(1)
+    state = np.zeros(3, dtype=np.int64)
+    state[0], state[1] = x, w
+    return nxt, state
+
+
+@_kernel
+def mask_part(base, uoff, start, q, words, nxt, state, pos, old_w):
+    """Decoder pass over one part (as ``encode_part``): records each change's position and
+    held word. Returns False on a stream that cannot be this part's (``state`` is then
+    meaningless)."""
+    x, w, found = state[0], state[1], state[2]
+    nchanged = pos.size
+    i = np.uint64(0)
+    hi = np.uint64(base.size)
+    while True:
+        i = _scan(base, nxt, uoff, i, hi)
+        if i == hi:
+            break
+        if found == nchanged or w > words.size:
+            return False
+        pos[found] = start + np.int64(i)
+        old_w[found] = base[i]
+        found += 1
+        c = uoff + _exp(base[i])
+        g, x, w = _dec_gap(x, words, w, GEO[q[c]])
+        nxt[c] = g
+        i += np.uint64(1)
+    state[0], state[1], state[2] = x, w, found
+    return True
+
+
+@_kernel
+def mask_finish(q, words, nxt, state, nchanged):
+    """Whether the mask decoded exactly: every run ended at its context's end, every
+    change and every word was read, and the coder is back in its initial state."""
     for c in range(q.size):
-        if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
-            return pos, False
-    return pos, found == nchanged and w == words.size and x == RANS_L
+        if q[c] and nxt[c] != 0:
+            return False
+    return state[2] == nchanged and state[1] == words.size and state[0] == RANS_L
