@@ -1,0 +1,101 @@
+"""Per-run temp directories: where the processes a run starts write their temp files.
+
+vLLM (ZMQ ipc sockets named by a bare UUID, ``vllm_dist_*`` rendezvous files), torch
+(``pymp-*``), Ray (its session dir, ``<temp>/ray``) and lock-file users all write under the
+temp directory they find in ``TMPDIR`` (Python's ``tempfile``, vLLM's ``VLLM_RPC_BASE_PATH``
+default, Ray's ``get_default_system_temp_dir``) and leave their files behind when a process
+is killed rather than asked to exit. So every place where our code starts such processes
+gives them ``TMPDIR`` pointing into a directory the run owns, and removes that directory when
+the run ends.
+
+Invariants:
+- a run dir is ``<temp>/mrl-<tag><random>``, short on purpose: unix socket paths under it
+  (Ray's ``<dir>/ray/session_<time>/sockets/...``, vLLM's ``<dir>/<uuid>``) must stay under
+  107 bytes; a ``TMPDIR`` longer than :data:`MAX_BASE_LEN` is passed over for ``/tmp``;
+- the owner removes it when the run ends (return, exception, Ctrl-C), and at this process's
+  exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind;
+- ``MODAL_RL_KEEP_LOGS`` set keeps it (its Ray session logs and engine logs), as the local
+  cluster backend always did for its own temp root;
+- a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``) is left alone:
+  only ``TMPDIR`` is replaced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+PREFIX = "mrl-"
+TEMP_ENV = "TMPDIR"
+KEEP_ENV = "MODAL_RL_KEEP_LOGS"
+MAX_BASE_LEN = 40  # room for Ray's ~70-byte socket paths under the run dir
+_owned: set[str] = set()
+
+
+@atexit.register
+def _remove_owned() -> None:
+    for path in list(_owned):
+        remove(path)
+
+
+def base_dir() -> str:
+    """Where run dirs are made: the temp directory, unless its path is too long for sockets."""
+    where = tempfile.gettempdir()
+    return where if len(where) <= MAX_BASE_LEN or not os.path.isdir("/tmp") else "/tmp"
+
+
+def make(tag: str = "") -> Path:
+    """A fresh run dir ``<temp>/mrl-<tag><random>``, owned by this process until :func:`remove`."""
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}", dir=base_dir())
+    _owned.add(path)
+    return Path(path)
+
+
+def own(path: str | os.PathLike) -> Path:
+    """Make ``path`` (again) and own it: a run dir that :func:`remove` took, reused."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    _owned.add(str(path))
+    return Path(path)
+
+
+def keep() -> bool:
+    """True when the user asked to keep run dirs (``MODAL_RL_KEEP_LOGS``)."""
+    return bool(os.environ.get(KEEP_ENV))
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove a run dir (and forget it), unless :func:`keep`; never raises."""
+    path = str(path)
+    _owned.discard(path)
+    if not keep():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def child_env(path: str | os.PathLike) -> dict[str, str]:
+    """The environment entries that send a child's temp files into ``path``."""
+    return {TEMP_ENV: str(path)}
+
+
+@contextlib.contextmanager
+def process_temp(tag: str = "") -> Iterator[Path]:
+    """This process and everything it starts inside the block use a fresh run dir as their
+    temp directory (``TMPDIR`` and ``tempfile``'s cache); both are restored and the dir is
+    removed when the block ends, however it ends."""
+    path = make(tag)
+    saved_env, saved_cache = os.environ.get(TEMP_ENV), tempfile.tempdir
+    os.environ[TEMP_ENV] = str(path)
+    tempfile.tempdir = str(path)
+    try:
+        yield path
+    finally:
+        if saved_env is None:
+            os.environ.pop(TEMP_ENV, None)
+        else:
+            os.environ[TEMP_ENV] = saved_env
+        tempfile.tempdir = saved_cache
+        remove(path)
