@@ -16,8 +16,13 @@ Invariants:
   exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind;
 - ``MODAL_RL_KEEP_LOGS`` set keeps it (its Ray session logs and engine logs), as the local
   cluster backend always did for its own temp root;
-- a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``) is left alone:
-  only ``TMPDIR`` is replaced.
+- a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``,
+  ``TORCHINDUCTOR_CACHE_DIR``) is left alone: only ``TMPDIR`` is replaced;
+- caches are not temp files: torch's compiled-kernel cache (vLLM compiles a few sampler
+  kernels even with ``--enforce-eager``) defaults to ``<temp>/torchinductor_<user>``, which a
+  fresh run dir would empty every run (a recompile, ~10 s per engine on a small CPU), so it
+  goes to the user's cache dir (``$XDG_CACHE_HOME`` or ``~/.cache``, ``modal-rl/torchinductor``),
+  beside vLLM's and Hugging Face's own caches.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 PREFIX = "mrl-"
 TEMP_ENV = "TMPDIR"
+KERNEL_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 KEEP_ENV = "MODAL_RL_KEEP_LOGS"
 MAX_BASE_LEN = 40  # room for Ray's ~70-byte socket paths under the run dir
 _owned: set[str] = set()
@@ -76,9 +82,16 @@ def remove(path: str | os.PathLike) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def kernel_cache_dir() -> str:
+    """Where compiled kernels are cached across runs (the module docstring says why)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "modal-rl", "torchinductor")
+
+
 def child_env(path: str | os.PathLike) -> dict[str, str]:
-    """The environment entries that send a child's temp files into ``path``."""
-    return {TEMP_ENV: str(path)}
+    """The environment entries that send a child's temp files into ``path`` (and its kernel
+    cache to :func:`kernel_cache_dir`, unless the user named one)."""
+    return {TEMP_ENV: str(path), KERNEL_CACHE_ENV: os.environ.get(KERNEL_CACHE_ENV) or kernel_cache_dir()}
 
 
 @contextlib.contextmanager
@@ -87,15 +100,18 @@ def process_temp(tag: str = "") -> Iterator[Path]:
     temp directory (``TMPDIR`` and ``tempfile``'s cache); both are restored and the dir is
     removed when the block ends, however it ends."""
     path = make(tag)
-    saved_env, saved_cache = os.environ.get(TEMP_ENV), tempfile.tempdir
-    os.environ[TEMP_ENV] = str(path)
+    entries = child_env(path)
+    saved_env = {name: os.environ.get(name) for name in entries}
+    saved_cache = tempfile.tempdir
+    os.environ.update(entries)
     tempfile.tempdir = str(path)
     try:
         yield path
     finally:
-        if saved_env is None:
-            os.environ.pop(TEMP_ENV, None)
-        else:
-            os.environ[TEMP_ENV] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         tempfile.tempdir = saved_cache
         remove(path)
