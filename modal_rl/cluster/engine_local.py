@@ -62,6 +62,7 @@ class LocalEnginePool(EnginePool):
         super().__init__(spec)
         self.run_id = uuid.uuid4().hex[:12]
         self.temp_dir = run_temp.make(f"engines-{self.run_id}-")
+        self.keeps_logs = bool(log_dir)  # else the logs go with the temp dir
         self.log_dir = Path(log_dir) if log_dir else self.temp_dir
         self.generations: list[int] = []
         self._lock = threading.Lock()
