@@ -39,7 +39,9 @@ PREFIX = "mrl-"
 TEMP_ENV = "TMPDIR"
 KERNEL_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 KEEP_ENV = "MODAL_RL_KEEP_LOGS"
-MAX_BASE_LEN = 40  # room for Ray's ~70-byte socket paths under the run dir
+# Room for the deepest socket path under a run dir (nested in another run's, too):
+# <base>/mrl-<12>/r0/session_<date>_<time>_<us>_<pid>/sockets/plasma_store is ~80 bytes + base.
+MAX_BASE_LEN = 20
 _owned: set[str] = set()
 
 

@@ -9,7 +9,7 @@ Every node runs the same ``bootstrap`` as a Modal container. What differs, and w
 - distinct ports per node (GCS, dashboard, control, node/object manager, agents, metrics),
   picked free on the loopback address, since all nodes share one network namespace;
 - a Ray temp dir per node, because nodes sharing a session dir race for socket names;
-- the run's temp root (``/tmp/mrl-<run id>``) is also every node process's ``TMPDIR``
+- the run's temp root (``<temp>/mrl-<run id>``, ``/tmp`` when the temp dir's path is long) is also every node process's ``TMPDIR``
   (``modal_rl.run_temp``), so what Ray workers, vLLM engines and torch write to "the temp
   directory" goes there, and it is removed with the run (kept under ``MODAL_RL_KEEP_LOGS``);
 - logical GPUs (``--num-gpus``) so GPU-scheduled frameworks place their workers;
@@ -124,7 +124,7 @@ class LocalBackend(ClusterBackend):
             ray_auth=self.ray_auth or os.environ.get(RAY_AUTH_SWITCH_ENV) or "disabled",
         )
         # Short on purpose: Ray's unix socket paths live under it and must stay < 108 bytes.
-        plan.temp_root = f"/tmp/mrl-{plan.run_id}"
+        plan.temp_root = os.path.join(run_temp.base_dir(), f"{run_temp.PREFIX}{plan.run_id}")
         return plan
 
     def describe(self, spec: ClusterSpec, job: JobRequest) -> dict[str, Any]:
