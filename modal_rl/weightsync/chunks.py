@@ -139,18 +139,21 @@ def encode_delta_chunk(
 
 
 def encode_delta_chunk_v2(
-    chunk: ChunkSpec, base: np.ndarray, new: np.ndarray, member_starts: list[int], level: int
+    chunk: ChunkSpec,
+    base_parts: list[np.ndarray],
+    new_parts: list[np.ndarray],
+    part_starts: list[int],
+    level: int,
 ) -> bytes:
-    """Body of a delta chunk of 2-byte words from the chunk's base and new words
-    (``member_starts``: chunk-local starts of its tensors): the v2 coding, or the v1
+    """Body of a delta chunk of 2-byte words from the chunk's base and new words, given as
+    parts (its tensors' words, ``part_starts`` chunk-local): the v2 coding, or the v1
     body where that is smaller (v1 is coded in full only where a sample says it may be)."""
     from modal_rl.weightsync import chunks_v2
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
 
-    bounds = chunks_v2.segment_bounds(member_starts, chunk.elem_count)
-    body, positions, old, new_w = chunks_v2.encode(header_for, base, new, bounds, level)
+    body, positions, old, new_w = chunks_v2.encode(header_for, base_parts, new_parts, part_starts, level)
     if body is not None and not chunks_v2.v1_may_be_smaller(
         len(body), positions, old, new_w, lambda p, o, n: encode_delta_chunk(chunk, p, o, n, level)
     ):
@@ -241,7 +244,7 @@ def _update(words: Any, where: np.ndarray | slice, values: np.ndarray, op: str) 
 def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base_for=None) -> DecodedChunk:
     """Parse and validate a chunk body. Raises ``CorruptFrameError`` on any inconsistency.
 
-    ``base_for(index, count)`` returns the chunk's held words and its tensors'
+    ``base_for(index, count)`` returns the chunk's held words as parts and their
     chunk-local starts (``chunks_v2.base_words``); v2 chunks need them, v1 never calls it.
     """
     body = memoryview(body)
@@ -261,9 +264,8 @@ def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base
 
         if base_for is None:
             raise CorruptFrameError(f"chunk {index}: a v2 chunk where no held words are available")
-        base, member_starts = base_for(index, count)
-        bounds = chunks_v2.segment_bounds(member_starts, count)
-        positions, values = chunks_v2.decode(body, index, count, nchanged, base, bounds)
+        parts, part_starts = base_for(index, count)
+        positions, values = chunks_v2.decode(body, index, count, nchanged, parts, part_starts)
         return DecodedChunk(index, index * chunk_elems, count, nchanged, encoding, positions, values)
     streams = unpack_streams(body, CHUNK_HEADER.size, nstreams, 4 * count)
     positions = values = None

@@ -95,53 +95,81 @@ def _read_side_info(raw: np.ndarray, nseg: int, index: int) -> np.ndarray:
     return q.reshape(-1)
 
 
+def _segment_offsets(part_starts: list[int], bounds: np.ndarray) -> list[int]:
+    """Per part, ``256 ×`` its context segment: every part lies in one segment, since
+    segments only ever start where a part (a tensor) does."""
+    return [256 * (int(np.searchsorted(bounds, start, side="right")) - 1) for start in part_starts]
+
+
 def encode(
-    header_for, base: np.ndarray, new: np.ndarray, bounds: np.ndarray, level: int
+    header_for, base_parts: list[np.ndarray], new_parts: list[np.ndarray], part_starts: list[int], level: int
 ) -> tuple[bytes | None, np.ndarray, np.ndarray, np.ndarray]:
-    """(v2 body or None when nothing changed, positions, old words, new words).
-    ``header_for(nchanged)`` makes the chunk header."""
+    """(v2 body or None when nothing changed, positions, old words, new words) of a chunk
+    given as parts: its tensors' host words in chunk order, ``part_starts`` chunk-local
+    (no part is copied into one array). ``header_for(nchanged)`` makes the chunk header."""
     k_ = _kernels()
-    n, last, positions, ctxs, gaps = k_.encode_pass(base, new, bounds)
-    old_w, new_w = base[positions], new[positions]
-    if positions.size == 0:
+    count = sum(p.size for p in base_parts)
+    bounds = segment_bounds(part_starts, count)
+    nctx = (bounds.size - 1) * 256
+    n0, n1 = np.zeros(nctx, np.int32), np.zeros(nctx, np.int32)  # even / odd words
+    last = np.full(nctx, -1, np.int64)
+    # sized for every word changing; pages are only touched as far as changes go
+    pos, ctxs, gaps = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
+    old_w, new_w = np.empty(count, np.uint16), np.empty(count, np.uint16)
+    j = 0
+    for b, n, start, uoff in zip(
+        base_parts, new_parts, part_starts, _segment_offsets(part_starts, bounds), strict=True
+    ):
+        j = k_.encode_part(b, n, np.uint64(uoff), start, n0, n1, last, pos, ctxs, gaps, old_w, new_w, j)
+    positions, old_w, new_w = pos[:j].copy(), old_w[:j].copy(), new_w[:j].copy()
+    if j == 0:
         return None, positions, old_w, new_w
-    q = k_.quantize_p(n, last, np.bincount(ctxs, minlength=n.size))
-    tab = k_.geo_model(q)
-    mask_words = k_.mask_encode(n, last, ctxs, gaps, tab)
+    n = n0.astype(np.int64) + n1
+    ctxs, gaps = ctxs[:j], gaps[:j]
+    q = k_.quantize_p(n, last, np.bincount(ctxs, minlength=nctx))
+    mask_words = k_.mask_encode(n, last, ctxs, gaps, q)
     res_words = k_.rans_encode(*k_.residual_symbols(old_w, new_w))
     streams = [_side_info(q, bounds.size - 1), mask_words.view(np.uint8), res_words.view(np.uint8)]
-    body = header_for(positions.size) + pack_streams(streams, [ZSTD, STORED, STORED], level)
+    body = header_for(j) + pack_streams(streams, [ZSTD, STORED, STORED], level)
     return body, positions, old_w, new_w
 
 
 def decode(
-    body: memoryview, index: int, count: int, nchanged: int, base: np.ndarray, bounds: np.ndarray
+    body: memoryview, index: int, count: int, nchanged: int, parts: list[np.ndarray], part_starts: list[int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(chunk-local positions, residuals new - old) of a v2 chunk body's streams."""
+    """(chunk-local positions, residuals new - old) of a v2 chunk body's streams, against
+    the chunk's held words given as parts (as ``encode``)."""
     from modal_rl.weightsync.chunks import CHUNK_HEADER
 
     k_ = _kernels()
-    if base.size != count or base.dtype != np.uint16:
+    if sum(p.size for p in parts) != count or any(p.dtype != np.uint16 for p in parts):
         raise CorruptFrameError(f"chunk {index}: v2 coding needs 2-byte words")
+    bounds = segment_bounds(part_starts, count)
     streams = unpack_streams(body, CHUNK_HEADER.size, CTX_STREAMS, 16 * count + 64)
     q = _read_side_info(np.frombuffer(streams[0], np.uint8), bounds.size - 1, index)
     if len(streams[1]) % 4 or len(streams[2]) % 4:
         raise CorruptFrameError(f"chunk {index}: rANS streams are not whole words")
-    tab = k_.geo_model(q)
-    positions, ok = k_.mask_decode(base, bounds, q, tab, np.frombuffer(streams[1], "<u4"), nchanged)
-    if not ok:
+    words = np.frombuffer(streams[1], "<u4")
+    positions, old_w = np.empty(nchanged, np.int64), np.empty(nchanged, np.uint16)
+    nxt, state = k_.mask_start(q, words)
+    ok = all(
+        k_.mask_part(b, np.uint64(uoff), start, q, words, nxt, state, positions, old_w)
+        for b, start, uoff in zip(parts, part_starts, _segment_offsets(part_starts, bounds), strict=True)
+    )
+    if not (ok and k_.mask_finish(q, words, nxt, state, nchanged)):
         raise CorruptFrameError(
             f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)"
         )
-    values, ok = k_.residual_decode(base[positions], np.frombuffer(streams[2], "<u4"))
+    values, ok = k_.residual_decode(old_w, np.frombuffer(streams[2], "<u4"))
     if not ok:
         raise CorruptFrameError(f"chunk {index}: the residuals do not decode")
     return positions, values
 
 
-def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[np.ndarray, list[int]]:
-    """Host words ``[lo, hi)`` of a group's word space and the chunk-local starts of its
-    tensors there. A single host tensor is a view; device tensors are copied to the host."""
+def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[np.ndarray], list[int]]:
+    """Host words ``[lo, hi)`` of a group's word space as parts (one per tensor there, in
+    order) and their chunk-local starts. Host tensors are views; device tensors are copied
+    to the host."""
     parts, starts = [], []
     for start, words in segments:
         size = int(words.size) if isinstance(words, np.ndarray) else int(words.numel())
@@ -153,8 +181,7 @@ def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[np.nd
             piece = piece.cpu().numpy()
         parts.append(piece.view(np.uint16) if piece.dtype.itemsize == 2 else piece)
         starts.append(a - lo)
-    words = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return words, starts
+    return parts, starts
 
 
 V1_SAMPLES = 4  # contiguous runs of changes the v1 estimate codes

@@ -252,17 +252,20 @@ def _v2_available() -> bool:
 
 def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int, v2: bool) -> bytes:
     d = members[0].differ
-    base, new = _space(members, "base"), _space(members, "new")
     if v2 and ITEMSIZE[members[0].dtype] == 2:
         # v2 models every held word of the chunk, so it reads the whole chunk on the host
-        # (a copy from the device for TorchDiffer).
-        starts, offset = [], 0
+        # (a copy from the device for TorchDiffer), tensor by tensor: no concatenation.
+        base_parts, new_parts, starts, offset = [], [], [], 0
+        lo, hi = spec.elem_start, spec.elem_start + spec.elem_count
         for m in members:
-            starts.append(offset - spec.elem_start)
+            a, b = max(lo, offset), min(hi, offset + m.numel)
+            if a < b:
+                base_parts.append(d.read(m.base, a - offset, b - a).view(np.uint16))
+                new_parts.append(d.read(m.new, a - offset, b - a).view(np.uint16))
+                starts.append(a - lo)
             offset += m.numel
-        b = d.read(base, spec.elem_start, spec.elem_count).view(np.uint16)
-        n = d.read(new, spec.elem_start, spec.elem_count).view(np.uint16)
-        return record(TAG_CHUNK, encode_delta_chunk_v2(spec, b, n, starts, level))
+        return record(TAG_CHUNK, encode_delta_chunk_v2(spec, base_parts, new_parts, starts, level))
+    base, new = _space(members, "base"), _space(members, "new")
     positions, old_words, new_words = d.diff(base, new, spec.elem_start, spec.elem_count)
     return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level))
 

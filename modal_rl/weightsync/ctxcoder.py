@@ -37,10 +37,12 @@ from modal_rl.weightsync.ctxrans import (
 from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
 
 __all__ = [
-    "encode_pass",
-    "geo_model",
-    "mask_decode",
+    "encode_part",
+    "geo_table",
     "mask_encode",
+    "mask_finish",
+    "mask_part",
+    "mask_start",
     "quantize_p",
     "rans_encode",
     "residual_decode",
@@ -50,6 +52,8 @@ __all__ = [
 SEG_MIN = 1 << 16  # tensors smaller than this share a context segment with their neighbours
 QSYM = 24  # run-length quotient symbols 0..QSYM-1, then an escape
 GEO_COLS = QSYM + 3  # m, then the cumulative table (QSYM + 2 entries)
+NEVER = np.int32(2**31 - 1)  # countdown of a context without changes: never runs out
+GAP_CAP = np.int64(1) << 30  # above any chunk's length (MAX_CHUNK_ELEMS = 2**28): corrupt
 
 
 @_kernel
@@ -59,73 +63,66 @@ def _exp(word):
 
 
 @_kernel
-def _count_equal(base, new, n0, n1, off, i, hi):
+def _count_equal(base, new, n0, n1, uoff, i, hi):
     """Count words into their contexts from ``i`` while base and new agree; returns the
     first differing index, or ``hi``. Even and odd words count into separate arrays, so
     runs of one context make two independent store-to-load chains instead of one. Indices
     are unsigned so the compiler emits no negative-index wraparound (a third of the time)."""
-    uoff = np.uint64(off)
-    if i < hi and i & 1:
+    one = np.uint64(1)
+    if i < hi and i & one:
         b = base[i]
         if b != new[i]:
             return i
         n1[uoff + _exp(b)] += 1
-        i += 1
-    while i + 1 < hi:
+        i += one
+    while i + one < hi:
         b0 = base[i]
-        b1 = base[i + 1]
+        b1 = base[i + one]
         if b0 != new[i]:
             return i
         n0[uoff + _exp(b0)] += 1
-        if b1 != new[i + 1]:
-            return i + 1
+        if b1 != new[i + one]:
+            return i + one
         n1[uoff + _exp(b1)] += 1
-        i += 2
+        i += np.uint64(2)
     if i < hi:
         b = base[i]
         if b != new[i]:
             return i
         n0[uoff + _exp(b)] += 1
-        i += 1
+        i += one
     return hi
 
 
 @_kernel
-def encode_pass(base, new, seg_bounds):
-    """Encoder pass: per context its word count, and per change (word order) its
-    position, context and run length (its context's words skipped since the previous
-    change there, or since the context's start). Returns (n, last, pos, ctxs, gaps);
-    ``last`` = rank of each context's last change (-1: none)."""
-    nseg = seg_bounds.size - 1
-    n0 = np.zeros(nseg * 256, dtype=np.int64)  # words at even indices
-    n1 = np.zeros(nseg * 256, dtype=np.int64)  # words at odd indices
-    last = np.full(nseg * 256, -1, dtype=np.int64)
-    count = base.size
-    pos = np.empty(count, dtype=np.int64)  # pages are only touched as far as changes go
-    ctxs = np.empty(count, dtype=np.int64)
-    gaps = np.empty(count, dtype=np.int64)
-    j = 0
-    for s in range(nseg):
-        off = s * 256
-        i = seg_bounds[s]
-        hi = seg_bounds[s + 1]
-        while True:
-            i = _count_equal(base, new, n0, n1, off, i, hi)
-            if i == hi:
-                break
-            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            r = n0[c] + n1[c]
-            if i & 1:
-                n1[c] += 1
-            else:
-                n0[c] += 1
-            pos[j] = i
-            ctxs[j] = c
-            gaps[j] = r - last[c] - 1
-            last[c] = r
-            j += 1
-            i += 1
-    return n0 + n1, last, pos[:j].copy(), ctxs[:j].copy(), gaps[:j].copy()
+def encode_part(base, new, uoff, start, n0, n1, last, pos, ctxs, gaps, old_w, new_w, j):
+    """Encoder pass over one part of a chunk (words ``[start, start + base.size)``, all in
+    the context segment at ``uoff // 256``), continuing at change ``j``: counts words into
+    their contexts (``n0`` + ``n1``), and per change records its position, context, run
+    length (its context's words skipped since the previous change there, or since the
+    context's start), old and new word; ``last`` = rank of each context's latest change
+    (-1: none). Returns the next ``j``. Parts are passed in chunk order."""
+    one = np.uint64(1)
+    i = np.uint64(0)
+    hi = np.uint64(base.size)
+    while True:
+        i = _count_equal(base, new, n0, n1, uoff, i, hi)
+        if i == hi:
+            return j
+        c = uoff + _exp(base[i])
+        r = np.int64(n0[c]) + np.int64(n1[c])
+        if i & one:
+            n1[c] += 1
+        else:
+            n0[c] += 1
+        pos[j] = start + np.int64(i)
+        ctxs[j] = np.int64(c)
+        gaps[j] = r - last[c] - 1
+        last[c] = r
+        old_w[j] = base[i]
+        new_w[j] = new[i]
+        j += 1
+        i += one
 
 
 @_kernel
@@ -140,39 +137,47 @@ def quantize_p(n, last, gaps_count):
 
 
 @_kernel
-def geo_model(q):
-    """Per context with q > 0: m and the cumulative table of the quotient symbols."""
-    tab = np.zeros((q.size, GEO_COLS), dtype=np.int64)
-    for c in range(q.size):
-        if q[c] == 0:
-            continue
-        p = 2.0 ** (-np.float64(q[c]) / 8.0)
+def _fill_geo_row(row, theta, m):
+    """``row``: m, then the cumulative table of the quotient symbols of a run length
+    ``g = (u << m) + r`` whose quotient is geometric with ratio ``theta``."""
+    row[0] = m
+    # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
+    total = 0
+    freqs = np.empty(QSYM + 1, dtype=np.int64)
+    for u in range(QSYM + 1):
+        pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
+        freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
+        total += freqs[u]
+    freqs[0] += M - total
+    cum = 0
+    for u in range(QSYM + 1):
+        row[1 + u] = cum
+        cum += freqs[u]
+    row[2 + QSYM] = cum
+
+
+@_kernel
+def geo_table():
+    """Per q byte (row 0 unused): the run-length model of a context with
+    ``p = 2 ** (-q / 8)``. Made once: a context's model depends on nothing but its q."""
+    tab = np.zeros((256, GEO_COLS), dtype=np.int64)
+    for c in range(1, 256):
+        p = 2.0 ** (-np.float64(c) / 8.0)
         lq = np.log1p(-min(p, 0.999))  # ln(1 - p) < 0
         m = 0
         while m < 31 and (1 << (m + 1)) * -lq <= np.log(2.0):
             m += 1
-        theta = np.exp((1 << m) * lq)
-        tab[c, 0] = m
-        # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
-        total = 0
-        freqs = np.empty(QSYM + 1, dtype=np.int64)
-        for u in range(QSYM + 1):
-            pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
-            freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
-            total += freqs[u]
-        freqs[0] += M - total
-        cum = 0
-        for u in range(QSYM + 1):
-            tab[c, 1 + u] = cum
-            cum += freqs[u]
-        tab[c, 2 + QSYM] = cum
+        _fill_geo_row(tab[c], np.exp((1 << m) * lq), m)
     return tab
 
 
+GEO = geo_table()  # a module constant: numba compiles it into the kernels
+
+
 @_kernel
-def _put_gap(x, out, n, g, tab, c):
-    """Run length ``g`` in context ``c``, in reverse of the decoder's reading order."""
-    m = tab[c, 0]
+def _put_gap(x, out, n, g, row):
+    """Run length ``g`` under the model ``row``, in reverse of the decoder's reading order."""
+    m = row[0]
     u = g >> m
     x, n = _put_uniform(x, out, n, g & ((np.int64(1) << m) - 1), m)
     sym = min(u, QSYM)
@@ -183,11 +188,11 @@ def _put_gap(x, out, n, g, tab, c):
             nb += 1
         x, n = _put_uniform(x, out, n, extra, nb)
         x, n = _put_uniform(x, out, n, nb, 6)
-    return _put(x, out, n, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+    return _put(x, out, n, row[1 + sym], row[2 + sym] - row[1 + sym])
 
 
 @_kernel
-def mask_encode(n, last, ctxs, gaps, tab):
+def mask_encode(n, last, ctxs, gaps, q):
     """The mask's rANS words. Reading order (the receiver's): each changed context's first
     run length (context order), then at each change (word order) its context's next run
     length, the last one to the context's end. Encoded in reverse, in one pass."""
@@ -199,21 +204,22 @@ def mask_encode(n, last, ctxs, gaps, tab):
     w = 0
     for j in range(nch - 1, -1, -1):
         c = ctxs[j]
-        x, w = _put_gap(x, out, w, pending[c], tab, c)
+        x, w = _put_gap(x, out, w, pending[c], GEO[q[c]])
         pending[c] = gaps[j]
     for c in range(n.size - 1, -1, -1):
         if last[c] >= 0:
-            x, w = _put_gap(x, out, w, pending[c], tab, c)
+            x, w = _put_gap(x, out, w, pending[c], GEO[q[c]])
     return _flush(x, out, w)
 
 
 @_kernel
-def _dec_gap(x, words, w, tab, c):
+def _dec_gap(x, words, w, row):
+    """One run length under the model ``row`` of the geometric table (a context's q)."""
     slot = x & (M - 1)
     sym = 0
-    while sym < QSYM and tab[c, 2 + sym] <= slot:
-        sym += 1
-    x, w = _advance(x, words, w, slot, tab[c, 1 + sym], tab[c, 2 + sym] - tab[c, 1 + sym])
+    for u in range(QSYM):  # branch-free: the table is short and the search would mispredict
+        sym += row[2 + u] <= slot
+    x, w = _advance(x, words, w, slot, row[1 + sym], row[2 + sym] - row[1 + sym])
     u = np.int64(sym)
     if sym == QSYM:
         nb, x, w = _dec_uniform(x, words, w, 6)
@@ -224,63 +230,82 @@ def _dec_gap(x, words, w, tab, c):
             v, x, w = _dec_uniform(x, words, w, take)
             extra = (extra << take) | v
         u += extra
-    m = tab[c, 0]
+    m = row[0]  # < 32: at most two uniform pieces, the high 16 bits first
     r = np.int64(0)
-    while m > 0:
-        take = min(m, PROB_BITS)
-        m -= take
-        v, x, w = _dec_uniform(x, words, w, take)
-        r = (r << take) | v
-    if u > (np.int64(1) << 30):
-        u = np.int64(1) << 30  # corrupt input; the final checks refuse it
-    return (u << tab[c, 0]) + r, x, w
+    if m > PROB_BITS:
+        r, x, w = _dec_uniform(x, words, w, PROB_BITS)
+        m -= PROB_BITS
+    if m > 0:
+        v, x, w = _dec_uniform(x, words, w, m)
+        r = (r << m) | v
+    if u > GAP_CAP:
+        u = GAP_CAP  # corrupt input; the final checks refuse it
+    return min((u << row[0]) + r, GAP_CAP), x, w
 
 
 @_kernel
-def _scan(base, nxt, off, i, hi):
-    """Count words into their contexts' countdowns from ``i``; stop at the first word
-    whose countdown runs out (a change) or at ``hi``. Kept tight: the decoder's hot loop
-    (unsigned indices: no negative-index wraparound code)."""
-    uoff = np.uint64(off)
+def _scan(base, nxt, uoff, i, hi):
+    """Count words down in their contexts' countdowns from ``i``; stop at the first word
+    whose countdown runs out (a change) or at ``hi``. The decoder's hot loop: unsigned
+    indices (no negative-index wraparound code) and int32 countdowns keep it at about
+    two cycles a word."""
     while i < hi:
         c = uoff + _exp(base[i])
-        r = nxt[c] - 1
+        r = nxt[c] - np.int32(1)
         nxt[c] = r
         if r < 0:
             return i
-        i += 1
+        i += np.uint64(1)
     return hi
 
 
 @_kernel
-def mask_decode(base, seg_bounds, q, tab, words, nchanged):
-    """Receiver's pass: the changed positions (chunk-local). Returns (positions, ok)."""
-    pos = np.empty(nchanged, dtype=np.int64)
+def mask_start(q, words):
+    """Decoder's state before the first word: (countdowns, rANS state ``[x, w, found]``);
+    each context's first run length is read here."""
     x, w = _start(words)
-    nxt = np.full(q.size, np.int64(1) << 62)  # words to skip before the next change
+    # words to skip before each context's next change; int32 halves the hot loop's cost
+    nxt = np.full(q.size, NEVER, dtype=np.int32)
     for c in range(q.size):
         if q[c]:
-            g, x, w = _dec_gap(x, words, w, tab, c)
+            g, x, w = _dec_gap(x, words, w, GEO[q[c]])
             nxt[c] = g
-    found = 0
-    nseg = seg_bounds.size - 1
-    for s in range(nseg):
-        off = s * 256
-        i = seg_bounds[s]
-        hi = seg_bounds[s + 1]
-        while True:
-            i = _scan(base, nxt, off, i, hi)
-            if i == hi:
-                break
-            if found == nchanged or w > words.size:
-                return pos, False
-            pos[found] = i
-            found += 1
-            c = off + ((np.int64(base[i]) >> 7) & 0xFF)
-            g, x, w = _dec_gap(x, words, w, tab, c)
-            nxt[c] = g
-            i += 1
+    state = np.zeros(3, dtype=np.int64)
+    state[0], state[1] = x, w
+    return nxt, state
+
+
+@_kernel
+def mask_part(base, uoff, start, q, words, nxt, state, pos, old_w):
+    """Decoder pass over one part (as ``encode_part``): records each change's position and
+    held word. Returns False on a stream that cannot be this part's (``state`` is then
+    meaningless)."""
+    x, w, found = state[0], state[1], state[2]
+    nchanged = pos.size
+    i = np.uint64(0)
+    hi = np.uint64(base.size)
+    while True:
+        i = _scan(base, nxt, uoff, i, hi)
+        if i == hi:
+            break
+        if found == nchanged or w > words.size:
+            return False
+        pos[found] = start + np.int64(i)
+        old_w[found] = base[i]
+        found += 1
+        c = uoff + _exp(base[i])
+        g, x, w = _dec_gap(x, words, w, GEO[q[c]])
+        nxt[c] = g
+        i += np.uint64(1)
+    state[0], state[1], state[2] = x, w, found
+    return True
+
+
+@_kernel
+def mask_finish(q, words, nxt, state, nchanged):
+    """Whether the mask decoded exactly: every run ended at its context's end, every
+    change and every word was read, and the coder is back in its initial state."""
     for c in range(q.size):
-        if q[c] and nxt[c] != 0:  # every run must end exactly at its context's end
-            return pos, False
-    return pos, found == nchanged and w == words.size and x == RANS_L
+        if q[c] and nxt[c] != 0:
+            return False
+    return state[2] == nchanged and state[1] == words.size and state[0] == RANS_L
