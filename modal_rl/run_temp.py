@@ -90,6 +90,13 @@ def kernel_cache_dir() -> str:
     return os.path.join(root, "modal-rl", "torchinductor")
 
 
+def use_kernel_cache() -> str:
+    """This process (and what it starts) caches compiled kernels in :func:`kernel_cache_dir`
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names a place. Call it before vLLM is imported: ``import
+    vllm`` fixes the cache dir for the process, making ``<temp>/torchinductor_<user>``."""
+    return os.environ.setdefault(KERNEL_CACHE_ENV, kernel_cache_dir())
+
+
 def child_env(path: str | os.PathLike) -> dict[str, str]:
     """The environment entries that send a child's temp files into ``path`` (and its kernel
     cache to :func:`kernel_cache_dir`, unless the user named one)."""
