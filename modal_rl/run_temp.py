@@ -64,6 +64,12 @@ def make(tag: str = "") -> Path:
     return Path(path)
 
 
+def named(unique: str) -> Path:
+    """The path of run dir ``<temp>/mrl-<unique>``, not made yet (:func:`own` makes it): for an
+    owner that needs the name before it starts anything (a pool never started makes none)."""
+    return Path(base_dir(), f"{PREFIX}{unique}")
+
+
 def own(path: str | os.PathLike) -> Path:
     """Make ``path`` (again) and own it: a run dir that :func:`remove` took, reused."""
     Path(path).mkdir(parents=True, exist_ok=True)

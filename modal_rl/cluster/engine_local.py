@@ -61,7 +61,7 @@ class LocalEnginePool(EnginePool):
     ):
         super().__init__(spec)
         self.run_id = uuid.uuid4().hex[:12]
-        self.temp_dir = run_temp.make(f"engines-{self.run_id}-")
+        self.temp_dir = run_temp.named(f"engines-{self.run_id}")  # made by start()
         self.keeps_logs = bool(log_dir)  # else the logs go with the temp dir
         self.log_dir = Path(log_dir) if log_dir else self.temp_dir
         self.generations: list[int] = []
@@ -119,7 +119,7 @@ class LocalEnginePool(EnginePool):
 
         self._key = engine_key(self.spec)
         self._stopped = False
-        run_temp.own(self.temp_dir)  # a pool started again after stop() makes it anew
+        run_temp.own(self.temp_dir)  # made here (again, after a stop()): removed by stop()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ports = free_ports(self.spec.count, self.host)
         self.generations = [0] * self.spec.count
