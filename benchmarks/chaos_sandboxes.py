@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 TESTS = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]})
 _GOOD = "a, b = map(int, input().split())\nprint(a + b)"
 _BAD = "a, b = map(int, input().split())\nprint(a - b)"
@@ -62,10 +64,11 @@ class SandboxKiller(threading.Thread):
 
         for pid in children_of(bwrap_pid):
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if cmd[-2:-1] == [b"solution.py"] or cmd[-1:] == [b"solution.py"]:
+                if psutil.Process(pid).cmdline()[-1:] == ["solution.py"]:
+                    # Through /proc/<pid>/cwd, not psutil's cwd(): the path it names lies in
+                    # the sandbox's mount namespace, and only /proc reaches into it.
                     return Path(f"/proc/{pid}/cwd/solution.py").read_text()
-            except OSError:
+            except (OSError, psutil.Error):
                 continue
         return None
 
@@ -95,8 +98,8 @@ class SandboxKiller(threading.Thread):
 
 def _is_child(pid: int) -> bool:
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).ppid() == os.getpid()
+    except psutil.Error:
         return False
 
 
@@ -312,8 +315,8 @@ def _sandbox_procs() -> list[int]:
     out = []
     for pid in alive(children_of(os.getpid())):
         try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "bwrap":
+            if psutil.Process(pid).name() == "bwrap":
                 out.append(pid)
-        except OSError:
+        except psutil.Error:
             continue
     return out

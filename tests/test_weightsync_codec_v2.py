@@ -211,3 +211,28 @@ def test_a_large_chunk_that_skips_the_v1_coding_round_trips(monkeypatch):
     chain.apply(encode_anchor(base, version=0, config=big))
     chain.apply(frame)
     assert same_state(chain.state, new)
+
+
+def test_a_chunk_that_barely_changed_stays_v1_where_v2_saves_too_little(monkeypatch):
+    # v2 makes the receiver pass over every word of the chunk; a handful of changes in a
+    # large chunk (an embedding whose rows saw no token) is not worth that pass.
+    from modal_rl.weightsync import chunks_v2
+
+    big = CodecConfig(chunk_elems=1 << 20, threads=1)
+    base, _ = adam_like({"w": (1 << 20,)}, 3e-5, seed=6)
+    new = {"w": base["w"].clone()}
+    flat = new["w"].view(torch.int16)
+    small = torch.nonzero((flat & 0x7FFF) < 0x3A00).reshape(-1)[:300]  # |w| < 5e-4: they change most
+    flat[small] += 1
+
+    def frame():
+        return frame_bytes(encode_delta(base, new, base_version=0, version=1, config=big))
+
+    assert chunk_encodings(frame()) != [CTX_SPARSE]  # v1: v2 would save under 256 bytes here
+    monkeypatch.setattr(chunks_v2, "V2_WORDS_PER_BYTE", 1 << 30)  # any saving counts
+    chosen = frame()
+    assert chunk_encodings(chosen) == [CTX_SPARSE]  # so v2 was smaller, by too little
+    chain = VersionChain(big, key=None)
+    chain.apply(encode_anchor(base, version=0, config=big))
+    chain.apply(chosen)
+    assert same_state(chain.state, new)

@@ -159,7 +159,11 @@ def encode_delta_chunk_v2(
     ):
         return body
     v1 = encode_delta_chunk(chunk, positions, old, new_w, level)
-    return v1 if body is None or len(v1) <= len(body) else body
+    # A v2 chunk costs the receiver a pass over every word; v1 touches only the changes.
+    # So v2 must save a byte per V2_WORDS_PER_BYTE words (a chunk that barely changed, such
+    # as an embedding whose rows saw no token, stays v1 at a cost of a few bytes).
+    saving = len(v1) - len(body) if body is not None else 0
+    return body if saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE else v1
 
 
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:

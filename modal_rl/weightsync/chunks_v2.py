@@ -184,6 +184,7 @@ def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[
     return parts, starts
 
 
+V2_WORDS_PER_BYTE = 4096  # v2 must save a byte per this many words of its chunk (~5 µs of pass)
 V1_SAMPLES = 4  # contiguous runs of changes the v1 estimate codes
 V1_SAMPLE_SHARE = 32  # each run holds 1/32 of the chunk's changes
 V1_MARGIN = 1.15  # code v1 in full unless its estimate exceeds v2's size by this factor

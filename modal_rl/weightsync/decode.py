@@ -136,27 +136,48 @@ class _Applier:
                 self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
 
     def verify(self, job: _GroupJob) -> Future:
-        def run() -> None:
-            for future in job.chunk_futures:
-                future.result()
-            gh = job.header
-            t0 = time.perf_counter()
-            if job.seen_chunks != gh.nchunks:
-                raise TruncatedFrameError(
-                    f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
-                )
-            for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
-                actual = (
-                    checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
-                )
-                if actual != th.checksum:
-                    raise ChecksumMismatchError(
-                        f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
-                    )
-            with self.lock:
-                self.verify_s += time.perf_counter() - t0
+        """The group's checksums, hashed once its chunks are applied. The hashing is only
+        queued when the last chunk is done: a queued task that waited for chunks would hold
+        a pool thread idle while the others decode (with two threads, no parallelism)."""
+        result: Future = Future()
+        pending = [len(job.chunk_futures)]
 
-        return self.pool.submit(run)
+        def start_hashing(_: Future | None = None) -> None:
+            if job.chunk_futures:
+                with self.lock:
+                    pending[0] -= 1
+                    if pending[0]:
+                        return
+                failed = next((f.exception() for f in job.chunk_futures if f.exception() is not None), None)
+                if failed is not None:
+                    result.set_exception(failed)
+                    return
+            try:
+                self.pool.submit(self._hash_group, job).add_done_callback(lambda f: _copy_outcome(f, result))
+            except RuntimeError as exc:  # the pool closed: the frame was refused meanwhile
+                result.set_exception(exc)
+
+        if not job.chunk_futures:
+            start_hashing()
+        for future in job.chunk_futures:
+            future.add_done_callback(start_hashing)
+        return result
+
+    def _hash_group(self, job: _GroupJob) -> None:
+        gh = job.header
+        t0 = time.perf_counter()
+        if job.seen_chunks != gh.nchunks:
+            raise TruncatedFrameError(
+                f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
+            )
+        for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
+            actual = checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+            if actual != th.checksum:
+                raise ChecksumMismatchError(
+                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
+                )
+        with self.lock:
+            self.verify_s += time.perf_counter() - t0
 
     def rollback(self) -> None:
         # Wait for every chunk still running, then undo all applied XOR chunks.
@@ -280,6 +301,14 @@ def _check_end(body: bytes, bodies: list[bytes], result: ApplyResult, state, is_
     if not is_anchor and set(result.checksums) != set(state):
         missing = sorted(set(state) - set(result.checksums))[:3]
         raise LayoutMismatchError(f"delta does not cover every held tensor (missing {missing})")
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(None)
 
 
 def _raise_first(futures: list[Future]) -> None:
