@@ -17,6 +17,18 @@ SCRIPT_NAME=$(basename "$0")
 
 say() { echo "[$SCRIPT_NAME] $*"; }
 
+# The installers' temp files (uv's uv-setuptools-*.lock, pip's build dirs) go to a directory
+# of this script's own, made on first use and removed when the script exits, so an install
+# leaves nothing in the temp directory. Only the installers get it: what the scripts run
+# afterwards (the tests, the main job) uses the temp directory as given.
+INSTALL_TMP=
+installer_tmp() {
+  if [ -z "$INSTALL_TMP" ]; then
+    INSTALL_TMP=$(mktemp -d "${TMPDIR:-/tmp}/mrl-install-XXXXXXXX")
+    trap 'rm -rf "$INSTALL_TMP"' EXIT
+  fi
+}
+
 ensure_venv() {
   [ -x "$PY" ] && return 0
   local base=${PYTHON:-python3} t0=$SECONDS
@@ -35,12 +47,13 @@ ensure_venv() {
 }
 
 _uv() {
+  installer_tmp
   if [ ! -x "$VENV/bin/uv" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+    TMPDIR=$INSTALL_TMP "$PY" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
   fi
   # uv does not read pip's configuration; carry over the find-links / index settings a
   # machine gives pip through the environment (e.g. a local directory of CPU torch wheels).
-  local env=()
+  local env=("TMPDIR=$INSTALL_TMP")
   [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ] && env+=("UV_FIND_LINKS=$PIP_FIND_LINKS")
   [ -n "${PIP_INDEX_URL:-}" ] && [ -z "${UV_INDEX_URL:-}" ] && env+=("UV_INDEX_URL=$PIP_INDEX_URL")
   [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && [ -z "${UV_EXTRA_INDEX_URL:-}" ] && env+=("UV_EXTRA_INDEX_URL=$PIP_EXTRA_INDEX_URL")
@@ -54,7 +67,8 @@ venv_install() {
     # (measured: a launcher's start-up took 1.9 s of CPU instead of 0.6 s).
     _uv pip install -q --compile-bytecode --python "$PY" "$@"
   else
-    "$PY" -m pip install -q --disable-pip-version-check "$@"
+    installer_tmp
+    TMPDIR=$INSTALL_TMP "$PY" -m pip install -q --disable-pip-version-check "$@"
   fi
 }
 
@@ -62,7 +76,8 @@ venv_uninstall() {
   if [ "$INSTALLER" = uv ]; then
     _uv pip uninstall -q --python "$PY" "$@" 2>/dev/null || true
   else
-    "$PY" -m pip uninstall -q -y "$@" 2>/dev/null || true
+    installer_tmp
+    TMPDIR=$INSTALL_TMP "$PY" -m pip uninstall -q -y "$@" 2>/dev/null || true
   fi
 }
 

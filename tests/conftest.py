@@ -6,6 +6,9 @@ folder some test (or a process it started) left behind, and is listed in the sum
 ``MODAL_RL_TMP_CHECK=fail`` (on a machine that runs one suite at a time)
 also fails the session; the default only reports, because on a shared machine other
 people's runs write to the same directory. ``MODAL_RL_TMP_CHECK=off`` skips the check.
+
+The session caches compiled kernels where the launchers do (``modal_rl.run_temp``: the
+user's cache dir, not ``<temp>/torchinductor_<user>``, which ``import vllm`` would make).
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def leftovers(before: set[str], after: set[str]) -> list[str]:
     """New temp-dir entries that no rule of :data:`TMP_ALLOWED` explains, sorted."""
     new = after - before
     return sorted(n for n in new if not any(fnmatch.fnmatchcase(n, pat) for pat in TMP_ALLOWED))
+
+
+def pytest_configure(config):
+    try:
+        from modal_rl.run_temp import use_kernel_cache
+    except ImportError:  # this file copied into a bare project (tests/test_tooling_tmpcheck.py)
+        return
+    use_kernel_cache()  # before any test module imports vLLM
 
 
 def pytest_sessionstart(session):

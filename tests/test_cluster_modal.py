@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
 
+from modal_rl import run_temp
 from modal_rl.cluster import cli
 from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backend_modal import ModalBackend, function_kwargs, inspect_function
@@ -153,16 +153,20 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
     # This machine is shared: other Ray clusters may own Modal's default ports.
     plan.gcs_port, plan.dashboard_port, plan.control_port = free_ports(3)
     plan.dashboard_host = None
-    plan.temp_root = f"/tmp/mrl-{plan.run_id}"
     key = new_run_key()
     for name, value in key_env(key).items():  # what the run's Modal Secret sets in the container
         monkeypatch.setenv(name, value)
     saved_env = dict(os.environ)  # the bootstrap sets the node's variables in its own process
     try:
-        result = container_main(plan.to_json())
+        # A container's /tmp goes with it; here a run dir stands in for it: Ray's node dir and
+        # its processes' temp files (they are killed, not asked to exit), removed at the end.
+        with run_temp.process_temp() as run_dir:
+            plan.temp_root = str(run_dir)
+            try:
+                result = container_main(plan.to_json())
+            finally:
+                procs.end_run(plan.run_id)
     finally:
-        procs.end_run(plan.run_id)
-        shutil.rmtree(plan.temp_root, ignore_errors=True)  # Ray's session dir of this test's node
         os.environ.clear()
         os.environ.update(saved_env)
         # Ray caches the auth mode per process: later in-process Ray tests must see auth off again.

@@ -173,22 +173,24 @@ def test_local_bring_up_is_loopback_only_with_logical_gpus():
     out = run_py(
         """
         from verl_modal.cpu import overrides as ov
+        from modal_rl.run_temp import process_temp
         from verl_modal.runner import prepare_process_env, start_local_ray
         env = ov.worker_env()
         prepare_process_env(env)
         config = ov.compose(ov.cpu_overrides([], ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_cpus=2"]))
-        start_local_ray(config, env)
-        import ray
+        with process_temp():  # as runner.run brings it up: Ray's files in a run dir, removed
+            start_local_ray(config, env)
+            import ray
 
-        @ray.remote(num_gpus=1)
-        def probe():
-            import os
-            from verl.plugin.platform import get_platform
-            return os.environ["VERL_PLATFORM"], type(get_platform()).__name__, ray.util.get_node_ip_address()
+            @ray.remote(num_gpus=1)
+            def probe():
+                import os
+                from verl.plugin.platform import get_platform
+                return os.environ["VERL_PLATFORM"], type(get_platform()).__name__, ray.util.get_node_ip_address()
 
-        print(sorted({n["NodeManagerAddress"] for n in ray.nodes()}), ray.cluster_resources()["GPU"])
-        print(ray.get(probe.remote()))
-        ray.shutdown()
+            print(sorted({n["NodeManagerAddress"] for n in ray.nodes()}), ray.cluster_resources()["GPU"])
+            print(ray.get(probe.remote()))
+            ray.shutdown()
         """,
         timeout=300,
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import uuid
 
 import pytest
 
+from modal_rl import run_temp
 from modal_rl.cluster import procs
 from modal_rl.cluster.backend_local import free_ports
 from verl_modal.pools import PoolWaitTimeout, shortfall
@@ -61,10 +61,11 @@ class LocalRay:
 
     def __init__(self):
         self.run_id = "vp" + uuid.uuid4().hex[:10]
-        self.temp = f"/tmp/mrl-{self.run_id}"
+        self.temp = str(run_temp.make())  # Ray's node dirs and every node process's TMPDIR
         self.gcs_port = free_ports(1)[0]
         self.children: list[subprocess.Popen] = []
-        self.env = {**os.environ, procs.RUN_ID_ENV: self.run_id, "RAY_AUTH_MODE": "disabled"}
+        self.env = {**os.environ, **run_temp.child_env(self.temp), procs.RUN_ID_ENV: self.run_id}
+        self.env["RAY_AUTH_MODE"] = "disabled"
 
     def start_node(self, gpus: int, cpus: int, head: bool = False, resources=None) -> subprocess.Popen:
         ports = free_ports(6)
@@ -90,7 +91,7 @@ class LocalRay:
         survivors = procs.end_run(self.run_id)
         for child in self.children:
             child.wait(timeout=10)
-        shutil.rmtree(self.temp, ignore_errors=True)
+        run_temp.remove(self.temp)
         return survivors
 
 

@@ -148,18 +148,24 @@ def local_ray(tmp_path_factory):
 
     if ray.is_initialized():
         pytest.skip("a Ray runtime is already initialized in this process")
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}},
-        log_to_driver=False,
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    from modal_rl.run_temp import process_temp
+
+    # Ray's session dir and its workers' temp files go to a run dir removed at the end
+    # (pytest's own temp root is fixed first, so it stays where it was).
+    tmp_path_factory.getbasetemp()
+    with process_temp():
+        ray.init(
+            address="local",
+            num_cpus=1,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}},
+            log_to_driver=False,
+        )
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 @pytest.mark.slow

@@ -125,12 +125,14 @@ def _main(argv: list[str]) -> int:
     import time
 
     from modal_rl.run_key import ensure_run_key
+    from modal_rl.run_temp import use_kernel_cache
 
     started = time.monotonic()
 
     # First: the run key (contract 1) reaches every process this launcher starts, the
     # in-process Ray's workers and local engines included.
     ensure_run_key()
+    use_kernel_cache()  # before the preflight imports vLLM, which would fix it under /tmp
     args, user_overrides = parse_args(argv)
     if args.tiny is None and args.tiny_task != "arith":
         return _fail("--tiny-task needs --tiny DIR")

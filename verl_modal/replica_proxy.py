@@ -89,8 +89,7 @@ class VLLMHttpProxy:
         self.supervisor = EngineSupervisor(pool, load=load, **self.health)
         (address,) = await asyncio.to_thread(self.supervisor.start)
         check_key_safe_url(address)  # the key goes only over TLS or to loopback
-        log_dir = getattr(pool, "log_dir", None)
-        kept = str(log_dir) if log_dir and not pool._owned_log_dir else None
+        kept = str(pool.log_dir) if getattr(pool, "keeps_logs", False) else None
         # Local engines' run id: the replica ends them by it if this actor is killed before close()
         # (a parent-death signal reaches the server process, not the engine cores it forked).
         return {"address": address, "log_dir": kept, "run_id": getattr(pool, "run_id", None)}

@@ -12,6 +12,9 @@ Invariants:
 - The local Ray node is advertised and reached at 127.0.0.1 (no traffic leaves loopback);
   :func:`start_local_ray` checks `ray.nodes()`.
 - Only the Ray instance this process started is shut down, by ``ray.shutdown()``.
+- A run owns a temp dir (``modal_rl.run_temp.process_temp``): this process's ``TMPDIR`` for
+  the run, so the local Ray (its session dir), its workers and the vLLM servers they start
+  write their temp files there; it is removed after ``ray.shutdown()``, however the run ends.
 """
 
 from __future__ import annotations
@@ -201,8 +204,11 @@ def run(config, env_vars: dict[str, str], *, cpu: bool, bring_up: Callable | Non
     import ray
     from verl.trainer.main_ppo import run_ppo
 
-    (bring_up or start_local_ray)(config, env_vars)
-    try:
-        run_ppo(config, task_runner_class=make_task_runner(cpu))
-    finally:
-        ray.shutdown()
+    from modal_rl.run_temp import process_temp
+
+    with process_temp():
+        (bring_up or start_local_ray)(config, env_vars)
+        try:
+            run_ppo(config, task_runner_class=make_task_runner(cpu))
+        finally:
+            ray.shutdown()

@@ -9,6 +9,9 @@ Every node runs the same ``bootstrap`` as a Modal container. What differs, and w
 - distinct ports per node (GCS, dashboard, control, node/object manager, agents, metrics),
   picked free on the loopback address, since all nodes share one network namespace;
 - a Ray temp dir per node, because nodes sharing a session dir race for socket names;
+- the run's temp root (``<temp>/mrl-<run id>``, ``/tmp`` when the temp dir's path is long) is also every node process's ``TMPDIR``
+  (``modal_rl.run_temp``), so what Ray workers, vLLM engines and torch write to "the temp
+  directory" goes there, and it is removed with the run (kept under ``MODAL_RL_KEEP_LOGS``);
 - logical GPUs (``--num-gpus``) so GPU-scheduled frameworks place their workers;
 - Ray's token auth off by default: every port is bound to loopback, reachable only from
   this machine, where a user who can reach it could read the run key from our processes'
@@ -25,12 +28,10 @@ Every node runs the same ``bootstrap`` as a Modal container. What differs, and w
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import modal_rl
+from modal_rl import run_temp
 from modal_rl.cluster import procs
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.plan import RAY_AUTH_SWITCH_ENV, BootstrapPlan
@@ -122,7 +124,7 @@ class LocalBackend(ClusterBackend):
             ray_auth=self.ray_auth or os.environ.get(RAY_AUTH_SWITCH_ENV) or "disabled",
         )
         # Short on purpose: Ray's unix socket paths live under it and must stay < 108 bytes.
-        plan.temp_root = f"/tmp/mrl-{plan.run_id}"
+        plan.temp_root = os.path.join(run_temp.base_dir(), f"{run_temp.PREFIX}{plan.run_id}")
         return plan
 
     def describe(self, spec: ClusterSpec, job: JobRequest) -> dict[str, Any]:
@@ -155,11 +157,10 @@ class LocalBackend(ClusterBackend):
         """Start ``ranks`` (default: all) of ``plan`` as node processes and wait for rank 0."""
         ranks = list(range(plan.nodes)) if ranks is None else ranks
         self.last_run_id = plan.run_id
-        temp = Path(plan.temp_root or tempfile.mkdtemp(prefix="mrl-"))
-        temp.mkdir(parents=True, exist_ok=True)
+        temp = run_temp.own(plan.temp_root) if plan.temp_root else run_temp.make()
         (temp / "plan.json").write_text(plan.to_json())
         ensure_run_key()  # a launcher made it already; a direct caller gets one here
-        env = node_process_env(plan)
+        env = {**node_process_env(plan), **run_temp.child_env(temp)}
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main else None
         nodes: dict[int, subprocess.Popen] = {}
@@ -209,9 +210,8 @@ class LocalBackend(ClusterBackend):
                 signal.signal(signal.SIGTERM, previous)
             if survivors:
                 print(f"[modal_rl.cluster] could not end PIDs {survivors}", file=sys.stderr)
-            # Ray's session dirs hold MBs of logs; keep them only when asked to.
-            if plan.temp_root and not os.environ.get("MODAL_RL_KEEP_LOGS"):
-                shutil.rmtree(plan.temp_root, ignore_errors=True)
+            # Ray's session dirs hold MBs of logs; kept only when asked to (MODAL_RL_KEEP_LOGS).
+            run_temp.remove(temp)
 
 
 def _pump(stream, sink: Callable[[str], None]) -> None:

@@ -7,9 +7,11 @@ Invariants (beyond ``engines.EnginePool``'s):
   group;
 - engines are forked from one long-lived spawner thread (``spawn``): the parent-death signal
   follows the forking *thread*, and pools are started from short-lived ones;
-- logs: in ``log_dir`` when the caller names one (kept); otherwise in a fresh
-  ``mrl-engines-*`` temporary directory that ``stop()`` removes (and, as a backstop, the
-  process's exit), so runs and tests leave nothing in the temp directory;
+- each pool owns a run temp dir (``modal_rl.run_temp``), ``<temp>/mrl-engines-*``: its engines
+  get it as ``TMPDIR``, so vLLM's ipc sockets, ``vllm_dist_*`` files and torch's ``pymp-*``
+  dirs land there, and ``stop()`` removes it (and, as a backstop, the process's exit), so
+  runs and tests leave nothing in the temp directory, even after a SIGKILLed engine;
+- logs: in ``log_dir`` when the caller names one (kept); otherwise in the run temp dir;
 - ``replace(i)`` SIGKILLs engine ``i``'s process group (it may be hung: SIGSTOPped processes
   die of SIGKILL too), starts the same command on a new free port and returns its address
   once it is up; its log is ``<name>-<i>.<generation>.log``.
@@ -17,7 +19,6 @@ Invariants (beyond ``engines.EnginePool``'s):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import queue
@@ -25,13 +26,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from modal_rl import run_temp
 from modal_rl.cluster import procs
 from modal_rl.cluster.engine_health import ready
 from modal_rl.cluster.engines import (
@@ -45,14 +46,7 @@ from modal_rl.cluster.engines import (
 )
 from modal_rl.run_key import RUN_KEY_ENV, redact
 
-TEMP_PREFIX = "mrl-engines-"
-_owned_dirs: set[str] = set()
-
-
-@atexit.register
-def _remove_owned_dirs() -> None:
-    for path in list(_owned_dirs):
-        shutil.rmtree(path, ignore_errors=True)
+TEMP_PREFIX = f"{run_temp.PREFIX}engines-"
 
 
 class LocalEnginePool(EnginePool):
@@ -67,10 +61,9 @@ class LocalEnginePool(EnginePool):
     ):
         super().__init__(spec)
         self.run_id = uuid.uuid4().hex[:12]
-        self._owned_log_dir = not log_dir
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.run_id}-"))
-        if self._owned_log_dir:
-            _owned_dirs.add(str(self.log_dir))
+        self.temp_dir = run_temp.named(f"engines-{self.run_id}")  # made by start()
+        self.keeps_logs = bool(log_dir)  # else the logs go with the temp dir
+        self.log_dir = Path(log_dir) if log_dir else self.temp_dir
         self.generations: list[int] = []
         self._lock = threading.Lock()
         self._stopped = False
@@ -93,7 +86,13 @@ class LocalEnginePool(EnginePool):
             return self.procs[index].pid if index < len(self.procs) else None
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, **self.spec.env, procs.RUN_ID_ENV: self.run_id, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **run_temp.child_env(self.temp_dir),
+            **self.spec.env,
+            procs.RUN_ID_ENV: self.run_id,
+            "PYTHONUNBUFFERED": "1",
+        }
         for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
             env.pop(name, None)
         if self._key is not None:
@@ -120,6 +119,7 @@ class LocalEnginePool(EnginePool):
 
         self._key = engine_key(self.spec)
         self._stopped = False
+        run_temp.own(self.temp_dir)  # made here (again, after a stop()): removed by stop()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ports = free_ports(self.spec.count, self.host)
         self.generations = [0] * self.spec.count
@@ -219,9 +219,8 @@ class LocalEnginePool(EnginePool):
             print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)
         self.procs = []
         self.addresses = []
-        if self._owned_log_dir:  # nobody asked for these logs: leave nothing in the temp dir
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-            _owned_dirs.discard(str(self.log_dir))
+        # The engines' temp files (and the logs nobody asked for): leave nothing behind.
+        run_temp.remove(self.temp_dir)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -1,0 +1,132 @@
+"""Per-run temp directories: where the processes a run starts write their temp files.
+
+vLLM (ZMQ ipc sockets named by a bare UUID, ``vllm_dist_*`` rendezvous files), torch
+(``pymp-*``), Ray (its session dir, ``<temp>/ray``) and lock-file users all write under the
+temp directory they find in ``TMPDIR`` (Python's ``tempfile``, vLLM's ``VLLM_RPC_BASE_PATH``
+default, Ray's ``get_default_system_temp_dir``) and leave their files behind when a process
+is killed rather than asked to exit. So every place where our code starts such processes
+gives them ``TMPDIR`` pointing into a directory the run owns, and removes that directory when
+the run ends.
+
+Invariants:
+- a run dir is ``<temp>/mrl-<tag><random>``, short on purpose: unix socket paths under it
+  (Ray's ``<dir>/ray/session_<time>/sockets/...``, vLLM's ``<dir>/<uuid>``) must stay under
+  107 bytes; a ``TMPDIR`` longer than :data:`MAX_BASE_LEN` is passed over for ``/tmp``;
+- the owner removes it when the run ends (return, exception, Ctrl-C), and at this process's
+  exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind;
+- ``MODAL_RL_KEEP_LOGS`` set keeps it (its Ray session logs and engine logs), as the local
+  cluster backend always did for its own temp root;
+- a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``,
+  ``TORCHINDUCTOR_CACHE_DIR``) is left alone: only ``TMPDIR`` is replaced;
+- caches are not temp files: torch's compiled-kernel cache (vLLM compiles a few sampler
+  kernels even with ``--enforce-eager``) defaults to ``<temp>/torchinductor_<user>``, which a
+  fresh run dir would empty every run (a recompile, ~10 s per engine on a small CPU), so it
+  goes to the user's cache dir (``$XDG_CACHE_HOME`` or ``~/.cache``, ``modal-rl/torchinductor``),
+  beside vLLM's and Hugging Face's own caches.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+PREFIX = "mrl-"
+TEMP_ENV = "TMPDIR"
+KERNEL_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+KEEP_ENV = "MODAL_RL_KEEP_LOGS"
+# Room for the deepest socket path under a run dir (nested in another run's, too):
+# <base>/mrl-<12>/r0/session_<date>_<time>_<us>_<pid>/sockets/plasma_store is ~80 bytes + base.
+MAX_BASE_LEN = 20
+_owned: set[str] = set()
+
+
+@atexit.register
+def _remove_owned() -> None:
+    for path in list(_owned):
+        remove(path)
+
+
+def base_dir() -> str:
+    """Where run dirs are made: the temp directory, unless its path is too long for sockets."""
+    where = tempfile.gettempdir()
+    return where if len(where) <= MAX_BASE_LEN or not os.path.isdir("/tmp") else "/tmp"
+
+
+def make(tag: str = "") -> Path:
+    """A fresh run dir ``<temp>/mrl-<tag><random>``, owned by this process until :func:`remove`."""
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}", dir=base_dir())
+    _owned.add(path)
+    return Path(path)
+
+
+def named(unique: str) -> Path:
+    """The path of run dir ``<temp>/mrl-<unique>``, not made yet (:func:`own` makes it): for an
+    owner that needs the name before it starts anything (a pool never started makes none)."""
+    return Path(base_dir(), f"{PREFIX}{unique}")
+
+
+def own(path: str | os.PathLike) -> Path:
+    """Make ``path`` (again) and own it: a run dir that :func:`remove` took, reused."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    _owned.add(str(path))
+    return Path(path)
+
+
+def keep() -> bool:
+    """True when the user asked to keep run dirs (``MODAL_RL_KEEP_LOGS``)."""
+    return bool(os.environ.get(KEEP_ENV))
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove a run dir (and forget it), unless :func:`keep`; never raises."""
+    path = str(path)
+    _owned.discard(path)
+    if not keep():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def kernel_cache_dir() -> str:
+    """Where compiled kernels are cached across runs (the module docstring says why)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "modal-rl", "torchinductor")
+
+
+def use_kernel_cache() -> str:
+    """This process (and what it starts) caches compiled kernels in :func:`kernel_cache_dir`
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names a place. Call it before vLLM is imported: ``import
+    vllm`` fixes the cache dir for the process, making ``<temp>/torchinductor_<user>``."""
+    return os.environ.setdefault(KERNEL_CACHE_ENV, kernel_cache_dir())
+
+
+def child_env(path: str | os.PathLike) -> dict[str, str]:
+    """The environment entries that send a child's temp files into ``path`` (and its kernel
+    cache to :func:`kernel_cache_dir`, unless the user named one)."""
+    return {TEMP_ENV: str(path), KERNEL_CACHE_ENV: os.environ.get(KERNEL_CACHE_ENV) or kernel_cache_dir()}
+
+
+@contextlib.contextmanager
+def process_temp(tag: str = "") -> Iterator[Path]:
+    """This process and everything it starts inside the block use a fresh run dir as their
+    temp directory (``TMPDIR`` and ``tempfile``'s cache); both are restored and the dir is
+    removed when the block ends, however it ends."""
+    path = make(tag)
+    entries = child_env(path)
+    saved_env = {name: os.environ.get(name) for name in entries}
+    saved_cache = tempfile.tempdir
+    os.environ.update(entries)
+    tempfile.tempdir = str(path)
+    try:
+        yield path
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = saved_cache
+        remove(path)
