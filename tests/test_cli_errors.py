@@ -102,6 +102,16 @@ def test_no_route_to_modal_is_one_line_exit_1(name, tmp_path):
     assert cpu < 2.0 and wall < 15.0, (cpu, wall)
 
 
+def test_a_config_file_without_a_token_is_read_the_clients_way(tmp_path):
+    # Without a file the check answers before importing modal; with one, modal.config reads it.
+    config = tmp_path / "modal.toml"
+    config.write_text('[default]\nactive = true\nloglevel = "WARNING"\n')
+    out, _, _ = run(ENTRY_POINTS["sandboxes sweep"], no_modal_env(tmp_path, MODAL_CONFIG_PATH=str(config)))
+    assert out.returncode == 2
+    line = one_line(out, "modal_rl.sandboxes")
+    assert "no Modal credentials" in line and str(config) in line, line
+
+
 def test_half_a_token_and_an_unknown_profile_are_named(tmp_path):
     out, _, _ = run(ENTRY_POINTS["sandboxes sweep"], no_modal_env(tmp_path, MODAL_TOKEN_ID="ak-test"))
     assert out.returncode == 2
