@@ -236,3 +236,13 @@ def test_a_chunk_that_barely_changed_stays_v1_where_v2_saves_too_little(monkeypa
     chain.apply(encode_anchor(base, version=0, config=big))
     chain.apply(chosen)
     assert same_state(chain.state, new)
+
+
+def test_the_run_length_tables_are_the_same_on_every_machine():
+    # Encoder and decoder must hold the same tables bit for bit; they are made in decimal,
+    # not with the platform's libm, and pinned here so a machine that differs fails loudly.
+    import xxhash
+
+    from modal_rl.weightsync.ctxcoder import GEO
+
+    assert xxhash.xxh3_64_hexdigest(GEO.astype("<i8").tobytes()) == "6ff3e605e7638f03"

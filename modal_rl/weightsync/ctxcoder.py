@@ -19,6 +19,8 @@ run: ``u`` (geometric, ratio ~1/2) by a static table of ``QSYM`` symbols plus an
 
 from __future__ import annotations
 
+from decimal import Decimal, localcontext
+
 import numpy as np
 
 from modal_rl.weightsync.ctxrans import (
@@ -38,7 +40,6 @@ from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
 
 __all__ = [
     "encode_part",
-    "geo_table",
     "mask_encode",
     "mask_finish",
     "mask_part",
@@ -136,38 +137,29 @@ def quantize_p(n, last, gaps_count):
     return q
 
 
-@_kernel
-def _fill_geo_row(row, theta, m):
-    """``row``: m, then the cumulative table of the quotient symbols of a run length
-    ``g = (u << m) + r`` whose quotient is geometric with ratio ``theta``."""
-    row[0] = m
-    # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
-    total = 0
-    freqs = np.empty(QSYM + 1, dtype=np.int64)
-    for u in range(QSYM + 1):
-        pr = theta**u * (1.0 - theta) if u < QSYM else theta**QSYM
-        freqs[u] = max(1, np.int64(pr * (M - QSYM - 1)))
-        total += freqs[u]
-    freqs[0] += M - total
-    cum = 0
-    for u in range(QSYM + 1):
-        row[1 + u] = cum
-        cum += freqs[u]
-    row[2 + QSYM] = cum
-
-
-@_kernel
-def geo_table():
+def geo_table() -> np.ndarray:
     """Per q byte (row 0 unused): the run-length model of a context with
-    ``p = 2 ** (-q / 8)``. Made once: a context's model depends on nothing but its q."""
+    ``p = 2 ** (-q / 8)``: ``m``, then the cumulative table of the quotient symbols. Made
+    once (a context's model depends on nothing but its q), in ``decimal``, so every machine
+    gets the same table whatever its libm (a table that differed in one entry would make
+    other machines' frames undecodable)."""
     tab = np.zeros((256, GEO_COLS), dtype=np.int64)
-    for c in range(1, 256):
-        p = 2.0 ** (-np.float64(c) / 8.0)
-        lq = np.log1p(-min(p, 0.999))  # ln(1 - p) < 0
-        m = 0
-        while m < 31 and (1 << (m + 1)) * -lq <= np.log(2.0):
-            m += 1
-        _fill_geo_row(tab[c], np.exp((1 << m) * lq), m)
+    with localcontext() as ctx:
+        ctx.prec = 40
+        ln2 = Decimal(2).ln()
+        for q in range(1, 256):
+            p = min(Decimal(2) ** (Decimal(-q) / 8), Decimal("0.999"))
+            lq = (1 - p).ln()  # ln(1 - p) < 0
+            m = 0
+            while m < 31 and (1 << (m + 1)) * -lq <= ln2:
+                m += 1
+            theta = ((1 << m) * lq).exp()
+            # frequencies: (1 - theta) theta^u for u < QSYM, theta^QSYM for the escape; >= 1 each
+            freqs = [max(1, int(theta**u * (1 - theta) * (M - QSYM - 1))) for u in range(QSYM)]
+            freqs.append(max(1, int(theta**QSYM * (M - QSYM - 1))))
+            freqs[0] += M - sum(freqs)
+            tab[q, 0] = m
+            tab[q, 1:] = np.concatenate([[0], np.cumsum(freqs)])
     return tab
 
 
