@@ -33,6 +33,8 @@ from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import RayNode, ray_start_argv
 from modal_rl.run_key import redact
 
+AGENT_WAIT_S = 60.0  # how long a job submission waits for the head's dashboard agent
+
 
 def _say(msg: str) -> None:
     print(redact(f"[modal_rl.cluster rank 0] {msg}"), file=sys.stderr, flush=True)
@@ -161,6 +163,21 @@ class Head:
         env["env_vars"] = {**self.node_env, **env.get("env_vars", {})}
         return env
 
+    async def _submit(self, client, entrypoint: str) -> str:
+        """Submit the job. Ray answers "No available agent to submit job" until the head's
+        dashboard agent has registered, which can lag the node's own start by seconds on a
+        busy host: that answer is retried for up to ``AGENT_WAIT_S``, any other raised."""
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                return await asyncio.to_thread(
+                    client.submit_job, entrypoint=entrypoint, runtime_env=self._job_runtime_env()
+                )
+            except RuntimeError as exc:
+                if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.5)
+
     async def run_job(self, argv: list[str], timeout_s: float, tail_logs: bool = True) -> int:
         """Submit ``argv`` as a Ray job, stream its logs, return the driver's exit code."""
         from ray.job_submission import JobStatus, JobSubmissionClient
@@ -169,9 +186,7 @@ class Head:
             self.client = await asyncio.to_thread(JobSubmissionClient, self.plan.dashboard_url())
         client = self.client
         entrypoint = shlex.join(argv)
-        self.job_id = await asyncio.to_thread(
-            client.submit_job, entrypoint=entrypoint, runtime_env=self._job_runtime_env()
-        )
+        self.job_id = await self._submit(client, entrypoint)
         _say(f"submitted job {self.job_id}: {entrypoint}")
         tail = asyncio.create_task(self._tail(self.job_id)) if tail_logs else None
         deadline = time.monotonic() + timeout_s
