@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import signal
 import tempfile
 
 import pytest
@@ -47,6 +48,11 @@ def leftovers(before: set[str], after: set[str]) -> list[str]:
 
 
 def pytest_configure(config):
+    # A suite started in the background by a non-interactive shell (`cmd &`) inherits SIGINT
+    # ignored, and so would every process a test starts (an ignored signal survives exec):
+    # the Ctrl-C tests would see their runs shrug it off. Handled signals reset on exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from modal_rl.run_temp import use_kernel_cache
     except ImportError:  # this file copied into a bare project (tests/test_tooling_tmpcheck.py)
