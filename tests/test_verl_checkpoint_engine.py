@@ -366,37 +366,12 @@ def _ray_classes():
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
+    from tests._local_ray import loopback_ray
 
-    if ray.is_initialized():
-        pytest.skip("a Ray runtime is already initialized in this process")
-    plugin_dir = tmp_path_factory.mktemp("plugins")
-    env = plugin_env(plugin_dir)
-    from modal_rl.run_temp import process_temp
-
-    # Ray's session dir and its workers' temp files go to a run dir removed at the end
-    # (pytest's own temp root is fixed first, so it stays where it was).
-    tmp_path_factory.getbasetemp()
-    with process_temp():
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            runtime_env={
-                "env_vars": {
-                    "PYTHONPATH": env["PYTHONPATH"],
-                    "RAY_AUTH_MODE": "disabled",
-                    RUN_KEY_ENV: TEST_KEY,
-                }
-            },
-            log_to_driver=False,
-        )
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # before plugin_env reads the environment
+    env = plugin_env(tmp_path_factory.mktemp("plugins"))
+    with loopback_ray(tmp_path_factory, 2, {"PYTHONPATH": env["PYTHONPATH"], RUN_KEY_ENV: TEST_KEY}) as ray:
+        yield ray
 
 
 def _free_port() -> int:

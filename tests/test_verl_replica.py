@@ -140,32 +140,12 @@ def test_multi_node_replica_is_refused(replica_cls):
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
     from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+    from tests._local_ray import loopback_ray
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     # As a launcher leaves it: the run key in this process and so in every Ray worker.
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("a Ray runtime is already initialized in this process")
-    from modal_rl.run_temp import process_temp
-
-    # Ray's session dir and its workers' temp files go to a run dir removed at the end
-    # (pytest's own temp root is fixed first, so it stays where it was).
-    tmp_path_factory.getbasetemp()
-    with process_temp():
-        ray.init(
-            address="local",
-            num_cpus=1,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}},
-            log_to_driver=False,
-        )
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
+    with loopback_ray(tmp_path_factory, 1, {"PYTHONPATH": str(ROOT)}) as ray:
+        yield ray
 
 
 @pytest.mark.slow
