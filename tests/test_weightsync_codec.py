@@ -207,3 +207,17 @@ def test_an_iterator_of_named_tensors_encodes_like_a_mapping():
     short = iter(list(new.items())[:-1])
     with pytest.raises(LayoutMismatchError, match="lacks"):
         frame_bytes(encode_delta(base, short, base_version=0, version=1, config=SMALL))
+
+
+def test_the_compiled_scatter_wraps_like_the_words_and_refuses_out_of_range_changes():
+    from modal_rl.weightsync.scatter import scatter
+
+    words = np.array([0xFFFF, 1, 2, 3, 0x8000], dtype=np.uint16)
+    scatter(words, np.array([10, 12, 14]), 10, np.array([1, 5, 0x8000], np.uint16), "add")
+    assert words.tolist() == [0, 1, 7, 3, 0]  # wrapping u16 arithmetic
+    scatter(words, np.array([1, 3]), 0, np.array([3, 3], np.uint16), "xor")
+    assert words.tolist() == [0, 2, 7, 0, 0]
+    before = words.copy()
+    with pytest.raises(IndexError):
+        scatter(words, np.array([2, 5]), 0, np.array([9, 9], np.uint16), "set")
+    assert (words == before).all()

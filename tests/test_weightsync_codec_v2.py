@@ -153,11 +153,37 @@ def test_v2_chunk_damage_behind_a_valid_record_digest_is_refused_and_rolled_back
     assert_refused(reseal(DELTA, offset, bytes(body)))
 
 
-def test_a_v2_chunk_against_other_held_words_is_refused_before_writing():
+def test_a_v2_chunk_against_other_held_words_is_refused_with_them_unchanged():
     held = clone_state(NEW)  # not the base: the context model does not fit these words
     with pytest.raises((CorruptFrameError, WeightSyncError)):
         apply_frame(held, io.BytesIO(DELTA), held_version=0, config=V2, key=None)
     assert same_state(held, NEW)
+
+
+def test_a_v2_chunk_failing_at_its_end_puts_back_every_word_it_wrote():
+    # v2 decodes into the held words as it goes. Damage in the residual stream's last
+    # word lets the pass write (nearly) every change before the final check refuses the
+    # chunk: the words written must all go back.
+    from modal_rl.weightsync import chunks_v2
+
+    base, new = adam_like({"w": (600, 128), "v": (300, 128)}, 3e-5, seed=3)
+    b_parts = [t.reshape(-1).view(torch.int16).numpy().view(np.uint16).copy() for t in base.values()]
+    n_parts = [t.reshape(-1).view(torch.int16).numpy().view(np.uint16) for t in new.values()]
+    starts, count = [0, b_parts[0].size], sum(p.size for p in b_parts)
+    body, positions, _, _ = chunks_v2.encode(
+        lambda k: CHUNK_HEADER.pack(0, count, k, CTX_SPARSE, chunks_v2.CTX_STREAMS), b_parts, n_parts, starts, 1
+    )
+    assert positions.size > 1000
+    held = [p.copy() for p in b_parts]
+    good = chunks_v2.decode(memoryview(body), 0, count, positions.size, held, starts)
+    assert all((h == n).all() for h, n in zip(held, n_parts, strict=True))  # decoded in place
+    assert (good[0] == positions).all()
+    damaged = bytearray(body)
+    damaged[-1] ^= 0x40  # the residual stream is the last one
+    held = [p.copy() for p in b_parts]
+    with pytest.raises(CorruptFrameError):
+        chunks_v2.decode(memoryview(bytes(damaged)), 0, count, positions.size, held, starts)
+    assert all((h == b).all() for h, b in zip(held, b_parts, strict=True))
 
 
 def test_v2_streams_are_near_the_context_entropy_bound():

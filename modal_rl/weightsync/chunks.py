@@ -18,8 +18,9 @@ Two residuals, picked per chunk by the smaller order-0 entropy of their planes:
   bit pattern is monotonic in the value, so a small update is a small integer: a 1-ulp
   step is 1 or 2, where its XOR is a carry run (1, 3, 7, 15, …). Undone by subtracting.
 
-Invariant: decoding validates every length and range before anything is written, so a
-malformed body raises ``CorruptFrameError`` and never touches the target words.
+Invariant: a malformed body raises ``CorruptFrameError`` and leaves the target words as
+they were. v1 bodies are validated before anything is written; v2 bodies are decoded into
+the held host words (``host_written``), which are put back when the streams fail.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from modal_rl.weightsync.errors import CorruptFrameError
+from modal_rl.weightsync.scatter import scatter
 from modal_rl.weightsync.streams import (
     STORED,
     ZSTD,
@@ -193,6 +195,8 @@ class DecodedChunk:
     encoding: int
     positions: np.ndarray | None
     values: np.ndarray | None  # residual words (XOR: the XOR; SUB: new - old), or new words (FULL)
+    # v2 decodes into the held host words as it goes: ``apply`` then only writes device ones
+    host_written: bool = False
 
     def apply(self, segments: list[tuple[int, Any]], undo: bool = False) -> None:
         """Write into the words of a group: ``segments`` are (offset in the group's word
@@ -208,12 +212,16 @@ class DecodedChunk:
         if op == "add" and undo:
             values = values.dtype.type(0) - values
         if self.encoding in SPARSE:
-            group_positions = self.positions + lo
-            cuts = np.searchsorted(group_positions, [start for start, _ in segments] + [hi])
+            # chunk-local positions; a segment's words start at ``start - lo`` of them
+            cuts = np.searchsorted(self.positions, [start - lo for start, _ in segments] + [hi - lo])
             for k, (start, words) in enumerate(segments):
                 a, b = cuts[k], cuts[k + 1]
-                if a < b:
-                    _update(words, group_positions[a:b] - start, values[a:b], op)
+                if a == b or (self.host_written and not undo and isinstance(words, np.ndarray)):
+                    continue
+                if isinstance(words, np.ndarray):
+                    scatter(words, self.positions[a:b], start - lo, values[a:b], op)
+                else:
+                    _update(words, self.positions[a:b] - (start - lo), values[a:b], op)
             return
         for start, words in segments:
             a, b = max(lo, start), min(hi, start + _size(words))
@@ -249,7 +257,8 @@ def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base
     """Parse and validate a chunk body. Raises ``CorruptFrameError`` on any inconsistency.
 
     ``base_for(index, count)`` returns the chunk's held words as parts and their
-    chunk-local starts (``chunks_v2.base_words``); v2 chunks need them, v1 never calls it.
+    chunk-local starts (``chunks_v2.base_words``); v2 chunks need them, and decode into
+    them (``DecodedChunk.host_written``); v1 never calls it.
     """
     body = memoryview(body)
     if len(body) < CHUNK_HEADER.size:
@@ -270,7 +279,7 @@ def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base
             raise CorruptFrameError(f"chunk {index}: a v2 chunk where no held words are available")
         parts, part_starts = base_for(index, count)
         positions, values = chunks_v2.decode(body, index, count, nchanged, parts, part_starts)
-        return DecodedChunk(index, index * chunk_elems, count, nchanged, encoding, positions, values)
+        return DecodedChunk(index, index * chunk_elems, count, nchanged, encoding, positions, values, True)
     streams = unpack_streams(body, CHUNK_HEADER.size, nstreams, 4 * count)
     positions = values = None
     if encoding in SPARSE:

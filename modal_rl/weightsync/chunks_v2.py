@@ -11,8 +11,9 @@ carries only what the receiver cannot derive (see ``ctxcoder`` for the models):
 Body: the v1 chunk header with encoding ``CTX_SPARSE`` and three streams: the mask
 model's ``q`` bytes (zstd), the mask's rANS words, the residual's rANS words (u32 LE, stored).
 Only 2-byte words are coded this way; the encoder keeps the v1 body when it is smaller.
-Decoding needs the chunk's base words and its tensors' boundaries, and validates
-everything (``CorruptFrameError``) before a word is written.
+Decoding needs the chunk's base words and its tensors' boundaries. It writes the new
+words as it finds them (one pass) and, when the streams turn out not to be this chunk's,
+puts every written word back before raising ``CorruptFrameError``.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def encode(
 def decode(
     body: memoryview, index: int, count: int, nchanged: int, parts: list[np.ndarray], part_starts: list[int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(chunk-local positions, residuals new - old) of a v2 chunk body's streams, against
-    the chunk's held words given as parts (as ``encode``)."""
+    """Decode a v2 chunk body into the chunk's held words, given as parts (as ``encode``):
+    on return they hold the new words, and (chunk-local positions, residuals new - old)
+    say what changed, to undo or to copy elsewhere. On ``CorruptFrameError`` the parts
+    are as they were: every word written is put back."""
     from modal_rl.weightsync.chunks import CHUNK_HEADER
 
     k_ = _kernels()
@@ -149,27 +152,43 @@ def decode(
     q = _read_side_info(np.frombuffer(streams[0], np.uint8), bounds.size - 1, index)
     if len(streams[1]) % 4 or len(streams[2]) % 4:
         raise CorruptFrameError(f"chunk {index}: rANS streams are not whole words")
-    words = np.frombuffer(streams[1], "<u4")
-    positions, old_w = np.empty(nchanged, np.int64), np.empty(nchanged, np.uint16)
-    nxt, state = k_.mask_start(q, words)
+    words, rwords = np.frombuffer(streams[1], "<u4"), np.frombuffer(streams[2], "<u4")
+    positions, old_w, values = (
+        np.empty(nchanged, np.int64),
+        np.empty(nchanged, np.uint16),
+        np.empty(nchanged, np.uint16),
+    )
+    nxt, state = k_.decode_start(q, words, rwords)
+    model = k_.res_model()
     ok = all(
-        k_.mask_part(b, np.uint64(uoff), start, q, words, nxt, state, positions, old_w)
+        k_.decode_part(
+            b, np.uint64(uoff), start, q, words, rwords, nxt, state, model, positions, old_w, values
+        )
         for b, start, uoff in zip(parts, part_starts, _segment_offsets(part_starts, bounds), strict=True)
     )
-    if not (ok and k_.mask_finish(q, words, nxt, state, nchanged)):
+    if not (ok and k_.decode_finish(q, words, rwords, nxt, state, nchanged)):
+        _put_back(parts, part_starts, positions[: state[2]], old_w[: state[2]])
         raise CorruptFrameError(
-            f"chunk {index}: the change mask does not decode against the held words (corrupt, or made from other weights)"
+            f"chunk {index}: the chunk does not decode against the held words (corrupt, or made from other weights)"
         )
-    values, ok = k_.residual_decode(old_w, np.frombuffer(streams[2], "<u4"))
-    if not ok:
-        raise CorruptFrameError(f"chunk {index}: the residuals do not decode")
     return positions, values
+
+
+def _put_back(
+    parts: list[np.ndarray], part_starts: list[int], positions: np.ndarray, old_w: np.ndarray
+) -> None:
+    """Restore the held words a refused chunk had already overwritten."""
+    from modal_rl.weightsync.scatter import scatter
+
+    cuts = np.searchsorted(positions, list(part_starts) + [part_starts[-1] + parts[-1].size])
+    for k, (part, start) in enumerate(zip(parts, part_starts, strict=True)):
+        scatter(part, positions[cuts[k] : cuts[k + 1]], start, old_w[cuts[k] : cuts[k + 1]], "set")
 
 
 def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[np.ndarray], list[int]]:
     """Host words ``[lo, hi)`` of a group's word space as parts (one per tensor there, in
-    order) and their chunk-local starts. Host tensors are views; device tensors are copied
-    to the host."""
+    order) and their chunk-local starts. Host words are views; torch words are copied to
+    the host."""
     parts, starts = [], []
     for start, words in segments:
         size = int(words.size) if isinstance(words, np.ndarray) else int(words.numel())
@@ -178,7 +197,9 @@ def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[
             continue
         piece = words[a - start : b - start]
         if not isinstance(piece, np.ndarray):
-            piece = piece.cpu().numpy()
+            # a host copy (never the held memory, even for a CPU tensor): decoding writes
+            # into it, and the held torch words are written by the chunk's apply
+            piece = piece.cpu().numpy().copy() if piece.device.type == "cpu" else piece.cpu().numpy()
         parts.append(piece.view(np.uint16) if piece.dtype.itemsize == 2 else piece)
         starts.append(a - lo)
     return parts, starts

@@ -36,17 +36,17 @@ from modal_rl.weightsync.ctxrans import (
     _start,
     rans_encode,
 )
-from modal_rl.weightsync.ctxresidual import residual_decode, residual_symbols
+from modal_rl.weightsync.ctxresidual import res_decode_one, res_model, residual_symbols
 
 __all__ = [
+    "decode_finish",
+    "decode_part",
+    "decode_start",
     "encode_part",
     "mask_encode",
-    "mask_finish",
-    "mask_part",
-    "mask_start",
     "quantize_p",
     "rans_encode",
-    "residual_decode",
+    "res_model",
     "residual_symbols",
 ]
 
@@ -252,52 +252,67 @@ def _scan(base, nxt, uoff, i, hi):
 
 
 @_kernel
-def mask_start(q, words):
-    """Decoder's state before the first word: (countdowns, rANS state ``[x, w, found]``);
-    each context's first run length is read here."""
+def decode_start(q, words, rwords):
+    """Decoder's state before the first word: (countdowns, ``[x, w, found, rx, rw]``:
+    the mask coder's state, changes found, the residual coder's state); each context's
+    first run length is read here."""
     x, w = _start(words)
+    rx, rw = _start(rwords)
     # words to skip before each context's next change; int32 halves the hot loop's cost
     nxt = np.full(q.size, NEVER, dtype=np.int32)
     for c in range(q.size):
         if q[c]:
             g, x, w = _dec_gap(x, words, w, GEO[q[c]])
             nxt[c] = g
-    state = np.zeros(3, dtype=np.int64)
-    state[0], state[1] = x, w
+    state = np.zeros(5, dtype=np.int64)
+    state[0], state[1], state[3], state[4] = x, w, rx, rw
     return nxt, state
 
 
 @_kernel
-def mask_part(base, uoff, start, q, words, nxt, state, pos, old_w):
-    """Decoder pass over one part (as ``encode_part``): records each change's position and
-    held word. Returns False on a stream that cannot be this part's (``state`` is then
-    meaningless)."""
-    x, w, found = state[0], state[1], state[2]
+def decode_part(base, uoff, start, q, words, rwords, nxt, state, model, pos, old_w, res):
+    """Decoder pass over one part (as ``encode_part``), writing as it goes: each change's
+    position, held word and residual are recorded and ``base`` gets the new word (one
+    pass over the words, no second one over the changes). ``model``: the residual model
+    (``res_model()``). Returns False on streams that cannot be this part's; ``state[2]``
+    then still counts the words written, which the caller puts back from ``old_w``."""
+    counts, cum, seen, nextb = model
+    x, w, found, rx, rw = state[0], state[1], state[2], state[3], state[4]
     nchanged = pos.size
     i = np.uint64(0)
     hi = np.uint64(base.size)
+    ok = True
     while True:
         i = _scan(base, nxt, uoff, i, hi)
         if i == hi:
             break
         if found == nchanged or w > words.size:
-            return False
-        pos[found] = start + np.int64(i)
-        old_w[found] = base[i]
-        found += 1
-        c = uoff + _exp(base[i])
+            ok = False
+            break
+        old = base[i]
+        c = uoff + _exp(old)
         g, x, w = _dec_gap(x, words, w, GEO[q[c]])
         nxt[c] = g
+        d, rx, rw, ok = res_decode_one(old, rwords, rx, rw, counts, cum, seen, nextb)
+        if not ok:
+            break
+        pos[found] = start + np.int64(i)
+        old_w[found] = old
+        res[found] = d
+        base[i] = old + d
+        found += 1
         i += np.uint64(1)
-    state[0], state[1], state[2] = x, w, found
-    return True
+    state[0], state[1], state[2], state[3], state[4] = x, w, found, rx, rw
+    return ok
 
 
 @_kernel
-def mask_finish(q, words, nxt, state, nchanged):
-    """Whether the mask decoded exactly: every run ended at its context's end, every
-    change and every word was read, and the coder is back in its initial state."""
+def decode_finish(q, words, rwords, nxt, state, nchanged):
+    """Whether the chunk decoded exactly: every run ended at its context's end, every
+    change and every word of both streams was read, and both coders are back in their
+    initial state."""
     for c in range(q.size):
         if q[c] and nxt[c] != 0:
             return False
-    return state[2] == nchanged and state[1] == words.size and state[0] == RANS_L
+    mask_done = state[2] == nchanged and state[1] == words.size and state[0] == RANS_L
+    return mask_done and state[4] == rwords.size and state[3] == RANS_L

@@ -11,14 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from modal_rl.weightsync.ctxrans import (
-    RANS_L,
     M,
     _advance,
     _dec_uniform,
     _kernel,
     _push,
     _push_uniform,
-    _start,
 )
 
 RES_CTX = 256
@@ -59,14 +57,25 @@ def _rebuild(counts, cum, c):
     cum[c, RES_SYM] = acc
 
 
+def _initial_cum() -> np.ndarray:
+    counts = np.ones((1, RES_SYM), dtype=np.int64)
+    cum = np.zeros((1, RES_SYM + 1), dtype=np.int64)
+    _rebuild(counts, cum, 0)
+    return cum[0]
+
+
+INITIAL_CUM = _initial_cum()  # every context starts from the same flat model
+
+
 @_kernel
-def _res_model():
+def res_model():
+    """A fresh residual model: (counts, cumulative frequencies, observations, next rebuild)."""
     counts = np.ones((RES_CTX, RES_SYM), dtype=np.int64)
-    cum = np.zeros((RES_CTX, RES_SYM + 1), dtype=np.int64)
+    cum = np.empty((RES_CTX, RES_SYM + 1), dtype=np.int64)
+    for c in range(RES_CTX):
+        cum[c] = INITIAL_CUM
     seen = np.zeros(RES_CTX, dtype=np.int64)
     nextb = np.full(RES_CTX, RES_FIRST_REBUILD, dtype=np.int64)
-    for c in range(RES_CTX):
-        _rebuild(counts, cum, c)
     return counts, cum, seen, nextb
 
 
@@ -85,7 +94,7 @@ def residual_symbols(old, new):
     nch = old.size
     starts = np.empty(nch * 3, dtype=np.int64)
     freqs = np.empty(nch * 3, dtype=np.int64)
-    counts, cum, seen, nextb = _res_model()
+    counts, cum, seen, nextb = res_model()
     t = 0
     for j in range(nch):
         d = (np.int64(new[j]) - np.int64(old[j])) & 0xFFFF
@@ -101,29 +110,22 @@ def residual_symbols(old, new):
 
 
 @_kernel
-def residual_decode(old, words):
-    """Residuals ``new - old`` (wrapping u16) of the changed words. Returns (values, ok)."""
-    nch = old.size
-    out = np.empty(nch, dtype=np.uint16)
-    counts, cum, seen, nextb = _res_model()
-    x, w = _start(words)
-    for j in range(nch):
-        c = (np.int64(old[j]) >> 7) & 0xFF
-        slot = x & (M - 1)
-        sym = 0
-        while sym < RES_SYM - 1 and cum[c, sym + 1] <= slot:
-            sym += 1
-        x, w = _advance(x, words, w, slot, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
-        if sym < 8:
-            z = np.int64(sym)
-        else:
-            b = (sym - 8) // 2 + 4
-            nb = b - 2
-            v, x, w = _dec_uniform(x, words, w, nb)
-            z = (np.int64(1) << (b - 1)) | (np.int64((sym - 8) & 1) << (b - 2)) | v
-        if w > words.size or z == 0:
-            return out, False
-        _res_learn(counts, cum, seen, nextb, c, sym)
-        s = (z >> 1) ^ -(z & 1)
-        out[j] = s & 0xFFFF
-    return out, w == words.size and x == RANS_L
+def res_decode_one(old, rwords, rx, rw, counts, cum, seen, nextb):
+    """The residual ``new - old`` (wrapping u16) of one changed word, in word order.
+    Returns (residual, rx, rw, ok); not ok: the stream cannot be this chunk's."""
+    c = (np.int64(old) >> 7) & 0xFF
+    slot = rx & (M - 1)
+    sym = 0
+    while sym < RES_SYM - 1 and cum[c, sym + 1] <= slot:
+        sym += 1
+    rx, rw = _advance(rx, rwords, rw, slot, cum[c, sym], cum[c, sym + 1] - cum[c, sym])
+    if sym < 8:
+        z = np.int64(sym)
+    else:
+        b = (sym - 8) // 2 + 4
+        v, rx, rw = _dec_uniform(rx, rwords, rw, b - 2)
+        z = (np.int64(1) << (b - 1)) | (np.int64((sym - 8) & 1) << (b - 2)) | v
+    if rw > rwords.size or z == 0:
+        return np.uint16(0), rx, rw, False
+    _res_learn(counts, cum, seen, nextb, c, sym)
+    return np.uint16(((z >> 1) ^ -(z & 1)) & 0xFFFF), rx, rw, True

@@ -115,20 +115,28 @@ class _Applier:
         where = f"group of {gh.tensors[0].name!r}"
 
         def base_for(index: int, count: int):
-            # v2 chunks model the held words: check where the chunk lies before reading them
+            # v2 chunks model the held words and decode into them: every check that could
+            # refuse the chunk comes before
             if index != expected_index or count != min(gh.chunk_elems, gh.total - index * gh.chunk_elems):
                 raise CorruptFrameError(f"{where}: chunk {index} is not chunk {expected_index} of its group")
+            if is_anchor:
+                raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
             lo = index * gh.chunk_elems
             return base_words(job.segments, lo, lo + count)
 
         chunk = decode_chunk(body, job.itemsize, gh.chunk_elems, base_for)
-        if chunk.index != expected_index:
-            raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
-        if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
-            raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
-        if is_anchor != (chunk.encoding == FULL):
-            raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
-        chunk.apply(job.segments)
+        try:
+            if chunk.index != expected_index:
+                raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
+            if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
+                raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
+            if is_anchor != (chunk.encoding == FULL):
+                raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
+            chunk.apply(job.segments)
+        except BaseException:
+            if chunk.host_written:  # the host words it already holds go back
+                chunk.apply([(s, w) for s, w in job.segments if isinstance(w, np.ndarray)], undo=True)
+            raise
         with self.lock:
             self.changed += chunk.nchanged
             if not is_anchor:
