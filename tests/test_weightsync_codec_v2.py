@@ -171,7 +171,11 @@ def test_a_v2_chunk_failing_at_its_end_puts_back_every_word_it_wrote():
     n_parts = [t.reshape(-1).view(torch.int16).numpy().view(np.uint16) for t in new.values()]
     starts, count = [0, b_parts[0].size], sum(p.size for p in b_parts)
     body, positions, _, _ = chunks_v2.encode(
-        lambda k: CHUNK_HEADER.pack(0, count, k, CTX_SPARSE, chunks_v2.CTX_STREAMS), b_parts, n_parts, starts, 1
+        lambda k: CHUNK_HEADER.pack(0, count, k, CTX_SPARSE, chunks_v2.CTX_STREAMS),
+        b_parts,
+        n_parts,
+        starts,
+        1,
     )
     assert positions.size > 1000
     held = [p.copy() for p in b_parts]
