@@ -276,3 +276,21 @@ def test_the_run_length_tables_are_the_same_on_every_machine():
     from modal_rl.weightsync.ctxcoder import GEO
 
     assert xxhash.xxh3_64_hexdigest(GEO.astype("<i8").tobytes()) == "6ff3e605e7638f03"
+
+
+def test_the_residual_model_tables_are_the_exact_integer_formula():
+    # The rebuild computes its floors through a corrected float product; any table that
+    # differed from the integer formula would make frames undecodable across builds.
+    from modal_rl.weightsync.ctxrans import M
+    from modal_rl.weightsync.ctxresidual import RES_SYM, _rebuild
+
+    rng = np.random.default_rng(7)
+    for scale in (1, 40, 10**4, 10**8, 2**33):
+        counts = rng.integers(1, scale + 1, size=(64, RES_SYM)).astype(np.int64)
+        counts[::3, 1] = scale * 32  # one dominant symbol, as after many observations
+        cum = np.zeros((64, RES_SYM + 1), np.int64)
+        for c in range(64):
+            _rebuild(counts, cum, c)
+            freq = np.maximum(1, counts[c] * (M - RES_SYM) // counts[c].sum())
+            freq[np.argmax(freq)] += M - freq.sum()
+            assert (np.diff(cum[c]) == freq).all() and cum[c, 0] == 0 and cum[c, -1] == M

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from modal_rl.weightsync.frames import (
     record,
     state_digest,
 )
+from modal_rl.weightsync.workers import shared_pool
 
 # A state dict, or the (name, tensor) pairs of one as a framework streams them.
 Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
@@ -114,7 +115,7 @@ class _OrderedPool:
     """Runs tasks on threads and yields results in submission order, ``limit`` in flight."""
 
     def __init__(self, threads: int, limit: int) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightsync")
+        self.executor = shared_pool(threads)
         self.limit = limit
         self.pending: deque[Future] = deque()
 
@@ -129,9 +130,10 @@ class _OrderedPool:
             yield self.pending.popleft().result()
 
     def close(self) -> None:
+        # The pool is shared and stays: drop what has not started, wait for what has.
         for future in self.pending:
             future.cancel()
-        self.executor.shutdown(wait=True)
+        wait(self.pending)
 
 
 @dataclass
@@ -333,5 +335,4 @@ def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | N
         d = differ or default_differ(tensor)
         return name, d.checksum(d.prepare(tensor))
 
-    with ThreadPoolExecutor(max_workers=config.threads) as pool:
-        return dict(pool.map(one, state.items()))
+    return dict(shared_pool(config.threads).map(one, state.items()))

@@ -37,24 +37,33 @@ def _res_symbol(z):
 
 @_kernel
 def _rebuild(counts, cum, c):
+    """Context ``c``'s cumulative table from its counts: ``max(1, floor(count * (M -
+    RES_SYM) / total))`` per symbol, the rest of ``M`` to the most frequent one. Called at
+    each doubling of a context's observations, so it is in the decoder's per-change cost:
+    the floors are a float product corrected to the exact integer result (a third of the
+    time of 34 integer divisions), and no array is allocated."""
     total = 0
     for s in range(RES_SYM):
         total += counts[c, s]
+    inv = 1.0 / total
     acc = 0
     big, bigf = 0, -1
-    freq = np.empty(RES_SYM, dtype=np.int64)
     for s in range(RES_SYM):
-        f = max(1, counts[c, s] * (M - RES_SYM) // total)
-        freq[s] = f
+        a = counts[c, s] * (M - RES_SYM)  # < 2**50: exact in a double, estimate within 1
+        f = np.int64(a * inv)
+        if f * total > a:
+            f -= 1
+        elif (f + 1) * total <= a:
+            f += 1
+        f = max(1, f)
+        cum[c, s + 1] = f  # the frequencies first, summed up below
         acc += f
         if f > bigf:
             big, bigf = s, f
-    freq[big] += M - acc
-    acc = 0
+    cum[c, big + 1] += M - acc
+    cum[c, 0] = 0
     for s in range(RES_SYM):
-        cum[c, s] = acc
-        acc += freq[s]
-    cum[c, RES_SYM] = acc
+        cum[c, s + 1] += cum[c, s]
 
 
 def _initial_cum() -> np.ndarray:

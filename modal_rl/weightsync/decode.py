@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -47,6 +47,7 @@ from modal_rl.weightsync.frames import (
     read_records,
     state_digest,
 )
+from modal_rl.weightsync.workers import shared_pool
 
 
 @dataclass
@@ -93,19 +94,29 @@ def read_version_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader
 
 class _Applier:
     def __init__(self, config: CodecConfig) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="weightsync-apply")
+        self.pool = shared_pool(config.threads)
         self.limit = config.in_flight
         self.applied: list[tuple[_GroupJob, bytes | DecodedChunk]] = []  # for rollback
         self.lock = threading.Lock()
         self.in_flight: list[Future] = []
+        self.tasks: list[Future] = []  # everything this apply queued; close() waits for it
+        self.closed = False
         self.changed = 0
         self.verify_s = 0.0
+
+    def _submit(self, fn, *args) -> Future:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the apply ended (the frame was refused)")
+            future = self.pool.submit(fn, *args)
+            self.tasks.append(future)
+        return future
 
     def submit_chunk(self, job: _GroupJob, body: bytes, is_anchor: bool) -> None:
         self.in_flight = [f for f in self.in_flight if not f.done()]
         if len(self.in_flight) >= self.limit:
             wait(self.in_flight[: len(self.in_flight) - self.limit + 1])
-        future = self.pool.submit(self._apply_chunk, job, body, job.seen_chunks, is_anchor)
+        future = self._submit(self._apply_chunk, job, body, job.seen_chunks, is_anchor)
         job.seen_chunks += 1
         job.chunk_futures.append(future)
         self.in_flight.append(future)
@@ -161,8 +172,8 @@ class _Applier:
                     result.set_exception(failed)
                     return
             try:
-                self.pool.submit(self._hash_group, job).add_done_callback(lambda f: _copy_outcome(f, result))
-            except RuntimeError as exc:  # the pool closed: the frame was refused meanwhile
+                self._submit(self._hash_group, job).add_done_callback(lambda f: _copy_outcome(f, result))
+            except RuntimeError as exc:  # the frame was refused meanwhile
                 result.set_exception(exc)
 
         if not job.chunk_futures:
@@ -197,7 +208,13 @@ class _Applier:
         self.applied.clear()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        # The pool is shared and stays: wait for this apply's own tasks, and queue no more.
+        with self.lock:
+            self.closed = True
+            tasks = list(self.tasks)
+        for future in tasks:
+            future.cancel()
+        wait(tasks)
 
 
 def apply_frame(
