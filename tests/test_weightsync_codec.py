@@ -221,3 +221,16 @@ def test_the_compiled_scatter_wraps_like_the_words_and_refuses_out_of_range_chan
     with pytest.raises(IndexError):
         scatter(words, np.array([2, 5]), 0, np.array([9, 9], np.uint16), "set")
     assert (words == before).all()
+
+
+def test_literal_tuned_zstd_is_written_as_plain_zstd_and_reads_back():
+    # ZSTD_LITERALS is an encoder's choice: readers only ever see the ZSTD method.
+    from modal_rl.weightsync.streams import ZSTD, ZSTD_LITERALS, _read_varint, pack_streams, unpack_streams
+
+    rng = np.random.default_rng(5)
+    exponents = (118 + np.clip(rng.normal(0, 2, 1 << 16), -10, 10)).astype(np.uint8)
+    body = pack_streams([exponents], [ZSTD_LITERALS], 1)
+    method, _ = _read_varint(memoryview(body), 0)
+    assert method == ZSTD and len(body) < exponents.size // 2
+    (raw,) = unpack_streams(memoryview(body), 0, 1, exponents.size)
+    assert bytes(raw) == exponents.tobytes()

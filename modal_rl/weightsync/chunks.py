@@ -36,6 +36,7 @@ from modal_rl.weightsync.scatter import scatter
 from modal_rl.weightsync.streams import (
     STORED,
     ZSTD,
+    ZSTD_LITERALS,
     byte_planes,
     join_planes,
     pack_streams,
@@ -177,11 +178,12 @@ def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
 
 
 def _anchor_coder(plane: np.ndarray, sample: int = 1 << 14, noisy_bits: float = 7.9) -> int:
-    """STORED for a plane whose sampled order-0 entropy is near 8 bits, else ZSTD."""
+    """STORED for a plane whose sampled order-0 entropy is near 8 bits, else zstd tuned
+    for literals (exponent and sign bytes have few matches worth finding)."""
     if plane.size < 4 * sample:
         return ZSTD
     picked = plane[:: plane.size // sample]
-    return STORED if _plane_entropy_bits([picked]) / picked.size > noisy_bits else ZSTD
+    return STORED if _plane_entropy_bits([picked]) / picked.size > noisy_bits else ZSTD_LITERALS
 
 
 @dataclass
