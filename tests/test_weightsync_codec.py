@@ -234,3 +234,39 @@ def test_literal_tuned_zstd_is_written_as_plain_zstd_and_reads_back():
     assert method == ZSTD and len(body) < exponents.size // 2
     (raw,) = unpack_streams(memoryview(body), 0, 1, exponents.size)
     assert bytes(raw) == exponents.tobytes()
+
+
+def test_concurrent_encodes_and_applies_share_the_workers_and_stay_exact():
+    # Encode and apply in several threads at once run their tasks on one shared pool;
+    # none waits on another's tasks, and every result is exact.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pairs = [(model_state(), None) for _ in range(4)]
+    pairs = [(base, perturb(base, 0.02 * (k + 1))) for k, (base, _) in enumerate(pairs)]
+
+    def round_trip(pair):
+        base, new = pair
+        delta = frame_bytes(encode_delta(base, new, base_version=0, version=1, config=SMALL))
+        held = clone_state(base)
+        apply_frame(held, io.BytesIO(delta), held_version=0, config=SMALL, key=None)
+        return same_state(held, new)
+
+    with ThreadPoolExecutor(max_workers=4) as callers:
+        assert all(callers.map(round_trip, pairs * 2))
+
+
+def test_a_forked_process_gets_pools_of_its_own(monkeypatch):
+    # Threads do not survive a fork: a child must not queue work on its parent's pool.
+    import os
+
+    from modal_rl.weightsync import workers
+
+    parent = workers.shared_pool(3)
+    assert workers.shared_pool(3) is parent
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # as in a forked child
+    child = workers.shared_pool(3)
+    try:
+        assert child is not parent and child.submit(sum, [1, 2]).result(timeout=10) == 3
+    finally:
+        child.shutdown()
+        del workers._pools[(-1, 3)]
