@@ -99,6 +99,27 @@ def test_reuse_is_explicit_and_exception_terminates(tmp_path):
     asyncio.run(main())
 
 
+def test_a_sandbox_handed_to_a_waiting_claim_counts_as_live_at_once(tmp_path):
+    # The claim resumes a few event-loop steps after the hand-over; a refill that ran in
+    # between counted one sandbox too few and could start one past max_live (seen in CI).
+    class Handle:
+        id = "handed-over"
+
+    async def main():
+        async with pool(LocalProvider(registry_dir=tmp_path), min_warm=0, max_live=1) as p:
+            handle, loop = Handle(), asyncio.get_running_loop()
+            claim, next_claim = loop.create_future(), loop.create_future()
+            p._waiters.extend([claim, next_claim])
+            p._deliver(handle)
+            assert claim.result() is handle and p.snapshot()["live"] == 1
+            p._top_up()  # the next claim wants one more, but the pool is full
+            assert p.snapshot()["starting"] == 0
+            p._waiters.clear()
+            p._leased.discard(handle)
+
+    asyncio.run(main())
+
+
 def test_max_live_caps_concurrency(tmp_path):
     async def main():
         peak = peak_starting = 0

@@ -200,6 +200,11 @@ class SandboxPool:
             self._wake.set()
             try:
                 handle = await asyncio.wait_for(fut, self.claim_timeout_s)
+            except asyncio.CancelledError:
+                # delivered just as the claim was cancelled: nobody holds it, so end it
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._spawn(self._release(fut.result(), reuse=False))
+                raise
             except TimeoutError:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
@@ -246,10 +251,14 @@ class SandboxPool:
             self._wake.set()
 
     def _deliver(self, handle: SandboxHandle) -> None:
-        """A ready sandbox goes to the oldest waiting claim, else into the warm buffer."""
+        """A ready sandbox goes to the oldest waiting claim, else into the warm buffer.
+        Handed to a claim, it counts as leased at once: the claim resumes a few event-loop
+        steps later, and a refill in between must not see room for one more (a CI run saw
+        4 live in a pool of 3 that way)."""
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
+                self._leased.add(handle)
                 fut.set_result(handle)
                 return
         self._warm.append(handle)
