@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from modal_rl.weightsync.errors import CorruptFrameError
-from modal_rl.weightsync.scatter import scatter
+from modal_rl.weightsync.scatter import scatter, update
 from modal_rl.weightsync.streams import (
     STORED,
     ZSTD,
@@ -247,12 +247,7 @@ def _update(words: Any, where: np.ndarray | slice, values: np.ndarray, op: str) 
         if not isinstance(where, slice):
             where = _to_device(where.astype(np.int64), words)
         values = _to_device(values, words)
-    if op == "set":
-        words[where] = values
-    elif op == "xor":
-        words[where] ^= values
-    else:
-        words[where] += values
+    update(words, where, values, op)
 
 
 def decode_chunk(body: bytes | memoryview, itemsize: int, chunk_elems: int, base_for=None) -> DecodedChunk:

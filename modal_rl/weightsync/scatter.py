@@ -11,6 +11,8 @@ when they fall outside.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 SET, XOR, ADD = 0, 1, 2
@@ -43,12 +45,17 @@ def scatter(words: np.ndarray, positions: np.ndarray, shift: int, values: np.nda
             f"changes at {positions[0] - shift}..{positions[-1] - shift} outside {words.size} words"
         )
     if _scatter is None or values.dtype != words.dtype:
-        where = positions - shift
-        if op == "set":
-            words[where] = values
-        elif op == "xor":
-            words[where] ^= values
-        else:
-            words[where] += values
+        update(words, positions - shift, values, op)
         return
     _scatter(words, positions, np.int64(shift), values, OPS[op])
+
+
+def update(words: Any, where: Any, values: Any, op: str) -> None:
+    """``words[where] op= values`` by indexing: numpy arrays, or torch tensors with torch
+    indices and values."""
+    if op == "set":
+        words[where] = values
+    elif op == "xor":
+        words[where] ^= values
+    else:
+        words[where] += values
