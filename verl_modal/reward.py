@@ -50,4 +50,4 @@ async def compute_score(
             if attempt == sandbox_retries:
                 raise
     score = result.fraction if partial else float(result.all_passed)
-    return {"score": score, "passed": result.passed, "total": result.total, "execs": len(result.details)}
+    return {"score": score, "passed": result.passed, "total": result.total, "execs": result.execs}

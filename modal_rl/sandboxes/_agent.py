@@ -4,9 +4,17 @@ Protocol: one JSON object per line on stdin (requests) and stdout (responses), m
 ``id``. Ops: ``ping``, ``exec``, ``write``, ``read``. Byte payloads are base64.
 
 Invariants:
-- every command runs in its own process group with RLIMIT_AS / RLIMIT_CPU / RLIMIT_NPROC;
-  when the command's main process exits or its wall-clock timeout passes, the whole group is
-  SIGKILLed, so background children never outlive the exec;
+- every command runs in a user and PID namespace of its own, below the agent (``_isolate``):
+  a waiter process outside it, an init inside it (PID 1) and the command as its child, with
+  RLIMIT_AS / RLIMIT_CPU / RLIMIT_NPROC on the command. When the command exits, the init exits
+  and the kernel kills everything else in the namespace (setsid'd or double-forked processes
+  included) before the waiter reports; at the wall-clock timeout the agent SIGKILLs the exec's
+  process group (waiter and init), with the same effect. So no process of one exec is alive
+  when the next exec starts;
+- the command cannot reach the agent: the agent is not in its PID namespace (no pid to signal,
+  ``kill(-1)`` stops at the namespace), and the agent and every process of ours above the
+  command are non-dumpable (``PR_SET_DUMPABLE 0``; forks, never exec'd), so the command cannot
+  open their ``/proc/<pid>/mem`` or ``/proc/<pid>/fd/*`` (the agent's request and answer pipes);
 - while commands run, a watchdog counts the processes of this PID namespace and, above
   ``max_procs``, kills every process but this agent (``kill(-1)`` only reaches this namespace);
   RLIMIT_NPROC alone does not bind when the host runs as root;
@@ -16,6 +24,7 @@ Invariants:
 
 import base64
 import contextlib
+import ctypes
 import json
 import os
 import resource
@@ -31,6 +40,10 @@ _send_lock = threading.Lock()
 _active = 0
 _active_lock = threading.Lock()
 _limit_hit = threading.Event()
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+_MAXFD = 1 << 16
 
 
 def send(obj):
@@ -88,6 +101,60 @@ def _limits(cpu):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _keep_only(fd):
+    os.closerange(0, fd)
+    os.closerange(fd + 1, _MAXFD)
+
+
+def _init(cmd, w):
+    """PID 1 of an exec's namespace: reap orphans until the command ends, report its status."""
+    _keep_only(w)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == cmd:
+            os.write(w, status.to_bytes(4, "little"))
+            return
+
+
+def _isolate(cpu):
+    """``preexec_fn`` of every exec (runs in the forked child, one thread): this process stays
+    outside as the waiter, its child is the init of a new user + PID namespace, and the init's
+    child returns from here to be exec'd as the command. Never returns in the waiter or init."""
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        os.write(2, f"[sandbox] cannot isolate the exec: unshare: {os.strerror(err)}\n".encode())
+        os._exit(125)
+    r, w = os.pipe()
+    init = os.fork()
+    if init == 0:
+        cmd = -1
+        try:
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            cmd = os.fork()
+            if cmd != 0:
+                _init(cmd, w)
+        finally:
+            if cmd != 0:
+                os._exit(0)  # init exits: the kernel kills whatever is left in the namespace
+        os.close(r)
+        os.close(w)
+        _limits(cpu)
+        return  # the command: subprocess execs argv here
+    try:
+        _keep_only(r)
+        got = os.read(r, 4)
+        os.waitpid(init, 0)  # returns once every process of the namespace is gone
+        status = int.from_bytes(got, "little") if len(got) == 4 else signal.SIGKILL
+        if os.WIFSIGNALED(status):  # report the command's signal as our own, as a plain exec would
+            sig = os.WTERMSIG(status)
+            _libc.signal(sig, 0)  # SIG_DFL
+            os.kill(os.getpid(), sig)
+            os._exit(128 + sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    finally:
+        os._exit(1)
+
+
 def _drain(stream, buf):
     while True:
         chunk = stream.read(65536)
@@ -123,7 +190,7 @@ def do_exec(req):
                 cwd=req.get("cwd") or CFG["workdir"],
                 env=env,
                 start_new_session=True,
-                preexec_fn=lambda: _limits(int(req["cpu_s"])),
+                preexec_fn=lambda: _isolate(int(req["cpu_s"])),
             )
         except OSError as exc:
             msg = f"{req['argv'][0]}: {exc.strerror or exc}\n"
@@ -192,7 +259,9 @@ def resolve(path):
 def handle(req):
     op = req.get("op")
     try:
-        if op == "ping":
+        if op == "ping" and _ISOLATION_ERROR:
+            res = {"error": "IsolationError", "message": _ISOLATION_ERROR}
+        elif op == "ping":
             res = {"ok": True, "pid": os.getpid()}
         elif op == "exec":
             res = do_exec(req)
@@ -215,7 +284,24 @@ def handle(req):
     send(res)
 
 
+def _probe_isolation():
+    """Refuse to serve (at ``ping``, so the sandbox never counts as ready) where an exec could
+    not get its own namespaces: never run a command without them."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID) == 0 else 1)
+    if os.waitpid(pid, 0)[1] != 0:
+        return "cannot give an exec its own user and PID namespace (unprivileged user namespaces disabled?)"
+    return None
+
+
+_ISOLATION_ERROR = None
+
+
 def main():
+    global _ISOLATION_ERROR
+    _libc.prctl(PR_SET_DUMPABLE, 0)  # no /proc/<agent>/mem or fd/* for sandboxed code
+    _ISOLATION_ERROR = _probe_isolation()
     os.makedirs(os.path.join(CFG["workdir"], ".tmp"), exist_ok=True)
     threading.Thread(target=watchdog, daemon=True).start()
     threading.Thread(target=lifetime, daemon=True).start()

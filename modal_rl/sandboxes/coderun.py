@@ -2,11 +2,21 @@
 
 Test formats accepted (``parse_tests``): a JSON string or object ``{"inputs": [...], "outputs":
 [...]}`` (stdin/stdout pairs), a list of ``{"input": ..., "output": ...}``, or
-``{"assert": "<python test code>"}`` appended to the program. Output comparison ignores
-trailing whitespace per line.
+``{"assert": "<python test code>"}``. Output comparison ignores trailing whitespace per line.
 
-``score_code`` raises ``SandboxError`` if the sandbox infrastructure fails: a wrong program
-scores 0, a broken sandbox scores nothing (the caller masks the sample).
+The verdict never comes from anything the program can write, cause or read (the program is the
+policy's, and the policy optimises against this reward):
+- stdin/stdout cases: the host compares the captured output with the expected output, which
+  never enters the sandbox;
+- assert tests: ``modal_rl.sandboxes.verdict`` splits each assert; only the calls into the
+  program run in the sandbox (``_harness``), their values come back strictly encoded and the
+  host compares them with the expected side. The exit code counts for nothing.
+
+``score_code`` returns a score for everything the program can cause (a crash, a hang, killed
+processes, exhausted memory or pids, flooded output, an early exit: a failure) and raises
+``SandboxError`` only for what it cannot (no sandbox could be started, the sandbox was lost
+from outside, the provider failed): the caller masks that sample. Every exec runs in a PID
+namespace of its own (local provider), so nothing of one test case survives into the next.
 """
 
 from __future__ import annotations
@@ -14,9 +24,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from modal_rl.sandboxes import verdict
 from modal_rl.sandboxes.pool import SandboxPool
+
+_HARNESS_SRC = (Path(__file__).with_name("_harness.py")).read_text()
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -57,6 +71,8 @@ class CodeScore:
     passed: int
     total: int
     details: list[dict] = field(default_factory=list)
+    unsplit: int = 0  # asserts judged inside the sandbox (see ``verdict``), counted in total
+    execs: int = 0  # programs run in the sandbox
 
     @property
     def all_passed(self) -> bool:
@@ -72,17 +88,27 @@ async def score_code(
 ) -> CodeScore:
     """Run ``code`` against ``tests`` in one single-use sandbox from ``pool``."""
     cases, assert_code = parse_tests(tests)
+    plan = verdict.plan_asserts(assert_code) if assert_code is not None else None
     async with pool.lease() as sb:
-        if assert_code is not None:
-            await sb.write_file("solution.py", code + "\n\n" + assert_code + "\n")
-            r = await sb.exec(["python3", "solution.py"], timeout_s=timeout_s)
-            return CodeScore(
-                int(r.ok), 1, [{"rc": r.returncode, "timed_out": r.timed_out, "stderr": r.stderr[-500:]}]
-            )
+        if plan is not None:
+            # One exec: the harness reads the program and the steps on stdin; no file to tamper with.
+            r = await sb.exec(["python3", "-c", _HARNESS_SRC], timeout_s=timeout_s, stdin=plan.payload(code))
+            checks = verdict.judge(plan, r.stdout)
+            for row in checks:
+                row.update(rc=r.returncode, timed_out=r.timed_out)
+            score = CodeScore(sum(c["ok"] for c in checks), len(checks), checks)
+            score.unsplit, score.execs = sum(not c["split"] for c in checks), 1
+            if checks and not score.all_passed:
+                score.details[-1]["stderr"] = r.stderr[-500:]
+            return score
         await sb.write_file("solution.py", code)
         score = CodeScore(0, len(cases))
         for stdin, expected in cases:
+            if sb.remaining_s() < timeout_s + 5.0:  # the sandbox's lifetime would end mid-case
+                score.details.append({"ok": False, "why": "sandbox lifetime spent by earlier cases"})
+                break
             r = await sb.exec(["python3", "solution.py"], timeout_s=timeout_s, stdin=stdin)
+            score.execs += 1
             ok = r.ok and _same(r.stdout, expected)
             score.passed += ok
             score.details.append({"rc": r.returncode, "timed_out": r.timed_out, "ok": ok})
