@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks import _sandboxes_sim as sim
+from benchmarks import sandboxes_scoring
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.sandboxes import LocalProvider, SandboxPool, SandboxSpec
 from modal_rl.sandboxes.registry import entries
@@ -226,16 +227,20 @@ def _plots(out: Path, local: dict, s: dict) -> list[str]:
 def run(quick: bool, out: Path) -> dict:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     local = asyncio.run(_local(quick, run_id))
+    scoring = sandboxes_scoring.measure(quick, run_id)
     s = _simulate(quick)
     plots = _plots(out, local, s)
     checks = {
         "leaked == 0": local["leaked"] == 0,
+        "scored sample time after <= 1.2x before": scoring["ratio_time_after_over_before"] <= 1.2,
+        "same scores before and after": scoring["before"]["scores"] == scoring["after"]["scores"],
         "warm_claim_p99_s <= 0.1 * cold_p50_s": local["warm_claim_p99_s"] <= 0.1 * local["cold_p50_s"],
         "adaptive_wait_s <= 0.02 * no_pool_wait_s": s["adaptive_wait_s"] <= 0.02 * s["no_pool_wait_s"],
         "adaptive_mean_size <= 1.2 * oracle_size": s["adaptive_mean_size"] <= 1.2 * s["oracle_size"],
     }
     public_local = {k: v for k, v in local.items() if not k.startswith("_")}
-    payload = {"quick": quick, "local": public_local, "sim": s, "checks": checks, "plots": plots}
+    payload = {"quick": quick, "local": public_local, "scoring": scoring, "sim": s, "checks": checks}
+    payload["plots"] = plots
     write_json(out, SUITE, payload)
     lt = markdown_table(
         ["metric", "value"],
@@ -260,8 +265,19 @@ def run(quick: bool, out: Path) -> dict:
             ("oracle (smallest zero-wait fixed)", ph["oracle_size"], 0.0),
         ],
     )
+    sc = markdown_table(
+        ["scoring (issue 21)", "time per scored sample [s]", "scored samples/s"],
+        [(k, scoring[k]["time_per_sample_s"], scoring[k]["samples_per_s"]) for k in ("before", "after")]
+        + [
+            (
+                "after / before",
+                scoring["ratio_time_after_over_before"],
+                scoring["ratio_rate_after_over_before"],
+            )
+        ],
+    )
     ct = markdown_table(["done-when check", "holds"], checks.items())
-    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{pt}\n\n{ct}\n"
+    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Scoring: verdict on the host, each exec in its own namespace\n\n{sc}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{pt}\n\n{ct}\n"
     md += "".join(f"\n![{p}]({p})\n" for p in plots)
     (out / f"{SUITE}.md").write_text(md)
     print(md)

@@ -7,12 +7,17 @@ set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 cd "$ROOT"
 
-if ! command -v bwrap >/dev/null 2>&1; then
+# The local sandbox provider's runtime: bubblewrap, and slirp4netns for network=True sandboxes
+# (their own network namespace with outbound access, no route to the host: docs/sandboxes.md).
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v slirp4netns >/dev/null 2>&1 || missing+=(slirp4netns)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    say "installing bubblewrap (apt-get), the local sandbox provider's runtime"
-    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+    say "installing ${missing[*]} (apt-get), the local sandbox provider's runtime"
+    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    say "bubblewrap (bwrap) is missing; install it with your package manager (local sandboxes need it)" >&2
+    say "${missing[*]} missing; install with your package manager (local sandboxes need them)" >&2
   fi
 fi
 

@@ -23,7 +23,7 @@ import pytest
 # New entries that are not leftovers of a test, with the reason.
 TMP_ALLOWED = {
     "pytest-of-*": "pytest's own tmp_path root (it keeps the last 3 runs by design)",
-    "modal-rl-sandboxes": "the host-wide sandbox registry, kept on purpose for orphan sweeps",
+    "modal-rl-sandboxes*": "the user's sandbox registry (-<uid>), kept on purpose for orphan sweeps",
 }
 
 _before: set[str] | None = None

@@ -1,7 +1,10 @@
 """``python -m modal_rl.sandboxes sweep --tag KEY=VALUE ...``: terminate orphaned sandboxes.
 
-Local: every sandbox in the host registry whose tags include all given tags (by process group,
-checked against the leader's start time). Modal: ``modal.Sandbox.list(tags=...)`` + terminate,
+Local: every sandbox in this user's registry (``registry.default_dir``) whose tags include all
+given tags, by process group, only if the entry's group is its leader's own and the leader's
+start time matches; any other matching entry is refused, not killed, and printed as
+``refused <id>: <reason>``. A registry dir that is not private to the user is refused (exit 2).
+Modal: ``modal.Sandbox.list(tags=...)`` + terminate,
 after checking the credentials and the route to Modal (``modal_rl.modal_check``). Failures
 are one line (exit 2 bad input, 1 failed, 130 Ctrl-C; ``--debug`` adds the traceback).
 """
@@ -38,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tag", type=_tag, action="append", required=True, help="KEY=VALUE; repeat to AND tags"
     )
     sweep.add_argument("--provider", choices=("local", "modal"), default="local")
-    sweep.add_argument("--registry", type=Path, default=None, help="local registry dir (default: the host's)")
+    sweep.add_argument(
+        "--registry", type=Path, default=None, help="local registry dir (default: this user's)"
+    )
     sweep.add_argument("--app", default=None, help="Modal app name (modal provider)")
     add_debug_flag(sweep)
     return parser
@@ -48,17 +53,25 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     tags = dict(args.tag)
     if args.provider == "local":
+        from modal_rl.cli_errors import UserError
         from modal_rl.sandboxes import registry
 
-        count = registry.sweep(args.registry or registry.DEFAULT_DIR, tags)
+        try:
+            result = registry.sweep_report(args.registry or registry.default_dir(), tags)
+        except registry.RegistryRefusedError as exc:
+            raise UserError(str(exc)) from None
+        count = result.killed
+        refused = [f"refused {r.id}: {r.reason}" for r in result.refused]
     else:
         from modal_rl.modal_check import check_modal_access
         from modal_rl.sandboxes.modal_provider import ModalProvider
 
         check_modal_access()  # one line, before the provider's first call
         provider = ModalProvider(app_name=args.app) if args.app else ModalProvider()
-        count = asyncio.run(provider.sweep(tags))
+        count, refused = asyncio.run(provider.sweep(tags)), []
     print(f"swept {count} sandbox(es) tagged {tags}")
+    for line in refused:
+        print(line)
     return 0
 
 

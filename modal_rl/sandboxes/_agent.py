@@ -190,7 +190,11 @@ def do_exec(req):
                 cwd=req.get("cwd") or CFG["workdir"],
                 env=env,
                 start_new_session=True,
-                preexec_fn=lambda: _isolate(int(req["cpu_s"])),
+                preexec_fn=lambda: (
+                    _isolate(int(req["cpu_s"]))
+                    if CFG.get("exec_namespaces", True)
+                    else _limits(int(req["cpu_s"]))
+                ),
             )
         except OSError as exc:
             msg = f"{req['argv'][0]}: {exc.strerror or exc}\n"

@@ -5,7 +5,8 @@ speaks JSON lines over the bwrap process's stdin/stdout. ``exec`` is one round t
 which forks the command inside the sandbox; so a warm sandbox costs one idle Python process, a
 claim costs nothing, and an exec costs a fork (no per-exec bwrap start).
 
-Isolation: own PID/IPC/UTS (and, unless ``network=True``, network) namespaces; the root is
+Isolation: own PID/IPC/UTS/network namespaces (``network=True`` wires the network one to the
+host through slirp4netns, never to the host's loopback: ``localnet``); the root is
 read-only (host mode: /usr, a few /etc files and the running Python; image mode: a root-fs
 directory); the only writable place is a size-limited tmpfs work dir (``/tmp`` points into it
 in host mode). Limits: RLIMIT_AS (memory_mb per process), RLIMIT_CPU (cpu × exec timeout),
@@ -31,9 +32,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from modal_rl.sandboxes import registry
+from modal_rl.sandboxes import localnet, registry
 from modal_rl.sandboxes.envguard import check_env
-from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError
+from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError, TransientProviderError
 from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 
@@ -88,14 +89,19 @@ def _host_root_args() -> tuple[list[str], list[str]]:
 
 
 class LocalProvider(Provider):
-    """Bubblewrap sandboxes. Raises ``ProviderUnavailableError`` at construction if bwrap is missing."""
+    """Bubblewrap sandboxes. Raises ``ProviderUnavailableError`` at construction if bwrap is
+    missing, and at a ``network=True`` create if slirp4netns is."""
 
     name = "local"
+    # Each exec in its own user + PID namespace (``_agent._isolate``). False only to measure what
+    # that costs (benchmarks/sandboxes_scoring.py): never for code a policy wrote.
+    exec_namespaces = True
 
     def __init__(
         self,
         *,
         bwrap: str = "bwrap",
+        slirp4netns: str = "slirp4netns",
         registry_dir: Path | str | None = None,
         create_rate: float = 50.0,
         create_burst: int = 50,
@@ -111,21 +117,24 @@ class LocalProvider(Provider):
         # bwrap's --die-with-parent guards the sandbox, not bwrap itself: a bwrap still setting
         # up when the pool's process dies would linger. setpriv makes the kernel kill it too.
         self.setpriv = shutil.which("setpriv")
-        self.registry_dir = Path(registry_dir) if registry_dir is not None else registry.DEFAULT_DIR
+        self.slirp4netns = slirp4netns  # looked up at the first network=True create
+        self.registry_dir = Path(registry_dir) if registry_dir is not None else registry.default_dir()
         self.create_rate = create_rate
         self.create_burst = create_burst
         self.output_cap_bytes = output_cap_bytes
 
-    def command(self, spec: SandboxSpec, sandbox_id: str) -> list[str]:
-        """The full bwrap argv for one sandbox (pure; tested directly)."""
+    def command(
+        self, spec: SandboxSpec, sandbox_id: str, net: localnet.SandboxNetwork | None = None
+    ) -> list[str]:
+        """The full bwrap argv for one sandbox (pure; tested directly). ``net`` (network=True)
+        adds the fds that let the host wire the sandbox's network namespace up."""
         wd = spec.workdir
         # A user namespace locks the read-only mounts; --cap-drop ALL because bwrap keeps root's caps.
         args = [self.setpriv, "--pdeathsig", "KILL", "--"] if self.setpriv else []
         args += [self.bwrap, "--die-with-parent", "--unshare-user", "--cap-drop", "ALL", "--unshare-pid"]
         args += ["--unshare-ipc", "--unshare-uts"]
         args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
-        if not spec.network:
-            args.append("--unshare-net")
+        args.append("--unshare-net")  # always: network=True adds slirp4netns, never the host's stack
         size = str(spec.disk_mb << 20)
         if spec.image in (None, "host"):
             root, path = _host_root_args()
@@ -144,6 +153,8 @@ class LocalProvider(Provider):
             )
             tmp = ["--size", size, "--tmpfs", "/tmp"]
         args += root + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", wd] + tmp
+        if spec.network and net is not None:
+            args += net.bwrap_args()  # after root: its resolv.conf goes over the host's
         # bwrap builds the root on a writable tmpfs; freeze it so only the work dir takes writes.
         args += ["--remount-ro", "/"]
         env = {
@@ -164,12 +175,34 @@ class LocalProvider(Provider):
             "max_procs": spec.max_procs,
             "lifetime_s": spec.timeout_s,
             "output_cap": self.output_cap_bytes,
+            "exec_namespaces": self.exec_namespaces,
         }
         return args + ["--", python, "-I", "-S", "-c", _AGENT_SRC, json.dumps(cfg)]
 
     async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> LocalSandbox:
         sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
-        argv = self.command(spec, sandbox_id)
+        registry.open_dir(self.registry_dir)  # one that is not ours is refused before anything starts
+        net = localnet.for_spec(spec, self.slirp4netns)  # None unless network=True
+        try:
+            proc = await self._spawn(self.command(spec, sandbox_id, net), net)
+            try:
+                registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)  # unregistered means unsweepable: never keep it
+                await proc.wait()
+                raise
+        except BaseException:
+            if net is not None:
+                net.close()
+            raise
+        sandbox = LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
+        if net is not None:
+            await sandbox._start_network(net)
+        return sandbox
+
+    async def _spawn(
+        self, argv: list[str], net: localnet.SandboxNetwork | None
+    ) -> asyncio.subprocess.Process:
         spawn = asyncio.ensure_future(
             asyncio.create_subprocess_exec(
                 *argv,
@@ -182,10 +215,11 @@ class LocalProvider(Provider):
                 # ours (run key, Modal credentials); --clearenv only covers what it execs.
                 env={"PATH": os.environ.get("PATH", os.defpath)},
                 limit=4 * self.output_cap_bytes + (1 << 20),
+                pass_fds=net.bwrap_fds if net is not None else (),
             )
         )
         try:
-            proc = await asyncio.shield(spawn)
+            return await asyncio.shield(spawn)
         except asyncio.CancelledError:
             # Cancelling process creation midway hangs Python 3.11 (the child's exit is never
             # watched); let the spawn finish, then kill what it started.
@@ -195,13 +229,9 @@ class LocalProvider(Provider):
             await proc.wait()
             proc._transport.close()
             raise
-        try:
-            registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)  # unregistered means unsweepable: never keep it
-            await proc.wait()
-            raise
-        return LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
+        finally:
+            if net is not None:
+                net.spawned()
 
     async def sweep(self, tags: Mapping[str, str]) -> int:
         return registry.sweep(self.registry_dir, tags)
@@ -229,6 +259,7 @@ class LocalSandbox(SandboxHandle):
         self._pending: dict[int, asyncio.Future] = {}
         self._stderr_tail = b""
         self._dead_reason: str | None = None
+        self._net: localnet.SandboxNetwork | None = None
         self._reader = asyncio.ensure_future(self._read_loop())
         self._errreader = asyncio.ensure_future(self._read_stderr())
         # Backstop for the agent's own lifetime limit.
@@ -296,6 +327,20 @@ class LocalSandbox(SandboxHandle):
             raise SandboxLostError(f"sandbox {self.id}: agent error {msg['error']}: {msg['message']}")
         return msg
 
+    async def _start_network(self, net: localnet.SandboxNetwork) -> None:
+        """Bring the network up before anyone can exec; on any failure the sandbox ends."""
+        self._net = net
+        try:
+            await net.start()
+        except BaseException as exc:
+            await self.terminate()
+            if not isinstance(exc, TransientProviderError):
+                raise
+            tail = " ".join(self._stderr_tail.decode(errors="replace").split())[-400:]
+            raise TransientProviderError(
+                f"sandbox {self.id}: {exc}" + (f" (bwrap: {tail})" if tail else "")
+            ) from None
+
     async def ready(self) -> None:
         await self._call("ping", 3600.0)  # the pool bounds this with its ready timeout
 
@@ -342,6 +387,8 @@ class LocalSandbox(SandboxHandle):
         if self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
+        if self._net is not None:
+            self._net.kill()  # not in bwrap's group; it would exit on its own, this is at once
         self._dead_reason = self._dead_reason or f"sandbox {self.id} was terminated"
         registry.unregister(self._provider.registry_dir, self.id)
 
@@ -350,6 +397,8 @@ class LocalSandbox(SandboxHandle):
         with contextlib.suppress(ProcessLookupError):
             await self._proc.wait()
         await asyncio.gather(self._reader, self._errreader, return_exceptions=True)
+        if self._net is not None:
+            await self._net.wait()
         # Close the pipes now, inside the loop; the transport's __del__ would do it after close.
         transport = getattr(self._proc, "_transport", None)
         if transport is not None:
