@@ -229,7 +229,7 @@ def run(quick: bool, out: Path) -> dict:
     local = asyncio.run(_local(quick, run_id))
     scoring = sandboxes_scoring.measure(quick, run_id)
     s = _simulate(quick)
-    plots = _plots(out, local, s)
+    plots = _plots(out, local, s) + sandboxes_scoring.plot(out, scoring)
     checks = {
         "leaked == 0": local["leaked"] == 0,
         "scored sample time after <= 1.2x before": scoring["ratio_time_after_over_before"] <= 1.2,

@@ -110,3 +110,32 @@ async def _measure(quick: bool, run_id: str) -> dict:
 
 def measure(quick: bool, run_id: str) -> dict:
     return asyncio.run(_measure(quick, run_id))
+
+
+def plot(out, scoring: dict) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(7.2, 3.4))
+    names = ["before", "after"]
+    labels = ["before\n(exit code,\nshared PID ns)", "after\n(host verdict,\nPID ns per exec)"]
+    for ax, key, title in (
+        (axes[0], "time_per_sample_s", "time per scored sample [ms]"),
+        (axes[1], "samples_per_s", "scored samples per second"),
+    ):
+        scale = 1000 if key == "time_per_sample_s" else 1
+        ax.bar(labels, [scoring[n][key] * scale for n in names], color=["C7", "C2"])
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(
+        f"Scoring a sample: after/before time {scoring['ratio_time_after_over_before']:.2f}x, "
+        f"rate {scoring['ratio_rate_after_over_before']:.2f}x",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(out / "sandboxes-scoring.png", dpi=120)
+    plt.close(fig)
+    return ["sandboxes-scoring.png"]
