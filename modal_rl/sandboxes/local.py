@@ -182,7 +182,7 @@ class LocalProvider(Provider):
     async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> LocalSandbox:
         sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
         registry.open_dir(self.registry_dir)  # one that is not ours is refused before anything starts
-        net = localnet.for_spec(spec, self.slirp4netns)  # None unless network=True
+        net = localnet.for_spec(spec, self.slirp4netns, self.setpriv)  # None unless network=True
         try:
             proc = await self._spawn(self.command(spec, sandbox_id, net), net)
             try:

@@ -28,7 +28,8 @@ Invariants:
 - slirp4netns lives as long as the sandbox: its ``--exit-fd`` is a pipe whose only write
   ends are held by bwrap (``--sync-fd``: its monitor and the sandbox's PID 1), so however the
   sandbox ends (terminate, lifetime, a sweep's killpg, the pool's process dying) slirp reads
-  EOF and exits; terminate also kills and reaps it at once;
+  EOF and exits; terminate also kills and reaps it at once, and it dies with the pool's
+  process (``setpriv --pdeathsig``, as bwrap does);
 - slirp4netns parses packets the sandboxed code writes, so it runs ``--enable-seccomp`` (a
   syscall filter) and, as root, ``--enable-sandbox`` (a mount namespace of its own, no
   capabilities; a non-root slirp has none, and could not make the namespace).
@@ -61,8 +62,8 @@ _TAIL = 4096
 # Run as ``python -I -S -c _ROUTES_SRC <userns fd> <netns fd> <addr/len>...``: joins the
 # sandbox's network namespace and the user namespace that owns it (a fresh interpreter is
 # single-threaded, as setns(CLONE_NEWUSER) requires) and adds an unreachable route per network
-# over rtnetlink (no iproute2 needed; an exec'd `ip`
-# would lose the capabilities setns gave when the caller is not root).
+# over rtnetlink: no iproute2 needed, and an exec'd `ip` would lose the capabilities setns gave
+# when the caller is not root.
 _ROUTES_SRC = r"""
 import ctypes, os, socket, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
@@ -94,11 +95,11 @@ def find_slirp(name: str) -> str:
     return found
 
 
-def for_spec(spec, slirp4netns: str) -> SandboxNetwork | None:
+def for_spec(spec, slirp4netns: str, setpriv: str | None) -> SandboxNetwork | None:
     """The network of a sandbox of ``spec`` (a ``SandboxSpec``): None unless ``spec.network``."""
     if not spec.network:
         return None
-    return SandboxNetwork(find_slirp(slirp4netns), resolv=spec.image in (None, "host"))
+    return SandboxNetwork(find_slirp(slirp4netns), resolv=spec.image in (None, "host"), setpriv=setpriv)
 
 
 def blocked() -> list[str]:
@@ -149,11 +150,20 @@ async def _spawn(argv: list[str], **kw) -> asyncio.subprocess.Process:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        proc = await task
+        await _reap(await task)
+        raise
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Kill (if still running) and reap ``proc``, and close its pipes now, inside the loop: the
+    transport's ``__del__`` would try after the loop closed."""
+    if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-        await proc.wait()
-        raise
+    await proc.wait()
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
 
 
 class SandboxNetwork:
@@ -164,8 +174,11 @@ class SandboxNetwork:
     sandbox ends; ``close()`` if bwrap never started. Owns every fd it made until then.
     """
 
-    def __init__(self, slirp: str, *, resolv: bool):
+    def __init__(self, slirp: str, *, resolv: bool, setpriv: str | None = None):
         self.slirp = slirp
+        # The kernel kills slirp when the pool's process dies, too: a bwrap that died mid-setup
+        # can leave its PID 1 (holding the exit pipe) behind; slirp must not stay with it.
+        self.prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         self.proc: asyncio.subprocess.Process | None = None
         self._fds: set[int] = set()
         self._info_r, self._info_w = self._pipe()
@@ -237,9 +250,7 @@ class SandboxNetwork:
             try:
                 _, err = await helper.communicate()
             finally:
-                if helper.returncode is None:
-                    helper.kill()
-                    await helper.wait()
+                await _reap(helper)
             if helper.returncode:
                 raise TransientProviderError(
                     f"could not block the host's addresses in the sandbox: {err.decode(errors='replace').strip()}"
@@ -249,6 +260,7 @@ class SandboxNetwork:
     async def _start_slirp(self, userns: int, netns: int) -> None:
         ready_r, ready_w = self._pipe()
         argv = [
+            *self.prefix,
             self.slirp,
             "--configure",
             "--mtu=65520",
@@ -306,9 +318,7 @@ class SandboxNetwork:
             await self.proc.wait()
             if self._drain is not None:
                 await asyncio.gather(self._drain, return_exceptions=True)
-            transport = getattr(self.proc, "_transport", None)
-            if transport is not None:
-                transport.close()
+            await _reap(self.proc)
         self.close()
 
     def close(self) -> None:
