@@ -122,6 +122,7 @@ class LocalProvider(Provider):
         self.create_rate = create_rate
         self.create_burst = create_burst
         self.output_cap_bytes = output_cap_bytes
+        self._starting: set[int] = set()  # process groups of creates that have not returned
 
     def command(
         self, spec: SandboxSpec, sandbox_id: str, net: localnet.SandboxNetwork | None = None
@@ -183,8 +184,10 @@ class LocalProvider(Provider):
         sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
         registry.open_dir(self.registry_dir)  # one that is not ours is refused before anything starts
         net = localnet.for_spec(spec, self.slirp4netns, self.setpriv)  # None unless network=True
+        proc = None
         try:
             proc = await self._spawn(self.command(spec, sandbox_id, net), net)
+            self._starting.add(proc.pid)
             try:
                 registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
             except BaseException:
@@ -192,13 +195,26 @@ class LocalProvider(Provider):
                 await proc.wait()
                 raise
         except BaseException:
+            if proc is not None:
+                self._starting.discard(proc.pid)
             if net is not None:
                 net.close()
             raise
         sandbox = LocalSandbox(self, sandbox_id, proc, spec, dict(tags))
-        if net is not None:
-            await sandbox._start_network(net)
+        try:
+            if net is not None:
+                await sandbox._start_network(net)
+        finally:
+            self._starting.discard(proc.pid)
         return sandbox
+
+    def kill_starting_now(self) -> None:
+        # A create still in flight when the pool's process is told to stop: its bwrap is not the
+        # pool's yet, and bwrap's setup fork has no parent-death signal, so only its group's
+        # SIGKILL ends it (seen: a bwrap waiting forever on its eventfd, parent PID 1).
+        for pgid in list(self._starting):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
     async def _spawn(
         self, argv: list[str], net: localnet.SandboxNetwork | None

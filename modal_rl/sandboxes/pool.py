@@ -163,6 +163,8 @@ class SandboxPool:
         for handle in list(self._all.values()):
             with contextlib.suppress(Exception):
                 handle.kill_now()
+        with contextlib.suppress(Exception):
+            self.provider.kill_starting_now()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

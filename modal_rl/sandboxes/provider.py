@@ -86,6 +86,9 @@ class Provider(abc.ABC):
         """Start one sandbox (not necessarily ready yet). Raise ``TransientProviderError`` /
         ``RateLimitedError`` for retryable failures, any other exception for permanent ones."""
 
+    def kill_starting_now(self) -> None:  # noqa: B027  (optional hook: nothing to do by default)
+        """Synchronous last resort: end sandboxes whose ``create`` has not returned yet."""
+
     @abc.abstractmethod
     async def sweep(self, tags: Mapping[str, str]) -> int:
         """Terminate every sandbox carrying all of ``tags``; returns how many were terminated."""
