@@ -32,6 +32,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 from modal_rl.sandboxes import localnet, registry
 from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError, TransientProviderError
@@ -210,9 +212,16 @@ class LocalProvider(Provider):
 
     def kill_starting_now(self) -> None:
         # A create still in flight when the pool's process is told to stop: its bwrap is not the
-        # pool's yet, and bwrap's setup fork has no parent-death signal, so only its group's
-        # SIGKILL ends it (seen: a bwrap waiting forever on its eventfd, parent PID 1).
-        for pgid in list(self._starting):
+        # pool's yet (asyncio may not even have returned its pid), and bwrap's setup fork has no
+        # parent-death signal, so only its group's SIGKILL ends it (seen: a bwrap waiting forever
+        # on its eventfd, parent PID 1). Our own children that lead a bwrap session are sandboxes.
+        groups = set(self._starting)
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.Error, OSError):
+                    if child.name() in ("bwrap", "setpriv") and os.getpgid(child.pid) == child.pid:
+                        groups.add(child.pid)
+        for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
 
