@@ -37,57 +37,13 @@ import psutil
 from modal_rl.sandboxes import localnet, registry
 from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError, TransientProviderError
+from modal_rl.sandboxes.hostroot import host_root_args
 from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 
 _AGENT_SRC = (Path(__file__).with_name("_agent.py")).read_text()
-_ETC_FILES = [
-    "passwd",
-    "group",
-    "hosts",
-    "nsswitch.conf",
-    "host.conf",
-    "resolv.conf",
-    "gai.conf",
-    "protocols",
-    "services",
-    "ld.so.cache",
-    "ld.so.conf",
-    "ld.so.conf.d",
-    "localtime",
-    "alternatives",
-    "ssl",
-    "ca-certificates",
-    "mime.types",
-]
 # Grace on top of a command's own timeout before the host declares the agent hung.
 _EXEC_GRACE_S = 10.0
-
-
-def _host_root_args() -> tuple[list[str], list[str]]:
-    """Read-only binds that make the host's userland and this Python usable; returns (args, PATH)."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        host = Path("/") / top
-        if host.is_symlink():
-            args += ["--symlink", os.readlink(host), str(host)]
-        elif host.is_dir():
-            args += ["--ro-bind", str(host), str(host)]
-    for name in _ETC_FILES:
-        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    path = ["/usr/local/bin", "/usr/bin", "/bin"]
-    python = os.path.realpath(sys.executable)
-    prefixes = {os.path.realpath(sys.base_prefix)}
-    # A venv's prefix is bound only when the interpreter itself lives there: the agent runs
-    # with -I -S (no site-packages), and a venv under /tmp would otherwise put a /tmp on the
-    # frozen root where the work dir's /tmp symlink has to go.
-    if python.startswith(os.path.realpath(sys.prefix) + os.sep):
-        prefixes.add(os.path.realpath(sys.prefix))
-    for prefix in prefixes:
-        if not prefix.startswith("/usr/"):
-            args += ["--ro-bind", prefix, prefix]
-    path.insert(0, os.path.dirname(python))
-    return args, path
 
 
 class LocalProvider(Provider):
@@ -140,7 +96,7 @@ class LocalProvider(Provider):
         args.append("--unshare-net")  # always: network=True adds slirp4netns, never the host's stack
         size = str(spec.disk_mb << 20)
         if spec.image in (None, "host"):
-            root, path = _host_root_args()
+            root, path = host_root_args()
             python = os.path.realpath(sys.executable)
             tmp = ["--dir", f"{wd}/.tmp", "--symlink", f"{wd}/.tmp", "/tmp"]
         else:
