@@ -95,11 +95,9 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 
 def _free_port() -> int:
-    import socket
+    from modal_rl.cluster.ports import reserve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserve(1)[0]
 
 
 def run_mode(

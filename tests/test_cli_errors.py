@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -68,9 +67,9 @@ def one_line(out: subprocess.CompletedProcess, prog: str) -> str:
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed once we leave: a connect is refused
+    from modal_rl.cluster.ports import reserve
+
+    return reserve(1)[0]  # claimed and never bound: a connect is refused
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

@@ -7,12 +7,11 @@ import json
 import socket
 
 from modal_rl.cluster.control import ControlClient, ControlServer, hello_proof
+from modal_rl.cluster.ports import reserve
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
+    return reserve(1, "127.0.0.2")[0]
 
 
 async def _wait_for(predicate, timeout_s: float = 5.0) -> None:

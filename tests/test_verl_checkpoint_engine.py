@@ -375,11 +375,9 @@ def local_ray(tmp_path_factory):
 
 
 def _free_port() -> int:
-    import socket
+    from modal_rl.cluster.ports import reserve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserve(1)[0]
 
 
 def _worker_env(rank: int = 0, world: int = 1) -> dict:

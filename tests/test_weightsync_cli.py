@@ -198,11 +198,10 @@ def test_apply_into_a_missing_directory_fails_and_creates_nothing(files):
 
 
 def test_receive_from_a_closed_port_says_connection_refused(tmp_path):
-    import socket
 
-    with socket.socket() as s:  # a port on 127.0.0.1 that nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from modal_rl.cluster.ports import reserve
+
+    (port,) = reserve(1)  # claimed and never bound: nobody listens on it
     r = cli("receive", "--tcp", f"127.0.0.1:{port}", "--until", "1", "--connect-timeout", "1")
     line = one_error_line(r)
     assert r.returncode == 1 and "connection refused" in line and f"127.0.0.1:{port}" in line

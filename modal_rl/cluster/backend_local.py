@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from typing import Any
 
 import modal_rl
 from modal_rl import run_temp
-from modal_rl.cluster import procs
+from modal_rl.cluster import ports, procs
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.plan import RAY_AUTH_SWITCH_ENV, BootstrapPlan
 from modal_rl.cluster.raynode import node_environment, ray_start_argv
@@ -61,17 +60,9 @@ _PER_NODE_PORT_FLAGS = (
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports free on ``host`` right now (all held open until all are picked)."""
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """``count`` distinct ports free on ``host``, claimed for this process (``ports.reserve``:
+    from a range the kernel never hands out by itself, so nothing takes them before we bind)."""
+    return ports.reserve(count, host)
 
 
 class LocalBackend(ClusterBackend):
@@ -101,9 +92,9 @@ class LocalBackend(ClusterBackend):
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         n = spec.nodes
-        ports = free_ports(3 + n * len(_PER_NODE_PORT_FLAGS) + 1)
-        gcs, dashboard, control, client_port = ports[:4]
-        per_node = ports[4:]
+        picked = free_ports(3 + n * len(_PER_NODE_PORT_FLAGS) + 1)
+        gcs, dashboard, control, client_port = picked[:4]
+        per_node = picked[4:]
         flags = []
         for rank in range(n):
             mine = per_node[rank * len(_PER_NODE_PORT_FLAGS) : (rank + 1) * len(_PER_NODE_PORT_FLAGS)]

@@ -22,15 +22,13 @@ class _Member:
     """One rank's end of the group. Plain class; wrapped with ray.remote at use."""
 
     def address(self) -> tuple[str, int]:
-        import socket
 
         import ray
 
         ip = ray.util.get_node_ip_address()
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        with socket.socket(family) as sock:
-            sock.bind((ip, 0))
-            return ip, sock.getsockname()[1]
+        from modal_rl.cluster.ports import reserve
+
+        return ip, reserve(1, ip)[0]
 
     def all_reduce(self, rank: int, world: int, master: str, port: int, timeout_s: float) -> dict:
         import datetime

@@ -1,0 +1,85 @@
+"""Ports for local servers and Ray nodes, from a range nothing else on the host draws from.
+
+Binding port 0 and releasing it (the usual "free port" trick) races: between the release and
+the server's own bind, the kernel may hand the same port to anyone's next ``bind(0)`` or
+outgoing connection (seen in CI: a Ray dashboard failing with "address already in use").
+Here ports come from below the kernel's ephemeral range (``ip_local_port_range``), which the
+kernel never hands out by itself, and above Ray's default worker-port range (10002-19999).
+Among our own processes, a port is claimed by binding an abstract unix socket named after it:
+the claim is host-wide, costs no file, and dies with the process that holds it.
+
+Invariants: a port returned by ``reserve`` was free on ``host`` when picked and stays claimed
+by this process for ``hold_s`` (long enough for a bring-up to bind it); no two live processes
+using this module get the same port at once.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+_RAY_WORKER_PORTS_END = 19999
+_CLAIM_PREFIX = b"\0modal-rl-port-"
+_lock = threading.Lock()
+_claims: list[tuple[float, socket.socket]] = []
+
+
+def port_range() -> range:
+    """The ports we draw from: above Ray's worker ports, below the kernel's ephemeral range."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    start = _RAY_WORKER_PORTS_END + 1
+    if low - start < 1024:  # an unusual ephemeral range: take what is below it
+        start = max(1024, low - 8192)
+    return range(start, low)
+
+
+def _claim(port: int) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_CLAIM_PREFIX + str(port).encode())
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def _free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 600.0) -> list[int]:
+    """``count`` distinct ports, free on ``host`` and claimed by this process for ``hold_s``."""
+    ports = port_range()
+    now = time.monotonic()
+    out: list[int] = []
+    with _lock:
+        for _, sock in [c for c in _claims if c[0] < now]:
+            sock.close()
+        _claims[:] = [c for c in _claims if c[0] >= now]
+        offset = random.randrange(len(ports))
+        for i in range(len(ports)):
+            port = ports[(offset + i) % len(ports)]
+            claim = _claim(port)
+            if claim is None:
+                continue  # another of our processes holds it
+            if not _free(host, port):
+                claim.close()
+                continue
+            _claims.append((now + hold_s, claim))
+            out.append(port)
+            if len(out) == count:
+                return out
+    raise OSError(f"no {count} free ports on {host} in {ports.start}-{ports.stop - 1}")
