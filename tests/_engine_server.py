@@ -9,6 +9,10 @@ the server), and, for ``/v1/completions``, echoes the prompt's token ids plus on
 ``--require-key``: as our keyed engines, the key comes from ``MODAL_RL_RUN_KEY`` (exit 2 without
 it) and every request but ``GET /health`` needs ``Authorization: Bearer <key>`` (else 401,
 recorded as refused). At start it prints whether the run key is in its environment.
+``--log-args``: at start it also logs what SGLang logs when ``keyed_launch`` gave it the key
+(``server_args=ServerArgs(..., api_key='<key>', admin_api_key='<key>')``), and a key derived from
+it in hex and base64 (as a careless engine could), a piece at a time without newlines in between
+(so a pump that reads chunks sees keys cut anywhere); the key comes from ``MODAL_RL_RUN_KEY``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--state", default=None)
     ap.add_argument("--setsid-child", action="store_true")
     ap.add_argument("--require-key", action="store_true")
+    ap.add_argument("--log-args", action="store_true")
     # SGLang's own flags, reported back by /server_info as SGLang does.
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--tp-size", type=int, default=1)
@@ -49,6 +54,8 @@ def main() -> None:
     if args.require_key and not key:
         print("fake engine: no MODAL_RL_RUN_KEY", flush=True)
         sys.exit(2)
+    if args.log_args and key:
+        _log_args(args, key)
     if args.setsid_child:
         subprocess.Popen(["setsid", "sleep", "600"])
     if args.mode == "crash" or (args.mode == "crash-first" and _first(args.state)):
@@ -111,6 +118,22 @@ def main() -> None:
             pass
 
     http.server.ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+
+
+def _log_args(args, key: str) -> None:
+    import base64
+
+    from modal_rl.run_key import derive
+
+    pull = derive(key, "weightsync-pull")
+    line = (
+        f"server_args=ServerArgs(model_path={args.model_path!r}, host={args.host!r}, port={args.port}, "
+        f"api_key={key!r}, admin_api_key={key!r}) pull_key={pull.hex()} b64={base64.b64encode(pull).decode()}\n"
+    )
+    for i in range(0, len(line), 7):  # pieces cut through the keys, each flushed on its own
+        sys.stderr.write(line[i : i + 7])
+        sys.stderr.flush()
+        time.sleep(0.001)
 
 
 def _first(state: str | None) -> bool:

@@ -8,15 +8,20 @@ need the admin key when one is set (else the API key); every other route needs t
 when one is set. ``/server_info`` reports ``api_key`` and the launch command, as SGLang does.
 Every request that passed auth is appended to ``--state DIR/<port>.jsonl``; ``--argv-out``
 receives this process's ``sys.argv`` as JSON at start (to check what the launcher added).
+At start it logs its parsed arguments as SGLang's ``_launch_subprocesses`` does
+(``logger.info(f"{server_args=}")`` through its ``[%(asctime)s] %(message)s`` format, to
+stderr): ``server_args=ServerArgs(..., api_key='...', admin_api_key='...')``, keys in plain.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import json
 import os
 import sys
+import time
 
 from aiohttp import web
 
@@ -28,6 +33,15 @@ ADMIN = {
     "/continue_generation",
 }
 OPEN = ("/health", "/ready", "/metrics")
+
+
+@dataclasses.dataclass
+class ServerArgs:  # the fields SGLang's own dataclass has, in its order; its repr is what it logs
+    model_path: str | None
+    host: str
+    port: int
+    api_key: str | None
+    admin_api_key: str | None
 
 
 def allowed(path: str, header: str | None, api_key: str | None, admin_key: str | None) -> bool:
@@ -50,6 +64,8 @@ def main() -> None:
     ap.add_argument("--state")
     ap.add_argument("--argv-out")
     args, _ = ap.parse_known_args()
+    server_args = ServerArgs(args.model_path, args.host, args.port, args.api_key, args.admin_api_key)
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {server_args=}", file=sys.stderr, flush=True)
     if args.argv_out:
         with open(args.argv_out, "w") as f:
             json.dump({"argv": sys.argv, "pid": os.getpid()}, f)

@@ -11,7 +11,12 @@ Invariants (beyond ``engines.EnginePool``'s):
   get it as ``TMPDIR``, so vLLM's ipc sockets, ``vllm_dist_*`` files and torch's ``pymp-*``
   dirs land there, and ``stop()`` removes it (and, as a backstop, the process's exit), so
   runs and tests leave nothing in the temp directory, even after a SIGKILLed engine;
-- logs: in ``log_dir`` when the caller names one (kept); otherwise in the run temp dir;
+- logs: in ``log_dir`` when the caller names one (kept); otherwise in the run temp dir. An
+  engine's output reaches its log only through ``pump``, which replaces the run key and every
+  key derived from it (``key_forwarder.Redactor``: SGLang logs ``server_args=ServerArgs(...,
+  api_key=..., admin_api_key=...)`` with the key ``keyed_launch`` gave it); log files are 0600
+  and the folders the pool makes (the run temp dir, a named ``log_dir`` that did not exist) 0700;
+  a named folder that already existed keeps its mode;
 - ``replace(i)`` SIGKILLs engine ``i``'s process group (it may be hung: SIGSTOPped processes
   die of SIGKILL too), starts the same command on a new free port and returns its address
   once it is up; its log is ``<name>-<i>.<generation>.log``.
@@ -44,9 +49,13 @@ from modal_rl.cluster.engines import (
     engine_key,
     tail_of,
 )
-from modal_rl.run_key import RUN_KEY_ENV, redact
+from modal_rl.cluster.key_forwarder import Redactor
+from modal_rl.run_key import RUN_KEY_ENV, run_key_or_none
 
 TEMP_PREFIX = f"{run_temp.PREFIX}engines-"
+LOG_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+PUMP_JOIN_S = 5.0
 
 
 class LocalEnginePool(EnginePool):
@@ -70,6 +79,7 @@ class LocalEnginePool(EnginePool):
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []  # pumps[i]: engine i's output -> its log
         self.ports: list[int] = []
 
     def log_path(self, index: int) -> Path:
@@ -120,12 +130,17 @@ class LocalEnginePool(EnginePool):
         self._key = engine_key(self.spec)
         self._stopped = False
         run_temp.own(self.temp_dir)  # made here (again, after a stop()): removed by stop()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.temp_dir, LOG_DIR_MODE)  # ours; engine logs may be in it
+        if not self.log_dir.exists():  # a folder the caller named and that already exists is theirs
+            self.log_dir.mkdir(parents=True, mode=LOG_DIR_MODE)
+            os.chmod(self.log_dir, LOG_DIR_MODE)  # mkdir's mode is filtered by the umask
         self.ports = free_ports(self.spec.count, self.host)
         self.generations = [0] * self.spec.count
         try:
             for index, port in enumerate(self.ports):
-                self.procs.append(self._spawn(index, port))
+                proc, pump_thread = self._spawn(index, port)
+                self.procs.append(proc)
+                self.pumps.append(pump_thread)
             self._wait_all(range(self.spec.count))
         except BaseException:
             self.stop()
@@ -133,18 +148,28 @@ class LocalEnginePool(EnginePool):
         self.addresses = [f"http://{self.host}:{port}" for port in self.ports]
         return list(self.addresses)
 
-    def _spawn(self, index: int, port: int) -> subprocess.Popen:
+    def _spawn(self, index: int, port: int) -> tuple[subprocess.Popen, threading.Thread]:
         setpriv = shutil.which("setpriv")
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-        with open(self.log_path(index), "wb") as log:
-            return spawn(
+        log = open_log(self.log_path(index))
+        try:
+            proc = spawn(
                 prefix + self.spec.argv(self.host, port),
-                stdout=log,
+                stdout=subprocess.PIPE,  # through pump(), never raw into the file
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self._env(),
                 start_new_session=True,
             )
+        except BaseException:
+            log.close()
+            raise
+        redactor = Redactor(self._key or run_key_or_none())
+        thread = threading.Thread(
+            target=_pump_to_file, args=(proc.stdout, redactor, log), name=f"engine-log-{index}", daemon=True
+        )
+        thread.start()
+        return proc, thread
 
     def replace(self, index: int) -> str:
         from modal_rl.cluster.backend_local import free_ports
@@ -160,7 +185,7 @@ class LocalEnginePool(EnginePool):
                 raise EngineStartError(f"{self.spec.name} {index}: the pool stopped during the replacement")
             self.generations[index] += 1
             self.ports[index] = port
-            self.procs[index] = self._spawn(index, port)
+            self.procs[index], self.pumps[index] = self._spawn(index, port)
             self.addresses[index] = f"http://{self.host}:{port}"
         self._wait_all([index])  # on failure the new process stays for stop() to end
         return self.addresses[index]
@@ -197,7 +222,10 @@ class LocalEnginePool(EnginePool):
             time.sleep(self.poll_s)
 
     def _failure(self, index: int, why: str) -> str:
-        tail = [redact(line, self._key) for line in tail_of(self.log_path(index))]
+        # The log is written by the pump: let it catch up (to EOF when the engine has exited).
+        self.pumps[index].join(PUMP_JOIN_S if self.procs[index].poll() is not None else 0.2)
+        redactor = Redactor(self._key or run_key_or_none())
+        tail = [redactor.text(line) for line in tail_of(self.log_path(index))]
         return engine_failure(self.spec.name, index, why, tail)
 
     def stop(self) -> None:
@@ -217,10 +245,59 @@ class LocalEnginePool(EnginePool):
         survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
         if survivors:
             print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)
+        for thread in self.pumps:  # every writer of their pipes is gone: they reach EOF
+            thread.join(PUMP_JOIN_S)
         self.procs = []
+        self.pumps = []
         self.addresses = []
         # The engines' temp files (and the logs nobody asked for): leave nothing behind.
         run_temp.remove(self.temp_dir)
+
+
+def open_log(path: Path):
+    """``path`` opened for writing, unbuffered, 0600 (also when a file of that name existed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, LOG_FILE_MODE)
+    os.fchmod(fd, LOG_FILE_MODE)
+    return os.fdopen(fd, "wb", buffering=0)
+
+
+def pump(stream, redactor: Redactor, write) -> None:
+    """Copy the pipe ``stream`` to ``write(bytes)`` as its bytes arrive, every secret of
+    ``redactor`` replaced (a key cut between two reads too), until EOF; then close ``stream``.
+
+    It keeps reading after ``write`` failed (a full disk, a closed sink), dropping the output:
+    an engine whose pipe nobody drains would block on its next write.
+    """
+    fd = stream.fileno()
+    sink = write
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            sink = _write(sink, redactor.feed(chunk))
+        _write(sink, redactor.flush())
+    finally:
+        stream.close()
+
+
+def _write(sink, data: bytes):
+    if sink is None or not data:
+        return sink
+    try:
+        sink(data)
+        return sink
+    except (OSError, ValueError) as exc:
+        print(f"[modal_rl.engines] engine output dropped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def _pump_to_file(stream, redactor: Redactor, log) -> None:
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # an unbuffered file may take part of it
+            view = view[log.write(view) :]
+
+    with log:
+        pump(stream, redactor, write)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -16,6 +16,10 @@ Secret made for the run (``run_key.modal_secret``) attached to the engine functi
 server finds it as ``MODAL_RL_RUN_KEY``; it is never in the spec, the function's ``env``, the
 mailbox or ``describe()``. Health checks (in the container and from here) send it.
 
+Logs: the server's output goes to Modal's logs (and the mailbox's error tail) only through
+``relay``, which replaces the key and every key derived from it (``key_forwarder.Redactor``):
+SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` with the key.
+
 ``start`` waits until every engine has an address that answers health from here too, within
 ``startup_timeout_s``; the first error, an early-finished call or the deadline stops every
 engine (mailbox ``stop``, then ``FunctionCall.cancel``) and raises ``EngineStartError``.
@@ -33,6 +37,7 @@ Nothing contacts Modal before ``start``; ``build_function`` works offline for sp
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import subprocess
@@ -43,6 +48,7 @@ from typing import Any
 
 from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
 from modal_rl.cluster.engine_health import ready
+from modal_rl.cluster.engine_local import pump
 from modal_rl.cluster.engines import (
     EnginePool,
     EngineSpec,
@@ -51,10 +57,13 @@ from modal_rl.cluster.engines import (
     engine_key,
     probe,
 )
-from modal_rl.run_key import REDACTED, RUN_KEY_ENV, modal_secret, redact
+from modal_rl.cluster.key_forwarder import Redactor
+from modal_rl.run_key import REDACTED, RUN_KEY_ENV, modal_secret
 
 APP_NAME = "modal-rl-engines"
 CONTAINER_POLL_S = 1.0
+RELAY_JOIN_S = 5.0
+TAIL_LINE_CHARS = 4096
 # Engines bind every interface of their container; the tunnel reaches them from outside it.
 CONTAINER_HOST = "0.0.0.0"
 TUNNEL = "TLS tunnel (modal.forward, https:// address)"
@@ -130,20 +139,23 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
         mailbox[f"error/{name}"] = {"why": why, "tail": []}
         return {"index": index, "exit": why}
     proc = subprocess.Popen(
-        spec.argv(CONTAINER_HOST, spec.port),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
+        spec.argv(CONTAINER_HOST, spec.port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True).start()
+    relaying = threading.Thread(target=relay, args=(proc.stdout, Redactor(key), tail), daemon=True)
+    relaying.start()
+
+    def last_lines() -> list[str]:
+        if proc.poll() is not None:
+            relaying.join(RELAY_JOIN_S)  # the server is gone: its last lines are on their way
+        return _redacted(tail, key)
+
     local = f"http://127.0.0.1:{spec.port}{spec.health_path}"
     deadline = time.monotonic() + spec.startup_timeout_s
     try:
         while not probe(local, key=key)[0]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
-                mailbox[f"error/{name}"] = {"why": why, "tail": _redacted(tail, key)}
+                mailbox[f"error/{name}"] = {"why": why, "tail": last_lines()}
                 return {"index": index, "exit": why}
             time.sleep(CONTAINER_POLL_S)
         # TLS (unencrypted=False): the key and the traffic cross the internet encrypted.
@@ -155,7 +167,7 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
                 time.sleep(CONTAINER_POLL_S)
         if proc.poll() is not None:
             why = f"exited with code {proc.returncode}"
-            mailbox[f"error/{name}"] = {"why": why, "tail": _redacted(tail, key)}
+            mailbox[f"error/{name}"] = {"why": why, "tail": last_lines()}
         return {"index": index, "exit": proc.poll()}
     finally:
         if proc.poll() is None:
@@ -166,13 +178,29 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
 
 
 def _redacted(tail: deque, key: str | None) -> list[str]:
-    return [redact(line, key) for line in tail]
+    redactor = Redactor(key)  # the lines are redacted already: a second pass costs nothing
+    return [redactor.text(line) for line in tail]
 
 
-def _pump(stream, tail: deque) -> None:
-    for line in stream:
-        print(line, end="", flush=True)  # Modal's logs keep the full output
-        tail.append(line.rstrip("\n"))
+def relay(stream, redactor: Redactor, tail: deque) -> None:
+    """The engine's output (the pipe ``stream``) to this container's stdout, which Modal's logs
+    keep, as it arrives and with every secret of ``redactor`` replaced; its last lines to
+    ``tail``. Ends at EOF."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a read
+    partial = [""]
+
+    def write(data: bytes) -> None:
+        text = decoder.decode(data)
+        print(text, end="", flush=True)
+        *done, rest = (partial[0] + text).split("\n")
+        tail.extend(done)
+        partial[0] = rest[-TAIL_LINE_CHARS:]  # a progress bar redrawn with \r never ends its line
+
+    pump(stream, redactor, write)
+    rest = partial[0] + decoder.decode(b"", final=True)
+    if rest:
+        print(rest, flush=True)
+        tail.append(rest)
 
 
 class ModalEnginePool(EnginePool):

@@ -17,26 +17,46 @@ Invariants:
   So it never binds a wildcard address (``0.0.0.0``, ``::``); a non-loopback address needs an
   allow-list of peer addresses (the cluster's nodes), and other peers get 403 and nothing is
   forwarded;
-- the key is never logged, never put in an error, and never returned to a client: responses of
-  the info routes (``REDACT_PATHS``: SGLang's ``/server_info`` reports ``api_key`` and its launch
-  command) are read whole and every occurrence of the key is replaced by ``<redacted>``;
-- hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; everything else passes unchanged,
-  content encodings included (no decompression on the way).
+- the key is never logged, never put in an error, and never returned to a client: every answer,
+  whatever the route (SGLang's ``/server_info`` reports ``api_key``, its launch command, and any
+  route may echo it), has the key and the keys derived from it (``secret_forms``) replaced by
+  ``<redacted>`` in its status line, its headers and its body, streamed bodies included
+  (``Redactor.feed`` also catches a key split across chunks). Engines are asked for
+  ``Accept-Encoding: identity`` so bodies stay readable; an encoded answer gets 502;
+- only paths in normal form are forwarded (``path_problem``): a dot segment, an empty segment, an
+  encoded separator or a percent-encoding the HTTP client would rewrite gets 400, so the path the
+  engine sees is byte for byte the one the client sent;
+- hop-by-hop headers (RFC 9110 7.6.1) are not forwarded. A body whose length the engine declared
+  and that fits ``BUFFER_BYTES`` keeps an exact ``Content-Length``; longer or open-ended ones are
+  relayed chunked (redaction may change their length).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import ipaddress
 import json
 import signal
 import sys
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
-from modal_rl.run_key import REDACTED, MissingRunKeyError, run_key
+from modal_rl.run_key import REDACTED, MissingRunKeyError, derive, run_key
 
-REDACT_PATHS = frozenset({"/server_info", "/get_server_info"})
+# Every purpose the project passes to ``run_key.derive`` for a secret (``weightsync-run-id`` is a
+# public fingerprint, not a key). An engine or a log that shows one of these keys gives away what
+# it protects, so they are redacted like the key; a test checks this list against the code.
+DERIVED_PURPOSES = (
+    "weightsync-frame-mac",
+    "weightsync-handshake",
+    "weightsync-pull",
+    "weightsync-lease",
+    "weightsync-latest",
+    "control",
+)
+BUFFER_BYTES = 1 << 20
+_NO_BODY = (204, 304)
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -53,6 +73,86 @@ _HOP_BY_HOP = frozenset(
     )
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "authorization"}
+
+
+def secret_forms(key: str | None) -> tuple[bytes, ...]:
+    """The byte strings that give ``key`` away, longest first: the key itself, and each key
+    derived from it (``DERIVED_PURPOSES``) in the text forms code prints a 32-byte key in
+    (hex, base64 and url-safe base64 without padding: a padded one contains these)."""
+    if not key:
+        return ()
+    forms = {key.encode()}
+    for purpose in DERIVED_PURPOSES:
+        raw = derive(key, purpose)
+        forms |= {raw.hex().encode(), raw.hex().upper().encode()}
+        forms |= {base64.b64encode(raw).rstrip(b"="), base64.urlsafe_b64encode(raw).rstrip(b"=")}
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+class Redactor:
+    """Replaces every ``secret_forms(key)`` by ``<redacted>``: in text, in bytes, and in a stream.
+
+    ``feed(chunk)`` returns what may go out now; a tail of the stream that could begin a secret
+    waits for the next chunk (or ``flush()`` at the end), so a key split across chunks is caught
+    too. Only text forms are secrets, so a chunk that ends in a newline (a log line, a
+    server-sent event) is never held. One instance per stream (it keeps that stream's tail).
+    """
+
+    def __init__(self, key: str | None):
+        self.forms = secret_forms(key)
+        self._text_forms = tuple(f.decode() for f in self.forms)
+        self._held = b""
+
+    def bytes(self, data: bytes) -> bytes:
+        for form in self.forms:
+            data = data.replace(form, REDACTED.encode())
+        return data
+
+    def text(self, line: str) -> str:
+        for form in self._text_forms:
+            line = line.replace(form, REDACTED)
+        return line
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.bytes(self._held + chunk)
+        keep = self._partial(data)
+        self._held = data[len(data) - keep :]
+        return data[: len(data) - keep]
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held  # shorter than any secret: nothing left to replace
+
+    def _partial(self, data: bytes) -> int:
+        """Length of the longest tail of ``data`` that is a proper prefix of a secret."""
+        best = 0
+        for form in self.forms:
+            for n in range(min(len(form) - 1, len(data)), best, -1):
+                if data.endswith(form[:n]):
+                    best = n
+                    break
+        return best
+
+
+def path_problem(raw_path: str) -> str | None:
+    """Why ``raw_path`` (as the client sent it, percent-encoding kept) is not in normal form, or
+    None when it is. Normal form: what the engine is sent is byte for byte what was checked, and
+    no server on the way can read it as another route (no ``.``/``..`` or empty segment, no
+    encoded ``/`` or ``\\``, no percent-encoding yarl would rewrite)."""
+    from yarl import URL
+
+    if not raw_path.startswith("/"):
+        return "does not start with /"
+    if "//" in raw_path:
+        return "has an empty segment (//)"
+    lowered = raw_path.lower()
+    if "\\" in raw_path or "%2f" in lowered or "%5c" in lowered:
+        return "encodes a path separator"
+    if any(unquote(seg) in (".", "..") for seg in raw_path.split("/")):
+        return "has a dot segment"
+    if URL("http://engine" + raw_path).raw_path != raw_path:  # what aiohttp's client would send
+        return "is not in canonical percent-encoding"
+    return None
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -106,6 +206,7 @@ class KeyForwarder:
         self.upstreams = [check_upstream(u) for u in upstreams]
         self.host = host
         self._key = key if key is not None else run_key()
+        self._redactor = Redactor(self._key)  # stateless use only (bytes/text); streams get their own
         self._allowed = None if allow_peers is None else {_ip(p) for p in allow_peers}
         self.ports = list(ports) if ports is not None else [0] * len(upstreams)
         if len(self.ports) != len(self.upstreams):
@@ -114,7 +215,8 @@ class KeyForwarder:
         self.addresses: list[str] = []
         self._runners: list = []
         self._session = None
-        self._log = log or (lambda line: print(f"[key_forwarder] {line}", file=sys.stderr, flush=True))
+        sink = log or (lambda line: print(f"[key_forwarder] {line}", file=sys.stderr, flush=True))
+        self._log = lambda line: sink(self._redactor.text(line))  # a client may put the key in a path
 
     async def start(self) -> list[str]:
         import aiohttp
@@ -176,45 +278,74 @@ class KeyForwarder:
     async def _forward(self, request, upstream: str):
         import aiohttp
         from aiohttp import web
+        from yarl import URL
 
+        raw_path = request.rel_url.raw_path
+        problem = path_problem(raw_path)
+        if problem is not None:
+            self._log(f"refused {request.method} {raw_path}: the path {problem}")
+            return web.json_response({"error": f"bad path: it {problem}; send it in normal form"}, status=400)
+        # encoded=True: sent exactly as checked above, with no further rewriting by the client.
+        target = URL(upstream + request.rel_url.raw_path_qs, encoded=True)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         headers["Authorization"] = f"Bearer {self._key}"
-        redact = request.path in REDACT_PATHS
-        if redact:
-            headers["Accept-Encoding"] = "identity"  # the key must be findable in the body
+        headers["Accept-Encoding"] = "identity"  # the key must be findable in every body
         body = request.content if request.body_exists else None
-        resp = None
+        started: list[bool] = []  # non-empty once the answer's head went out to the client
         try:
             async with self._session.request(
-                request.method,
-                upstream + request.rel_url.raw_path_qs,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
+                request.method, target, headers=headers, data=body, allow_redirects=False
             ) as up:
-                out_headers = [
-                    (k, v) for k, v in up.headers.items() if k.lower() not in _HOP_BY_HOP | {"content-length"}
-                ]
-                if redact:
-                    data = (await up.read()).replace(self._key.encode(), REDACTED.encode())
-                    done = web.Response(status=up.status, reason=up.reason, body=data)
-                    done.headers.extend(out_headers)
-                    return done
-                resp = web.StreamResponse(status=up.status, reason=up.reason)
-                resp.headers.extend(out_headers)
-                if up.content_length is not None:
-                    resp.content_length = up.content_length
-                await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
+                return await self._answer(request, up, started)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            why = f"{type(exc).__name__}: {exc}".replace(self._key, REDACTED)
-            self._log(f"{request.method} {request.path} -> {urlparse(upstream).netloc} failed: {why}")
-            if resp is not None:  # the response had started: dropping the connection is all we can say
+            why = self._redactor.text(f"{type(exc).__name__}: {exc}")
+            self._log(f"{request.method} {raw_path} -> {urlparse(upstream).netloc} failed: {why}")
+            if started:  # the answer had started: dropping the connection is all we can say
                 raise
             return web.json_response({"error": f"engine unreachable: {why}"}, status=502)
+
+    async def _answer(self, request, up, started: list[bool]):
+        """The engine's answer ``up``, relayed with every secret form of the key replaced."""
+        from aiohttp import web
+
+        text = self._redactor.text
+        has_body = request.method != "HEAD" and up.status not in _NO_BODY
+        encoding = up.headers.get("Content-Encoding", "identity").strip().lower()
+        if has_body and encoding not in ("", "identity"):
+            self._log(f"{request.method} {request.rel_url.raw_path}: engine answered {encoding!r} encoded")
+            return web.json_response(
+                {"error": f"engine answered with Content-Encoding {encoding!r} although identity was "
+                 "asked; its body cannot be checked for the run key"},
+                status=502,
+            )  # fmt: skip
+        out_headers = [
+            (text(k), text(v))
+            for k, v in up.headers.items()
+            if k.lower() not in _HOP_BY_HOP | {"content-length"}
+        ]
+        reason = text(up.reason or "") or None
+        if has_body and up.content_length is not None and up.content_length <= BUFFER_BYTES:
+            data = self._redactor.bytes(await up.read())
+            done = web.Response(status=up.status, reason=reason, body=data)
+            done.headers.extend(out_headers)
+            return done
+        resp = web.StreamResponse(status=up.status, reason=reason)
+        resp.headers.extend(out_headers)
+        if not has_body and up.content_length is not None:
+            resp.content_length = up.content_length  # HEAD: the length of the GET answer
+        started.append(True)
+        await resp.prepare(request)
+        if has_body:
+            stream = Redactor(self._key)
+            async for chunk in up.content.iter_any():
+                out = stream.feed(chunk)
+                if out:
+                    await resp.write(out)
+            tail = stream.flush()
+            if tail:
+                await resp.write(tail)
+        await resp.write_eof()
+        return resp
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -52,6 +52,12 @@ from modal_rl.weightsync.transport_tcp import FrameServer
 from modal_rl.weightsync.vllm_extension import EXTENSION, pull_request, pull_results
 
 EXPOSE = ("local", "modal")
+# Where the frame server listens behind a modal.forward tunnel. Not 127.0.0.1: Modal's ingress
+# reaches a container's port through its eth0 address, not loopback (Modal's own runtime waits
+# for web servers there and asks for 0.0.0.0 "rather than localhost or 127.0.0.1"). IPv4 only,
+# so not on the workspace's IPv6 network (i6pn); any peer that reaches it meets the keyed
+# handshake before a frame byte.
+TUNNEL_BIND_HOST = "0.0.0.0"
 
 
 class EnginePushError(RuntimeError):
@@ -83,7 +89,7 @@ class EnginePusher:
         self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
         self.pull_timeout_s = pull_timeout_s
         self._stack = contextlib.ExitStack()
-        self._server = FrameServer("0.0.0.0" if expose == "modal" else bind_host, 0, key=self.keys)
+        self._server = FrameServer(TUNNEL_BIND_HOST if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
         self.publisher = Publisher(self._server, anchor_every=anchor_every, config=config)
         port = int(self._server.address[1])
