@@ -60,7 +60,7 @@ def test_keyed_launch_adds_the_key_in_process_only(tmp_path):
         seen = json.loads(proc.stdout.readline())
         assert seen["pid"] == proc.pid  # the module ran in the launcher's own process
         assert seen["main"] is True
-        assert seen["argv"] == ["--port", "1", "--api-key", KEY, "--admin-api-key", KEY]
+        assert seen["argv"] == ["--port", "1", f"--api-key={KEY}", f"--admin-api-key={KEY}"]
         cmdline = _cmdline(proc.pid)
         assert "show_argv --port 1" in cmdline and KEY not in cmdline
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
@@ -210,3 +210,17 @@ def test_engine_job_needs_the_key(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "MODAL_RL_RUN_KEY" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_key_that_starts_with_a_dash_reaches_argparse_whole():
+    # URL-safe keys start with "-" 1 time in 32: as a separate word argparse took it for a flag
+    # and the engine exited with "expected one argument" (seen in the suite).
+    import argparse
+
+    from modal_rl.cluster.keyed_launch import keyed_args
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--api-key")
+    ap.add_argument("--admin-api-key")
+    ns = ap.parse_args(keyed_args(["--api-key", "--admin-api-key"], [], "-k3y_x"))
+    assert ns.api_key == ns.admin_api_key == "-k3y_x"

@@ -51,11 +51,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
 
 
 def keyed_args(flags: list[str], args: list[str], key: str) -> list[str]:
-    """``args`` with ``FLAG key`` appended for each key flag (last wins in argparse anyway)."""
-    out = list(args)
-    for flag in flags:
-        out += [flag, key]
-    return out
+    """``args`` with ``FLAG=key`` appended for each key flag (last wins in argparse anyway).
+    One word, not two: argparse reads a separate value that starts with ``-`` (a URL-safe key
+    does, 1 time in 32) as a flag and stops the server with "expected one argument"."""
+    return [*args, *(f"{flag}={key}" for flag in flags)]
 
 
 def main(argv: list[str] | None = None) -> int:
