@@ -64,13 +64,14 @@ FROM_ENV = _FromEnv()  # the default of every ``key`` parameter: the run's key f
 class FrameKeys:
     """Keys derived from the run key for weight sync; the run key itself is not kept."""
 
-    __slots__ = ("mac", "handshake", "pull", "lease", "run_id")
+    __slots__ = ("mac", "handshake", "pull", "lease", "pointer", "run_id")
 
     def __init__(self, key: str) -> None:
         self.mac = derive(key, "weightsync-frame-mac")
         self.handshake = derive(key, "weightsync-handshake")
         self.pull = derive(key, "weightsync-pull")
         self.lease = derive(key, "weightsync-lease")
+        self.pointer = derive(key, "weightsync-latest")  # a store's ``latest`` record
         # The run's public name in frames and leases: a fingerprint of the key (one-way, so
         # it reveals nothing of it); a restarted trainer of the same run has the same id.
         self.run_id = "run-" + derive(key, "weightsync-run-id")[:8].hex()
@@ -101,21 +102,28 @@ def run_id_of(keys: FrameKeys | None) -> str:
     return os.environ.get("MODAL_RL_RUN_ID") or "keyless"
 
 
-def sign_json(keys: FrameKeys | None, obj: dict) -> dict:
-    """``obj`` plus ``mac`` (HMAC-SHA256 under the lease key over its canonical JSON);
+JSON_PURPOSES = ("lease", "pointer")  # the store records signed with ``sign_json``
+
+
+def sign_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> dict:
+    """``obj`` plus ``mac`` (HMAC-SHA256 over its canonical JSON under the key derived for
+    ``purpose``: ``"lease"`` or ``"pointer"``, so one record cannot pass for the other);
     keyless: ``obj`` unchanged."""
+    if purpose not in JSON_PURPOSES:
+        raise ValueError(f"unknown signed-record purpose {purpose!r}")
     if keys is None:
         return dict(obj)
     canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    return {**obj, "mac": hmac.new(keys.lease, canonical, hashlib.sha256).hexdigest()}
+    return {**obj, "mac": hmac.new(getattr(keys, purpose), canonical, hashlib.sha256).hexdigest()}
 
 
-def verify_json(keys: FrameKeys | None, obj: dict) -> bool:
-    """Whether ``obj`` (from ``sign_json``) carries a matching MAC (keyless: it carries none)."""
+def verify_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> bool:
+    """Whether ``obj`` (from ``sign_json`` with ``purpose``) carries a matching MAC (keyless:
+    it carries none)."""
     if keys is None:
         return "mac" not in obj
     body = {k: v for k, v in obj.items() if k != "mac"}
-    return same_proof(sign_json(keys, body)["mac"], obj.get("mac"))
+    return same_proof(sign_json(keys, body, purpose)["mac"], obj.get("mac"))
 
 
 def is_signed_tag(tag: bytes) -> bool:
@@ -180,9 +188,9 @@ class Verifier:
         self.index = 0
         self.prev = _ZERO_MAC
 
-    def check(self, raw: bytes) -> memoryview:
+    def check(self, raw: bytes | bytearray | memoryview) -> memoryview:
         """The body of ``raw`` (a whole record), once it is verified."""
-        tag = raw[:1]
+        tag = bytes(raw[:1])  # a store reader passes a view into its read buffer
         signed = tag[0] in SIGNED_TAGS
         name = tag.decode().upper()
         if signed and self.keys is None:

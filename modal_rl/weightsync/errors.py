@@ -82,3 +82,15 @@ class LeaseHeldError(WeightSyncError):
 class LeaseLostError(WeightSyncError):
     """This publisher's lease lapsed and another trainer took it (or a newer epoch of the
     run is publishing): this trainer must stop publishing."""
+
+
+class StoreFileError(CorruptFrameError):
+    """A file in a frame store is not one its format allows: a symbolic link (never
+    followed), not a regular file, larger than its format declares (bytes after a frame's
+    end record, a record longer than its cap), or named for another version than the one
+    it holds. Refused before anything it carries is used."""
+
+
+class RolledBackError(StaleVersionError):
+    """A store's ``latest`` names a version older than this receiver's floor (a version
+    it was told is current, e.g. by a signed pull): a rolled-back or stale store."""

@@ -1,4 +1,4 @@
-"""One trainer at a time on a store: the publisher's lease.
+"""A store's signed records: the publisher's lease (one trainer at a time) and ``latest``.
 
 A store's ``lease`` file is a JSON record ``{run, holder, epoch, renewed_at, expires_at, ttl_s,
 mac}``: ``holder`` names the publisher (host, pid and a random tag), ``epoch`` the trainer
@@ -14,14 +14,32 @@ Invariants:
 - a new holder's epoch is greater than the previous holder's (``epoch.new_epoch(after=...)``),
   so store epochs increase whatever the hosts' clocks say;
 - the holder renews the lease (a heartbeat thread every ``ttl_s / 4``, and before every
-  frame and pointer write); a renewal that finds another holder's record raises
-  ``LeaseLostError`` then and at every later publish: a trainer whose lease lapsed and was
-  taken stops publishing. A lapsed lease nobody took is simply renewed;
-- a record whose MAC does not match (written without the run's key) does not count: it is
-  logged and overwritten.
+  frame and pointer write); a renewal that finds another holder's record **of a newer (or
+  the same) epoch** raises ``LeaseLostError`` then and at every later publish: a trainer
+  whose lease lapsed and was taken stops publishing. A lapsed lease nobody took is simply
+  renewed;
+- a record of an older epoch than the holder's cannot be a successor's (every successor's
+  epoch is above its predecessor's): it is a replayed copy of an old record (no key is
+  needed to copy a file back) or a predecessor's late write. It is logged and overwritten
+  with the holder's own, and never stops the holder. So is a copy of the holder's own
+  earlier record, and one that is missing or unreadable;
+- a record whose MAC does not match (written without the run's key), a symbolic link, a
+  non-regular file or one over ``MAX_LEASE_BYTES`` does not count: it is logged and
+  overwritten;
+- a store whose signed ``latest`` was written less than a ttl ago by a newer epoch than the
+  lease record's is held (by that epoch's publisher, whose record was replaced by a replay or
+  removed): a second trainer is refused (``LeaseHeldError``) even then.
 
 Two publishers that write the record in the same instant both pass their first read; each
 reads the record back after writing it and only the one that finds its own name proceeds.
+
+The ``latest`` pointer (``signed_pointer``, ``read_pointer``) is ``{run, epoch, version, kind,
+anchor, at, mac}``: the newest published version, the newest anchor's version in its epoch,
+and when it was written (``time.time()``), with ``mac`` an HMAC-SHA256 under
+``derive(run_key, "weightsync-latest")`` — a key of its own, so a lease record cannot pass for
+a pointer. A reader accepts only a pointer signed with its key (keyless: only an unsigned
+one); an unsigned pointer is a store written before pointers were signed, refused by name
+until the trainer's next publish rewrites it.
 """
 
 from __future__ import annotations
@@ -39,10 +57,22 @@ from pathlib import Path
 
 from modal_rl.weightsync.auth import FrameKeys, sign_json, verify_json
 from modal_rl.weightsync.epoch import describe, new_epoch
-from modal_rl.weightsync.errors import LeaseHeldError, LeaseLostError
+from modal_rl.weightsync.errors import (
+    CorruptFrameError,
+    LeaseHeldError,
+    LeaseLostError,
+    RecordMacError,
+    SignedFrameError,
+    StoreFileError,
+    UnsignedFrameError,
+    WeightSyncError,
+)
+from modal_rl.weightsync.volumes import read_regular
 
 log = logging.getLogger(__name__)
 LEASE_FILE = "lease"
+POINTER_FILE = "latest"
+MAX_LEASE_BYTES = MAX_POINTER_BYTES = 64 << 10  # each is a few hundred bytes of JSON
 
 
 def new_holder() -> str:
@@ -76,6 +106,17 @@ class LeaseRecord:
         )
 
 
+def _well_typed(r: LeaseRecord) -> bool:
+    numbers = (r.renewed_at, r.expires_at, r.ttl_s)
+    return (
+        isinstance(r.run, str)
+        and isinstance(r.holder, str)
+        and isinstance(r.epoch, int)
+        and not isinstance(r.epoch, bool)
+        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers)
+    )
+
+
 class StoreLease:
     """The lease of one store. ``write(path, data)`` writes atomically and durably;
     ``refresh()`` makes other writers' records visible (a Modal Volume's ``reload``)."""
@@ -106,8 +147,11 @@ class StoreLease:
 
     def read(self) -> LeaseRecord | None:
         try:
-            raw = json.loads(self.path.read_text())
+            raw = json.loads(read_regular(self.path, MAX_LEASE_BYTES))
         except FileNotFoundError:
+            return None
+        except StoreFileError as exc:
+            log.warning("lease record ignored: %s", exc)
             return None
         except ValueError:
             log.warning("lease record %s is not JSON; ignoring it", self.path)
@@ -116,10 +160,13 @@ class StoreLease:
             log.warning("lease record %s is not signed with this run's key; ignoring it", self.path)
             return None
         try:
-            return LeaseRecord(**{k: v for k, v in raw.items() if k != "mac"})
+            record = LeaseRecord(**{k: v for k, v in raw.items() if k != "mac"})
         except TypeError:
+            record = None
+        if record is None or not _well_typed(record):  # keyless records are anyone's to write
             log.warning("lease record %s is malformed; ignoring it", self.path)
             return None
+        return record
 
     def _put(self, record: LeaseRecord) -> None:
         self._write(self.path, json.dumps(sign_json(self.keys, asdict(record))).encode())
@@ -131,13 +178,16 @@ class StoreLease:
         while True:
             self._refresh()
             held, now = self.read(), time.time()
-            if held is None or held.holder == self.holder or not held.live(now):
+            free = held is None or held.holder == self.holder or not held.live(now)
+            busy = self._newer_publisher(held, now) if free else None
+            if free and busy is None:
                 break
             if time.monotonic() >= deadline:
+                who = busy or f"{self.path} is leased to {held.describe(now)}"
                 raise LeaseHeldError(
-                    f"{self.path} is leased to {held.describe(now)}: another trainer of run {held.run} is "
-                    "publishing here. Stop it (or wait for its lease to lapse) before starting this one, "
-                    "or publish to another store"
+                    f"{who}: another trainer of run {(held.run if held else None) or run} is publishing "
+                    "here. Stop it (or wait for its lease to lapse) before starting this one, or publish "
+                    "to another store"
                 )
             time.sleep(min(0.5, max(0.05, deadline - time.monotonic())))
         floor = max(e for e in (epoch - 1, after_epoch, held.epoch if held else None) if e is not None)
@@ -158,9 +208,27 @@ class StoreLease:
             self._thread.start()
         return epoch
 
+    def _newer_publisher(self, held: LeaseRecord | None, now: float) -> str | None:
+        """Why the store is busy although its lease record is not live: ``latest`` (signed)
+        was written within a ttl by a newer epoch than the record's — its publisher is alive
+        and the record is a replayed old one (or was removed); its heartbeat restores it."""
+        try:
+            pointer = read_pointer(self.path.with_name(POINTER_FILE), self.keys)
+        except (WeightSyncError, OSError):
+            return None
+        epoch, at = pointer.get("epoch"), pointer.get("at")
+        ttl = max(self.ttl_s, held.ttl_s if held else 0.0)
+        if not isinstance(at, int | float) or epoch <= (held.epoch if held else -1) or now - at >= ttl:
+            return None
+        return (
+            f"{self.path.with_name(POINTER_FILE)} was signed {now - at:.0f}s ago by epoch {describe(epoch)}, "
+            f"newer than the lease record's ({held.holder if held else 'none'}: replayed or removed)"
+        )
+
     def renew(self, write: bool = True) -> None:
-        """Extend the lease (``write=False``: only check it is still ours), or raise
-        ``LeaseLostError`` if another holder took it."""
+        """Extend the lease (``write=False``: only check it is still ours, rewriting it only
+        when the store holds something else), or raise ``LeaseLostError`` if another holder
+        took it (a record of a newer epoch; see the module invariants)."""
         with self._lock:
             if self.lost is not None:
                 raise self.lost
@@ -168,15 +236,24 @@ class StoreLease:
                 raise LeaseLostError(f"{self.path}: this publisher holds no lease (released or never taken)")
             self._refresh()
             held, now = self.read(), time.time()
-            if held is not None and held.holder != self.holder:
+            if held is not None and held.holder != self.holder and held.epoch >= self.mine.epoch:
+                # Only a later acquire writes a newer epoch: taken, whatever its expiry (a
+                # successor that lapsed in turn may have had receivers move to its epoch).
                 self.lost = LeaseLostError(
                     f"this trainer's lease on {self.path} lapsed and {held.describe(now)} took it: a newer "
                     "trainer of the run is publishing, so this one stops (it must not publish again)"
                 )
                 self._stop.set()
                 raise self.lost
-            if not write:
-                return
+            if held is not None and held.holder != self.holder:
+                log.warning(
+                    "lease record of %s is of an older epoch than this publisher's %s: a replayed or late "
+                    "record; it does not count and is overwritten",
+                    held.holder,
+                    describe(self.mine.epoch),
+                )
+            if not write and held == self.mine:
+                return  # ours, exactly as last written: nothing to repair
             self.mine = LeaseRecord(
                 self.mine.run, self.holder, self.mine.epoch, now, now + self.ttl_s, self.ttl_s
             )
@@ -206,3 +283,38 @@ class StoreLease:
                 now = time.time()
                 self._put(LeaseRecord(self.mine.run, self.holder, self.mine.epoch, now, now, self.ttl_s))
             self.mine = None
+
+
+def signed_pointer(keys: FrameKeys | None, pointer: dict) -> dict:
+    """``pointer`` (run, epoch, version, kind, anchor) stamped with the time and signed."""
+    return sign_json(keys, pointer | {"at": time.time()}, "pointer")
+
+
+def read_pointer(path: Path, keys: FrameKeys | None) -> dict:
+    """The ``latest`` pointer at ``path``, verified ({} when there is none), or a one-line
+    refusal: a link or oversized file (``StoreFileError``), not JSON or malformed
+    (``CorruptFrameError``), unsigned (``UnsignedFrameError``), signed for a keyless reader
+    (``SignedFrameError``), or altered / another key's (``RecordMacError``)."""
+    try:
+        data = json.loads(read_regular(path, MAX_POINTER_BYTES))
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        raise CorruptFrameError(f"{path} is not a JSON pointer; refused") from None
+    if not isinstance(data, dict):
+        raise CorruptFrameError(f"{path} is not a JSON object; refused")
+    if keys is not None and "mac" not in data:
+        raise UnsignedFrameError(
+            f"{path} is not signed (written by a modal-rl before signed pointers, or by someone without "
+            "the run's key); refused: the trainer's next publish to this store signs it"
+        )
+    if keys is None and "mac" in data:
+        raise SignedFrameError(f"{path} is signed with a run key, but this reader is keyless (key=None)")
+    if not verify_json(keys, data, "pointer"):
+        raise RecordMacError(f"{path} fails its MAC: altered, or signed with another run's key")
+    numbers = [data.get(k) for k in ("epoch", "version")]
+    if data.get("kind") not in ("anchor", "delta") or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in numbers
+    ):
+        raise CorruptFrameError(f"{path} does not name an epoch, a version and a kind; refused")
+    return data

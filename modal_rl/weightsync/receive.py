@@ -11,7 +11,10 @@ re-serving what it receives to others (``--relay-port``), prints one JSON line p
 ``Subscriber.status()`` (``run``, ``epoch``, ``version``, ``kind``, ``activated_at``,
 ``started_at``, ``activations``, ``refused``) plus ``pid``. A harness that kills and restarts
 receivers reads it to learn which version and epoch each one holds and how long it took to
-serve again (``activated_at - started_at``; times are ``time.time()``). Frames are verified with the run's key from ``MODAL_RL_RUN_KEY``
+serve again (``activated_at - started_at``; times are ``time.time()``). ``--floor V``
+(``--floor-epoch E``) is a version the caller knows was published: nothing below it is
+activated and a store whose ``latest`` is below it is refused (a cold receiver has no other
+way to tell a rolled-back store). Frames are verified with the run's key from ``MODAL_RL_RUN_KEY``
 (``--keyless``: unsigned frames, no handshake); a relay admits its receivers with the same
 key and forwards records unchanged. Used by the fault tests and the end-to-end benchmark as a real
 receiver process, and usable by maintainers to watch a run's weight stream.
@@ -44,6 +47,20 @@ def add_parser(sub) -> None:
         help="give up when no connection to --tcp succeeded for this long (default 30 s)",
     )
     rec.add_argument("--status-file", type=Path, help="keep what this receiver serves in this JSON file")
+    rec.add_argument(
+        "--floor",
+        type=int,
+        metavar="VERSION",
+        help="never activate a version below this one (one you know was published: a store rolled "
+        "back below it is refused)",
+    )
+    rec.add_argument(
+        "--floor-epoch",
+        type=_epoch,
+        metavar="EPOCH",
+        help="the epoch of --floor, as 'activated' lines and --status-file show it (0x... for hex); "
+        "without it --floor is a version number of any epoch",
+    )
     rec.add_argument("--out", type=Path, help="write the live weights here (safetensors)")
     rec.add_argument("--relay-port", type=int, help="re-serve received records on this port")
     rec.add_argument("--relay-gbps", type=float, help="rate limit of the relay's link")
@@ -52,6 +69,13 @@ def add_parser(sub) -> None:
 
     add_key_flag(rec)
     rec.set_defaults(fn=cmd_receive)
+
+
+def _epoch(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an epoch (an integer; 0x... for hex)") from None
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -103,7 +127,13 @@ def cmd_receive(args: argparse.Namespace) -> int:
             )
         source = TcpSource(host, int(port), key=keys, on_record=relay.forward if relay else None)
     live: dict = {}
-    subscriber = Subscriber(source, copy_into(live), CodecConfig(threads=args.threads))
+    subscriber = Subscriber(
+        source,
+        copy_into(live),
+        CodecConfig(threads=args.threads),
+        floor_version=args.floor,
+        floor_epoch=args.floor_epoch,
+    )
     _write_status(args.status_file, subscriber)
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     started = time.monotonic()

@@ -17,7 +17,13 @@ Invariants:
   which run, epoch and version are live and since when (the chaos benchmark reads it);
 - frames are verified with the source's key (``source.keys``: signed frames only, every
   record's MAC checked before it is used; a source without ``keys`` means the run's key
-  from the environment); a source that fails its handshake counts as a refusal.
+  from the environment); a source that fails its handshake, or refuses a file of its own
+  (a store's planted, unsigned or rolled-back file), counts as a refusal;
+- no version older than one this receiver has seen signed is ever activated: not below its
+  own (the chain refuses it), and not below a ``floor_version`` (of ``floor_epoch``, when
+  given) passed in — e.g. the version a signed pull named. Frames below the floor on the way
+  up to it (an anchor and its deltas) are staged but not activated; frames of an epoch older
+  than ``floor_epoch`` are refused; a store whose ``latest`` is below the floor is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from modal_rl.weightsync.auth import FROM_ENV
 from modal_rl.weightsync.chain import VersionChain
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.errors import AuthenticationError, VersionNotReachedError, WeightSyncError
+from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.transport import FrameSource
 
 log = logging.getLogger(__name__)
@@ -67,10 +73,25 @@ class Subscriber:
     live_version: int | None = None
     live_epoch: int | None = None
     started_at: float = field(default_factory=time.time)
+    floor_version: int | None = None  # never activate a version below it (see the invariants)
+    floor_epoch: int | None = None  # ... of this epoch; without it, by version number alone
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
-        self._epoch_kw = _takes_epoch(self.source)
+        self._kwargs = _keywords(self.source)
+
+    @property
+    def floor(self) -> tuple[int | None, int] | None:
+        """``(floor_epoch, floor_version)``, or None without a floor."""
+        if self.floor_version is None and self.floor_epoch is None:
+            return None
+        return (self.floor_epoch, self.floor_version or 0)
+
+    def _below_floor(self, epoch: int, version: int) -> bool:
+        floor = self.floor
+        if floor is None:
+            return False
+        return version < floor[1] if floor[0] is None else (epoch, version) < floor
 
     def status(self) -> dict[str, Any]:
         """What this receiver serves: ``run``, ``epoch``, ``version`` (None before the first
@@ -97,27 +118,36 @@ class Subscriber:
             reset()  # reconnect and ask for what we lack from our (unchanged) version
 
     def poll(self, timeout: float | None = None) -> SyncTiming | None:
-        """Fetch, stage and activate at most one frame. None if nothing arrived in time or
-        the frame (or the source's handshake) was refused (see ``refused``)."""
+        """Fetch, stage and activate at most one frame. None if nothing arrived in time, the
+        frame (or the source's handshake, or its file) was refused (see ``refused``), or it
+        was staged below the floor (not activated)."""
         t0 = time.monotonic()
+        kwargs: dict[str, Any] = {}
+        if "epoch" in self._kwargs:
+            kwargs["epoch"] = self.chain.epoch
+        if "floor" in self._kwargs and self.floor is not None:
+            kwargs["floor"] = self.floor
         try:
-            if self._epoch_kw:
-                frame = self.source.next_frame(self.chain.version, timeout, epoch=self.chain.epoch)
-            else:
-                frame = self.source.next_frame(self.chain.version, timeout)
-        except AuthenticationError as exc:
+            frame = self.source.next_frame(self.chain.version, timeout, **kwargs)
+        except WeightSyncError as exc:  # a handshake, or a store file, refused before staging
             self._refuse(exc)
             return None
         if frame is None:
             return None
         fetch_s = getattr(self.source, "last_fetch_s", None) or time.monotonic() - t0
         t1 = time.monotonic()
+        self.chain.floor_epoch = self.floor_epoch  # refuses older epochs before staging
         try:
             result = self.chain.apply(frame)
         except WeightSyncError as exc:
             self._refuse(exc)
             return None
         decode_s = time.monotonic() - t1
+        if self._below_floor(result.header.epoch, result.header.version):
+            log.info(
+                "staged v%d on the way to the floor %s; not activated", result.header.version, self.floor
+            )
+            return None
         t2 = time.monotonic()
         self.activate(self.chain.state, self.chain.version)
         activate_s = time.monotonic() - t2
@@ -222,12 +252,14 @@ def tcp_subscriber(
     return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
 
 
-def _takes_epoch(source: Any) -> bool:
-    """Whether ``source.next_frame`` accepts ``epoch=`` (sources written before epochs do not)."""
+def _keywords(source: Any) -> frozenset[str]:
+    """Which of ``epoch=`` and ``floor=`` ``source.next_frame`` accepts (sources written before
+    epochs take neither; only a store takes a floor)."""
     try:
-        return "epoch" in inspect.signature(source.next_frame).parameters
+        params = inspect.signature(source.next_frame).parameters
     except (TypeError, ValueError, AttributeError):
-        return False
+        return frozenset()
+    return frozenset(k for k in ("epoch", "floor") if k in params)
 
 
 def copy_into(live: dict[str, Any]) -> Activate:

@@ -3,7 +3,7 @@
 Layout under ``root``:
 
     frames/<epoch:016x>-<version:012d>.<anchor|delta>   one frame per version (and kind)
-    latest                                              JSON {"run", "epoch", "version", "kind", "anchor"}
+    latest                                              JSON {"run", "epoch", "version", "kind", "anchor", "at", "mac"}
     lease                                               the publisher's lease (``lease``)
 
 Invariants:
@@ -22,25 +22,44 @@ Invariants:
 - garbage collection keeps the ``keep_anchors`` newest anchor windows (default 2: the
   current one and the previous one, which a receiver may still be reading), across epochs
   in ``(epoch, version)`` order; older frames are deleted after the pointer moved;
-- with a key (the default: the run's key from the environment) every frame and the lease
-  are written signed, and a ``Subscriber`` reading the store accepts only frames whose every
-  record's MAC matches that key — a file altered on the disk or volume, even with its
-  checksums recomputed, is refused; ``key=None`` is the explicit keyless mode.
+- with a key (the default: the run's key from the environment) every frame, the lease and
+  ``latest`` are written signed (``latest``: HMAC-SHA256 under ``derive(key,
+  "weightsync-latest")`` over its version, epoch, kind, anchor and write time ``at``), and a
+  reader accepts only a pointer and frames whose MACs match that key — a file altered on the
+  disk or volume, even with its checksums recomputed, is refused; ``key=None`` is the
+  explicit keyless mode (nothing signed, nothing to trust);
+- a reader trusts no file of the store: it never follows a symbolic link, refuses anything
+  but a regular file, reads a frame record by record — each record's length checked against
+  the cap for its tag (a chunk's from its group header) and against the bytes the file has,
+  each record verified (MAC) before the next is read — refuses bytes after the end record,
+  and refuses a frame whose verified header is not the version its name says. So a planted
+  file costs at most one capped record and is a typed, logged refusal (once per file: the
+  reader then waits for the store to change), never a ``MemoryError`` or a hang;
+- a reader given a ``floor`` (``(epoch or None, version)``, e.g. from a signed pull) refuses
+  a ``latest`` below it (``RolledBackError``); a reader of an epoch never goes back within it
+  or to an older one. A cold reader without a floor cannot tell a replayed old ``latest`` (with
+  the old frames it names) from a run at that version (docs/weight-sync.md).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys, sign_records
+from modal_rl.weightsync.chain import read_frame_file
+from modal_rl.weightsync.errors import RolledBackError, StoreFileError, WeightSyncError
 from modal_rl.weightsync.frames import VersionHeader
-from modal_rl.weightsync.lease import StoreLease
+from modal_rl.weightsync.lease import POINTER_FILE, StoreLease, read_pointer, signed_pointer
+from modal_rl.weightsync.volumes import write_new
 
+log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
@@ -61,10 +80,12 @@ class DirectoryStore:
         lease_ttl_s: float = 30.0,
         lease_wait_s: float | None = None,
         heartbeat: bool = True,
+        max_frame_bytes: int | None = None,
     ) -> None:
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1")
         self.keys = frame_keys(key)
+        self.max_frame_bytes = max_frame_bytes  # a larger frame file is refused unread
         self.root = Path(root)
         self.frames_dir = self.root / "frames"
         self.frames_dir.mkdir(parents=True, exist_ok=True)
@@ -82,6 +103,8 @@ class DirectoryStore:
         self.last_fetch_s = 0.0
         self.bytes_read = 0  # every frame byte this reader fetched (what catching up cost)
         self.frames_read: list[tuple[int, int, str]] = []  # (epoch, version, kind) fetched
+        self._pointer: dict[str, Any] = {}  # the last ``latest`` this store's publisher wrote
+        self._refused: set[tuple] = set()  # identities of files this reader refused
 
     # Hooks a networked store overrides (see ModalVolumeStore).
     def after_write(self) -> None:
@@ -92,13 +115,7 @@ class DirectoryStore:
 
     def _write_atomic(self, path: Path, chunks: Iterable[bytes]) -> int:
         tmp = path.with_name(f".{path.name}.partial")
-        size = 0
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                size += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        size = write_new(tmp, chunks)  # a link planted at the temporary name is not followed
         os.replace(tmp, path)
         return size
 
@@ -109,7 +126,11 @@ class DirectoryStore:
     def open_epoch(self, run: str, epoch: int) -> int:
         """Take the lease (``LeaseHeldError`` while another publisher's is live); the epoch to
         publish, above every epoch this store has seen."""
-        seen = [e for e, _, _, _ in self._listing()] + [self.latest().get("epoch") or 0]
+        try:
+            pointer = self.latest()
+        except (WeightSyncError, OSError):  # unsigned (an older store) or damaged: ours replaces it
+            pointer = {}
+        seen = [e for e, _, _, _ in self._listing()] + [pointer.get("epoch") or 0]
         self.epoch = self.lease.acquire(run, epoch, wait_s=self.lease_wait_s, after_epoch=max(seen))
         return self.epoch
 
@@ -128,15 +149,19 @@ class DirectoryStore:
         size = self._write_atomic(path, sign_records(records, self.keys))
         self.after_write()  # the frame is durable before anything points at it
         self.lease.renew(write=False)  # lost meanwhile: the pointer does not move to our frame
-        latest = self.latest()
-        anchor = header.version if header.kind == "anchor" else latest.get("anchor")
+        # The anchor field comes from our own last pointer, not the store's (anyone's to write).
+        anchor = header.version if header.kind == "anchor" else self._pointer.get("anchor")
         pointer = {"run": header.run, "epoch": header.epoch, "version": header.version}
-        self._write_atomic(
-            self.root / "latest", [json.dumps(pointer | {"kind": header.kind, "anchor": anchor}).encode()]
-        )
-        self.after_write()
+        self._write_pointer(pointer | {"kind": header.kind, "anchor": anchor})
         self._prune()
         return size
+
+    def _write_pointer(self, pointer: dict[str, Any]) -> None:
+        """Sign and write ``latest`` (with the time it was written), then make it durable."""
+        signed = signed_pointer(self.keys, pointer)
+        self._write_atomic(self.root / POINTER_FILE, [json.dumps(signed).encode()])
+        self.after_write()
+        self._pointer = signed
 
     def send_recovery(self, header: VersionHeader, records: Iterable[bytes]) -> int:
         """A recovery anchor of a version already published (see ``Publisher``): written
@@ -146,12 +171,9 @@ class DirectoryStore:
             self.frame_path(header.epoch, header.version, "anchor"), sign_records(records, self.keys)
         )
         self.after_write()
-        latest = self.latest()
-        if latest.get("epoch") == header.epoch and latest.get("version") == header.version:
-            self._write_atomic(
-                self.root / "latest", [json.dumps(latest | {"anchor": header.version}).encode()]
-            )
-            self.after_write()
+        mine = {k: v for k, v in self._pointer.items() if k not in ("at", "mac")}
+        if mine.get("epoch") == header.epoch and mine.get("version") == header.version:
+            self._write_pointer(mine | {"anchor": header.version})
         self._prune()
         return size
 
@@ -184,17 +206,50 @@ class DirectoryStore:
 
     # -- subscriber side ---------------------------------------------------------------
     def latest(self) -> dict[str, Any]:
-        try:
-            data = json.loads((self.root / "latest").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        """The store's ``latest`` pointer, verified ({} before anything was published), or a
+        typed one-line refusal (``lease.read_pointer``)."""
+        return read_pointer(self.root / POINTER_FILE, self.keys)
 
-    def plan(self, have: int | None, epoch: int | None = None) -> list[Path]:
+    def _current(self, floor: tuple[int | None, int] | None) -> dict[str, Any]:
+        latest = self.latest()
+        if latest and floor is not None and _below((latest["epoch"], latest["version"]), floor):
+            fe, fv = floor
+            raise RolledBackError(
+                f"{self.root / POINTER_FILE} names v{latest['version']} of epoch {latest['epoch']:x}, older than "
+                f"this receiver's floor v{fv}"
+                + (f" of epoch {fe:x}" if fe is not None else "")
+                + ": a rolled-back or stale store; refused"
+            )
+        return latest
+
+    def _checked(self, path: Path, read: Callable[[], Any], default: Any) -> Any:
+        """``read()``; a refusal is logged and remembered by the file's identity, so the same
+        file is refused once and then waited out (``default``) until it changes."""
+        ident = _ident(path)
+        if ident is not None and ident in self._refused:
+            return default
+        try:
+            return read()
+        except WeightSyncError as exc:
+            if ident is not None:
+                if len(self._refused) > 4096:
+                    self._refused.clear()
+                self._refused.add(ident)
+            log.warning("store file refused: %s", exc)
+            raise
+
+    def _usable(self, paths: list[Path]) -> bool:
+        return not self._refused or all(_ident(p) not in self._refused for p in paths)
+
+    def plan(
+        self, have: int | None, epoch: int | None = None, floor: tuple[int | None, int] | None = None
+    ) -> list[Path]:
         """The frame files that bring a receiver at ``(epoch, have)`` to ``latest``: the deltas
         after ``have`` when the receiver holds ``latest``'s epoch and they are all there and
-        weigh less than the newest anchor's path; else that anchor and the deltas after it."""
-        latest = self.latest()
+        weigh less than the newest anchor's path; else that anchor and the deltas after it.
+        Paths through a file this reader refused are not taken. Raises (once per pointer
+        file) when ``latest`` is refused or below ``floor``."""
+        latest = self._checked(self.root / POINTER_FILE, lambda: self._current(floor), {})
         target, cur = latest.get("version"), latest.get("epoch")
         if target is None or cur is None:
             return []
@@ -219,39 +274,74 @@ class DirectoryStore:
             # one frame per version: the delta, else a wire anchor (a recovery anchor sits
             # beside its version's delta and is only for receivers that catch up)
             warm = [kinds.get("delta") or kinds["anchor"] for _, kinds in sorted(by_version.items())]
+        warm = warm if warm is None or self._usable(warm) else None
+        cold = cold if self._usable(cold) else []
         if warm is not None and (not cold or _size(warm) <= _size(cold)):
             return warm
         return cold
 
+    def read_frame(self, path: Path) -> tuple[bytes, VersionHeader]:
+        """The frame in ``path`` and its header, checked (``read_frame_file``) and named right."""
+        data, header = read_frame_file(path, self.keys, self.max_frame_bytes)
+        stem, _, kind = path.name.partition(".")
+        e, _, v = stem.partition("-")
+        if (header.epoch, header.version, header.kind) != (int(e, 16), int(v), kind):
+            raise StoreFileError(
+                f"{path} holds the {header.kind} of v{header.version} of epoch {header.epoch:x}, not the "
+                "version its name says: renamed or planted; refused"
+            )
+        return data, header
+
     def next_frame(
-        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+        self,
+        have_version: int | None,
+        timeout: float | None = None,
+        epoch: int | None = None,
+        floor: tuple[int | None, int] | None = None,
     ) -> bytes | None:
+        """The next frame for a receiver at ``(epoch, have_version)`` (None: nothing new in
+        ``timeout``). Raises a ``WeightSyncError`` once for each refused file (see ``plan``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.before_read()
-            plan = self.plan(have_version, epoch)
+            plan = self.plan(have_version, epoch, floor)
             if plan:
                 t0 = time.monotonic()
                 try:
-                    data = plan[0].read_bytes()
+                    read = self._checked(plan[0], partial(self.read_frame, plan[0]), None)
                 except FileNotFoundError:  # pruned between listing and reading: plan again
                     continue
-                self.last_fetch_s = time.monotonic() - t0
-                self.bytes_read += len(data)
-                stem, _, kind = plan[0].name.partition(".")
-                e, _, v = stem.partition("-")
-                self.frames_read.append((int(e, 16), int(v), kind))
-                return data
+                if read is not None:
+                    data, header = read
+                    self.last_fetch_s = time.monotonic() - t0
+                    self.bytes_read += len(data)
+                    self.frames_read.append((header.epoch, header.version, header.kind))
+                    return data
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_S)
+
+
+def _below(position: tuple[int, int], floor: tuple[int | None, int]) -> bool:
+    """Whether ``position`` = (epoch, version) is under ``floor`` (without an epoch: by version)."""
+    fe, fv = floor
+    return position[1] < fv if fe is None else position < (fe, fv)
+
+
+def _ident(path: Path) -> tuple | None:
+    """What tells one file under ``path`` from another (a link is itself, never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _size(paths: list[Path]) -> int:
     total = 0
     for p in paths:
         try:
-            total += p.stat().st_size
+            total += os.lstat(p).st_size
         except FileNotFoundError:
             return 1 << 62  # being pruned: not a path to take
     return total

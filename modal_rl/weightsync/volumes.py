@@ -27,21 +27,26 @@ Above the port, one code path for both:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from modal_rl.weightsync.errors import StoreFileError
+
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
 NODE_ID_ENV = "MODAL_RL_NODE_ID"  # defaults to the hostname (one Modal container = one host)
 NODE_STATE_ENV = "MODAL_RL_NODE_STATE_DIR"  # node-local lock/state dir; default: <tmp>/modal-rl-publish
 MARKER_DIR = ".modal-rl-commit"
+MAX_MARKER_BYTES = 64 << 20  # a marker lists one node's files: ~100 bytes each
 
 _VOLUMES: dict[str, Any] = {}  # volume name -> modal.Volume, one object per process
 
@@ -154,13 +159,59 @@ def _node_lock(key: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def open_regular(path: Path, max_bytes: int | None = None) -> tuple[int, os.stat_result]:
+    """A read-only descriptor on ``path`` and its ``fstat``, or ``StoreFileError``: ``path``
+    is a symbolic link (not followed), not a regular file (a FIFO opens without blocking and is
+    refused), or larger than ``max_bytes``. ``FileNotFoundError`` passes through. The checks
+    are on the opened file, so it cannot be swapped between the check and the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreFileError(f"{path} is a symbolic link; store files are never followed") from None
+        raise
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif max_bytes is not None and st.st_size > max_bytes:
+        why = f"is {st.st_size} bytes, over the {max_bytes} its format allows"
+    if why is not None:
+        os.close(fd)
+        raise StoreFileError(f"{path} {why}; refused unread")
+    return fd, st
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` (see ``open_regular``), at most ``max_bytes`` even if it grows."""
+    fd, _ = open_regular(path, max_bytes)
+    with open(fd, "rb", closefd=True) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise StoreFileError(f"{path} grew past the {max_bytes} bytes its format allows; refused")
+    return data
+
+
+def write_new(tmp: Path, chunks: Iterable[bytes]) -> int:
+    """Write ``chunks`` to a fresh ``tmp`` (a stale one, or a link planted there, is removed,
+    never followed) and fsync it; the bytes written. The caller renames it into place."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    size = 0
+    with open(fd, "wb", closefd=True) as f:
+        for chunk in chunks:
+            f.write(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return size
+
+
 def _write_durable(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_new(tmp, [data])
     os.replace(tmp, path)
 
 
@@ -197,8 +248,10 @@ def missing(path: Path, required: Iterable[str] = ()) -> list[str]:
     out = []
     for m in markers:
         try:
-            listed = json.loads(m.read_text())["files"]
-        except (ValueError, KeyError, OSError):
+            listed = json.loads(read_regular(m, MAX_MARKER_BYTES))["files"]
+            if not isinstance(listed, dict):
+                raise ValueError("files is not a mapping")
+        except (ValueError, KeyError, TypeError, OSError, StoreFileError):
             out.append(f"{m} (unreadable)")
             continue
         for rel, size in listed.items():
