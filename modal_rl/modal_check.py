@@ -38,14 +38,18 @@ CREDENTIAL_VARS = (
 )
 
 
-def _no_credentials_message(path: str) -> str:
+# What a launcher offers instead of Modal; a command without these flags passes its own.
+OFFLINE_HINT = "--backend local / --dry-run"  # sandboxes sweep: "--provider local"
+
+
+def _no_credentials_message(path: str, offline_hint: str = OFFLINE_HINT) -> str:
     return (
         f"no Modal credentials: export MODAL_TOKEN_ID and MODAL_TOKEN_SECRET, or run `modal token new` "
-        f"(writes {path}); or use --backend local / --dry-run, which need no account"
+        f"(writes {path}); or use {offline_hint} (no Modal account needed)"
     )
 
 
-def credential_problem() -> str | None:
+def credential_problem(offline_hint: str = OFFLINE_HINT) -> str | None:
     """Why the Modal client would refuse to start here, or None. No network."""
     import os
 
@@ -58,7 +62,7 @@ def credential_problem() -> str | None:
         and not any(map(os.environ.get, (*CREDENTIAL_VARS, "MODAL_PROFILE")))
         and not os.path.exists(path)
     ):
-        return _no_credentials_message(path)
+        return _no_credentials_message(path, offline_hint)
     try:
         import modal.config as mc
     except Exception as exc:  # a broken ~/.modal.toml raises at import
@@ -85,7 +89,7 @@ def credential_problem() -> str | None:
             ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET") if token_id else ("MODAL_TOKEN_SECRET", "MODAL_TOKEN_ID")
         )
         return f"{given} is set but {missing} is not; set both (from `modal token new` or modal.com/settings/tokens)"
-    return _no_credentials_message(path)
+    return _no_credentials_message(path, offline_hint)
 
 
 def server_addresses(server_url: str) -> list[tuple[str, int]]:
@@ -135,9 +139,10 @@ def reachability_problem(server_url: str, timeout_s: float = CONNECT_TIMEOUT_S) 
     return f"cannot reach the Modal server ({why}); check the network (proxy, firewall) or MODAL_SERVER_URL"
 
 
-def check_modal_access(timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Raise ``UserError`` (no credentials, exit 2) or ``RunFailed`` (no route, exit 1)."""
-    problem = credential_problem()
+def check_modal_access(timeout_s: float = CONNECT_TIMEOUT_S, offline_hint: str = OFFLINE_HINT) -> None:
+    """Raise ``UserError`` (no credentials, exit 2) or ``RunFailed`` (no route, exit 1);
+    ``offline_hint`` names the caller's own way to run without Modal."""
+    problem = credential_problem(offline_hint)
     if problem:
         raise UserError(problem)
     import modal.config as mc

@@ -63,6 +63,8 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
         "verl modal": [
             "verl_modal",
             *MODAL,
+            "--volume",
+            "data:/data",
             "--dry-run",
             "--",
             "trainer.nnodes=2",

@@ -50,7 +50,14 @@ def launcher(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProc
 @pytest.mark.slow
 def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     flags = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8", "--rdma"]
-    flags += ["--volume", "hf-cache:/root/.cache/huggingface", "--volume", "ckpt:/ckpt"]
+    flags += [
+        "--volume",
+        "hf-cache:/root/.cache/huggingface",
+        "--volume",
+        "ckpt:/ckpt",
+        "--volume",
+        "data:/data",
+    ]
     flags += ["--env", "WANDB_PROJECT=grpo", "--job-timeout", "7200", "--join-timeout", "240"]
     overrides = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", *VERL_LINE]
     out, _ = launcher(*flags, "--dry-run", "--", *overrides)
@@ -74,8 +81,12 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
         assert view["cluster_size"] == 2
         assert view["rdma"] is True
         assert view["timeout"] == 7200 + 240 + 600
-    assert fn["volumes"] == {"hf-cache": "/root/.cache/huggingface", "ckpt": "/ckpt"}
-    assert fn["inspected"]["volumes"] == {"/root/.cache/huggingface": "hf-cache", "/ckpt": "ckpt"}
+    assert fn["volumes"] == {"hf-cache": "/root/.cache/huggingface", "ckpt": "/ckpt", "data": "/data"}
+    assert fn["inspected"]["volumes"] == {
+        "/root/.cache/huggingface": "hf-cache",
+        "/ckpt": "ckpt",
+        "/data": "data",
+    }
     assert plan["env"]["WANDB_PROJECT"] == "grpo"
     assert plan["spec"]["env"] == {"WANDB_PROJECT": "grpo"}
 
@@ -99,7 +110,8 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
     ]
-    out, _ = launcher("--backend", "modal", "--nodes", "3", "--gpu", "H100:8", "--dry-run", "--", *line)
+    flags = ["--backend", "modal", "--nodes", "3", "--gpu", "H100:8", "--volume", "data:/data"]
+    out, _ = launcher(*flags, "--dry-run", "--", *line)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     assert "trainer.nnodes=2" in plan["entrypoint"]
@@ -113,7 +125,7 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
 def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():
     out, _ = launcher(
         "--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--image", "me/verl:mine",
-        "--dry-run", "--", *VERL_LINE,
+        "--volume", "data:/data", "--dry-run", "--", *VERL_LINE,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)

@@ -110,7 +110,7 @@ def test_rollout_tensor_parallel_larger_than_the_cluster_is_refused():
 
 
 # ---- the launcher: exit codes and time, nothing provisioned --------------------------------
-MODAL_2x8 = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8"]
+MODAL_2x8 = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8", "--volume", "data:/data"]
 
 
 def test_nodes_1_with_nnodes_2_exits_2_in_under_10_s():
@@ -174,3 +174,50 @@ def test_modal_vllm_needs_a_checkpoint_engine_that_reaches_its_engines():
     ):
         pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, line), *line])
     assert time.monotonic() - t0 < 10.0  # before verl is imported
+
+
+# ---- mistakes that used to pass silently (issue 27) ----------------------------------------
+def test_a_word_for_a_null_default_integer_is_refused():
+    bad = ["trainer.total_training_steps=three"]
+    with pytest.raises(pf.VerlPreflightError, match=r"total_training_steps=three: verl expects an integer"):
+        pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + bad, checks=[pf.value_type_check(bad)])
+    ok = ["trainer.total_training_steps=3"]
+    pf.value_type_check(ok)(pf.compose(CLUSTER + VERL_LINE + ok))
+
+
+def test_rollout_tensor_parallel_larger_than_a_logical_local_node_is_refused():
+    logical = pf.ClusterShape(1, 1, declares_what_is_asked=True)
+    line = ["trainer.nnodes=1", "trainer.n_gpus_per_node=1", *VERL_LINE]
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    config = pf.compose([*line, tp])
+    with pytest.raises(pf.VerlPreflightError, match=r"size=2 exceeds the 1 logical GPU\(s\).*at least 2$"):
+        pf.check_gpus(config, logical)
+
+
+def test_modal_data_files_must_be_on_a_volume_or_this_machine(tmp_path):
+    here = tmp_path / "train.parquet"
+    here.write_bytes(b"x")
+    pf.check_modal_data_paths([f"data.train_files={here}", "data.val_files=/data/v.parquet"], ["/data"])
+    pf.check_modal_data_paths(["data.train_files=[/data/a.parquet,hf://x/y]"], ["/data"])
+    with pytest.raises(pf.VerlPreflightError, match=r"data.train_files=/home/me/x is not under any"):
+        pf.check_modal_data_paths(["data.train_files=/home/me/x"], ["/data"])
+    out, elapsed = launcher(
+        "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--", "data.train_files=/home/me/x"
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "verl_modal: data.train_files=/home/me/x is not under any of the mounted Volumes (none: add "
+        "--volume NAME:PATH) [] nor on this machine (local inputs travel with the job); Modal containers "
+        "start from the image, so the file would be missing"
+    ]
+    assert elapsed < 10.0, f"took {elapsed:.1f} s"
+
+
+def test_retries_on_a_one_node_local_run_is_refused():
+    out, elapsed = launcher("--retries", "1", "--", "trainer.total_epochs=1")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "verl_modal: --retries restarts a lost cluster, and a one-node --backend local run is in-process "
+        "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
+    ]
+    assert elapsed < 10.0, f"took {elapsed:.1f} s"

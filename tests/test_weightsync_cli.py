@@ -229,3 +229,33 @@ def test_receive_keeps_a_status_file_with_the_epoch_it_serves(tmp_path):
     assert (held["epoch"], held["version"], held["run"]) == (publisher.epoch, 1, publisher.run)
     assert held["activated_at"] >= held["started_at"] and held["activations"] == 2
     publisher.sink.close()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (
+            ["encode", "--bse", "A.safetensors", "--new", "B.safetensors", "--out", "D"],
+            "unrecognized arguments: --bse",
+        ),
+        (["encdoe"], "invalid choice: 'encdoe'"),
+        (["--keyless", "inspect", "D"], "--keyless goes after the subcommand (e.g. inspect D --keyless)"),
+        (["inspect", "A.safetensors", "--keyless"], "A.safetensors is not a weight-sync frame"),
+        (
+            ["apply", "--base", "A.safetensors", "--delta", "B.safetensors", "--out", "C"],
+            "is not a weight-sync",
+        ),
+    ],
+)
+def test_usage_and_non_frame_errors_are_one_line(files, argv, says):
+    tmp, _, _ = files
+    out = subprocess.run(
+        [sys.executable, "-m", "modal_rl.weightsync", *argv],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and lines[0].startswith("error: "), out.stderr

@@ -156,11 +156,18 @@ def _main(argv: list[str]) -> int:
         logical_node = args.backend == "local" and spec.nodes == 1 and not args.gpu
         shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node, declares_what_is_asked=logical_node)
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
+        if args.backend == "modal":  # like slime's path_problems: a path the containers would lack
+            pf.check_modal_data_paths(user_overrides, spec.volumes.values())
     except (ClusterSpecError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
     if args.detach and args.backend == "local" and spec.nodes == 1:
         return _fail(
             "--detach is not available with --backend local (a local run lives as long as this process)"
+        )
+    if args.retries and args.backend == "local" and spec.nodes == 1:
+        return _fail(
+            "--retries restarts a lost cluster, and a one-node --backend local run is in-process "
+            "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
@@ -248,6 +255,8 @@ def _main(argv: list[str]) -> int:
         print("verl_modal: overrides (in order):")
         for override in overrides:
             print(redact(f"  {override}"))
+        # console.with_file_logger: the run (not the plan) adds verl's file backend for metrics.jsonl
+        print("verl_modal: the run adds `file` to trainer.logger (metrics.jsonl beside the log)")
         return 0
     if args.preflight_only:
         print("preflight ok", file=sys.stderr)

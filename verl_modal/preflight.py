@@ -242,6 +242,14 @@ def _kind(value) -> str | None:
     return None
 
 
+# Keys whose default in verl's config is null (``null``: "derive it") but whose value, when
+# given, verl uses as a number: a word there would pass the default-based check above.
+NULL_DEFAULT_KINDS = {
+    "trainer.total_training_steps": "an integer",
+    "data.val_batch_size": "an integer",
+}
+
+
 def _fits(value, kind: str) -> bool:
     if kind == "true or false":
         return isinstance(value, bool)
@@ -270,22 +278,21 @@ def value_type_check(user_overrides: list[str]):
         defaults = compose([])
         for key in keys:
             default = OmegaConf.select(defaults, key, default=None, throw_on_missing=False)
-            kind = _kind(default)
+            kind = _kind(default) or (NULL_DEFAULT_KINDS.get(key) if default is None else None)
             got = OmegaConf.select(config, key, default=None, throw_on_missing=False)
             if kind is None or got is None or _fits(got, kind):
                 continue
             raise VerlPreflightError(
-                f"{key}={got}: verl expects {kind} there (its default is {default}); fix the value"
+                f"{key}={got}: verl expects {kind} there (its default is {'null' if default is None else default}); fix the value"
             )
 
     return check
 
 
 def check_gpus(config, shape: ClusterShape) -> None:
-    if shape.declares_what_is_asked:
-        return
     want = required_gpus(config)
-    have = shape.nodes * shape.gpus_per_node
+    # A logical local node declares exactly what the pools ask for, so only TP can exceed it.
+    have = want if shape.declares_what_is_asked else shape.nodes * shape.gpus_per_node
     if want > have:
         raise VerlPreflightError(
             f"the config asks for {want} GPUs but the cluster has {shape.nodes} nodes x "
@@ -294,10 +301,45 @@ def check_gpus(config, shape: ClusterShape) -> None:
     from omegaconf import OmegaConf
 
     tp = int(OmegaConf.select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", default=1) or 1)
+    if tp > have and shape.declares_what_is_asked:
+        raise VerlPreflightError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} exceeds the {have} logical GPU(s) "
+            f"the config asks for on this local node; lower it, or raise {NGPUS} to at least {tp}"
+        )
     if tp > have:
         raise VerlPreflightError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} exceeds the cluster's {have} GPUs"
         )
+
+
+# Data files every verl run reads; on Modal each must be on a Volume or on this machine
+# (shipped with the job: ``launch.local_input_candidates``), else the containers lack it.
+DATA_KEYS = ("data.train_files", "data.val_files")
+
+
+def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
+    """The Modal twin of slime's ``path_problems``: an absolute data path that is neither on
+    this machine nor under a mounted Volume would be missing in the containers."""
+    import os
+
+    from modal_rl.cluster.local_inputs import hydra_values
+
+    roots = [os.path.normpath(m) for m in mounts]
+    given = explicit_values(user_overrides)
+    for key in DATA_KEYS:
+        for path in hydra_values(given.get(key, "")):
+            path = str(path).strip()
+            if not path.startswith(("/", "~")) or "://" in path or os.path.exists(os.path.expanduser(path)):
+                continue
+            norm = os.path.normpath(path)
+            if any(norm == r or norm.startswith(r.rstrip("/") + "/") for r in roots):
+                continue
+            where = "mounted Volumes" if roots else "mounted Volumes (none: add --volume NAME:PATH)"
+            raise VerlPreflightError(
+                f"{key}={path} is not under any of the {where} {sorted(roots)} nor on this machine "
+                "(local inputs travel with the job); Modal containers start from the image, so the "
+                "file would be missing"
+            )
 
 
 def preflight(shape: ClusterShape, overrides: list[str], checks=()):

@@ -107,7 +107,8 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         type=int,
         default=d.retries,
         metavar="N",
-        help=f"Modal: restart a failed cluster up to N times (default {d.retries})",
+        help=f"restart a run whose cluster lost a node up to N times, on Modal and on local "
+        f"clusters (default {d.retries}; docs/reliability.md)",
     )
     g.add_argument("--region", default=d.region, help="Modal: region for the containers, e.g. us-east")
     g.add_argument(

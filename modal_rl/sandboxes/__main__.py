@@ -66,7 +66,7 @@ def _main(argv: list[str]) -> int:
         from modal_rl.modal_check import check_modal_access
         from modal_rl.sandboxes.modal_provider import ModalProvider
 
-        check_modal_access()  # one line, before the provider's first call
+        check_modal_access(offline_hint="--provider local")  # one line, before the first call
         provider = ModalProvider(app_name=args.app) if args.app else ModalProvider()
         count, refused = asyncio.run(provider.sweep(tags)), []
     print(f"swept {count} sandbox(es) tagged {tags}")

@@ -42,6 +42,7 @@ from modal_rl.weightsync.differ import NumpyDiffer
 from modal_rl.weightsync.dtypes import ITEMSIZE
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.frames import (
+    MAGIC,
     RECORD_HEADER,
     TAG_CHUNK,
     TAG_GROUP,
@@ -148,6 +149,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if not args.delta.is_file():
         raise CliError(f"{args.delta}: no such file")
     data = args.delta.read_bytes()
+    check_is_frame(args.delta, data)
     header = _first_header(data, keys)
     # The base file carries no version; the base checksums in the delta decide whether it fits.
     held = {name: NumpyDiffer().checksum(NumpyDiffer().prepare(t)) for name, t in state.items()}
@@ -223,7 +225,9 @@ def inspect_frame(data: bytes, keys: FrameKeys | None) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.frame.is_file():
         raise CliError(f"{args.frame}: no such file")
-    info = inspect_frame(args.frame.read_bytes(), keys_of(args))
+    data = args.frame.read_bytes()
+    check_is_frame(args.frame, data)
+    info = inspect_frame(data, keys_of(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -243,8 +247,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``modal_rl.cli_errors.OneLineParser``), with a hint for a
+    subcommand's flag given before the subcommand; subparsers inherit the class."""
+
+    def error(self, message: str):
+        misplaced = [f for f in ("--keyless", "--json") if f in message.split()]
+        if "unrecognized arguments" in message and self.prog == PROG and misplaced:
+            message += f"; {misplaced[0]} goes after the subcommand (e.g. inspect D {misplaced[0]})"
+        self.exit(BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
+PROG = "python -m modal_rl.weightsync"
+# A frame's first record is its version header: tag V (v when signed), length, then MAGIC.
+FRAME_MAGIC = slice(RECORD_HEADER.size, RECORD_HEADER.size + len(MAGIC))
+
+
+def check_is_frame(path: Path, data: bytes) -> None:
+    """A frame starts with its V record: anything else (a safetensors file, say) is named as
+    what it is instead of as a corrupt record."""
+    if data[:1] not in (TAG_VERSION, TAG_VERSION.lower()) or data[FRAME_MAGIC] != MAGIC:
+        what = "a safetensors file" if path.suffix == ".safetensors" else "this file"
+        raise CliError(
+            f"{path} is not a weight-sync frame ({what} does not start with a version record); "
+            "pass a frame written by `encode`"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m modal_rl.weightsync", description=__doc__.split("\n")[0])
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     enc = sub.add_parser("encode", help="encode a delta (with --base) or an anchor (without)")
     enc.add_argument("--base", type=Path, help="base version (safetensors); omit for a full anchor")
