@@ -93,6 +93,14 @@ def job_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     flags, overrides = argv[:cut], argv[cut + 1 :]
+    if {"-h", "--help"} & set(flags):
+        print(
+            "usage: python -m verl_modal.launch [--cpu] -- <verl overrides>\n\n"
+            "The Ray job's driver on a cluster's rank 0 (python -m verl_modal starts it there):\n"
+            "composes verl's ppo_trainer from the overrides, attaches to the running cluster\n"
+            "and runs verl's run_ppo.\n\n  --cpu  the CPU-only variant (gloo, the cpu platform)"
+        )
+        return 0
     unknown = [f for f in flags if f != "--cpu"]
     if unknown:
         print(f"verl_modal.launch: unknown flags {unknown}", file=sys.stderr)
