@@ -32,3 +32,8 @@ def test_a_port_in_use_is_not_free_and_a_claim_is_exclusive():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", port))
         assert not ports._free("127.0.0.1", port)
+
+
+def test_a_process_holds_a_bounded_number_of_claims():
+    ports.reserve(ports._MAX_CLAIMS + 50)
+    assert len(ports._claims) <= ports._MAX_CLAIMS

@@ -9,8 +9,9 @@ Among our own processes, a port is claimed by binding an abstract unix socket na
 the claim is host-wide, costs no file, and dies with the process that holds it.
 
 Invariants: a port returned by ``reserve`` was free on ``host`` when picked and stays claimed
-by this process for ``hold_s`` (long enough for a bring-up to bind it); no two live processes
-using this module get the same port at once.
+by this process for ``hold_s`` (long enough for a bring-up to bind it; at most ``_MAX_CLAIMS``
+claims are held, oldest released first); no two live processes using this module get the same
+claimed port at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import threading
 import time
 
 _RAY_WORKER_PORTS_END = 19999
+# A claim is a file descriptor: bound how many one process holds (a test session makes hundreds
+# of plans), oldest released first; a bring-up binds its ports within seconds anyway.
+_MAX_CLAIMS = 256
 _CLAIM_PREFIX = b"\0modal-rl-port-"
 _lock = threading.Lock()
 _claims: list[tuple[float, socket.socket]] = []
@@ -60,7 +64,7 @@ def _free(host: str, port: int) -> bool:
             return False
 
 
-def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 600.0) -> list[int]:
+def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 120.0) -> list[int]:
     """``count`` distinct ports, free on ``host`` and claimed by this process for ``hold_s``."""
     ports = port_range()
     now = time.monotonic()
@@ -79,6 +83,8 @@ def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 600.0) -> li
                 claim.close()
                 continue
             _claims.append((now + hold_s, claim))
+            while len(_claims) > _MAX_CLAIMS:
+                _claims.pop(0)[1].close()
             out.append(port)
             if len(out) == count:
                 return out
