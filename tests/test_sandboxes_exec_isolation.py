@@ -7,11 +7,8 @@ did not start (the agent's request/answer pipes above all) or kill the agent.
 
 from __future__ import annotations
 
-import asyncio
-
-from _sandboxes_helpers import descendants, needs_bwrap, wait_gone
-
-from modal_rl.sandboxes import LocalProvider, SandboxSpec
+from _sandboxes_helpers import descendants, needs_bwrap
+from test_sandboxes_local import run
 
 pytestmark = needs_bwrap
 
@@ -51,21 +48,6 @@ except ProcessLookupError:
 """
 
 
-def _run(tmp_path, body):
-    async def main():
-        provider = LocalProvider(registry_dir=tmp_path / "reg")
-        sb = await provider.create(SandboxSpec(), tags={"test": "exec-isolation"})
-        await asyncio.wait_for(sb.ready(), 10)
-        try:
-            return await body(sb)
-        finally:
-            procs = descendants(sb.pid) | {sb.pid}
-            await sb.terminate()
-            assert not wait_gone(procs), "sandbox processes survived terminate"
-
-    return asyncio.run(main())
-
-
 def test_nothing_of_one_exec_is_alive_when_the_next_starts(tmp_path):
     async def body(sb):
         baseline = descendants(sb.pid)  # bwrap's init and the agent
@@ -76,7 +58,7 @@ def test_nothing_of_one_exec_is_alive_when_the_next_starts(tmp_path):
         assert r.timed_out
         assert descendants(sb.pid) == baseline, "a process outlived its timed-out exec"
 
-    _run(tmp_path, body)
+    run(tmp_path, body)
 
 
 def test_an_exec_opens_no_memory_or_fd_of_the_agent_and_cannot_kill_it(tmp_path):
@@ -88,7 +70,7 @@ def test_an_exec_opens_no_memory_or_fd_of_the_agent_and_cannot_kill_it(tmp_path)
         assert r.stdout == "still here\n"
         assert sb.is_alive()
 
-    _run(tmp_path, body)
+    run(tmp_path, body)
 
 
 def test_an_exec_keeps_its_exit_status_and_signal(tmp_path):
@@ -98,4 +80,4 @@ def test_an_exec_keeps_its_exit_status_and_signal(tmp_path):
         missing = await sb.exec(["no-such-binary"], timeout_s=10)
         assert missing.returncode == 127 and "no-such-binary" in missing.stderr
 
-    _run(tmp_path, body)
+    run(tmp_path, body)

@@ -100,6 +100,15 @@ def routes(text: str) -> list[tuple[str, str, str, int]]:
     return out
 
 
+def run_beside(tmp_path, srv: Listener, body) -> int:
+    """``body`` in a network=True sandbox while ``srv`` listens; the connections it accepted."""
+    try:
+        run(tmp_path, body)
+    finally:
+        srv.sock.close()
+    return srv.accepted
+
+
 def test_cannot_reach_the_hosts_loopback(tmp_path):
     srv = Listener("127.0.0.1")
 
@@ -108,11 +117,7 @@ def test_cannot_reach_the_hosts_loopback(tmp_path):
         assert seen[f"127.0.0.1:{srv.port}"].startswith("blocked"), seen  # its own lo: nobody there
         assert seen[f"{localnet.GATEWAY}:{srv.port}"].startswith("blocked"), seen  # slirp refuses
 
-    try:
-        run(tmp_path, body)
-    finally:
-        srv.sock.close()
-    assert srv.accepted == 0
+    assert run_beside(tmp_path, srv, body) == 0
 
 
 def test_cannot_reach_the_hosts_own_addresses(tmp_path):
@@ -126,11 +131,7 @@ def test_cannot_reach_the_hosts_own_addresses(tmp_path):
         seen = await probe(sb, *targets)
         assert all(v.startswith("blocked") for v in seen.values()), seen
 
-    try:
-        run(tmp_path, body)
-    finally:
-        srv.sock.close()
-    assert srv.accepted == 0
+    assert run_beside(tmp_path, srv, body) == 0
 
 
 def test_slirp_alone_would_reach_the_hosts_address(tmp_path, monkeypatch):
@@ -147,11 +148,7 @@ def test_slirp_alone_would_reach_the_hosts_address(tmp_path, monkeypatch):
         assert seen[f"{addrs[0]}:{srv.port}"] == "connected", seen
         assert seen[f"127.0.0.1:{srv.port}"].startswith("blocked"), seen
 
-    try:
-        run(tmp_path, body)
-    finally:
-        srv.sock.close()
-    assert srv.accepted == 1
+    assert run_beside(tmp_path, srv, body) == 1
 
 
 def test_has_an_interface_a_default_route_and_dns(tmp_path):
