@@ -70,6 +70,8 @@ def problem(text: str) -> str | None:
     """What is wrong with an inline command, or None."""
     if text.startswith("bash "):
         script = text.split()[1]
+        if script.startswith("<"):
+            return None  # a placeholder (prose about commands), not a command
         return None if (ROOT / script).is_file() else f"{script} does not exist"
     module, rest = COMMAND.match(text).groups()
     if module == "pytest":
