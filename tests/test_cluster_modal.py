@@ -134,6 +134,7 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
     from modal_rl.cluster import procs
     from modal_rl.cluster.backend_local import LOOPBACK, free_ports
     from modal_rl.cluster.backend_modal import container_main
+    from modal_rl.cluster.raynode import claimed_node_ports
 
     info = type("Info", (), {"rank": 0, "container_ips": ["fd00::9"], "container_ipv4_ips": [LOOPBACK]})()
     monkeypatch.setattr(modal.experimental, "get_cluster_info", lambda: info)
@@ -150,8 +151,11 @@ def test_container_body_runs_the_bootstrap_with_modals_cluster_info(monkeypatch,
         ClusterSpec(nodes=1, gpu="A10G:1", join_timeout_s=120, dashboard=True), job
     )
     assert plan.ray_auth == "token" and plan.dashboard_host == "0.0.0.0"
-    # This machine is shared: other Ray clusters may own Modal's default ports.
+    # This machine is shared: other Ray nodes may own Modal's default ports (a container has
+    # the host to itself), so the head gets every port claimed, as a local node does.
     plan.gcs_port, plan.dashboard_port, plan.control_port = free_ports(3)
+    plan.node_flags, head_env = claimed_node_ports(1, LOOPBACK)
+    plan.env.update(head_env)
     plan.dashboard_host = None
     key = new_run_key()
     for name, value in key_env(key).items():  # what the run's Modal Secret sets in the container

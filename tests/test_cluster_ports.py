@@ -37,3 +37,31 @@ def test_a_port_in_use_is_not_free_and_a_claim_is_exclusive():
 def test_a_process_holds_a_bounded_number_of_claims():
     ports.reserve(ports._MAX_CLAIMS + 50)
     assert len(ports._claims) <= ports._MAX_CLAIMS
+
+
+def test_a_local_ray_node_opens_no_port_of_rays_choosing():
+    """Every port ``ray start`` would take from a default or at random is in the plan, claimed:
+    the GCS, dashboard and control ports, each node's six per-node ports, the head's Ray client
+    server, and the dashboard's metrics server (an environment variable in Ray 2.60)."""
+    from modal_rl.cluster.backend import JobRequest
+    from modal_rl.cluster.backend_local import LocalBackend
+    from modal_rl.cluster.raynode import DASHBOARD_METRIC_PORT_ENV, node_environment, ray_start_argv
+    from modal_rl.cluster.spec import ClusterSpec
+
+    plan = LocalBackend().make_plan(ClusterSpec(nodes=3), JobRequest(["true"]))
+    argvs = [ray_start_argv(plan, rank) for rank in range(3)]
+    rays_own = [
+        "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+    ]  # fmt: skip
+    for rank, argv in enumerate(argvs):
+        flags = {a.split("=")[0] for a in argv if a.startswith("--")}
+        assert set(rays_own) <= flags, (rank, flags)
+        assert ("--ray-client-server-port" in flags) == (rank == 0)
+    numbers = [int(a.split("=")[1]) for argv in argvs for a in argv if a.split("=")[0] in {*rays_own,
+               "--ray-client-server-port", "--port", "--dashboard-port"}]  # fmt: skip
+    metrics = int(node_environment(plan, "lo")[DASHBOARD_METRIC_PORT_ENV])
+    numbers += [metrics, plan.control_port]
+    assert len(numbers) == 3 * 6 + 1 + 2 + 1 + 1 and len(set(numbers)) == len(numbers)
+    span = ports.port_range()
+    assert all(p in span for p in numbers), numbers

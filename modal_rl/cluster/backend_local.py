@@ -42,21 +42,13 @@ from modal_rl import run_temp
 from modal_rl.cluster import ports, procs
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.plan import RAY_AUTH_SWITCH_ENV, BootstrapPlan
-from modal_rl.cluster.raynode import node_environment, ray_start_argv
+from modal_rl.cluster.raynode import claimed_node_ports, node_environment, ray_start_argv
 from modal_rl.cluster.retries import RetryLog, run_with_retries
 from modal_rl.cluster.spec import ClusterSpec
 from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, redact
 
 LOOPBACK = "127.0.0.2"
 REPO_ROOT = Path(modal_rl.__file__).resolve().parent.parent
-_PER_NODE_PORT_FLAGS = (
-    "--node-manager-port",
-    "--object-manager-port",
-    "--dashboard-agent-listen-port",
-    "--dashboard-agent-grpc-port",
-    "--metrics-export-port",
-    "--runtime-env-agent-port",
-)
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
@@ -92,16 +84,8 @@ class LocalBackend(ClusterBackend):
 
     def make_plan(self, spec: ClusterSpec, job: JobRequest) -> BootstrapPlan:
         n = spec.nodes
-        picked = free_ports(3 + n * len(_PER_NODE_PORT_FLAGS) + 1)
-        gcs, dashboard, control, client_port = picked[:4]
-        per_node = picked[4:]
-        flags = []
-        for rank in range(n):
-            mine = per_node[rank * len(_PER_NODE_PORT_FLAGS) : (rank + 1) * len(_PER_NODE_PORT_FLAGS)]
-            node = [f"{flag}={port}" for flag, port in zip(_PER_NODE_PORT_FLAGS, mine, strict=True)]
-            if rank == 0:
-                node.append(f"--ray-client-server-port={client_port}")
-            flags.append(node)
+        gcs, dashboard, control = free_ports(3)
+        flags, head_env = claimed_node_ports(n, LOOPBACK)
         plan = plan_from(
             spec,
             job,
@@ -114,6 +98,7 @@ class LocalBackend(ClusterBackend):
             object_store_bytes=self.object_store_mb * 1024 * 1024,
             ray_auth=self.ray_auth or os.environ.get(RAY_AUTH_SWITCH_ENV) or "disabled",
         )
+        plan.env = {**head_env, **plan.env}
         # Short on purpose: Ray's unix socket paths live under it and must stay < 108 bytes.
         plan.temp_root = os.path.join(run_temp.base_dir(), f"{run_temp.PREFIX}{plan.run_id}")
         return plan

@@ -21,6 +21,39 @@ from collections.abc import Callable
 from modal_rl.cluster import procs
 from modal_rl.cluster.plan import BootstrapPlan, hostport
 
+# The ports a Ray node opens besides GCS and dashboard. Left alone, Ray takes them at random
+# or from fixed defaults inside the kernel's ephemeral range (the dashboard agent's 52365, also
+# bound on 127.0.0.1 whatever the node IP), so two nodes on one host, or any outgoing connection,
+# can take them first: seen as "No available agent to submit job" and a head that exits.
+_NODE_PORT_FLAGS = (
+    "--node-manager-port",
+    "--object-manager-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+)
+# Ray 2.60 reads the dashboard's own metrics port (default 44227) only from the environment.
+DASHBOARD_METRIC_PORT_ENV = "DASHBOARD_METRIC_PORT"
+
+
+def claimed_node_ports(nodes: int, host: str) -> tuple[list[list[str]], dict[str, str]]:
+    """Ports for ``nodes`` Ray nodes on one host, every one claimed (``ports.reserve``).
+
+    Returns each rank's ``ray start`` flags (rank 0, the head, also gets the Ray client
+    server's, default 10001) and the environment the head needs for its dashboard's metrics
+    server. With the GCS and dashboard ports of the plan, a node opens no port of Ray's choice.
+    """
+    from modal_rl.cluster import ports
+
+    picked = ports.reserve(nodes * len(_NODE_PORT_FLAGS) + 2, host)
+    flags = []
+    for rank in range(nodes):
+        mine = picked[rank * len(_NODE_PORT_FLAGS) : (rank + 1) * len(_NODE_PORT_FLAGS)]
+        flags.append([f"{flag}={port}" for flag, port in zip(_NODE_PORT_FLAGS, mine, strict=True)])
+    flags[0].append(f"--ray-client-server-port={picked[-2]}")
+    return flags, {DASHBOARD_METRIC_PORT_ENV: str(picked[-1])}
+
 
 def ray_start_argv(plan: BootstrapPlan, rank: int) -> list[str]:
     """The ``ray start`` command line for ``rank`` (head when rank 0)."""
