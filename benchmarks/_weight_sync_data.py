@@ -99,3 +99,24 @@ def synthetic_update(base: State, density: float, seed: int = 0) -> State:
         bits[chosen] = bits[chosen] + steps * signs
         new[name] = bits.view(torch.bfloat16).reshape(tensor.shape)
     return new
+
+
+def tiled_size(base: State, state_gb: float) -> int:
+    """How many copies of ``base`` make a state of about ``state_gb`` GB."""
+    one = sum(t.numel() * t.element_size() for t in base.values())
+    return max(1, round(state_gb * 1e9 / one))
+
+
+def tiled_state(state: State, tiles: int):
+    """A model-scale state as its (name, tensor) pairs: ``tiles`` copies of ``state`` (real
+    weights of one version of a real trajectory), named ``tile{k}.<name>``. Nothing is
+    copied here — every tile yields the same tensors — so the caller holds one small state
+    while the publisher copies a multi-GB one (each tile has the real trajectory's
+    per-tensor change statistics, exactly)."""
+
+    def pairs():
+        for k in range(tiles):
+            for name, tensor in state.items():
+                yield f"tile{k}.{name}", tensor
+
+    return pairs

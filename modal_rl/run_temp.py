@@ -13,7 +13,12 @@ Invariants:
   (Ray's ``<dir>/ray/session_<time>/sockets/...``, vLLM's ``<dir>/<uuid>``) must stay under
   107 bytes; a ``TMPDIR`` longer than :data:`MAX_BASE_LEN` is passed over for ``/tmp``;
 - the owner removes it when the run ends (return, exception, Ctrl-C), and at this process's
-  exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind;
+  exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind, and the next run
+  removes that one: each run dir holds an owner mark (``OWNER_FILE``: the owner's PID and its
+  start time in clock ticks, so a reused PID is not mistaken for it), and the first run dir a
+  process makes or owns sweeps ``<base>/mrl-*`` of every dir whose owner is gone
+  (:func:`sweep`). A dir without a mark (being made, kept with ``MODAL_RL_KEEP_LOGS``, or
+  made by a shell script without one) is never swept;
 - ``MODAL_RL_KEEP_LOGS`` set keeps it (its Ray session logs and engine logs), as the local
   cluster backend always did for its own temp root;
 - a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``,
@@ -39,10 +44,12 @@ PREFIX = "mrl-"
 TEMP_ENV = "TMPDIR"
 KERNEL_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 KEEP_ENV = "MODAL_RL_KEEP_LOGS"
+OWNER_FILE = ".mrl-owner"
 # Room for the deepest socket path under a run dir (nested in another run's, too):
 # <base>/mrl-<12>/r0/session_<date>_<time>_<us>_<pid>/sockets/plasma_store is ~80 bytes + base.
 MAX_BASE_LEN = 20
 _owned: set[str] = set()
+_swept = False
 
 
 @atexit.register
@@ -59,9 +66,60 @@ def base_dir() -> str:
 
 def make(tag: str = "") -> Path:
     """A fresh run dir ``<temp>/mrl-<tag><random>``, owned by this process until :func:`remove`."""
+    _sweep_once()
     path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}", dir=base_dir())
     _owned.add(path)
+    _mark(path)
     return Path(path)
+
+
+def owner_token(pid: int) -> str | None:
+    """``"<pid> <start time>"`` of a live process, None if there is none with that PID."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    return f"{pid} {fields[19]}"  # field 22: start time since boot
+
+
+def _mark(path: str | os.PathLike) -> None:
+    token = owner_token(os.getpid())
+    if token is not None:
+        with contextlib.suppress(OSError):
+            Path(path, OWNER_FILE).write_text(token + "\n")
+
+
+def owner_gone(path: str | os.PathLike) -> bool:
+    """True when ``path`` has an owner mark and that process no longer exists."""
+    try:
+        token = Path(path, OWNER_FILE).read_text().strip()
+        pid = int(token.split()[0])
+    except (OSError, ValueError, IndexError):
+        return False  # no mark (or unreadable): not ours to judge
+    return owner_token(pid) != token
+
+
+def sweep(where: str | None = None) -> list[str]:
+    """Remove every ``mrl-*`` run dir under ``where`` (default :func:`base_dir`) whose owner
+    process is gone (a SIGKILLed run's); returns their paths. Never raises."""
+    removed = []
+    try:
+        entries = list(Path(where or base_dir()).glob(f"{PREFIX}*"))
+    except OSError:
+        return removed
+    for entry in entries:
+        if str(entry) not in _owned and entry.is_dir() and not entry.is_symlink() and owner_gone(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return removed
+
+
+def _sweep_once() -> None:
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep()
 
 
 def named(unique: str) -> Path:
@@ -72,8 +130,10 @@ def named(unique: str) -> Path:
 
 def own(path: str | os.PathLike) -> Path:
     """Make ``path`` (again) and own it: a run dir that :func:`remove` took, reused."""
+    _sweep_once()
     Path(path).mkdir(parents=True, exist_ok=True)
     _owned.add(str(path))
+    _mark(path)
     return Path(path)
 
 
@@ -88,6 +148,9 @@ def remove(path: str | os.PathLike) -> None:
     _owned.discard(path)
     if not keep():
         shutil.rmtree(path, ignore_errors=True)
+    else:  # kept on purpose: no sweep may take it
+        with contextlib.suppress(OSError):
+            Path(path, OWNER_FILE).unlink()
 
 
 def kernel_cache_dir() -> str:

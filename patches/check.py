@@ -10,7 +10,10 @@ Per patch, on the tree with the earlier patches committed:
 3. ``after``: the new tests must pass, with at least one test run (all skipped is a deviation:
    nothing was proven).
 After the series: every patch's ``upstream_tests`` (and ``upstream_tests_full`` with
-``full``) plus all new tests, in one run; they must pass.
+``full``) plus all new tests, in one run; they must pass. Then the base's ``sanity``
+commands (the project's own pre-commit checks: license headers, test layout, linters) run
+on the patched tree, ``{py_files}`` standing for the ``.py`` files the series adds or
+changes; each must exit 0.
 
 Invariants: the tests run with ``cwd`` = the tree and the tree first on ``PYTHONPATH``, so
 the patched package shadows any installed copy; a patch that does not apply stops its series
@@ -20,6 +23,7 @@ the patched package shadows any installed copy; a patch that does not apply stop
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -124,6 +128,7 @@ def check_series(
         except bases.BaseError as exc:
             return [Row(series.framework, "base", series.base.name, problems=[str(exc)])]
         log(f"[patches] {series.framework}: base {series.base.name} at {tree}")
+        base_rev = bases.git(tree, "rev-parse", "HEAD").stdout.strip()
         for patch in series.patches:
             row = Row(series.framework, patch.file.name, patch.title)
             rows.append(row)
@@ -158,6 +163,8 @@ def check_series(
             log(f"[patches] {patch.file.name}: before {row.before}; after {row.after}")
         if len(rows) == len(series.patches) and all(r.applies for r in rows):
             rows.append(_final(series, tree, env, scratch, full))
+            if series.base.sanity:
+                rows.append(run_sanity(series, tree, base_rev))
         return rows
     finally:
         if not keep:
@@ -180,6 +187,44 @@ def _final(series: Series, tree: Path, env: dict[str, str], scratch: Path, full:
     row.seconds = run.seconds
     if not _passed(run):
         row.problems.append(f"tests fail on the patched tree:\n{run.tail}")
+    return row
+
+
+# Tools a sanity command may name bare; they run from this interpreter's environment.
+_MODULE_TOOLS = {"python": None, "python3": None, "ruff": "ruff", "isort": "isort"}
+
+
+def sanity_argv(command: str, py_files: list[str]) -> list[str]:
+    """``command`` as an argv: ``python``/``ruff``/``isort`` run from this interpreter, and
+    ``{py_files}`` expands to ``py_files`` (the series' own Python files)."""
+    argv: list[str] = []
+    for word in shlex.split(command):
+        argv += py_files if word == "{py_files}" else [word]
+    tool = argv[0] if argv else ""
+    if tool in _MODULE_TOOLS:
+        module = _MODULE_TOOLS[tool]
+        argv = [sys.executable, *(["-m", module] if module else []), *argv[1:]]
+    return argv
+
+
+def run_sanity(series: Series, tree: Path, base_rev: str) -> Row:
+    """The base's ``sanity`` commands on the patched ``tree``; one row, a problem per failure."""
+    changed = bases.git(tree, "diff", "--name-only", "--diff-filter=AM", base_rev, "HEAD", "--", "*.py")
+    py_files = sorted(line for line in changed.stdout.splitlines() if line)
+    row = Row(series.framework, "sanity", f"{len(series.base.sanity)} project checks on the patched tree")
+    row.applies = True
+    started = time.monotonic()
+    failed = 0
+    for command in series.base.sanity:
+        argv = sanity_argv(command, py_files)
+        proc = _run(argv, tree, {**os.environ, **series.base.env})
+        if proc.returncode != 0:
+            failed += 1
+            row.problems.append(f"`{command}` exited {proc.returncode}:\n{_tail(proc)}")
+    row.after = (
+        f"{'pass' if not failed else 'FAIL'} {len(series.base.sanity) - failed}/{len(series.base.sanity)}"
+    )
+    row.seconds = time.monotonic() - started
     return row
 
 

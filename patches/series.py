@@ -12,6 +12,8 @@ The file format (shared by every framework; see ``patches/README.md``)::
     version = "0.9.1"                  #   this text (checked on a DIR that is not git)
     runner = "pytest"                  # "pytest" (python -m pytest FILES) or "python" (python FILE)
     env = { VERL_USE_EXTERNAL_PLUGINS = "none" }   # optional, for every test run
+    sanity = ["python tests/special_sanity/check_license.py --directories .",
+              "ruff check {py_files}"]  # optional: the project's own checks, on the patched tree
 
     [[patch]]
     file = "0001-....patch"            # next to series.toml, `git format-patch` form
@@ -54,6 +56,7 @@ class Base:
     version: str | None = None
     runner: str = "pytest"
     env: dict[str, str] = field(default_factory=dict)
+    sanity: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ def load(path: Path) -> Series:
     raw = data.get("base")
     if not isinstance(raw, dict) or "name" not in raw:
         raise SeriesError(f"{path}: needs a [base] table with a name")
+    if "sanity" in raw:
+        raw = {**raw, "sanity": _strs(raw["sanity"], f"{path}: [base] sanity")}
     base = Base(**{k: v for k, v in raw.items() if k in Base.__dataclass_fields__})
     unknown = set(raw) - set(Base.__dataclass_fields__)
     if unknown:

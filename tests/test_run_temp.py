@@ -81,3 +81,51 @@ def test_engines_write_into_the_pools_dir_which_goes_even_after_a_killed_engine(
     assert not pool.temp_dir.exists()
     assert (tmp_path / "asked" / "engine-0.log").exists()  # logs asked for are kept
     assert {p.name for p in system_temp.glob("engine-leftover-*")} == before
+
+
+MAKES_A_RUN_DIR = (  # its base is TMPDIR however long (a test's tmp_path), never /tmp itself
+    "import sys; from modal_rl import run_temp; run_temp.MAX_BASE_LEN = 4096; "
+    "print(run_temp.make('sweeptest-'), flush=True); sys.stdin.read()"
+)
+
+
+def test_a_sigkilled_runs_dir_is_swept_by_the_next_run_and_a_live_or_unmarked_one_is_not(tmp_path):
+    import signal
+
+    def start():
+        proc = subprocess.Popen(
+            [sys.executable, "-c", MAKES_A_RUN_DIR],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+        return proc, Path(proc.stdout.readline().strip())
+
+    dead, dead_dir = start()
+    live, live_dir = start()
+    unmarked = Path(tempfile.mkdtemp(prefix=run_temp.PREFIX, dir=tmp_path))  # e.g. being made
+    try:
+        assert dead_dir.parent == tmp_path and (dead_dir / run_temp.OWNER_FILE).is_file()
+        dead.send_signal(signal.SIGKILL)  # no atexit, no finally: its dir stays behind
+        dead.wait()
+        assert dead_dir.is_dir() and run_temp.owner_gone(dead_dir) and not run_temp.owner_gone(live_dir)
+        # A fresh process's first run dir sweeps the base, as every run's start does.
+        fresh, fresh_dir = start()
+        fresh.communicate("")
+        assert not dead_dir.exists(), "the SIGKILLed run's dir was not swept"
+        assert live_dir.is_dir() and unmarked.is_dir()
+        assert not fresh_dir.exists()  # removed at its own exit
+    finally:
+        live.communicate("")
+    assert not live_dir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [unmarked.name]
+
+
+def test_a_kept_dir_loses_its_owner_mark_and_is_never_swept(monkeypatch, tmp_path):
+    monkeypatch.setenv(run_temp.KEEP_ENV, "1")
+    path = run_temp.own(tmp_path / f"{run_temp.PREFIX}kept")
+    assert (path / run_temp.OWNER_FILE).is_file()
+    run_temp.remove(path)
+    assert path.is_dir() and not (path / run_temp.OWNER_FILE).exists()
+    assert run_temp.sweep(str(tmp_path)) == [] and path.is_dir()

@@ -118,10 +118,9 @@ def test_launcher_modal_backend_needs_a_gpu():
 
 
 def test_launcher_rejects_a_bad_override_in_one_line():
-    out, elapsed = launcher("--device", "cpu", "--", "trainer.total_training_steps")
+    out, _ = launcher("--device", "cpu", "--", "trainer.total_training_steps")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("verl_modal: not a Hydra override")
-    assert elapsed < 30
 
 
 def test_launcher_rejects_two_nodes_on_local_backend_before_ray(tmp_path):
@@ -131,10 +130,9 @@ def test_launcher_rejects_two_nodes_on_local_backend_before_ray(tmp_path):
 
 
 def test_launcher_rejects_a_model_that_is_not_local(tmp_path):
-    out, elapsed = launcher("--device", "cpu", "--", f"actor_rollout_ref.model.path={tmp_path}/nope")
+    out, _ = launcher("--device", "cpu", "--", f"actor_rollout_ref.model.path={tmp_path}/nope")
     assert out.returncode == 2
     assert "is not a local model directory" in out.stderr.strip().splitlines()[-1]
-    assert elapsed < 60
 
 
 def test_launcher_rejects_missing_data(tmp_path):

@@ -14,13 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 
-from modal_rl import run_temp
-from modal_rl.cluster import procs
-from modal_rl.cluster.backend_local import free_ports
+from tests._local_ray import LocalRay
 from verl_modal.pools import PoolWaitTimeout, shortfall
 
 ADDRESS = "127.0.0.2"
@@ -56,45 +53,6 @@ def test_wait_default_comes_from_the_env(monkeypatch):
     assert pools.manager_class()(resource_pool_spec={"p": [1]}, mapping={}).wait_timeout_s == 42.0
 
 
-class LocalRay:
-    """Ray nodes on 127.0.0.2, each a ``ray start --block`` child carrying ``MODAL_RL_RUN_ID``."""
-
-    def __init__(self):
-        self.run_id = "vp" + uuid.uuid4().hex[:10]
-        self.temp = str(run_temp.make())  # Ray's node dirs and every node process's TMPDIR
-        self.gcs_port = free_ports(1)[0]
-        self.children: list[subprocess.Popen] = []
-        self.env = {**os.environ, **run_temp.child_env(self.temp), procs.RUN_ID_ENV: self.run_id}
-        self.env["RAY_AUTH_MODE"] = "disabled"
-
-    def start_node(self, gpus: int, cpus: int, head: bool = False, resources=None) -> subprocess.Popen:
-        ports = free_ports(6)
-        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
-        argv += [f"--node-ip-address={ADDRESS}", f"--num-gpus={gpus}", f"--num-cpus={cpus}"]
-        argv += ["--object-store-memory=80000000", f"--temp-dir={self.temp}/n{len(self.children)}"]
-        argv += [f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}"]
-        argv += [f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}"]
-        argv += [f"--metrics-export-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}"]
-        if resources:
-            argv += [f"--resources={json.dumps(resources)}"]
-        if head:
-            argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
-        else:
-            argv += [f"--address={ADDRESS}:{self.gcs_port}"]
-        child = subprocess.Popen(
-            argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        self.children.append(child)
-        return child
-
-    def close(self) -> list[int]:
-        survivors = procs.end_run(self.run_id)
-        for child in self.children:
-            child.wait(timeout=10)
-        run_temp.remove(self.temp)
-        return survivors
-
-
 def _wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,24 +68,10 @@ def cluster():
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    local = LocalRay()
+    local = LocalRay(ADDRESS)
     try:
         local.start_node(gpus=0, cpus=1, head=True)
-        _wait_for(
-            lambda: (
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-c",
-                        f"import socket; socket.create_connection(('{ADDRESS}', {local.gcs_port}), 1)",
-                    ],
-                    capture_output=True,
-                ).returncode
-                == 0
-            ),
-            90,
-            "the Ray head's GCS",
-        )
+        local.wait_for_gcs()
         ray.init(address=f"{ADDRESS}:{local.gcs_port}", _node_ip_address=ADDRESS, log_to_driver=False)
         addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         assert addresses == {ADDRESS}, addresses  # nothing off loopback

@@ -157,10 +157,9 @@ def test_a_valid_line_passes_preflight_only():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == "preflight ok"
     assert out.stdout == ""
-    # Importing verl (torch, tensordict, transformers) is most of it; measured ~8-11 s on the
-    # 2-core dev box, so the bound here is loose and the number is reported, not asserted tight.
+    # Importing verl (torch, tensordict, transformers) is most of it: ~8-11 s on the quiet 2-core
+    # dev box, over 30 s under load. A time, so reported, not asserted (benchmarks measure speed).
     print(f"valid preflight took {elapsed:.1f} s")
-    assert elapsed < 30.0
 
 
 def test_modal_vllm_needs_a_checkpoint_engine_that_reaches_its_engines():

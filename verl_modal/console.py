@@ -380,9 +380,10 @@ def run_local(
     if isinstance(error, KeyboardInterrupt):
         raise error
     if error is not None:
-        from modal_rl.cli_errors import one_line
+        from modal_rl.cli_errors import one_line, remote_cause
 
+        cause = remote_cause(error)  # the remote error's own line, not Ray's traceback text
         raise RunFailed(
-            f"verl failed: {type(error).__name__}: {one_line(str(error), 300)}; full log: {files.log}"
+            f"verl failed: {type(cause).__name__}: {one_line(str(cause), 300)}; full log: {files.log}"
         ) from error
     return 0

@@ -30,7 +30,9 @@ from the relay before it takes requests, requests in flight are retried or maske
 Engine settings, first found wins: ``rollout.custom.modal_engines.<key>``, then the env var
 ``VERL_MODAL_ENGINE_<KEY>``, then the default: ``backend`` (modal | local), ``gpu`` (GPU type;
 the count is the replica's TP x DP x PP), ``image``, ``volumes`` ("name:/path,..."),
-``startup_timeout_s``, ``server`` (the command before the model, default ``vllm serve``),
+``startup_timeout_s``, ``server`` (the command before the model; default: on ``local``, this
+interpreter's ``python -m vllm.entrypoints.cli.main serve``, so a venv never activated still
+starts its own vLLM; on ``modal``, the image's ``vllm serve``),
 ``weights_timeout_s`` (bound on one weight update), ``weights_expose`` (how the engine reaches
 the relay worker's frame server: ``local``, ``modal``, or ``auto`` = the engine backend),
 ``log_dir`` (local engines: where their logs go; default a temporary directory removed at the
@@ -48,6 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import sys
 import weakref
 
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
@@ -56,6 +59,7 @@ from modal_rl.cluster.engine_auth import vllm_auth_args
 from modal_rl.cluster.engine_health import vllm_generate
 from modal_rl.cluster.engines import EngineSpec
 from modal_rl.weightsync.vllm_extension import EXTENSION
+from modal_rl.weightsync.vllm_inplace import PLAIN_WEIGHTS_ENV
 from verl_modal.replica_proxy import VLLMHttpProxy
 
 log = logging.getLogger("verl_modal")
@@ -66,7 +70,7 @@ DEFAULTS = {
     "image": "verlai/verl:vllm012.dev3",
     "volumes": "",
     "startup_timeout_s": "1800",
-    "server": "vllm serve",
+    "server": "",  # "": default_server(backend)
     "weights_timeout_s": "600",
     "weights_expose": "auto",
     "log_dir": "",
@@ -87,6 +91,8 @@ def engine_settings(config) -> dict[str, str]:
         out[key] = str(value)
     if out["backend"] not in ("modal", "local"):
         raise ValueError(f"modal_vllm: engine backend {out['backend']!r}; choose 'modal' or 'local'")
+    if not out["server"]:
+        out["server"] = default_server(out["backend"])
     if out["weights_expose"] == "auto":
         out["weights_expose"] = out["backend"]
     if out["weights_expose"] not in ("modal", "local"):
@@ -94,6 +100,14 @@ def engine_settings(config) -> dict[str, str]:
             f"modal_vllm: weights_expose {out['weights_expose']!r}; choose 'modal', 'local' or 'auto'"
         )
     return out
+
+
+def default_server(backend: str) -> str:
+    """The command before the model: locally this run's own interpreter (never a ``vllm`` looked
+    up on PATH, which an unactivated venv does not put there); on Modal the image's ``vllm``."""
+    if backend == "local":
+        return shlex.join([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"])
+    return "vllm serve"
 
 
 def parse_volumes(text: str) -> dict[str, str]:
@@ -216,7 +230,8 @@ class ModalVLLMReplica(RolloutReplica):
             health_path="/health",
             generate=vllm_generate(self.served_name),  # healthy = answers a 1-token generation
             volumes=parse_volumes(self.settings["volumes"]),
-            env={"VLLM_SERVER_DEV_MODE": "1"},
+            # Plain weights on a CPU engine, so versions are written in place (no effect on GPUs).
+            env={"VLLM_SERVER_DEV_MODE": "1", **({PLAIN_WEIGHTS_ENV: "1"} if self.receives_weights else {})},
             pip=WEIGHT_SYNC_PIP if self.receives_weights else (),
             startup_timeout_s=float(self.settings["startup_timeout_s"]),
             name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",

@@ -7,7 +7,10 @@ its *server adapter*. A ``modal_vllm`` engine runs in a container of its own, so
 gets one such worker on the trainer cluster, with no GPU, whose adapter is
 :class:`EngineWeightsAdapter`: it republishes each version on its own frame server
 (``modal_rl.weightsync.engine_push``, lossless deltas after the first anchor) and has the
-engine pull and load it through vLLM's ``/collective_rpc`` (``vllm_extension``).
+engine pull it through vLLM's ``/collective_rpc`` (``vllm_extension``): the engine stages each
+delta while it serves and writes only the changed words into its parameters in a short pause
+(``vllm_inplace``; its first version is a full load that teaches it where each checkpoint
+element lives).
 
 So the trainer → relay hop is whatever checkpoint engine the run configures (it must work
 without a GPU: ``modal_delta``), and the relay → engine hop is always compressed deltas over
@@ -99,9 +102,11 @@ class EngineWeightsAdapter:
         # sample with the step of the version its engine held.
         loaded = await self.server_handle.load_weights.remote(asdict(source), global_steps)
         self.metrics = {**numbers, **loaded}
-        log.info("modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs",
-                 self.replica_rank, int(self.metrics["version"]), global_steps,
-                 self.metrics["payload_mbytes"], self.metrics["engine_s"])  # fmt: skip
+        log.info("modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs, "
+                 "%s, serving paused %.3fs",
+                 self.replica_rank, int(self.metrics["version"]), global_steps, self.metrics["payload_mbytes"],
+                 self.metrics["engine_s"], "in place" if self.metrics.get("inplace") else "full load",
+                 self.metrics.get("pause_s", 0.0))  # fmt: skip
 
 
 async def start_relay_worker(replica, expose: str) -> list:

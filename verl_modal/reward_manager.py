@@ -39,7 +39,7 @@ from verl.experimental.reward_loop.reward_manager.registry import register
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.shared import shared_pool
 from verl_modal import reward as sandbox_reward
-from verl_modal.sample_mask import MASK_KEY
+from verl_modal.sample_mask import reward_extra_info_flags
 
 log = logging.getLogger("verl_modal")
 NAME = "modal_sandbox"
@@ -82,7 +82,7 @@ class SandboxRewardManager(NaiveRewardManager):
             self.counts["sandbox_errors"] += 1
             await self._write_metrics()
             return masked_result(exc)
-        out["reward_extra_info"][MASK_KEY] = 0
+        out["reward_extra_info"].update(reward_extra_info_flags(False))
         self.counts["samples"] += 1
         self.counts["execs"] += int(out["reward_extra_info"].get("execs", 0))
         await self._write_metrics()
@@ -102,6 +102,6 @@ class SandboxRewardManager(NaiveRewardManager):
 
 def masked_result(exc: BaseException) -> dict:
     """The answer for a sample whose sandbox failed: flagged for the mask, keys as a scored one."""
-    info = {"score": 0.0, "passed": 0, "total": 0, "execs": 0, MASK_KEY: 1}
+    info = {"score": 0.0, "passed": 0, "total": 0, "execs": 0, **reward_extra_info_flags(True)}
     log.warning("sample masked: sandbox failure: %s", exc)
     return {"reward_score": 0.0, "reward_extra_info": info}

@@ -21,6 +21,12 @@ all-zero row adds nothing to numerator or denominator; and GRPO normalises rewar
 std (the same two moves verl's own batch padding makes for its synthetic rows,
 ``verl/trainer/ppo/padding_utils.py``). Tested with verl's own advantage and loss functions.
 
+On a verl whose V1 agent loop honours a reward result's own invalid-sample flag (the upstream
+seam ``patches/verl-main/0005``, seen by :func:`verl_modal.upstream.invalid_sample_key`), the
+sandbox half needs no wrapper: :func:`reward_extra_info_flags` adds verl's key next to ours and
+verl excludes the sample itself. The wrapper stays for the engine flag (a replica's flag is not
+a reward result) and for the legacy agent loop, which verl's seam does not cover.
+
 Invariants: :func:`install` is idempotent and only wraps (the original always runs first);
 the trajectory's TransferQueue key keeps its original uid, so verl's group bookkeeping is
 unchanged; on the legacy (non-TQ) agent loop the response mask is already padded into the
@@ -48,11 +54,24 @@ MASKED_UID_PREFIX = "masked-"
 _MARK = "__verl_modal_sample_mask__"
 
 
-def is_flagged(outputs: list[Any]) -> bool:
-    """True if the trajectory's final output carries the sandbox or the engine mask flag."""
+def reward_extra_info_flags(masked: bool) -> dict[str, int]:
+    """The mask flags a reward result carries for one sample: ours, and verl's own key where
+    the installed verl honours one (every sample carries them, so the batch's keys agree)."""
+    from verl_modal import upstream
+
+    flags = {MASK_KEY: int(masked)}
+    verl_key = upstream.invalid_sample_key()
+    if verl_key:
+        flags[verl_key] = int(masked)
+    return flags
+
+
+def is_flagged(outputs: list[Any], sandbox: bool = True) -> bool:
+    """True if the trajectory's final output carries the engine mask flag, or (``sandbox``)
+    the sandbox one."""
     extra = outputs[-1].extra_fields or {}
     info = extra.get("reward_extra_info") or {}
-    return bool(info.get(MASK_KEY) or extra.get(ENGINE_MASK_KEY))
+    return bool((sandbox and info.get(MASK_KEY)) or extra.get(ENGINE_MASK_KEY))
 
 
 def mask_trajectory(outputs: list[Any], kwargs: dict) -> str:
@@ -72,17 +91,22 @@ def _on_tq_path(worker: Any) -> bool:
 
 def install() -> None:
     """Wrap ``AgentLoopWorker._compute_score`` in the loaded agent-loop module (idempotent)."""
+    from verl_modal import upstream
+
     cls = sys.modules[TARGET].AgentLoopWorker
     original = cls._compute_score
     if getattr(original, _MARK, False):
         return
+    # verl excludes a sample whose reward result flags it: only the engine flag is ours to act on
+    sandbox = upstream.invalid_sample_key() is None
 
     @functools.wraps(original)
     async def _compute_score(self, outputs, kwargs):
         await original(self, outputs, kwargs=kwargs)
-        if not outputs or not is_flagged(outputs):
+        on_tq = _on_tq_path(self)  # verl's seam is on the TQ path only
+        if not outputs or not is_flagged(outputs, sandbox=sandbox or not on_tq):
             return
-        if not _on_tq_path(self):
+        if not on_tq:
             raise SandboxError(
                 "sandbox failed while scoring a sample; verl's legacy agent loop cannot mask it "
                 "(use the V1 trainer, which masks it)"

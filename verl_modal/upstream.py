@@ -8,11 +8,18 @@ their run-time shim only where the answer is False:
 - ``flush_fixed``: ``trainer_separate_async`` has no ``logger.<level>(..., flush=...)`` call
   (patch 0001) -> :func:`verl_modal.runner.quiet_separate_async_info_log` leaves the level alone;
 - ``pause_mode_aware``: verl's vLLM rollout utils define ``pause_generation_abort_kwargs``
-  (patch 0002) -> :mod:`verl_modal.cpu.patches` does not wrap ``AsyncLLM.pause_generation``;
+  (patch 0002), or its vLLM server passes ``mode=`` itself (``patches/verl-main/0001``)
+  -> :mod:`verl_modal.cpu.patches` does not wrap ``AsyncLLM.pause_generation``;
 - ``checkpoint_manager_class``: the v1 ``PPOTrainer`` builds its managers through
   ``_create_checkpoint_manager`` (patch 0004);
 - ``pool_wait``: ``ResourcePoolManager`` has ``wait_timeout_s`` and verl names its env var
-  (patch 0005) -> :func:`verl_modal.pools.install` hands the wait to verl.
+  (patch 0005) -> :func:`verl_modal.pools.install` hands the wait to verl;
+- ``invalid_sample``: verl's V1 agent loop excludes a sample whose reward result sets
+  ``reward_extra_info["invalid_sample"]`` (``patches/verl-main/0005``, ``patches/verl/0007``)
+  -> :mod:`verl_modal.sample_mask` leaves sandbox failures to verl;
+- ``process_group_backend``: ``initialize_global_process_group_ray`` gives a CPU platform the
+  single backend ``"cpu:gloo"`` (``patches/verl-main/0004``, ``patches/verl/0006``) ->
+  :mod:`verl_modal.cpu.patches` does not wrap ``torch.distributed.init_process_group``.
 
 Invariants: the source checks read files only (no import of vLLM-heavy modules, so they are
 safe inside an import hook); a module that cannot be found counts as "not fixed"; results
@@ -24,23 +31,41 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import os
 
 SEPARATE_ASYNC = "verl.trainer.ppo.v1.trainer_separate_async"
 VLLM_UTILS = "verl.workers.rollout.vllm_rollout.utils"
+VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 TRAINER_BASE = "verl.trainer.ppo.v1.trainer_base"
 POOL_BASE = "verl.single_controller.ray.base"
+DISTRIBUTED = "verl.utils.distributed"
+AGENT_LOOP_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical"}
 
 
-def _tree(module: str) -> ast.Module | None:
+def _source_path(module: str) -> str | None:
+    """The file of ``module`` found from its top package alone: ``find_spec`` of a submodule
+    would import its parent packages, and these checks run inside verl's own plugin loading."""
+    top, _, rest = module.partition(".")
     try:
-        spec = importlib.util.find_spec(module)
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None or not spec.submodule_search_locations:
         return None
-    with open(spec.origin, encoding="utf-8") as f:
-        return ast.parse(f.read(), filename=spec.origin)
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, *rest.split(".")) + ".py"
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _tree(module: str) -> ast.Module | None:
+    path = _source_path(module)
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
 
 
 def _defines(tree: ast.Module | None, name: str, in_class: str | None = None) -> bool:
@@ -72,14 +97,56 @@ def flush_fixed() -> bool:
 
 @functools.cache
 def pause_mode_aware() -> bool:
-    """verl picks ``pause_generation``'s keyword from the running vLLM's signature."""
-    return _defines(_tree(VLLM_UTILS), "pause_generation_abort_kwargs")
+    """verl pauses vLLM with ``mode=``: it picks the keyword from the running vLLM's signature
+    (``patches/verl/0002``) or passes ``mode=`` itself (``patches/verl-main/0001``)."""
+    if _defines(_tree(VLLM_UTILS), "pause_generation_abort_kwargs"):
+        return True
+    server = _tree(VLLM_SERVER)
+    return server is not None and any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "pause_generation"
+        and any(kw.arg == "mode" for kw in node.keywords)
+        for node in ast.walk(server)
+    )
 
 
 @functools.cache
 def checkpoint_manager_class() -> bool:
     """verl's v1 trainers honour ``actor_rollout_ref.rollout.checkpoint_manager_class``."""
     return _defines(_tree(TRAINER_BASE), "_create_checkpoint_manager", in_class="PPOTrainer")
+
+
+@functools.cache
+def invalid_sample_key() -> str | None:
+    """The ``reward_extra_info`` key by which a reward result marks its sample invalid, when
+    verl's V1 agent loop honours one (it defines ``exclude_invalid_sample``)."""
+    tree = _tree(AGENT_LOOP_TQ)
+    if not _defines(tree, "exclude_invalid_sample"):
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "INVALID_SAMPLE_KEY" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    return None
+
+
+@functools.cache
+def process_group_backend() -> bool:
+    """verl's default process-group backend names the CPU once on a CPU platform: the
+    function that builds it holds the string ``"cpu:gloo"`` on its own (the bug only ever
+    built it inside ``f"cpu:gloo,{device}:..."``)."""
+    tree = _tree(DISTRIBUTED)
+    if tree is None:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "initialize_global_process_group_ray":
+            return any(isinstance(n, ast.Constant) and n.value == "cpu:gloo" for n in ast.walk(node))
+    return False
 
 
 def pool_wait_env() -> str | None:
@@ -100,4 +167,6 @@ def seams() -> dict[str, bool]:
         "pause_mode_aware": pause_mode_aware(),
         "checkpoint_manager_class": checkpoint_manager_class(),
         "pool_wait": pool_wait_env() is not None,
+        "process_group_backend": process_group_backend(),
+        "invalid_sample": invalid_sample_key() is not None,
     }

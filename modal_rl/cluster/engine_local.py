@@ -17,6 +17,10 @@ Invariants (beyond ``engines.EnginePool``'s):
   api_key=..., admin_api_key=...)`` with the key ``keyed_launch`` gave it); log files are 0600
   and the folders the pool makes (the run temp dir, a named ``log_dir`` that did not exist) 0700;
   a named folder that already existed keeps its mode;
+- a command whose program is a bare name (``vllm``, ``python3``) runs the program of *this*
+  environment: ``program`` looks it up in the interpreter's own ``bin/`` (a venv that was never
+  activated has it there, not on ``PATH``) before ``PATH``, and one that is in neither is an
+  ``EngineStartError`` of one line, before anything starts;
 - ``replace(i)`` SIGKILLs engine ``i``'s process group (it may be hung: SIGSTOPped processes
   die of SIGKILL too), starts the same command on a new free port and returns its address
   once it is up; its log is ``<name>-<i>.<generation>.log``.
@@ -151,14 +155,17 @@ class LocalEnginePool(EnginePool):
     def _spawn(self, index: int, port: int) -> tuple[subprocess.Popen, threading.Thread]:
         setpriv = shutil.which("setpriv")
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+        env = self._env()
+        first, *rest = self.spec.argv(self.host, port)
+        argv = [program(first, env.get("PATH"), self.spec.name), *rest]
         log = open_log(self.log_path(index))
         try:
             proc = spawn(
-                prefix + self.spec.argv(self.host, port),
+                prefix + argv,
                 stdout=subprocess.PIPE,  # through pump(), never raw into the file
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self._env(),
+                env=env,
                 start_new_session=True,
             )
         except BaseException:
@@ -252,6 +259,24 @@ class LocalEnginePool(EnginePool):
         self.addresses = []
         # The engines' temp files (and the logs nobody asked for): leave nothing behind.
         run_temp.remove(self.temp_dir)
+
+
+def program(name: str, path: str | None, engine: str = "engine") -> str:
+    """The absolute path of an engine command's program: a path as given; a bare name from this
+    interpreter's own ``bin/`` first (the run's environment, activated or not), then ``path``.
+    ``EngineStartError`` (one line: what is missing and what to do) when it is in neither."""
+    if os.sep in name:
+        return name
+    own_bin = Path(sys.executable).parent
+    if (own_bin / name).is_file() and os.access(own_bin / name, os.X_OK):
+        return str(own_bin / name)
+    found = shutil.which(name, path=path)
+    if found:
+        return found
+    raise EngineStartError(
+        f"{engine}: its command's program {name!r} is neither in this environment ({own_bin}) nor "
+        f"on PATH; install it there or name the program by its path (e.g. {sys.executable} -m ...)"
+    )
 
 
 def open_log(path: Path):

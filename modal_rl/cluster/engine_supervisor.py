@@ -14,6 +14,13 @@ or function call), then ``load(url, source)`` brings it to the pool's current we
 (``WeightSource``: the frame server the engines pull from, and the version) -- an anchor plus
 the deltas after it, through the weight-sync path -- and only then is it *serving*.
 
+Engines whose weights the framework drives itself (slime pushes every version to its engines;
+the supervisor never learns them) get ``catch_up(url)`` instead: called for a replacement
+before it serves, it brings the engine to the framework's newest version through the
+framework's own weight path. ``on_route(index, url | None)`` tells a router outside the
+supervisor (slime's key forwarder) when a slot stops taking traffic (lost: None) and where
+its replacement is once it serves.
+
 Routing (``acquire``) hands out only engines that are serving *and* hold the current version;
 ``set_source`` (a new version published) loads it into every serving engine, during which they
 take no new requests. A caller whose request fails, or whose engine is no longer the one it
@@ -47,7 +54,16 @@ from modal_rl.cluster.engine_health import healthy
 from modal_rl.cluster.engines import EnginePool, EngineStartError
 
 SERVING, LOADING, LOST, REPLACING, FAILED = "serving", "loading", "lost", "replacing", "failed"
-EVENT_KINDS = ("started", "lost", "replaced", "serving", "replace_failed", "version")
+EVENT_KINDS = (
+    "started",
+    "lost",
+    "replaced",
+    "caught_up",
+    "serving",
+    "replace_failed",
+    "version",
+    "route_failed",
+)
 
 
 class EngineLost(RuntimeError):
@@ -99,9 +115,13 @@ class EngineSupervisor:
         probe_timeout_s: float = 30.0,
         failures: int = 2,
         max_replacements: int = 3,
+        catch_up: Callable[[str], dict] | None = None,
+        on_route: Callable[[int, str | None], None] | None = None,
     ) -> None:
         self.pool = pool
         self.load = load
+        self.catch_up = catch_up
+        self.on_route = on_route
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.failures = failures
@@ -332,6 +352,7 @@ class EngineSupervisor:
             engine.status, engine.lost_at = LOST, time.monotonic()
             self._cond.notify_all()
         self._event("lost", engine, why=why)
+        self._route(engine.index, None)
 
     def _replace(self, engine: EngineState) -> bool:
         with self._cond:
@@ -350,6 +371,9 @@ class EngineSupervisor:
         self._event("replaced", engine, up_s=time.monotonic() - t0, url=url)
         t1 = time.monotonic()
         try:
+            if self.catch_up is not None:
+                caught = self.catch_up(url) or {}
+                self._event("caught_up", engine, **caught)
             self._bring_to_current(engine)
         except Exception as exc:
             self._lose(engine, engine.generation, f"catch-up failed: {exc}")
@@ -358,7 +382,15 @@ class EngineSupervisor:
             return False  # lost again during the catch-up: the next round replaces it
         now = time.monotonic()
         self._event("serving", engine, recovery_s=now - (engine.lost_at or t0), catch_up_s=now - t1)
+        self._route(engine.index, url)
         return True
+
+    def _route(self, index: int, url: str | None) -> None:
+        if self.on_route is not None:
+            try:
+                self.on_route(index, url)
+            except Exception as exc:  # a router that cannot be told is reported, never fatal here
+                self._event("route_failed", None, index=index, why=f"{type(exc).__name__}: {exc}")
 
     # -- observability ------------------------------------------------------------------------
 

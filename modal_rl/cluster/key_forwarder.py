@@ -8,9 +8,16 @@ relayed chunk by chunk as they arrive), so large weight-sync payloads and stream
 pass through at their own pace; a client that goes away closes the upstream request too.
 
 ``python -m modal_rl.cluster.key_forwarder --listen HOST --upstream URL [--upstream URL]...
-[--allow-peer ADDR]...`` runs one until SIGTERM; it prints one JSON line
+[--allow-peer ADDR]... [--routes FILE]`` runs one until SIGTERM; it prints one JSON line
 ``{"addresses": ["http://HOST:PORT", ...]}`` (upstream order) on stdout once it listens, and
 logs only to stderr. The key comes from ``MODAL_RL_RUN_KEY``, never from a flag.
+
+Routes: a port keeps its address for the whole run, while the engine behind it may change
+(a replaced engine has a new address). ``route(i, url)`` points port ``i`` at another engine;
+``route(i, None)`` holds its requests (the engine is being replaced and must not take traffic
+before it has the current weights) until a route is set again, up to ``hold_s`` (then 503).
+``--routes FILE`` does the same from a JSON file ``{"upstreams": [url or null, ...]}`` (one
+per port, written atomically by whoever replaces engines), checked every ``ROUTES_POLL_S``.
 
 Invariants:
 - the forwarder is a credential: whoever reaches its port uses the engines with the run's key.
@@ -38,8 +45,11 @@ import asyncio
 import base64
 import ipaddress
 import json
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from modal_rl.run_key import REDACTED, MissingRunKeyError, derive, run_key
@@ -56,6 +66,7 @@ DERIVED_PURPOSES = (
     "control",
 )
 BUFFER_BYTES = 1 << 20
+ROUTES_POLL_S = 0.2
 _NO_BODY = (204, 304)
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -198,12 +209,14 @@ class KeyForwarder:
         allow_peers: list[str] | None = None,
         ports: list[int] | None = None,
         connect_timeout_s: float = 30.0,
+        hold_s: float = 1800.0,
         log=None,
     ):
         if not upstreams:
             raise ValueError("KeyForwarder: no upstream engines")
         check_listen(host, allow_peers)
-        self.upstreams = [check_upstream(u) for u in upstreams]
+        self.upstreams: list[str | None] = [check_upstream(u) for u in upstreams]
+        self.hold_s = hold_s
         self.host = host
         self._key = key if key is not None else run_key()
         self._redactor = Redactor(self._key)  # stateless use only (bytes/text); streams get their own
@@ -229,9 +242,9 @@ class KeyForwarder:
             trust_env=False,  # an http_proxy in the job's env must not see the key
         )
         try:
-            for upstream, port in zip(self.upstreams, self.ports, strict=True):
+            for index, port in enumerate(self.ports):
                 app = web.Application(client_max_size=0)
-                app.router.add_route("*", "/{tail:.*}", self._handler(upstream))
+                app.router.add_route("*", "/{tail:.*}", self._handler(index))
                 runner = web.AppRunner(app, access_log=None, handle_signals=False)
                 await runner.setup()
                 self._runners.append(runner)
@@ -262,7 +275,41 @@ class KeyForwarder:
         except ValueError:
             return False
 
-    def _handler(self, upstream: str):
+    def route(self, index: int, upstream: str | None) -> None:
+        """Port ``index`` forwards to ``upstream`` from now on; None holds its requests."""
+        self.upstreams[index] = None if upstream is None else check_upstream(upstream)
+
+    async def _upstream(self, index: int) -> str | None:
+        deadline = time.monotonic() + self.hold_s
+        while self.upstreams[index] is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self.upstreams[index]
+
+    async def watch_routes(self, path: str) -> None:
+        """Apply ``path``'s routes whenever the file changes (module docstring); runs until cancelled."""
+        seen = None
+        while True:
+            stamp = None
+            try:
+                stamp = os.stat(path).st_mtime_ns
+                if stamp != seen:
+                    routes = json.loads(Path(path).read_text())["upstreams"]
+                    if len(routes) != len(self.upstreams):
+                        raise ValueError(f"{len(routes)} routes for {len(self.upstreams)} ports")
+                    for index, upstream in enumerate(routes):
+                        if upstream != self.upstreams[index]:
+                            self.route(index, upstream)
+                            where = urlparse(upstream).netloc if upstream else "held (engine being replaced)"
+                            self._log(f"port {index} -> {where}")
+                    seen = stamp
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self._log(f"routes file {path}: {exc}; keeping the current routes")
+                seen = stamp
+            await asyncio.sleep(ROUTES_POLL_S)
+
+    def _handler(self, index: int):
         from aiohttp import web
 
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -271,6 +318,12 @@ class KeyForwarder:
                     f"refused {request.method} {request.path} from {request.remote}: not an allowed peer"
                 )
                 return web.json_response({"error": "forbidden: not a cluster node"}, status=403)
+            upstream = await self._upstream(index)
+            if upstream is None:
+                return web.json_response(
+                    {"error": f"engine {index} is being replaced; no route within {self.hold_s:g} s"},
+                    status=503,
+                )
             return await self._forward(request, upstream)
 
         return handle
@@ -352,6 +405,7 @@ async def _serve(args: argparse.Namespace) -> None:
     forwarder = KeyForwarder(args.upstream, host=args.listen, allow_peers=args.allow_peer or None)
     await forwarder.start()
     print(json.dumps({"addresses": forwarder.addresses}), flush=True)
+    watcher = asyncio.create_task(forwarder.watch_routes(args.routes)) if args.routes else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -359,6 +413,8 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await forwarder.stop()
 
 
@@ -369,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen", default="127.0.0.1", help="address to listen on (never a wildcard)")
     ap.add_argument("--upstream", action="append", required=True, help="engine base URL; one port each")
     ap.add_argument("--allow-peer", action="append", default=[], help="peer address allowed to connect")
+    ap.add_argument("--routes", help="JSON file of the current upstream per port (null: hold requests)")
     args = ap.parse_args(argv)
     try:
         asyncio.run(_serve(args))

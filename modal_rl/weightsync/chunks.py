@@ -119,18 +119,25 @@ def gap_streams(positions: np.ndarray) -> list[np.ndarray]:
 
 
 def encode_delta_chunk(
-    chunk: ChunkSpec, positions: np.ndarray, old: np.ndarray, new: np.ndarray, level: int
+    chunk: ChunkSpec,
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    level: int,
+    dense_xor: bool = False,
 ) -> bytes:
-    """Body of a delta chunk from the changed positions (chunk-local), old and new words."""
+    """Body of a delta chunk from the changed positions (chunk-local), old and new words.
+    ``dense_xor``: always the dense XOR with zstd planes (slime's xor + zstd-1, in our
+    frame; ``CodecConfig(coding=0)``, for measurements)."""
     nchanged = int(positions.size)
-    if nchanged == 0:
+    if nchanged == 0 and not dense_xor:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, 0, UNCHANGED, 0)
-    kind = choose_residual(old, new)
-    if nchanged >= DENSE_DENSITY * chunk.elem_count:
+    kind = "xor" if dense_xor else choose_residual(old, new)
+    if dense_xor or nchanged >= DENSE_DENSITY * chunk.elem_count:
         dense = np.zeros(chunk.elem_count, dtype=new.dtype)
         dense[positions] = residual(kind, old, new)
         streams = byte_planes(dense)
-        coders = [pick_coder(p) for p in streams]
+        coders = [ZSTD if dense_xor else pick_coder(p) for p in streams]
         encoding = XOR_DENSE if kind == "xor" else SUB_DENSE
     else:
         planes = byte_planes(residual(kind, old, new))
@@ -147,11 +154,17 @@ def encode_delta_chunk_v2(
     new_parts: list[np.ndarray],
     part_starts: list[int],
     level: int,
+    link_bytes_per_s: float | None = None,
 ) -> bytes:
     """Body of a delta chunk of 2-byte words from the chunk's base and new words, given as
     parts (its tensors' words, ``part_starts`` chunk-local): the v2 coding, or the v1
-    body where that is smaller (v1 is coded in full only where a sample says it may be)."""
+    body where that is smaller (v1 is coded in full only where a sample says it may be).
+    With ``link_bytes_per_s`` (each receiver's share of the link) the choice is by time
+    instead: v2 only where the wire time it saves exceeds its extra decode time."""
     from modal_rl.weightsync import chunks_v2
+
+    if link_bytes_per_s is not None:
+        return _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s)
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
@@ -167,6 +180,31 @@ def encode_delta_chunk_v2(
     # as an embedding whose rows saw no token, stays v1 at a cost of a few bytes).
     saving = len(v1) - len(body) if body is not None else 0
     return body if saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE else v1
+
+
+def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float) -> bytes:
+    """The coding whose wire + decode time is smaller on this link (``chunks_v2.v2_pays``).
+    v1 first: where even the best case of v2 (``V2_BEST_SHARE`` of v1's bytes) would not
+    pay for its pass, v2 is not coded at all, which saves the encoder that pass too."""
+    from modal_rl.weightsync import chunks_v2
+
+    # a chunk always has at least one part (a tensor's words)
+    pos = [np.flatnonzero(b != n) for b, n in zip(base_parts, new_parts, strict=True)]
+    positions = np.concatenate([p + s for p, s in zip(pos, part_starts, strict=True)])
+    old = np.concatenate([b[p] for b, p in zip(base_parts, pos, strict=True)])
+    new = np.concatenate([n[p] for n, p in zip(new_parts, pos, strict=True)])
+    v1 = encode_delta_chunk(chunk, positions, old, new, level)
+    k = int(positions.size)
+    best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)
+    if k == 0 or not chunks_v2.v2_pays(len(v1), best_v2, chunk.elem_count, k, link_bytes_per_s):
+        return v1
+
+    def header_for(nchanged: int) -> bytes:
+        return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
+
+    body = chunks_v2.encode(header_for, base_parts, new_parts, part_starts, level)[0]
+    pays = body is not None and chunks_v2.v2_pays(len(v1), len(body), chunk.elem_count, k, link_bytes_per_s)
+    return body if pays else v1
 
 
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:

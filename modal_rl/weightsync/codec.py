@@ -56,9 +56,16 @@ class CodecConfig:
     threads: int = min(8, os.cpu_count() or 1)
     zstd_level: int = 1
     window: int = 0  # 0 = 2 × threads
-    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where smaller;
-    # 1: v1 coding only (what receivers without numba need). Readers decode both.
+    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where it pays;
+    # 1: v1 coding only (what receivers without numba need); 0: every delta chunk as a
+    # dense XOR with zstd planes — the shape of slime's xor + zstd-1 delta, carried in our
+    # frames for side-by-side measurements. Readers decode all of them.
     coding: int = 2
+    # Bytes per second each receiver gets on this link (None: unknown — pick the coding by
+    # size alone). With it, a chunk is coded v2 only where the wire time its smaller body
+    # saves exceeds the extra decode time a v2 chunk costs the receiver (``chunks_v2.v2_pays``).
+    # The publisher fills it in from a rate-limited sink. Changes the bytes, never decodability.
+    link_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
@@ -67,8 +74,10 @@ class CodecConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
-        if self.coding not in (1, 2):
-            raise ValueError(f"coding must be 1 or 2, got {self.coding}")
+        if self.coding not in (0, 1, 2):
+            raise ValueError(f"coding must be 0, 1 or 2, got {self.coding}")
+        if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 (or None), got {self.link_bytes_per_s}")
 
     def wire_params(self) -> dict[str, int]:
         """What a reader may want to know; threads and window do not change the bytes."""
@@ -217,7 +226,7 @@ def _encode(
                 if base is None:
                     yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
                 else:
-                    yield from emit(pool.submit(_delta_chunk, members, spec, config.zstd_level, v2))
+                    yield from emit(pool.submit(_delta_chunk, members, spec, config, v2))
         yield from emit(pool.drain())
         yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
     finally:
@@ -252,8 +261,8 @@ def _v2_available() -> bool:
     return chunks_v2.available()
 
 
-def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int, v2: bool) -> bytes:
-    d = members[0].differ
+def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool) -> bytes:
+    d, level = members[0].differ, config.zstd_level
     if v2 and ITEMSIZE[members[0].dtype] == 2:
         # v2 models every held word of the chunk, so it reads the whole chunk on the host
         # (a copy from the device for TorchDiffer), tensor by tensor: no concatenation.
@@ -266,10 +275,12 @@ def _delta_chunk(members: list[_Member], spec: ChunkSpec, level: int, v2: bool) 
                 new_parts.append(d.read(m.new, a - offset, b - a).view(np.uint16))
                 starts.append(a - lo)
             offset += m.numel
-        return record(TAG_CHUNK, encode_delta_chunk_v2(spec, base_parts, new_parts, starts, level))
+        body = encode_delta_chunk_v2(spec, base_parts, new_parts, starts, level, config.link_bytes_per_s)
+        return record(TAG_CHUNK, body)
     base, new = _space(members, "base"), _space(members, "new")
     positions, old_words, new_words = d.diff(base, new, spec.elem_start, spec.elem_count)
-    return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level))
+    dense_xor = config.coding == 0
+    return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
 
 
 def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:

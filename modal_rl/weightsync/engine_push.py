@@ -2,7 +2,9 @@
 
 ``EnginePusher`` holds a frame server and a ``Publisher`` (so each version after the first
 anchor goes out as a lossless delta), and for every version asks the engine over HTTP
-(``POST /collective_rpc``) to pull it from that server and load it. The engine dials the
+(``POST /collective_rpc``) to pull it from that server and make it live: by default staged
+while the engine serves and written in place in a short pause (``vllm_inplace``; see
+``load_version``), with ``inplace=False`` by a full reload. The engine dials the
 pusher, so the pusher's address must be reachable from the engine: ``127.0.0.1`` when both
 run on one machine; inside a Modal container, ``expose="modal"`` publishes the frame
 server's port through a ``modal.forward`` tunnel, because an engine container of another
@@ -49,7 +51,8 @@ from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.transport_tcp import FrameServer
-from modal_rl.weightsync.vllm_extension import EXTENSION, pull_request, pull_results
+from modal_rl.weightsync.vllm_extension import EXTENSION, METHOD, STAGE_METHOD, pull_request, pull_results
+from modal_rl.weightsync.vllm_inplace import PLAIN_WEIGHTS_ENV
 
 EXPOSE = ("local", "modal")
 # Where the frame server listens behind a modal.forward tunnel. Not 127.0.0.1: Modal's ingress
@@ -75,6 +78,8 @@ class EnginePusher:
         anchor_every: int = 16,
         pull_timeout_s: float = 600.0,
         config: CodecConfig | None = None,
+        inplace: bool = True,
+        hold_requests: bool = False,
     ) -> None:
         if expose not in EXPOSE:
             raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
@@ -88,6 +93,7 @@ class EnginePusher:
         self.keys = frame_keys(key)
         self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
         self.pull_timeout_s = pull_timeout_s
+        self.inplace, self.hold_requests = inplace, hold_requests
         self._stack = contextlib.ExitStack()
         self._server = FrameServer(TUNNEL_BIND_HOST if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
@@ -132,7 +138,10 @@ class EnginePusher:
 
     def load(self, engine_url: str, source) -> dict[str, float]:
         """``load_version`` with this pusher's key and bound."""
-        return load_version(engine_url, source, key=self._bearer, pull_timeout_s=self.pull_timeout_s)
+        return load_version(
+            engine_url, source, key=self._bearer, pull_timeout_s=self.pull_timeout_s, inplace=self.inplace,
+            hold_requests=self.hold_requests,
+        )  # fmt: skip
 
     def close(self) -> None:
         self._stack.close()
@@ -144,31 +153,103 @@ class EnginePusher:
         self.close()
 
 
-def load_version(engine_url: str, source, *, key=FROM_ENV, pull_timeout_s: float = 600.0) -> dict[str, float]:
+def load_version(
+    engine_url: str, source, *, key=FROM_ENV, pull_timeout_s: float = 600.0, inplace: bool = True,
+    hold_requests: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """Have the vLLM engine at ``engine_url`` pull and load ``source.version`` from the frame
     server ``source`` names (a signed pull), then reset its prefix cache; the numbers, or
-    ``EnginePushError`` (the engine then keeps the weights it had)."""
+    ``EnginePushError`` (the engine then keeps the weights it had).
+
+    ``inplace``: the engine stages the version while it serves and the pause is only the
+    switch (``vllm_inplace``): the scatter, then the prefix-cache reset. An engine's first
+    in-place push is a full load that also learns its map. ``pause_s`` is how long the engine
+    did not serve: vLLM runs each ``collective_rpc`` between scheduler steps, so the sum over
+    this push's calls of the time the slowest worker spent in each (for a full load the whole
+    pull: fetch, decode, load; in place: the staging call, the status polls and the switch).
+    ``pause_wall_s`` is the pusher's wall time of the pausing calls (the switch and the reset,
+    or the pull and the reset), HTTP included, an upper bound. As in a full load, one scheduler step may run between the two
+    calls, on the new weights with keys/values cached before (the reset then recomputes
+    running requests); ``hold_requests`` closes that gap with vLLM's ``/pause?mode=keep`` ...
+    ``/resume`` around both, for the cost of vLLM's pause (it sleeps 20 ms)."""
     if key is FROM_ENV:
         key = run_key()
     keys = frame_keys(key)
     engine_url = engine_url.rstrip("/")
+    method = STAGE_METHOD if inplace else METHOD
     body = pull_request(
-        source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls
-    )
+        source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls,
+        method=method,
+    )  # fmt: skip
     t1 = time.perf_counter()
-    answer = _post(engine_url, "/collective_rpc", body, body["timeout"] + 30.0, key)
-    try:
-        results = pull_results(answer, source.version)
-    except RuntimeError as exc:
-        raise EnginePushError(f"{engine_url}: {exc}") from exc
-    _reset_prefix_cache(engine_url, source.version, key)
-    return {
+    results = _rpc(engine_url, body, source.version, key)
+    blocked = [_blocked_s(results)]
+    if inplace and all(r.get("mode") == "staging" for r in results):
+        # The worker bounds the pull by ``pull_timeout_s`` and reports why it failed; this
+        # bound (as vLLM's own for a full pull) only catches a worker that never answers.
+        blocked += _wait_staged(engine_url, source.version, key, t1 + float(body["timeout"]))
+        t_pause = time.perf_counter()
+        if hold_requests:
+            _post(engine_url, "/pause?mode=keep", {}, 60.0, key)
+        try:
+            switch = {"method": "modal_rl_switch_weights", "args": [source.version], "timeout": 300.0}
+            results = _rpc(engine_url, switch, source.version, key)
+            blocked.append(_blocked_s(results))
+            _reset_prefix_cache(engine_url, source.version, key)
+        finally:
+            if hold_requests:
+                _post(engine_url, "/resume", {}, 60.0, key)
+        pause_wall_s = time.perf_counter() - t_pause
+    else:
+        _reset_prefix_cache(engine_url, source.version, key)
+        pause_wall_s = time.perf_counter() - t1
+    numbers = {
         "engine_s": time.perf_counter() - t1,
+        "pause_s": sum(blocked),
+        "pause_wall_s": pause_wall_s,
         "engine_load_s": max(float(r.get("load_s", 0.0)) for r in results),
         "engine_fetch_s": max(float(r.get("fetch_s", 0.0)) for r in results),
         "engine_frames": float(max(int(r.get("frames", 0)) for r in results)),
         "engine_workers": float(len(results)),
+        "inplace": 1.0 if all(r.get("mode") == "inplace" for r in results) else 0.0,
     }
+    for k in ("fallback_params", "changed_words", "map_s", "diff_s"):
+        if any(k in r for r in results):
+            numbers[k] = float(max(float(r.get(k, 0.0)) for r in results))
+    return numbers
+
+
+def _rpc(engine_url: str, body: dict, version: int, key: str) -> list[dict]:
+    answer = _post(engine_url, "/collective_rpc", body, float(body.get("timeout", 300.0)) + 30.0, key)
+    try:
+        return pull_results(answer, version)
+    except RuntimeError as exc:
+        raise EnginePushError(f"{engine_url}: {exc}") from exc
+
+
+def _blocked_s(results: list[dict]) -> float:
+    """How long one ``collective_rpc`` held the engine's loop: its slowest worker's time in
+    the call (vLLM runs it between scheduler steps, all workers together)."""
+    return max(float(r.get("rpc_s", 0.0)) for r in results)
+
+
+def _wait_staged(engine_url: str, version: int, key: str, deadline: float) -> list[float]:
+    """Poll every worker's staging of ``version`` (each poll is one short ``collective_rpc``);
+    returns each poll's blocked time."""
+    delay, blocked = 0.002, []
+    while True:
+        body = {"method": "modal_rl_stage_status", "args": [version], "timeout": 60.0}
+        states = _rpc(engine_url, body, version, key)
+        blocked.append(_blocked_s(states))
+        failed = [s["error"] for s in states if s.get("state") == "failed"]
+        if failed:
+            raise EnginePushError(f"{engine_url}: version {version} failed to stage: {failed[0]}")
+        if all(s.get("state") == "ready" for s in states):
+            return blocked
+        if time.perf_counter() > deadline:
+            raise EnginePushError(f"{engine_url}: version {version} was not staged in time")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _reset_prefix_cache(engine_url: str, version: int, key: str, tries: int = 5) -> None:
@@ -203,11 +284,13 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
 
 def local_vllm_spec(
     model_dir: str, *, dtype: str = "bfloat16", max_model_len: int = 256, name: str = "vllm",
-    startup_timeout_s: float = 600.0,
+    startup_timeout_s: float = 600.0, inplace: bool = True,
 ):  # fmt: skip
     """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
     extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
-    short prompts already exercise the prefix cache), eager mode, no hub access."""
+    short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
+    linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
+    version can be written into them in place."""
     from modal_rl.cluster.engines import EngineSpec
 
     command = [
@@ -222,7 +305,12 @@ def local_vllm_spec(
     return EngineSpec(
         command=command,
         generate=vllm_generate(str(model_dir)),  # healthy = answers a 1-token generation
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        env={
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            **({PLAIN_WEIGHTS_ENV: "1"} if inplace else {}),
+        },  # fmt: skip
         startup_timeout_s=startup_timeout_s,
         name=name,
     )

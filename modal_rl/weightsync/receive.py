@@ -32,6 +32,8 @@ from pathlib import Path
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 
+WARM_UP_WAIT_S = 60.0  # a host too busy to load the kernels in this long is ready without them
+
 
 def add_parser(sub) -> None:
     rec = sub.add_parser("receive", help="follow a publisher until a version is live")
@@ -65,6 +67,12 @@ def add_parser(sub) -> None:
     rec.add_argument("--relay-port", type=int, help="re-serve received records on this port")
     rec.add_argument("--relay-gbps", type=float, help="rate limit of the relay's link")
     rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument(
+        "--no-live-copy",
+        action="store_true",
+        help="activate without copying the staged weights into a second, live copy (saves one "
+        "copy of the model: benchmarks at model scale); incompatible with --out",
+    )
     from modal_rl.weightsync.cli import add_key_flag
 
     add_key_flag(rec)
@@ -105,6 +113,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     for out in (args.out, args.status_file):
         if out is not None:
             check_out(out)
+    if args.no_live_copy and args.out is not None:
+        raise CliError("--no-live-copy keeps no live weights to write: drop --out or --no-live-copy")
     if args.store is not None and not args.store.is_dir():
         raise CliError(f"--store {args.store}: no such directory")
     keys = keys_of(args)
@@ -129,12 +139,17 @@ def cmd_receive(args: argparse.Namespace) -> int:
     live: dict = {}
     subscriber = Subscriber(
         source,
-        copy_into(live),
+        (lambda _state, _version: None) if args.no_live_copy else copy_into(live),
         CodecConfig(threads=args.threads),
         floor_version=args.floor,
         floor_epoch=args.floor_epoch,
     )
     _write_status(args.status_file, subscriber)
+    # "ready" only once the codec's kernels are loaded (``warmup``): a receiver that takes
+    # traffic does not pay their first use on its first delta
+    from modal_rl.weightsync.warmup import wait_warm
+
+    wait_warm(WARM_UP_WAIT_S)
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     started = time.monotonic()
     deadline = started + args.timeout

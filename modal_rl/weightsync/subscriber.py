@@ -79,6 +79,10 @@ class Subscriber:
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
         self._kwargs = _keywords(self.source)
+        from modal_rl.weightsync.warmup import start_warm_up
+
+        # the decoder's kernels load now, while the anchor is on the wire, not on the first delta
+        start_warm_up(self.config.threads)
 
     @property
     def floor(self) -> tuple[int | None, int] | None:

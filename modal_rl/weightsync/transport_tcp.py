@@ -378,6 +378,13 @@ class FrameServer:
     def receivers(self) -> int:
         return len(self.active)
 
+    @property
+    def link_share_bytes_per_s(self) -> float | None:
+        """Bytes per second each connected receiver gets from the rate limit (the link is
+        shared); None without a limit. The publisher codes for it (``CodecConfig``)."""
+        rate = self.limiter.rate
+        return None if rate is None else rate / max(1, len(self.active))
+
     def close(self) -> None:
         async def shutdown() -> None:
             for conn in list(self.active) + list(self.pending):

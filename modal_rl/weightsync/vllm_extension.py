@@ -13,7 +13,9 @@ run key's ``weightsync-pull`` key (``auth.FrameKeys.pull``). Every worker proces
 (one per tensor/pipeline-parallel rank) runs the call: it verifies the signature, connects
 to the frame server at host:port (``modal_rl.weightsync.transport_tcp``, TLS if asked; the
 handshake proves the server holds the run key too), stages and verifies version N, and
-loads the whole model from it. :func:`pull_request` builds the request and
+loads the whole model from it. The same signed request sent as ``modal_rl_stage_weights``
+(:data:`STAGE_METHOD`) stages N while the engine serves, for an in-place switch
+(``vllm_inplace``). :func:`pull_request` builds the request and
 :func:`pull_results` reads the answer, for the side that pushes.
 
 Invariants:
@@ -40,6 +42,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -48,10 +52,20 @@ from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys, new_nonce
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.errors import PullRefusedError
 from modal_rl.weightsync.subscriber import tcp_subscriber
+from modal_rl.weightsync.vllm_inplace import (
+    LOG_PREFIX,
+    PLAIN_WEIGHTS_ENV,
+    InPlaceMixin,
+    keep_plain_cpu_weights,
+)
+
+if os.environ.get(PLAIN_WEIGHTS_ENV) == "1" and "vllm" in sys.modules:
+    # Imported by a vLLM worker, before its model loads: keep weights where a write reaches them.
+    keep_plain_cpu_weights()
 
 EXTENSION = "modal_rl.weightsync.vllm_extension.DeltaWeightsExtension"
 METHOD = "modal_rl_pull_weights"
-LOG_PREFIX = "[modal_rl.weightsync] vllm loaded"
+STAGE_METHOD = "modal_rl_stage_weights"  # the same signed request; see vllm_inplace
 PULL_MAX_AGE_S = 300.0  # a request older (or issued further ahead, clock skew) is refused
 
 
@@ -68,9 +82,13 @@ def pull_request(
     *,
     key=FROM_ENV,
     tls: bool = False,
+    method: str = METHOD,
 ) -> dict:
-    """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``,
-    signed with ``key`` (default: the run's key from ``MODAL_RL_RUN_KEY``)."""
+    """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``
+    (``method``: :data:`METHOD` in full, :data:`STAGE_METHOD` to stage it for an in-place
+    switch), signed with ``key`` (default: the run's key from ``MODAL_RL_RUN_KEY``)."""
+    if method not in (METHOD, STAGE_METHOD):
+        raise ValueError(f"method={method!r}: choose {METHOD} or {STAGE_METHOD}")
     keys = frame_keys(key)
     if keys is None:
         raise ValueError("a weight pull must be signed with the run key: engines refuse unsigned pulls")
@@ -80,7 +98,7 @@ def pull_request(
     request = json.dumps(args, sort_keys=True)
     # vLLM's own wait is bounded too: give it the pull's bound plus the load.
     return {
-        "method": METHOD,
+        "method": method,
         "args": [request, _signature(keys, request)],
         "timeout": float(timeout_s) + 300.0,
     }
@@ -120,10 +138,27 @@ def pull_results(answer: Any, version: int) -> list[dict]:
     return results
 
 
-class DeltaWeightsExtension:
-    """Mixed into vLLM's worker class (``--worker-extension-cls``); see the module docstring."""
+class DeltaWeightsExtension(InPlaceMixin):
+    """Mixed into vLLM's worker class (``--worker-extension-cls``); see the module docstring
+    (full loads) and ``vllm_inplace`` (stage while serving, switch in place)."""
 
     def modal_rl_pull_weights(self, request: str = "", signature: str = "") -> dict:
+        t_rpc = time.perf_counter()
+        sub, req = self._modal_rl_verified_subscriber(request, signature)
+        refused_before = len(sub.refused)
+        out = self._modal_rl_full(sub, int(req["version"]), float(req.get("timeout_s", 600.0)),
+                                  int(req.get("max_refusals", 2)))  # fmt: skip
+        print(f"{LOG_PREFIX} version {sub.live_version}: {len(sub.chain.state)} tensors in {out['load_s']:.2f}s",
+              flush=True)  # fmt: skip
+        return {**out, "refused": len(sub.refused) - refused_before, "rpc_s": time.perf_counter() - t_rpc}
+
+    def _modal_rl_verified_subscriber(self, request: str, signature: str):
+        """The worker's subscriber, pointed at the server a verified request names, and the
+        request's fields; raises ``PullRefusedError`` before anything is dialled, and
+        ``RuntimeError`` while a staging thread still uses the subscriber."""
+        job = self._modal_rl_stage_job
+        if job is not None and job["thread"].is_alive():
+            raise RuntimeError(f"version {job['version']} is still being staged; switch or wait for it first")
         keys = self._modal_rl_keys()
         seen = getattr(self, "_modal_rl_nonces", None)
         if seen is None:
@@ -136,22 +171,7 @@ class DeltaWeightsExtension:
         current = getattr(self, "_modal_rl_subscriber", None)
         sub = tcp_subscriber(current, addr, target, config, key=keys, tls=bool(req["tls"]))
         self._modal_rl_subscriber = sub
-        refused_before = len(sub.refused)
-        timings = sub.stage_until(target, float(req.get("timeout_s", 600.0)), int(req.get("max_refusals", 2)))
-        t0 = time.perf_counter()
-        state = sub.chain.state
-        self._modal_rl_load(state)
-        load_s = time.perf_counter() - t0
-        print(f"{LOG_PREFIX} version {sub.live_version}: {len(state)} tensors in {load_s:.2f}s", flush=True)
-        return {
-            "version": sub.live_version,
-            "frames": len(timings),
-            "payload_bytes": sum(t.bytes for t in timings),
-            "fetch_s": sum(t.fetch_s for t in timings),
-            "decode_s": sum(t.decode_s for t in timings),
-            "load_s": load_s,
-            "refused": len(sub.refused) - refused_before,
-        }
+        return sub, req
 
     def _modal_rl_keys(self) -> FrameKeys:
         keys = getattr(self, "_modal_rl_frame_keys", None)
@@ -177,3 +197,5 @@ class DeltaWeightsExtension:
                 model.load_weights(weights=iter(state.items()))
             finally:
                 finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        if self._modal_rl_map is not None:  # the reload made new parameter objects
+            self._modal_rl_map.bind(model)

@@ -7,7 +7,9 @@ process that needs it (installed files are never edited):
 - Blocker 3, ``Duplicate device type cpu in backend string cpu:gloo,cpu:gloo``: verl builds
   ``f"cpu:gloo,{device}:{backend}"`` (``verl/utils/distributed.py``), which repeats itself
   when the device is ``cpu``. :func:`dedupe_backend` drops the repeated ``device:backend``
-  pairs at ``torch.distributed.init_process_group``.
+  pairs at ``torch.distributed.init_process_group``. Not installed where verl builds the
+  string right itself (``patches/verl-main/0004``, detected by
+  :func:`verl_modal.upstream.process_group_backend`).
 - Blocker 8, weight sync into vLLM: vLLM's CPU backend repacks linear weights after loading
   and leaves ``layer.weight`` an empty Parameter, so verl's in-place ``model.load_weights``
   fails (``'Parameter' object has no attribute 'weight_loader'``, then ``BufferError``).
@@ -165,7 +167,10 @@ def _patch_when_imported(name: str) -> None:
 def install() -> None:
     """Install every fix in this process (idempotent)."""
     global _hooked
-    _patch_init_process_group()
+    from verl_modal import upstream
+
+    if not upstream.process_group_backend():
+        _patch_init_process_group()
     if not _hooked:
         for name in _MODULE_PATCHES:
             _patch_when_imported(name)  # at once if already imported, else right after its import

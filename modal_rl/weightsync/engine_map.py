@@ -1,0 +1,232 @@
+"""Where every checkpoint element lives in a running engine, learned from the engine's own loader.
+
+An engine does not store the checkpoint's tensors as they are: it fuses q/k/v and gate/up
+projections, keeps only its tensor-parallel shard, ties embeddings, may transpose. Rather
+than re-implement each model's layout, :func:`learn_map` asks the model's own
+``load_weights`` once: every parameter's storage is swapped for an int64 shadow filled with
+-1, and every checkpoint tensor is replaced by an index tensor whose element ``k`` of tensor
+``i`` holds ``(i + 1) << TAG_SHIFT | k``. Whatever the loader does -- slicing, fusing,
+sharding, transposing, copying one tensor into two parameters -- the shadow then records, for
+each engine element, which checkpoint element landed there. The real storage is put back.
+
+Invariants:
+- a placement maps checkpoint positions to positions in one parameter's contiguous storage,
+  with the same word size on both sides; an element the loader wrote a constant into (a pad)
+  or never wrote is in no placement;
+- a parameter whose loading is not a pure placement -- a loader that failed on the index
+  tensor, another dtype than the checkpoint's, storage that is not contiguous, or words that
+  do not match the checkpoint after a full load (:func:`validate`: quantised or processed
+  after loading) -- is in ``fallback`` with the reason, and has no placements;
+- learning changes no weight: shadows are swapped in and out inside one call, and the
+  caller holds the engine paused meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+TAG_SHIFT = 40  # positions below 2**40 (a 1 T-element tensor); tensor ids in the bits above
+UNPLACED = -1
+WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+Load = Callable[[Any, Iterator[tuple[str, Any]]], Any]
+
+
+@dataclass
+class Placement:
+    """Checkpoint positions ``src`` land at ``dst`` of parameter ``param`` (flat). A run
+    (``src`` = ``start..start+len``, ``dst`` = ``offset..offset+len``) keeps no arrays."""
+
+    param: str
+    src: Any = None  # torch int64, increasing; None for a run
+    dst: Any = None  # torch int64, same length; None for a run
+    start: int = 0
+    offset: int = 0
+    length: int = 0
+
+    @property
+    def is_run(self) -> bool:
+        return self.src is None
+
+
+@dataclass
+class EngineMap:
+    """Checkpoint name -> placements, the parameters they write into, and the parameters
+    that must be reloaded instead (name -> why)."""
+
+    placements: dict[str, list[Placement]] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # name -> torch Parameter (live storage)
+    fallback: dict[str, str] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # checkpoint name -> dtype it was learnt for
+    failed: set[str] = field(default_factory=set)  # checkpoint tensors the loader refused as indices
+
+    def fallback_tensors(self, owner: Callable[[str], str] | None = None) -> set[str]:
+        """Checkpoint tensors that must be reloaded because they feed a fallback parameter
+        (or, with ``owner`` mapping a parameter to its module, any parameter of its module:
+        a loader processes a module once all of its weights are in)."""
+        key = owner or (lambda n: n)
+        modules = {key(p) for p in self.fallback}
+        hit = {name for name, reached in self._all_targets.items() if any(key(p) in modules for p in reached)}
+        return hit | self.failed
+
+    _all_targets: dict[str, set[str]] = field(
+        default_factory=dict
+    )  # checkpoint name -> every param it reached
+
+    def bind(self, model: Any) -> None:
+        """Point at ``model``'s current parameter objects (a full load through vLLM's
+        layer-wise reload makes new ones with the same layout)."""
+        live = dict(model.named_parameters(remove_duplicate=True))
+        missing = sorted(set(self.params) - set(live))
+        if missing:
+            raise KeyError(f"the engine no longer has parameters {missing[:3]}: learn the map again")
+        self.params = {name: live[name] for name in self.params}
+
+    def stats(self) -> dict[str, int]:
+        places = [p for ps in self.placements.values() for p in ps]
+        return {
+            "tensors": len(self.placements),
+            "params": len(self.params),
+            "placements": len(places),
+            "runs": sum(p.is_run for p in places),
+            "fallback_params": len(self.fallback),
+        }
+
+
+def words(tensor: Any) -> Any:
+    """A flat integer view of a contiguous torch tensor's storage (its bit patterns)."""
+    import torch
+
+    return tensor.detach().reshape(-1).view(getattr(torch, WORD[tensor.element_size()]))
+
+
+def learn_map(model: Any, state: dict[str, Any], load: Load | None = None) -> EngineMap:
+    """Learn where each tensor of ``state`` (checkpoint names, shapes and dtypes) lands in
+    ``model``'s parameters, by loading index tensors through ``load(model, weights)``
+    (default: ``model.load_weights(weights)``, vLLM's and SGLang's loader entry point)."""
+    import torch
+
+    load = load or (lambda m, w: m.load_weights(w))
+    params: dict[str, Any] = {}
+    for pname, param in model.named_parameters(remove_duplicate=True):
+        params[pname] = param
+    names = list(state)
+    emap = EngineMap(params=params, dtypes={n: str(state[n].dtype) for n in names})
+    saved = {pname: p.data for pname, p in params.items()}
+    grads = {pname: p.requires_grad for pname, p in params.items()}
+    try:
+        for p in params.values():
+            p.requires_grad_(False)  # an integer shadow cannot require gradients
+            p.data = torch.full(tuple(p.shape), UNPLACED, dtype=torch.int64, device=p.device)
+        failed = _load_indices(model, state, names, load)
+        shadows = {pname: p.data for pname, p in params.items()}
+    finally:
+        for pname, p in params.items():
+            p.data = saved[pname]
+            p.requires_grad_(grads[pname])
+    emap.failed = set(failed)
+    for pname, shadow in shadows.items():
+        _read_shadow(emap, pname, shadow, names, state)
+    for pname, p in params.items():
+        if pname in emap.fallback:
+            continue
+        reached = [n for n, ps in emap.placements.items() if any(x.param == pname for x in ps)]
+        if failed and not reached:
+            emap.fallback[pname] = f"its loader refused the index tensor ({', '.join(sorted(failed))[:120]})"
+        elif reached and not p.is_contiguous():
+            emap.fallback[pname] = "storage is not contiguous"
+        elif any(state[n].element_size() != p.element_size() or state[n].dtype != p.dtype for n in reached):
+            emap.fallback[pname] = (
+                f"engine dtype {p.dtype} differs from the checkpoint's (a cast, not a placement)"
+            )
+    _drop_fallback(emap)
+    return emap
+
+
+def _index_tensors(state: dict[str, Any], names: list[str], only: Iterable[str]) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    for name in only:
+        t = state[name]
+        tag = (names.index(name) + 1) << TAG_SHIFT
+        yield name, (torch.arange(t.numel(), dtype=torch.int64) + tag).reshape(t.shape)
+
+
+def _load_indices(model: Any, state: dict[str, Any], names: list[str], load: Load) -> set[str]:
+    """Load every index tensor; if the loader refuses the batch, one by one. Returns the
+    checkpoint names whose load raised."""
+    try:
+        load(model, _index_tensors(state, names, names))
+        return set()
+    except Exception:  # noqa: BLE001 -- which tensor? ask one at a time below
+        pass
+    failed = set()
+    for name in names:
+        try:
+            load(model, _index_tensors(state, names, [name]))
+        except Exception:  # noqa: BLE001 -- this tensor's parameters fall back
+            failed.add(name)
+    return failed
+
+
+def _read_shadow(emap: EngineMap, pname: str, shadow: Any, names: list[str], state: dict[str, Any]) -> None:
+    import torch
+
+    flat = shadow.reshape(-1).cpu()
+    tag = flat >> TAG_SHIFT
+    placed = (tag >= 1) & (tag <= len(names))
+    dst_all = torch.nonzero(placed).reshape(-1)
+    if dst_all.numel() == 0:
+        return
+    tids = tag[dst_all] - 1
+    pos = flat[dst_all] & ((1 << TAG_SHIFT) - 1)
+    for tid in torch.unique(tids).tolist():
+        name = names[tid]
+        sel = tids == tid
+        src, dst = pos[sel], dst_all[sel]
+        if int(src.max()) >= state[name].numel():
+            emap.fallback[pname] = f"index values from {name!r} were changed by the loader (not a placement)"
+            return
+        order = torch.argsort(src, stable=True)
+        src, dst = src[order], dst[order]
+        emap._all_targets.setdefault(name, set()).add(pname)
+        emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
+
+
+def _compact(pname: str, src: Any, dst: Any) -> Placement:
+    n = int(src.numel())
+    s0, d0 = int(src[0]), int(dst[0])
+    if int(src[-1]) - s0 == n - 1 and int(dst[-1]) - d0 == n - 1 and bool((dst - src == d0 - s0).all()):
+        return Placement(pname, start=s0, offset=d0, length=n)
+    return Placement(pname, src=src, dst=dst, length=n)
+
+
+def _drop_fallback(emap: EngineMap) -> None:
+    for name, places in emap.placements.items():
+        emap.placements[name] = [p for p in places if p.param not in emap.fallback]
+
+
+def validate(emap: EngineMap, state: dict[str, Any]) -> list[str]:
+    """After a full load of ``state`` into the engine, check every placement reads back the
+    checkpoint's words; parameters that do not (processed after loading) move to
+    ``fallback``. Returns the parameters moved."""
+    moved = []
+    for name, places in emap.placements.items():
+        sw = words(state[name])
+        for p in places:
+            if p.param in emap.fallback:
+                continue
+            pw = words(emap.params[p.param].data)
+            if p.is_run:
+                eng, ref = pw[p.offset : p.offset + p.length], sw[p.start : p.start + p.length]
+            else:
+                eng, ref = pw[p.dst.to(pw.device)], sw[p.src]
+            if eng.numel() != ref.numel() or not bool((eng.cpu() == ref.cpu()).all()):
+                emap.fallback[p.param] = (
+                    f"after a full load its words differ from {name!r} (processed after loading)"
+                )
+                moved.append(p.param)
+    _drop_fallback(emap)
+    return moved

@@ -1,0 +1,190 @@
+"""The engine map, learned from a model's own loader, and the staged, transactional switch.
+
+Models here are real torch modules whose ``load_weights`` places checkpoint tensors the way
+engines do: fused q/k/v and gate/up, a transposed copy, a tied parameter, a cast. The last
+test builds them from vLLM's own tensor-parallel layers (``QKVParallelLinear``,
+``MergedColumnParallelLinear``, ``RowParallelLinear``) for rank 0 and 1 of a 2-way split, in
+this process: each rank learns its own shard's map from vLLM's weight loaders.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modal_rl.weightsync.engine_map import learn_map, validate
+from modal_rl.weightsync.inplace import StaleStageError, digests, stage, switch, undo
+
+H, F = 16, 24  # hidden, intermediate
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    return {
+        "q.weight": r(H, H), "k.weight": r(H // 2, H), "v.weight": r(H // 2, H), "q.bias": r(H),
+        "gate.weight": r(F, H), "up.weight": r(F, H), "down.weight": r(H, F),
+        "emb.weight": r(32, H), "norm.weight": r(H), "scale": r(H),
+    }  # fmt: skip
+
+
+def step(state: dict, seed: int, fraction: float = 0.05) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.where(torch.rand(t.shape, generator=gen) < fraction, t * 1.5 + 0.01, t)
+        for n, t in state.items()
+    }
+
+
+class Engine(torch.nn.Module):
+    """Fused qkv (+ bias only for q: k/v bias rows stay pads), fused gate_up, ``down``
+    stored transposed, ``head`` tied to ``emb``, ``norm`` processed after loading when
+    ``process`` (doubled), ``scale`` cast to fp32."""
+
+    def __init__(self, process: bool = False) -> None:
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.qkv, self.qkv_bias, self.gate_up = z(2 * H, H), z(2 * H), z(2 * F, H)
+        self.down_t, self.emb, self.norm = (
+            z(F, H),
+            z(32, H),
+            torch.nn.Parameter(torch.ones(H, dtype=torch.bfloat16)),
+        )
+        self.head = self.emb  # tied: one storage, listed once
+        self.scale = torch.nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
+        self.process = process
+
+    def load_weights(self, weights):
+        rows = {"q.weight": (self.qkv, 0), "k.weight": (self.qkv, H), "v.weight": (self.qkv, H + H // 2),
+                "gate.weight": (self.gate_up, 0), "up.weight": (self.gate_up, F)}  # fmt: skip
+        for name, w in weights:
+            if name in rows:
+                param, at = rows[name]
+                param.data[at : at + w.shape[0]].copy_(w)
+            elif name == "q.bias":
+                self.qkv_bias.data[:H].copy_(w)
+                self.qkv_bias.data[H:].fill_(0)  # a constant, not a placement
+            elif name == "down.weight":
+                self.down_t.data.copy_(w.t())
+            elif name == "emb.weight":
+                self.emb.data.copy_(w)
+            elif name == "norm.weight":
+                self.norm.data.copy_(w)
+            elif name == "scale":
+                self.scale.data.copy_(w)
+        if self.process and self.norm.dtype == torch.bfloat16:
+            self.norm.data.mul_(2)  # processed after loading
+
+
+def loaded(state: dict, **kw) -> Engine:
+    engine = Engine(**kw)
+    with torch.no_grad():
+        engine.load_weights(iter(state.items()))
+    return engine
+
+
+def test_the_map_places_fused_transposed_and_tied_weights_and_falls_back_on_a_cast():
+    v0, v1 = checkpoint(0), step(checkpoint(0), 1)
+    engine = loaded(v0)
+    emap = learn_map(engine, v0)
+    assert set(emap.fallback) == {"scale"} and "dtype" in emap.fallback["scale"]
+    assert validate(emap, v0) == []
+    runs = {n: [p.is_run for p in ps] for n, ps in emap.placements.items()}
+    assert runs["q.weight"] == [True] and runs["down.weight"] == [False]  # transposed: positions
+    assert emap.fallback_tensors() == {"scale"}
+    staged = stage(emap, v1, version=1, generation=0)
+    assert set(staged.fallback) == {"scale"} and staged.changed_words > 0
+    switch(emap, staged, generation=0)
+    engine.load_weights(iter(staged.fallback.items()))  # what the engine does for fallbacks
+    assert digests(engine) == digests(loaded(v1))  # every parameter, bit for bit, pads included
+
+
+def test_a_parameter_processed_after_loading_falls_back_at_validation():
+    v0 = checkpoint(0)
+    engine = loaded(v0, process=True)
+    emap = learn_map(engine, v0)
+    assert validate(emap, v0) == ["norm"] and "processed after loading" in emap.fallback["norm"]
+    assert all(p.param != "norm" for ps in emap.placements.values() for p in ps)
+
+
+def test_a_switch_failing_part_way_writes_nothing_and_stale_changes_are_refused():
+    v0, v1 = checkpoint(0), step(checkpoint(0), 2)
+    engine = loaded(v0)
+    emap = learn_map(engine, v0)
+    before = digests(engine)
+    staged = stage(emap, v1, version=1, generation=7)
+    assert len(staged.changes) > 3
+    with pytest.raises(RuntimeError, match="injected"):
+        switch(emap, staged, generation=7, fail_after=3)
+    assert digests(engine) == before
+    with pytest.raises(StaleStageError):
+        switch(emap, staged, generation=8)
+    assert digests(engine) == before
+    switch(emap, staged, generation=7)
+    assert digests(engine) != before
+    undo(emap, staged)
+    assert digests(engine) == before
+
+
+@pytest.mark.slow  # imports vLLM (tens of seconds)
+def test_each_tensor_parallel_rank_learns_its_shard_from_vllms_loaders(monkeypatch):
+    pytest.importorskip("vllm")
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            kw = dict(params_dtype=torch.bfloat16)
+            self.qkv = QKVParallelLinear(H, 4, 4, 2, bias=True, prefix="qkv", **kw)
+            self.gate_up = MergedColumnParallelLinear(H, [F, F], bias=False, prefix="gate_up", **kw)
+            self.down = RowParallelLinear(F, H, bias=False, prefix="down", **kw)
+
+        def load_weights(self, weights):
+            shards = {"q": (self.qkv, "q"), "k": (self.qkv, "k"), "v": (self.qkv, "v"),
+                      "gate": (self.gate_up, 0), "up": (self.gate_up, 1)}  # fmt: skip
+            for name, w in weights:
+                layer, what = name.split(".")
+                if layer == "down":
+                    self.down.weight.weight_loader(self.down.weight, w)
+                elif layer in shards and what in ("weight", "bias"):
+                    module, shard = shards[layer]
+                    param = getattr(module, what)
+                    param.weight_loader(param, w, shard)
+
+    def ckpt(seed):
+        gen = torch.Generator().manual_seed(seed)
+        shapes = {"q.weight": (16, H), "k.weight": (8, H), "v.weight": (8, H), "q.bias": (16,),
+                  "k.bias": (8,), "v.bias": (8,), "gate.weight": (F, H), "up.weight": (F, H),
+                  "down.weight": (H, F)}  # fmt: skip
+        return {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+
+    v0 = ckpt(0)
+    v1 = step(v0, 3, fraction=0.1)
+    for rank in range(2):
+        for module in (linear, parameter):
+            monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda r=rank: r)
+            monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 2)
+
+        def fresh(state):
+            block = Block()
+            with torch.no_grad():
+                block.load_weights(iter(state.items()))
+            return block
+
+        engine = fresh(v0)
+        assert engine.down.weight.shape == (H, F // 2)  # this rank's shard only
+        emap = learn_map(engine, v0)
+        assert emap.fallback == {} and validate(emap, v0) == []
+        placed = sum(p.length for ps in emap.placements.values() for p in ps)
+        assert placed == sum(p.numel() for p in engine.parameters())  # every engine word, once
+        switch(emap, stage(emap, v1, version=1, generation=0), generation=0)
+        assert digests(engine) == digests(fresh(v1)), f"rank {rank}"

@@ -1,0 +1,81 @@
+"""``verl_modal.upstream`` reads each upstream seam off verl's source: the bug's form says
+"absent", the fixed form says "present", and the adapters follow. The sources here are the
+two forms of each spot, parsed as the detectors parse installed files (no verl import)."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from verl_modal import sample_mask, upstream
+
+BACKEND_BUG = """
+def initialize_global_process_group_ray(timeout_second=None, backend=None):
+    backend = backend or f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+"""
+BACKEND_FIXED = """
+def initialize_global_process_group_ray(timeout_second=None, backend=None):
+    device = get_device_name()
+    backend = backend or ("cpu:gloo" if device == "cpu" else f"cpu:gloo,{device}:{get_nccl_backend()}")
+"""
+TQ_FIXED = """
+INVALID_SAMPLE_KEY = "invalid_sample"
+
+def exclude_invalid_sample(outputs, kwargs):
+    return kwargs
+"""
+SERVER_OLD = (
+    "async def abort(self):\n    await self.engine.pause_generation(wait_for_inflight_requests=False)\n"
+)
+SERVER_MODE = (
+    'async def abort(self):\n    await self.engine.pause_generation(mode="abort", clear_cache=True)\n'
+)
+
+
+@pytest.fixture
+def sources(monkeypatch):
+    """Serve ``_tree(module)`` from a dict of module name -> source (absent: not installed)."""
+    served: dict[str, str] = {}
+    monkeypatch.setattr(upstream, "_tree", lambda m: ast.parse(served[m]) if m in served else None)
+    for detector in (upstream.process_group_backend, upstream.invalid_sample_key, upstream.pause_mode_aware):
+        detector.cache_clear()
+    yield served
+    for detector in (upstream.process_group_backend, upstream.invalid_sample_key, upstream.pause_mode_aware):
+        detector.cache_clear()
+
+
+def test_process_group_backend_seam(sources):
+    sources[upstream.DISTRIBUTED] = BACKEND_BUG
+    assert upstream.process_group_backend() is False
+    upstream.process_group_backend.cache_clear()
+    sources[upstream.DISTRIBUTED] = BACKEND_FIXED
+    assert upstream.process_group_backend() is True
+
+
+def test_invalid_sample_seam_and_the_flags_our_reward_manager_writes(sources):
+    assert upstream.invalid_sample_key() is None
+    assert sample_mask.reward_extra_info_flags(True) == {sample_mask.MASK_KEY: 1}
+    upstream.invalid_sample_key.cache_clear()
+    sources[upstream.AGENT_LOOP_TQ] = TQ_FIXED
+    assert upstream.invalid_sample_key() == "invalid_sample"
+    assert sample_mask.reward_extra_info_flags(True) == {sample_mask.MASK_KEY: 1, "invalid_sample": 1}
+    assert sample_mask.reward_extra_info_flags(False) == {sample_mask.MASK_KEY: 0, "invalid_sample": 0}
+
+
+def test_pause_mode_seam_reads_the_server_call(sources):
+    sources[upstream.VLLM_SERVER] = SERVER_OLD
+    assert upstream.pause_mode_aware() is False
+    upstream.pause_mode_aware.cache_clear()
+    sources[upstream.VLLM_SERVER] = SERVER_MODE
+    assert upstream.pause_mode_aware() is True
+
+
+def test_sample_mask_leaves_sandbox_flags_to_verl_when_it_has_the_seam():
+    class Out:
+        extra_fields = {"reward_extra_info": {sample_mask.MASK_KEY: 1}}
+
+    assert sample_mask.is_flagged([Out()]) is True
+    assert sample_mask.is_flagged([Out()], sandbox=False) is False
+    Out.extra_fields = {sample_mask.ENGINE_MASK_KEY: True, "reward_extra_info": {}}
+    assert sample_mask.is_flagged([Out()], sandbox=False) is True
