@@ -12,7 +12,8 @@ finished activating it; ``first_delta_s`` is the first delta of fresh receivers 
 load the codec's kernels before they report ready), the steady time the mean of the rest.
 ``pause_s`` is the longest activation callback (the engine pause). ``fanout=relay`` chains
 the receivers (each re-serves what it receives on its own link) instead of all drawing on
-the publisher's link.
+the publisher's link. Receivers decode each record as it arrives (``TcpSource.next_records``),
+so encode, wire and decode overlap.
 
 The model-scale scenarios tile the real trajectory's tensors to a multi-GB bf16 state
 (``state_gb``; every tile has the real per-tensor change statistics) and run through the
@@ -227,7 +228,7 @@ def _slime_bytes(states) -> float:
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
-    versions = 3 if quick else 6
+    versions = 5 if quick else 8
     states_by_step = adam_trajectory(1e-6, list(range(versions + 1)))
     states = [states_by_step[i] for i in range(versions + 1)]
     scenarios = [(r, link, "direct") for r in (1, 4) for link in (1, 10, 25)]
@@ -249,9 +250,10 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
             _row(receivers, link, fanout, runs) | {"state_gb": _gb(states[0]), "bytes_slime_own": slime_bytes}
         )
     # Model scale: (receivers, GB); 4 receivers at a smaller state so that all copies fit
-    # the host's memory (each receiver holds its own; the publisher two).
-    scale = [(1, 1.0), (4, 0.25)] if quick else [(1, 2.0), (4, 0.5)]
-    scale_versions = 2 if quick else 4
+    # the host's memory (each receiver holds its own and, for an anchor, the next; the
+    # publisher two, plus the retained anchor).
+    scale = [(1, 2.0), (4, 0.5)] if quick else [(1, 3.0), (4, 0.75)]
+    scale_versions = 3 if quick else 4
     for receivers, gb in scale:
         tiles = tiled_size(states[0], gb)
         big = [tiled_state(states[v], tiles) for v in range(scale_versions + 1)]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -107,6 +107,31 @@ class VersionChain:
             config=self.config,
             key=self.keys,
         )
+        self._accept(header, result, data)
+        return result
+
+    def apply_records(self, raw_records: Iterator[tuple[bytes, bytes]]) -> ApplyResult:
+        """``apply`` for a frame still arriving, as its raw ``(tag, record)`` pairs (a
+        ``TcpSource``'s ``next_records``): each chunk is decoded as it arrives, so a version
+        costs about its slowest stage rather than wire plus decode. The same invariants
+        hold: order is checked on the version header before anything is decoded, and a
+        frame that fails — or is cut off (``FrameInterruptedError``) — leaves the state as it
+        was. Only for a chain that retains no frames (there is no whole frame to keep)."""
+        if self.retain:
+            raise ValueError("a chain that retains frames needs them whole: use apply()")
+        result = apply_frame(
+            self.state,
+            raw_records,
+            held_version=self.version,
+            held_checksums=self.checksums,
+            config=self.config,
+            key=self.keys,
+            check_header=self.check_order,
+        )
+        self._accept(result.header, result, None)
+        return result
+
+    def _accept(self, header: VersionHeader, result: ApplyResult, data: bytes | None) -> None:
         if result.state is not None:  # an anchor: swap in the freshly built tensors
             self.state = result.state
         if header.epoch != self.epoch:  # a new epoch: the old one's frames are history
@@ -116,7 +141,6 @@ class VersionChain:
         if self.retain:
             self._frames[header.version] = (header, data)
             self._prune()
-        return result
 
     def check_order(self, header: VersionHeader) -> None:
         """Raise unless ``header`` may follow the held state (see the module invariants)."""

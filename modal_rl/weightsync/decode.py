@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -46,6 +46,7 @@ from modal_rl.weightsync.frames import (
     manifest_digest,
     read_records,
     state_digest,
+    verify_records,
 )
 from modal_rl.weightsync.workers import shared_pool
 
@@ -219,14 +220,18 @@ class _Applier:
 
 def apply_frame(
     state: MutableMapping[str, Any],
-    stream: BinaryIO,
+    stream: BinaryIO | Iterator[tuple[bytes, bytes]],
     *,
     held_version: int | None,
     held_checksums: dict[str, str] | None = None,
     config: CodecConfig | None = None,
     key=FROM_ENV,
+    check_header: Callable[[VersionHeader], None] | None = None,
 ) -> ApplyResult:
-    """Apply one frame read from ``stream``.
+    """Apply one frame read from ``stream``: a binary stream, or the frame's raw
+    ``(tag, record)`` pairs as a transport receives them — then chunks are decoded while
+    later records are still on the wire. ``check_header`` may refuse the frame by its
+    (verified) version header before anything is decoded.
 
     A delta is applied in place onto ``state`` (which must be at ``held_version``); an
     anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
@@ -236,8 +241,13 @@ def apply_frame(
     an unsigned frame; every record is verified before it is used.
     """
     config = config or CodecConfig()
-    records = read_records(stream, keys=frame_keys(key))
+    keys = frame_keys(key)
+    records = (
+        read_records(stream, keys=keys) if hasattr(stream, "read") else verify_records(stream, keys=keys)
+    )
     header = read_version_header(records)
+    if check_header is not None:
+        check_header(header)
     is_anchor = header.kind == "anchor"
     if not is_anchor and header.base_version != held_version:
         raise BaseMismatchError(

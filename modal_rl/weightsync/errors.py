@@ -13,6 +13,12 @@ class TruncatedFrameError(CorruptFrameError):
     """The byte stream ended inside a record, or before the version's end record."""
 
 
+class FrameInterruptedError(TruncatedFrameError):
+    """A frame being applied as it arrived lost its connection (or stalled, or a new frame
+    began) before its end record: not the frame's fault, so the receiver rolls back and
+    asks again without counting a refusal."""
+
+
 class BaseMismatchError(WeightSyncError):
     """A delta names a base version (or base tensor checksum) other than the one held."""
 

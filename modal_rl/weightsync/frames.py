@@ -276,8 +276,16 @@ def read_records(stream: BinaryIO, *, keys: FrameKeys | None) -> Iterator[tuple[
     ``TruncatedFrameError`` when the stream ends inside a record, ``CorruptFrameError`` when
     a checksum fails, and an ``AuthenticationError`` when a MAC or the signing mode does not.
     """
+    return verify_records(split_records(stream), keys=keys)
+
+
+def verify_records(
+    raw_records: Iterable[tuple[bytes, bytes]], *, keys: FrameKeys | None
+) -> Iterator[tuple[bytes, bytes]]:
+    """``read_records`` over ``(tag, raw record)`` pairs a transport already split (e.g. as
+    they arrive from a socket): each is verified before it is yielded."""
     verifier = Verifier(keys)
-    for tag, raw in split_records(stream):
+    for tag, raw in raw_records:
         yield tag.upper(), bytes(verifier.check(raw))
 
 

@@ -41,7 +41,7 @@ from modal_rl.weightsync.auth import FROM_ENV
 from modal_rl.weightsync.chain import VersionChain
 from modal_rl.weightsync.codec import CodecConfig
 from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
+from modal_rl.weightsync.errors import FrameInterruptedError, VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.transport import FrameSource
 
 log = logging.getLogger(__name__)
@@ -131,22 +131,32 @@ class Subscriber:
             kwargs["epoch"] = self.chain.epoch
         if "floor" in self._kwargs and self.floor is not None:
             kwargs["floor"] = self.floor
+        # A source that hands records on as they arrive (TCP) is decoded while the rest of
+        # the frame is on the wire; a store's frames come whole.
+        streamed = hasattr(self.source, "next_records")
+        fetch = self.source.next_records if streamed else self.source.next_frame
         try:
-            frame = self.source.next_frame(self.chain.version, timeout, **kwargs)
+            frame = fetch(self.chain.version, timeout, **kwargs)
         except WeightSyncError as exc:  # a handshake, or a store file, refused before staging
             self._refuse(exc)
             return None
         if frame is None:
             return None
-        fetch_s = getattr(self.source, "last_fetch_s", None) or time.monotonic() - t0
         t1 = time.monotonic()
         self.chain.floor_epoch = self.floor_epoch  # refuses older epochs before staging
         try:
-            result = self.chain.apply(frame)
+            result = self.chain.apply_records(frame) if streamed else self.chain.apply(frame)
+        except FrameInterruptedError as exc:  # cut off on the way: rolled back, ask again
+            log.info("frame not complete: %s", exc)
+            return None
         except WeightSyncError as exc:
             self._refuse(exc)
             return None
+        # streamed: fetch and decode overlap (decode_s runs from the first record to the
+        # frame verified; fetch_s from the first record to the last)
+        fetch_s = getattr(self.source, "last_fetch_s", None) or t1 - t0
         decode_s = time.monotonic() - t1
+        size = self.source.last_frame_bytes if streamed else len(frame)
         if self._below_floor(result.header.epoch, result.header.version):
             log.info(
                 "staged v%d on the way to the floor %s; not activated", result.header.version, self.floor
@@ -159,7 +169,7 @@ class Subscriber:
         timing = SyncTiming(
             version=result.header.version,
             kind=result.header.kind,
-            bytes=len(frame),
+            bytes=size,
             fetch_s=fetch_s,
             decode_s=decode_s,
             verify_s=result.verify_s,

@@ -11,7 +11,11 @@ Invariants:
 - ``last_error`` keeps why the last connection attempt failed (e.g. connection refused),
   so a caller whose deadline passed can say so;
 - records are taken whole and passed on unverified (the ``Subscriber``'s chain verifies them
-  with ``keys``); a frame is returned only once its end record arrived.
+  with ``keys``); ``next_frame`` returns a frame only once its end record arrived, while
+  ``next_records`` hands the frame's records on as they arrive (the chain decodes them
+  meanwhile) and raises ``FrameInterruptedError`` if the frame is cut off before its end
+  record: the connection lost, no byte for ``FRAME_STALL_S``, or a new frame begun (that
+  frame's version header is kept and starts the next call, not seen twice by ``on_record``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 
 from modal_rl.weightsync.auth import (
     FROM_ENV,
@@ -30,10 +35,13 @@ from modal_rl.weightsync.auth import (
     refusal,
     trailer_size,
 )
-from modal_rl.weightsync.errors import HandshakeError
+from modal_rl.weightsync.errors import FrameInterruptedError, HandshakeError
 from modal_rl.weightsync.frames import RECORD_HEADER, TAG_END, TAG_VERSION
 
 MAX_LINE = 4096
+# A frame in flight with no byte for this long is given up (and asked for again): records
+# of one frame follow each other as fast as the publisher encodes them.
+FRAME_STALL_S = 60.0
 
 
 class TcpSource:
@@ -74,6 +82,8 @@ class TcpSource:
         self.parts: list[bytes] = []
         self.frame_started = 0.0
         self.last_fetch_s = 0.0
+        self.last_frame_bytes = 0
+        self._pending: tuple[bytes, bytes] | None = None  # a version header that cut a frame off
         self.reconnects = 0
         self.connected_once = False
         self.last_error: str | None = None
@@ -91,7 +101,7 @@ class TcpSource:
                 sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=self.server_hostname)
-                self.sock, self.buf, self.parts = sock, bytearray(), []
+                self.sock, self.buf, self.parts, self._pending = sock, bytearray(), [], None
                 self._handshake(have, epoch)
                 self.connected_once, self.last_error = True, None
                 return True
@@ -165,41 +175,100 @@ class TcpSource:
         del self.buf[:total]
         return tag, raw
 
-    def next_frame(
-        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
-    ) -> bytes | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _next_record(self) -> tuple[bytes, bytes] | None:
+        """The next whole record in the buffer (seen by ``on_record`` once), or None."""
+        if self._pending is not None:
+            taken, self._pending = self._pending, None
+            return taken
+        taken = self._take_record()
+        if taken is not None and self.on_record is not None:
+            self.on_record(*taken)
+        return taken
+
+    def _fill(self, timeout: float | None) -> bool | None:
+        """Read what arrived into the buffer: True; False when ``timeout`` passed first; None
+        when the publisher is gone or dropped us (the connection is reset: the next call
+        reconnects and resumes)."""
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(1 << 20)
+        except TimeoutError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self.reset()
+            time.sleep(self.backoff)
+            return None
+        self.buf += data
+        return True
+
+    def _wait_for_version(
+        self, have_version: int | None, deadline: float | None, epoch: int | None
+    ) -> tuple[bytes, bytes] | None:
+        """The next frame's version header record, or None when ``deadline`` passed first."""
         while True:
             if self.sock is None and not self._connect(have_version, deadline, epoch):
                 return None
-            taken = self._take_record()
+            taken = self._next_record()
             if taken is not None:
-                tag, raw = taken
-                if self.on_record is not None:
-                    self.on_record(tag, raw)
-                if tag.upper() == TAG_VERSION:
-                    self.parts, self.frame_started = [], time.monotonic()
-                self.parts.append(raw)
-                if tag.upper() == TAG_END:
-                    frame, self.parts = b"".join(self.parts), []
-                    self.last_fetch_s = time.monotonic() - self.frame_started
-                    return frame
-                continue
+                if taken[0].upper() == TAG_VERSION:
+                    return taken
+                continue  # the tail of a frame whose start we did not see
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            self.sock.settimeout(remaining)
-            try:
-                data = self.sock.recv(1 << 20)
-            except TimeoutError:
+            if self._fill(remaining) is False:
                 return None
-            except OSError:
-                data = b""
-            if not data:  # publisher gone or dropped us: reconnect and resume
-                self.reset()
-                time.sleep(self.backoff)
+
+    def next_frame(
+        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+    ) -> bytes | None:
+        """The next whole frame, or None when none started within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            records = self.next_records(have_version, left, epoch)
+            if records is None:
+                return None
+            try:
+                return b"".join(raw for _, raw in records)
+            except FrameInterruptedError:  # cut off: ask again, within what is left of the wait
                 continue
-            self.buf += data
+
+    def next_records(
+        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+    ) -> Iterator[tuple[bytes, bytes]] | None:
+        """The next frame as its raw ``(tag, record)`` pairs, yielded as they arrive (the
+        end record last), or None when no frame started within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first = self._wait_for_version(have_version, deadline, epoch)
+        return None if first is None else self._rest_of_frame(first)
+
+    def _rest_of_frame(self, first: tuple[bytes, bytes]) -> Iterator[tuple[bytes, bytes]]:
+        started, size = time.monotonic(), len(first[1])
+        self.frame_started = started
+        yield first
+        while True:
+            taken = self._next_record() if self.sock is not None else None
+            if taken is None:
+                got = self._fill(FRAME_STALL_S) if self.sock is not None else None
+                if got:
+                    continue
+                if got is False:
+                    self.reset()
+                why = "went quiet" if got is False else "dropped the connection"
+                raise FrameInterruptedError(f"{self.where} {why} in the middle of a frame; asking again")
+            tag, raw = taken
+            if tag.upper() == TAG_VERSION:  # the publisher gave this frame up and began the next
+                self._pending = taken
+                raise FrameInterruptedError(f"{self.where} began a new frame before this one ended")
+            size += len(raw)
+            if tag.upper() == TAG_END:  # the caller stops here: account for the frame first
+                self.last_fetch_s, self.last_frame_bytes = time.monotonic() - started, size
+            yield tag, raw
+            if tag.upper() == TAG_END:
+                return
 
     def close(self) -> None:
         self.reset()

@@ -81,11 +81,16 @@ class _Refused(Exception):
 
 
 class _Kept(NamedTuple):
-    """A retained frame; ``recovery``: a recovery anchor (catch-up only, never broadcast)."""
+    """A retained frame as its records (kept as sent: joining them would hold a model-sized
+    frame twice); ``recovery``: a recovery anchor (catch-up only, never broadcast)."""
 
     header: VersionHeader
-    frame: bytes
+    records: list[bytes]
     recovery: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.records))
 
 
 @dataclass
@@ -217,8 +222,9 @@ class FrameServer:
         )
 
     def _admit(self, conn: _Conn) -> None:
-        for frame in self.frames_since(conn.have, conn.epoch):
-            self._enqueue(conn, frame)
+        for kept in self._kept_since(conn.have, conn.epoch):
+            for rec in kept.records:
+                self._enqueue(conn, rec)
         self.active.append(conn)
 
     def _enqueue(self, conn: _Conn, data: bytes) -> None:
@@ -271,8 +277,8 @@ class FrameServer:
     async def _begin(self) -> None:
         self.in_frame = True
 
-    async def _end(self, header: VersionHeader, frame: bytes) -> None:
-        self._retain(_Kept(header, frame))
+    async def _end(self, header: VersionHeader, records: list[bytes]) -> None:
+        self._retain(_Kept(header, records))
         await self._frame_closed()
 
     def _retain(self, kept: _Kept) -> None:
@@ -297,6 +303,9 @@ class FrameServer:
         frames after ``have`` when it holds that epoch (``epoch=None``: the version alone
         decides, as before epochs) and they weigh less than the newest anchor's path, else
         that anchor and the deltas after it."""
+        return [b"".join(k.records) for k in self._kept_since(have, epoch)]
+
+    def _kept_since(self, have: int | None, epoch: int | None) -> list[_Kept]:
         if not self.retained:
             return []
         cur = self.retained[-1].header.epoch
@@ -305,13 +314,13 @@ class FrameServer:
             return []
         same = epoch is None or epoch == cur
         anchors = [i for i, k in enumerate(kept) if k.header.kind == "anchor"]
-        cold = [kept[anchors[-1]].frame] if anchors else []
+        cold = [kept[anchors[-1]]] if anchors else []
         if anchors:
-            cold += [k.frame for k in kept[anchors[-1] + 1 :] if not k.recovery]
+            cold += [k for k in kept[anchors[-1] + 1 :] if not k.recovery]
         versions = [k.header.version for k in kept]
         if same and have is not None and have in versions:
-            warm = [k.frame for k in kept[versions.index(have) + 1 :] if not k.recovery]
-            if not cold or sum(map(len, warm)) <= sum(map(len, cold)):
+            warm = [k for k in kept[versions.index(have) + 1 :] if not k.recovery]
+            if not cold or sum(k.size for k in warm) <= sum(k.size for k in cold):
                 return warm
             return cold
         if same and have is not None and versions and have >= versions[-1]:
@@ -335,9 +344,9 @@ class FrameServer:
     def send_recovery(self, header: VersionHeader, records: Iterable[bytes]) -> int:
         """Retain a recovery anchor for receivers that catch up (not broadcast)."""
         self._check_lease(header)
-        frame = b"".join(sign_records(records, self.keys))
-        self._call(self._keep_recovery(_Kept(header, frame, recovery=True)))
-        return len(frame)
+        kept = _Kept(header, list(sign_records(records, self.keys)), recovery=True)
+        self._call(self._keep_recovery(kept))
+        return kept.size
 
     async def _keep_recovery(self, kept: _Kept) -> None:
         self._retain(kept)
@@ -356,9 +365,8 @@ class FrameServer:
             # An aborted frame: receivers got a prefix they will refuse; do not retain it.
             self._call(self._frame_closed())
             raise
-        frame = b"".join(parts)
-        self._call(self._end(header, frame))
-        return len(frame)
+        self._call(self._end(header, parts))
+        return sum(map(len, parts))
 
     def forward(self, tag: bytes, raw: bytes) -> None:
         """Relay: re-serve one record received from upstream (call in arrival order). Records
@@ -372,7 +380,7 @@ class FrameServer:
         self._frame_parts.append(raw)
         self._call(self._broadcast(raw))
         if tag == TAG_END:
-            self._call(self._end(self._frame_header, b"".join(self._frame_parts)))
+            self._call(self._end(self._frame_header, self._frame_parts))
 
     @property
     def receivers(self) -> int:
