@@ -18,14 +18,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modal_rl.cluster.key_forwarder import (
-    BUFFER_BYTES,
-    DERIVED_PURPOSES,
-    KeyForwarder,
-    Redactor,
-    path_problem,
-    secret_forms,
-)
+from modal_rl.cluster.key_forwarder import BUFFER_BYTES, KeyForwarder, path_problem
+from modal_rl.cluster.redaction import DERIVED_PURPOSES, Redactor, secret_forms
 from modal_rl.run_key import derive, new_run_key
 
 KEY = new_run_key()
@@ -200,7 +194,7 @@ def test_every_derived_secret_of_the_project_is_redacted():
     purposes = set()
     for package in ("modal_rl", "slime_modal", "verl_modal", "benchmarks"):
         for path in (REPO / package).rglob("*.py"):
-            if path.name == "key_forwarder.py":  # derives each of DERIVED_PURPOSES to redact it
+            if path.name == "redaction.py":  # derives each of DERIVED_PURPOSES to redact it
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "derive":
@@ -209,6 +203,6 @@ def test_every_derived_secret_of_the_project_is_redacted():
                     purposes.add(arg.value)
     assert "weightsync-pull" in purposes  # the scan found the derive() calls
     missing = purposes - {"weightsync-run-id"} - set(DERIVED_PURPOSES)  # run-id: a public fingerprint
-    assert not missing, f"add {sorted(missing)} to key_forwarder.DERIVED_PURPOSES"
+    assert not missing, f"add {sorted(missing)} to redaction.DERIVED_PURPOSES"
     forms = secret_forms(KEY)
     assert all(any(form in leak.encode() for form in forms) for leak in LEAKS)

@@ -13,7 +13,7 @@ Invariants (beyond ``engines.EnginePool``'s):
   runs and tests leave nothing in the temp directory, even after a SIGKILLed engine;
 - logs: in ``log_dir`` when the caller names one (kept); otherwise in the run temp dir. An
   engine's output reaches its log only through ``pump``, which replaces the run key and every
-  key derived from it (``key_forwarder.Redactor``: SGLang logs ``server_args=ServerArgs(...,
+  key derived from it (``redaction.Redactor``: SGLang logs ``server_args=ServerArgs(...,
   api_key=..., admin_api_key=...)`` with the key ``keyed_launch`` gave it); log files are 0600
   and the folders the pool makes (the run temp dir, a named ``log_dir`` that did not exist) 0700;
   a named folder that already existed keeps its mode;
@@ -53,7 +53,7 @@ from modal_rl.cluster.engines import (
     engine_key,
     tail_of,
 )
-from modal_rl.cluster.key_forwarder import Redactor
+from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import RUN_KEY_ENV, run_key_or_none
 
 TEMP_PREFIX = f"{run_temp.PREFIX}engines-"

@@ -17,7 +17,7 @@ server finds it as ``MODAL_RL_RUN_KEY``; it is never in the spec, the function's
 mailbox or ``describe()``. Health checks (in the container and from here) send it.
 
 Logs: the server's output goes to Modal's logs (and the mailbox's error tail) only through
-``relay``, which replaces the key and every key derived from it (``key_forwarder.Redactor``):
+``relay``, which replaces the key and every key derived from it (``redaction.Redactor``):
 SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` with the key.
 
 ``start`` waits until every engine has an address that answers health from here too, within
@@ -57,7 +57,7 @@ from modal_rl.cluster.engines import (
     engine_key,
     probe,
 )
-from modal_rl.cluster.key_forwarder import Redactor
+from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import REDACTED, RUN_KEY_ENV, modal_secret
 
 APP_NAME = "modal-rl-engines"

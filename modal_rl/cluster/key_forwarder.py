@@ -26,9 +26,9 @@ Invariants:
   forwarded;
 - the key is never logged, never put in an error, and never returned to a client: every answer,
   whatever the route (SGLang's ``/server_info`` reports ``api_key``, its launch command, and any
-  route may echo it), has the key and the keys derived from it (``secret_forms``) replaced by
+  route may echo it), has the key and the keys derived from it (``redaction.secret_forms``) replaced by
   ``<redacted>`` in its status line, its headers and its body, streamed bodies included
-  (``Redactor.feed`` also catches a key split across chunks). Engines are asked for
+  (``redaction.Redactor.feed`` also catches a key split across chunks). Engines are asked for
   ``Accept-Encoding: identity`` so bodies stay readable; an encoded answer gets 502;
 - only paths in normal form are forwarded (``path_problem``): a dot segment, an empty segment, an
   encoded separator or a percent-encoding the HTTP client would rewrite gets 400, so the path the
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import ipaddress
 import json
 import os
@@ -52,19 +51,9 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from modal_rl.run_key import REDACTED, MissingRunKeyError, derive, run_key
+from modal_rl.cluster.redaction import Redactor
+from modal_rl.run_key import MissingRunKeyError, run_key
 
-# Every purpose the project passes to ``run_key.derive`` for a secret (``weightsync-run-id`` is a
-# public fingerprint, not a key). An engine or a log that shows one of these keys gives away what
-# it protects, so they are redacted like the key; a test checks this list against the code.
-DERIVED_PURPOSES = (
-    "weightsync-frame-mac",
-    "weightsync-handshake",
-    "weightsync-pull",
-    "weightsync-lease",
-    "weightsync-latest",
-    "control",
-)
 BUFFER_BYTES = 1 << 20
 ROUTES_POLL_S = 0.2
 _NO_BODY = (204, 304)
@@ -84,65 +73,6 @@ _HOP_BY_HOP = frozenset(
     )
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "authorization"}
-
-
-def secret_forms(key: str | None) -> tuple[bytes, ...]:
-    """The byte strings that give ``key`` away, longest first: the key itself, and each key
-    derived from it (``DERIVED_PURPOSES``) in the text forms code prints a 32-byte key in
-    (hex, base64 and url-safe base64 without padding: a padded one contains these)."""
-    if not key:
-        return ()
-    forms = {key.encode()}
-    for purpose in DERIVED_PURPOSES:
-        raw = derive(key, purpose)
-        forms |= {raw.hex().encode(), raw.hex().upper().encode()}
-        forms |= {base64.b64encode(raw).rstrip(b"="), base64.urlsafe_b64encode(raw).rstrip(b"=")}
-    return tuple(sorted(forms, key=len, reverse=True))
-
-
-class Redactor:
-    """Replaces every ``secret_forms(key)`` by ``<redacted>``: in text, in bytes, and in a stream.
-
-    ``feed(chunk)`` returns what may go out now; a tail of the stream that could begin a secret
-    waits for the next chunk (or ``flush()`` at the end), so a key split across chunks is caught
-    too. Only text forms are secrets, so a chunk that ends in a newline (a log line, a
-    server-sent event) is never held. One instance per stream (it keeps that stream's tail).
-    """
-
-    def __init__(self, key: str | None):
-        self.forms = secret_forms(key)
-        self._text_forms = tuple(f.decode() for f in self.forms)
-        self._held = b""
-
-    def bytes(self, data: bytes) -> bytes:
-        for form in self.forms:
-            data = data.replace(form, REDACTED.encode())
-        return data
-
-    def text(self, line: str) -> str:
-        for form in self._text_forms:
-            line = line.replace(form, REDACTED)
-        return line
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self.bytes(self._held + chunk)
-        keep = self._partial(data)
-        self._held = data[len(data) - keep :]
-        return data[: len(data) - keep]
-
-    def flush(self) -> bytes:
-        held, self._held = self._held, b""
-        return held  # shorter than any secret: nothing left to replace
-
-    def _partial(self, data: bytes) -> int:
-        """Length of the longest tail of ``data`` that is a proper prefix of a secret."""
-        best = 0
-        for form in self.forms:
-            for n in range(min(len(form) - 1, len(data)), best, -1):
-                if data.endswith(form[:n]):
-                    best = n
-                    break
-        return best
 
 
 def path_problem(raw_path: str) -> str | None:
