@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, Verifier, frame_keys, trailer_size
 from modal_rl.weightsync.codec import CodecConfig
-from modal_rl.weightsync.decode import ApplyResult, apply_frame, read_version_header
+from modal_rl.weightsync.decode import ApplyResult, apply_frame
 from modal_rl.weightsync.epoch import describe
 from modal_rl.weightsync.errors import (
     BaseMismatchError,
@@ -53,7 +53,6 @@ from modal_rl.weightsync.frames import (
     MAX_RECORD_BYTES,
     RECORD_HEADER,
     VersionHeader,
-    read_records,
 )
 from modal_rl.weightsync.volumes import open_regular
 
@@ -69,11 +68,6 @@ def frame_bytes(frame: bytes | bytearray | memoryview | Iterable[bytes]) -> byte
     if isinstance(frame, bytes | bytearray | memoryview):
         return bytes(frame)
     return b"".join(frame)
-
-
-def peek_header(frame: bytes, keys: FrameKeys | None) -> VersionHeader:
-    """The frame's version header, verified (``keys``: see ``frames.read_records``)."""
-    return read_version_header(read_records(io.BytesIO(frame), keys=keys))
 
 
 class VersionChain:
@@ -97,17 +91,8 @@ class VersionChain:
     def apply(self, frame: bytes | Iterable[bytes] | BinaryIO) -> ApplyResult:
         """Accept the next frame (an anchor, or a delta whose base is the held version)."""
         data = frame.read() if hasattr(frame, "read") else frame_bytes(frame)
-        header = peek_header(data, self.keys)
-        self.check_order(header)
-        result = apply_frame(
-            self.state,
-            io.BytesIO(data),
-            held_version=self.version,
-            held_checksums=self.checksums,
-            config=self.config,
-            key=self.keys,
-        )
-        self._accept(header, result, data)
+        result = self._apply(io.BytesIO(data))
+        self._accept(result, data)
         return result
 
     def apply_records(self, raw_records: Iterator[tuple[bytes, bytes]]) -> ApplyResult:
@@ -119,19 +104,25 @@ class VersionChain:
         was. Only for a chain that retains no frames (there is no whole frame to keep)."""
         if self.retain:
             raise ValueError("a chain that retains frames needs them whole: use apply()")
-        result = apply_frame(
+        result = self._apply(raw_records)
+        self._accept(result, None)
+        return result
+
+    def _apply(self, stream: BinaryIO | Iterator[tuple[bytes, bytes]]) -> ApplyResult:
+        """Decode one frame onto the held state; its order is checked on its (verified)
+        version header before anything is decoded."""
+        return apply_frame(
             self.state,
-            raw_records,
+            stream,
             held_version=self.version,
             held_checksums=self.checksums,
             config=self.config,
             key=self.keys,
             check_header=self.check_order,
         )
-        self._accept(result.header, result, None)
-        return result
 
-    def _accept(self, header: VersionHeader, result: ApplyResult, data: bytes | None) -> None:
+    def _accept(self, result: ApplyResult, data: bytes | None) -> None:
+        header = result.header
         if result.state is not None:  # an anchor: swap in the freshly built tensors
             self.state = result.state
         if header.epoch != self.epoch:  # a new epoch: the old one's frames are history

@@ -79,8 +79,6 @@ class TcpSource:
         self.on_record = on_record
         self.sock: socket.socket | None = None
         self.buf = bytearray()
-        self.parts: list[bytes] = []
-        self.frame_started = 0.0
         self.last_fetch_s = 0.0
         self.last_frame_bytes = 0
         self._pending: tuple[bytes, bytes] | None = None  # a version header that cut a frame off
@@ -101,7 +99,7 @@ class TcpSource:
                 sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=self.server_hostname)
-                self.sock, self.buf, self.parts, self._pending = sock, bytearray(), [], None
+                self.sock, self.buf, self._pending = sock, bytearray(), None
                 self._handshake(have, epoch)
                 self.connected_once, self.last_error = True, None
                 return True
@@ -247,7 +245,6 @@ class TcpSource:
 
     def _rest_of_frame(self, first: tuple[bytes, bytes]) -> Iterator[tuple[bytes, bytes]]:
         started, size = time.monotonic(), len(first[1])
-        self.frame_started = started
         yield first
         while True:
             taken = self._next_record() if self.sock is not None else None
