@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.weightsync.differ import changed_positions
+from modal_rl.weightsync.diffwords import diff_words
 from modal_rl.weightsync.errors import CorruptFrameError
 from modal_rl.weightsync.scatter import scatter, update
 from modal_rl.weightsync.streams import (
@@ -191,10 +191,10 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
 
     # a chunk always has at least one part (a tensor's words); the diff is v1's own
     # (64-bit blocks first), so coding for time costs the encoder no more than v1 does
-    pos = [changed_positions(b, n) for b, n in zip(base_parts, new_parts, strict=True)]
-    positions = np.concatenate([p + s for p, s in zip(pos, part_starts, strict=True)])
-    old = np.concatenate([b[p] for b, p in zip(base_parts, pos, strict=True)])
-    new = np.concatenate([n[p] for n, p in zip(new_parts, pos, strict=True)])
+    diffs = [diff_words(b, n) for b, n in zip(base_parts, new_parts, strict=True)]
+    positions = np.concatenate([p + s for (p, _, _), s in zip(diffs, part_starts, strict=True)])
+    old = np.concatenate([o for _, o, _ in diffs])
+    new = np.concatenate([n for _, _, n in diffs])
     v1 = encode_delta_chunk(chunk, positions, old, new, level)
     k = int(positions.size)
     best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)

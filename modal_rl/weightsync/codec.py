@@ -261,24 +261,36 @@ def _v2_available() -> bool:
     return chunks_v2.available()
 
 
+def _pieces(members: list[_Member], spec: ChunkSpec) -> Iterator[tuple[_Member, int, int, int]]:
+    """The chunk's words member by member: (member, first word in it, count, chunk-local
+    start). A delta reads its members in place; no word space is concatenated."""
+    lo, hi, offset = spec.elem_start, spec.elem_start + spec.elem_count, 0
+    for m in members:
+        a, b = max(lo, offset), min(hi, offset + m.numel)
+        if a < b:
+            yield m, a - offset, b - a, a - lo
+        offset += m.numel
+
+
 def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool) -> bytes:
     d, level = members[0].differ, config.zstd_level
+    pieces = list(_pieces(members, spec))
     if v2 and ITEMSIZE[members[0].dtype] == 2:
         # v2 models every held word of the chunk, so it reads the whole chunk on the host
-        # (a copy from the device for TorchDiffer), tensor by tensor: no concatenation.
-        base_parts, new_parts, starts, offset = [], [], [], 0
-        lo, hi = spec.elem_start, spec.elem_start + spec.elem_count
-        for m in members:
-            a, b = max(lo, offset), min(hi, offset + m.numel)
-            if a < b:
-                base_parts.append(d.read(m.base, a - offset, b - a).view(np.uint16))
-                new_parts.append(d.read(m.new, a - offset, b - a).view(np.uint16))
-                starts.append(a - lo)
-            offset += m.numel
+        # (a copy from the device for TorchDiffer), tensor by tensor
+        base_parts = [d.read(m.base, at, n).view(np.uint16) for m, at, n, _ in pieces]
+        new_parts = [d.read(m.new, at, n).view(np.uint16) for m, at, n, _ in pieces]
+        starts = [start for *_, start in pieces]
         body = encode_delta_chunk_v2(spec, base_parts, new_parts, starts, level, config.link_bytes_per_s)
         return record(TAG_CHUNK, body)
-    base, new = _space(members, "base"), _space(members, "new")
-    positions, old_words, new_words = d.diff(base, new, spec.elem_start, spec.elem_count)
+    diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
+    if len(diffs) == 1:  # one tensor in the chunk: its diff is the chunk's, no copy
+        positions, old_words, new_words = diffs[0]
+        positions += pieces[0][3]
+    else:
+        positions = np.concatenate([pos + piece[3] for (pos, _, _), piece in zip(diffs, pieces, strict=True)])
+        old_words = np.concatenate([old for _, old, _ in diffs])
+        new_words = np.concatenate([new for _, _, new in diffs])
     dense_xor = config.coding == 0
     return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
 

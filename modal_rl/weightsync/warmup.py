@@ -1,6 +1,6 @@
 """Load the codec's compiled kernels before the first frame needs them.
 
-The v2 chunk coding and the sparse scatter are numba kernels (``cache=True``): the first
+The v2 chunk coding, the diff and the sparse scatter are numba kernels (``cache=True``): the first
 call in a process imports numba, loads (or compiles) each kernel for the argument types
 it sees, and starts the worker pool. On a fresh receiver that cost 0.5–0.6 s and landed on
 its first delta (the steady deltas take 0.05–0.07 s on the same host). ``start_warm_up``
@@ -37,6 +37,7 @@ def warm_up(threads: int | None = None) -> bool:
 
             shared_pool(threads)
         from modal_rl.weightsync import chunks_v2
+        from modal_rl.weightsync.diffwords import diff_words
         from modal_rl.weightsync.scatter import scatter
 
         words = 1 << 14
@@ -44,6 +45,7 @@ def warm_up(threads: int | None = None) -> bool:
         for dtype in (np.uint16, np.uint32, np.uint8, np.uint64):
             held = np.zeros(8, dtype)
             scatter(held, np.arange(0, 8, 2, dtype=np.int64), 0, np.ones(4, dtype), "add")
+            diff_words(held, held + dtype(1))  # the publisher's diff (and a relay's)
         if not chunks_v2.available():
             return False
         base = (rng.integers(0x3A00, 0x3F00, words, dtype=np.int64)).astype(np.uint16)
