@@ -181,3 +181,23 @@ def test_a_relay_re_serves_what_it_receives():
         downstream.source.close()
         upstream.close()
         relay_server.close()
+
+
+def test_the_second_host_copy_is_made_before_the_first_delta(tmp_path):
+    """After the first publish, the next version's buffers are made (pages touched) in the
+    background; the first delta copies into them instead of allocating a whole state."""
+    states = trajectory(3)
+    publisher = Publisher(DirectoryStore(tmp_path), anchor_every=None, config=CONFIG)
+    publisher.publish(states[0])
+    publisher._prefault.join(timeout=30)
+    spare = dict(publisher._spare)
+    assert set(spare) == set(states[0])
+    assert all(spare[n].shape == t.shape and spare[n].dtype == t.dtype for n, t in states[0].items())
+    held = publisher.snapshot
+    assert all(spare[n].data_ptr() != held[n].data_ptr() for n in spare if spare[n].numel())
+    assert publisher.publish(states[1]).kind == "delta"
+    assert all(publisher.snapshot[n] is spare[n] for n in spare)  # the prepared buffers, reused
+    assert same_state(publisher.snapshot, states[1])
+    live: dict = {}
+    assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(1, timeout=30)
+    assert same_state(live, states[1])

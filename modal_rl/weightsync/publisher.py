@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class Publisher:
         # the previous snapshot's buffers, reused for the next version's copy: a version then
         # costs no allocation (nor page faults), and the publisher's peak stays at two copies
         self._spare: dict[str, Any] = {}
+        self._prefault: threading.Thread | None = None
         from modal_rl.weightsync.warmup import start_warm_up
 
         start_warm_up(self.config.threads)  # the encoder's kernels load before the first delta
@@ -101,6 +103,9 @@ class Publisher:
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
         pin = tensor.device.type == "cuda"
+        if self._prefault is not None:  # the spare buffers being made (normally long done)
+            self._prefault.join()
+            self._prefault = None
         out = self._spare.pop(name, None)
         if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.is_pinned() != pin:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
@@ -112,6 +117,28 @@ class Publisher:
             # threads measured 5x slower publishes on a busy 2-core host.
             np.copyto(words_of(out), words_of(tensor.detach()))
         return out
+
+    def _start_prefault(self) -> None:
+        """Make the second host copy (the next version's buffers) on a background thread,
+        its pages touched. Only the first publish has no spare; without this its successor
+        paid the page faults of a whole state (measured at 2 GB bf16: the first delta 2.2 s
+        against 1.1 s for the next ones). The trainer's step between two publishes hides it;
+        the peak stays at the two copies a publisher holds anyway."""
+        snapshot = dict(self.snapshot)
+
+        def make() -> None:
+            import torch
+
+            try:
+                for name, held in snapshot.items():
+                    out = torch.empty(held.shape, dtype=held.dtype, pin_memory=held.is_pinned())
+                    words_of(out).fill(0)  # fault the pages in now, not during the next copy
+                    self._spare[name] = out
+            except Exception as exc:  # the next copy allocates what is missing, as before
+                log.warning("weight sync: could not prepare the next version's buffers: %s", exc)
+
+        self._prefault = threading.Thread(target=make, name="publisher-prefault", daemon=True)
+        self._prefault.start()
 
     def _config_for_link(self) -> CodecConfig:
         """The codec config for this publish: a sink that knows each receiver's share of
@@ -167,6 +194,8 @@ class Publisher:
             raise
         self._spare = self.snapshot
         self.snapshot, self.checksums, self.version = staged, sums, version
+        if not self._spare:
+            self._start_prefault()
         self._force_anchor = False
         self._since_anchor = 0 if anchor else self._since_anchor + 1
         self._since_recovery = 0 if anchor else self._since_recovery + 1
