@@ -192,7 +192,7 @@ def test_damaged_stream_is_refused_and_the_receiver_recovers(tmp_path, damage):
     publisher = Publisher(server, anchor_every=100, config=CONFIG)
     for state in states:
         publisher.publish(state)
-    anchor_size = len(server.retained[0][1])
+    anchor_size = server.retained[0].size  # bytes, as the stream carries them
     proxy = FlakyProxy(server.address, damage, at_byte=anchor_size + 200)  # inside the first delta
     receiver = Receiver(proxy.address, until=2, out=tmp_path / "out.safetensors")
     try:

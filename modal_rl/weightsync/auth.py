@@ -255,13 +255,16 @@ def same_proof(expected: str, got) -> bool:
 
 
 def hello_line(
-    have: int | None, keys: FrameKeys | None, epoch: int | None = None
+    have: int | None, keys: FrameKeys | None, epoch: int | None = None, decode: dict | None = None
 ) -> tuple[bytes, str | None]:
     """The receiver's first line, and its nonce (None when keyless). ``epoch``: the epoch of
-    the version held (the client proof covers the whole line, so it is authenticated)."""
+    the version held; ``decode``: the receiver's measured decode costs (``decode_costs``).
+    The client proof covers the whole line, so both are authenticated."""
     hello: dict = {"have": have}
     if epoch is not None:
         hello["epoch"] = epoch
+    if decode is not None:
+        hello["decode"] = decode
     if keys is None:
         return json.dumps(hello).encode() + b"\n", None
     nonce = new_nonce()

@@ -156,16 +156,18 @@ def encode_delta_chunk_v2(
     part_starts: list[int],
     level: int,
     link_bytes_per_s: float | None = None,
+    costs=None,
 ) -> bytes:
     """Body of a delta chunk of 2-byte words from the chunk's base and new words, given as
     parts (its tensors' words, ``part_starts`` chunk-local): the v2 coding, or the v1
     body where that is smaller (v1 is coded in full only where a sample says it may be).
     With ``link_bytes_per_s`` (each receiver's share of the link) the choice is by time
-    instead: v2 only where the wire time it saves exceeds its extra decode time."""
+    instead: v2 only where the wire time it saves exceeds its extra decode time (``costs``:
+    the receivers' ``decode_costs.DecodeCosts``, None for the defaults)."""
     from modal_rl.weightsync import chunks_v2
 
     if link_bytes_per_s is not None:
-        return _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s)
+        return _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s, costs)
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
@@ -183,7 +185,7 @@ def encode_delta_chunk_v2(
     return body if saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE else v1
 
 
-def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float) -> bytes:
+def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float, costs) -> bytes:
     """The coding whose wire + decode time is smaller on this link (``chunks_v2.v2_pays``).
     v1 first: where even the best case of v2 (``V2_BEST_SHARE`` of v1's bytes) would not
     pay for its pass, v2 is not coded at all, which saves the encoder that pass too."""
@@ -198,14 +200,16 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
     v1 = encode_delta_chunk(chunk, positions, old, new, level)
     k = int(positions.size)
     best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)
-    if k == 0 or not chunks_v2.v2_pays(len(v1), best_v2, chunk.elem_count, k, link_bytes_per_s):
+    if k == 0 or not chunks_v2.v2_pays(len(v1), best_v2, chunk.elem_count, k, link_bytes_per_s, costs):
         return v1
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
 
     body = chunks_v2.encode(header_for, base_parts, new_parts, part_starts, level)[0]
-    pays = body is not None and chunks_v2.v2_pays(len(v1), len(body), chunk.elem_count, k, link_bytes_per_s)
+    pays = body is not None and chunks_v2.v2_pays(
+        len(v1), len(body), chunk.elem_count, k, link_bytes_per_s, costs
+    )
     return body if pays else v1
 
 

@@ -206,23 +206,23 @@ def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[
 
 
 V2_WORDS_PER_BYTE = 4096  # v2 must save a byte per this many words of its chunk (~5 µs of pass)
-# Decode time a v2 chunk costs the receiver beyond v1's (one thread; measured on the real
-# Adam band by `python -m benchmarks weight-sync`: v1 0.85 Gwords/s, v2 0.47 at 0.6%
-# changes): a pass over every held word, and more work per change (two rANS chains).
-V2_EXTRA_S_PER_WORD = 1.0e-9
-V2_EXTRA_S_PER_CHANGE = 50e-9
 V2_BEST_SHARE = 0.5  # v2 has never been under half of v1's bytes on any measured case
 V1_SAMPLES = 4  # contiguous runs of changes the v1 estimate codes
 V1_SAMPLE_SHARE = 32  # each run holds 1/32 of the chunk's changes
 V1_MARGIN = 1.15  # code v1 in full unless its estimate exceeds v2's size by this factor
 
 
-def v2_pays(v1_len: int, v2_len: int, count: int, nchanged: int, link_bytes_per_s: float) -> bool:
+def v2_pays(v1_len: int, v2_len: int, count: int, nchanged: int, link_bytes_per_s: float, costs=None) -> bool:
     """Whether a v2 body of ``v2_len`` bytes reaches a receiver that gets
     ``link_bytes_per_s`` of the link sooner than the v1 body of ``v1_len``: the wire time
-    saved against the decode time added (``V2_EXTRA_S_*``). Only time depends on it."""
+    saved against the decode time added (``costs``: a ``decode_costs.DecodeCosts``, the
+    receivers' own or the defaults: a pass over every held word, and more work per change).
+    Only time depends on it."""
+    from modal_rl.weightsync.decode_costs import DEFAULT
+
+    costs = costs or DEFAULT
     saved_s = (v1_len - v2_len) / link_bytes_per_s
-    return saved_s > count * V2_EXTRA_S_PER_WORD + nchanged * V2_EXTRA_S_PER_CHANGE
+    return saved_s > count * costs.word_s + nchanged * costs.change_s
 
 
 def v1_may_be_smaller(

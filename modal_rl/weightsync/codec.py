@@ -25,6 +25,7 @@ from modal_rl.weightsync.chunks import (
     encode_delta_chunk_v2,
     encode_full_chunk,
 )
+from modal_rl.weightsync.decode_costs import DecodeCosts
 from modal_rl.weightsync.differ import Differ, default_differ
 from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name
 from modal_rl.weightsync.errors import LayoutMismatchError
@@ -66,6 +67,9 @@ class CodecConfig:
     # saves exceeds the extra decode time a v2 chunk costs the receiver (``chunks_v2.v2_pays``).
     # The publisher fills it in from a rate-limited sink. Changes the bytes, never decodability.
     link_bytes_per_s: float | None = None
+    # What a v2 chunk costs the slowest receiver beyond v1 (``decode_costs``: measured by
+    # each receiver, named in its hello; None: the defaults). Used with ``link_bytes_per_s``.
+    receiver_costs: DecodeCosts | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
@@ -281,7 +285,9 @@ def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v
         base_parts = [d.read(m.base, at, n).view(np.uint16) for m, at, n, _ in pieces]
         new_parts = [d.read(m.new, at, n).view(np.uint16) for m, at, n, _ in pieces]
         starts = [start for *_, start in pieces]
-        body = encode_delta_chunk_v2(spec, base_parts, new_parts, starts, level, config.link_bytes_per_s)
+        body = encode_delta_chunk_v2(
+            spec, base_parts, new_parts, starts, level, config.link_bytes_per_s, config.receiver_costs
+        )
         return record(TAG_CHUNK, body)
     diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
     if len(diffs) == 1:  # one tensor in the chunk: its diff is the chunk's, no copy

@@ -143,11 +143,13 @@ class Publisher:
     def _config_for_link(self) -> CodecConfig:
         """The codec config for this publish: a sink that knows each receiver's share of
         its link (a rate-limited frame server) lets deltas be coded for time on that link,
-        unless the config already names a link."""
+        unless the config already names a link; with it, the decode costs its receivers
+        measured and named in their hellos (``decode_costs``)."""
         share = getattr(self.sink, "link_share_bytes_per_s", None)
         if self.config.link_bytes_per_s is not None or share is None:
             return self.config
-        return dataclasses.replace(self.config, link_bytes_per_s=share)
+        costs = self.config.receiver_costs or getattr(self.sink, "receiver_costs", None)
+        return dataclasses.replace(self.config, link_bytes_per_s=share, receiver_costs=costs)
 
     @property
     def next_version(self) -> int:

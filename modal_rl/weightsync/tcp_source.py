@@ -35,6 +35,7 @@ from modal_rl.weightsync.auth import (
     refusal,
     trailer_size,
 )
+from modal_rl.weightsync.decode_costs import measured as measured_costs
 from modal_rl.weightsync.errors import FrameInterruptedError, HandshakeError
 from modal_rl.weightsync.frames import RECORD_HEADER, TAG_END, TAG_VERSION
 
@@ -126,7 +127,8 @@ class TcpSource:
             time.sleep(self.backoff)  # a receiver that retries does not hammer a refusing server
 
     def _handshake(self, have: int | None, epoch: int | None = None) -> None:
-        line, nonce = hello_line(have, self.keys, epoch)
+        costs = measured_costs()  # once this receiver's warm-up measured them
+        line, nonce = hello_line(have, self.keys, epoch, costs.hello() if costs else None)
         self.sock.sendall(line)
         if self.keys is None:
             return  # keyless: records follow (or the server's refusal line)

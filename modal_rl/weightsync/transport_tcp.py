@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from modal_rl.weightsync.auth import (
     FROM_ENV,
@@ -59,6 +58,7 @@ from modal_rl.weightsync.auth import (
     server_proof,
     sign_records,
 )
+from modal_rl.weightsync.decode_costs import DecodeCosts, from_hello, slowest
 from modal_rl.weightsync.epoch import describe
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.frames import (
@@ -67,6 +67,7 @@ from modal_rl.weightsync.frames import (
     VersionHeader,
     record_body,
 )
+from modal_rl.weightsync.retention import Kept, kept_since, trim
 from modal_rl.weightsync.tcp_source import TcpSource  # the receiver side, re-exported
 from modal_rl.weightsync.transport import TokenBucket
 
@@ -80,25 +81,13 @@ class _Refused(Exception):
     """A receiver failed admission; the message is sent to it and logged (one line)."""
 
 
-class _Kept(NamedTuple):
-    """A retained frame as its records (kept as sent: joining them would hold a model-sized
-    frame twice); ``recovery``: a recovery anchor (catch-up only, never broadcast)."""
-
-    header: VersionHeader
-    records: list[bytes]
-    recovery: bool = False
-
-    @property
-    def size(self) -> int:
-        return sum(map(len, self.records))
-
-
 @dataclass
 class _Conn:
     writer: asyncio.StreamWriter
     have: int | None
     peer: str
     epoch: int | None = None
+    costs: DecodeCosts | None = None  # what it named in its hello (``decode_costs``)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     buffered: int = 0
     space: asyncio.Event = field(default_factory=asyncio.Event)
@@ -125,7 +114,7 @@ class FrameServer:
         self.max_buffer = max_buffer_bytes
         self.slow_timeout = slow_timeout_s
         self.keep_anchors = keep_anchors
-        self.retained: list[_Kept] = []
+        self.retained: list[Kept] = []
         self.run: str | None = None
         self.epoch: int | None = None  # the publisher's epoch (None: a relay, or no publisher yet)
         self.superseded_by: int | None = None  # a newer epoch a receiver reported
@@ -160,7 +149,7 @@ class FrameServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
         try:
-            have, epoch = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            have, epoch, costs = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
         except _Refused as exc:
             log.warning("weight-sync receiver %s refused: %s", peer, exc)
             try:
@@ -174,7 +163,7 @@ class FrameServer:
             log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
             writer.close()
             return
-        conn = _Conn(writer, have, peer, epoch)
+        conn = _Conn(writer, have, peer, epoch, costs)
         conn.task = asyncio.ensure_future(self._write_loop(conn))
         if self.in_frame:
             self.pending.append(conn)  # joins at the next frame boundary
@@ -183,19 +172,20 @@ class FrameServer:
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[int | None, int | None]:
-        """The receiver's (version, epoch) once it is admitted; ``_Refused`` otherwise.
-        Nothing of a frame is written before this returns."""
+    ) -> tuple[int | None, int | None, DecodeCosts | None]:
+        """The receiver's (version, epoch, decode costs) once it is admitted; ``_Refused``
+        otherwise. Nothing of a frame is written before this returns."""
         line = await reader.readline()
         hello = json.loads(line)
         if not isinstance(hello, dict):
             raise _Refused("the hello is not a JSON object")
         have, epoch = (_int_or_none(hello.get(k)) for k in ("have", "epoch"))
+        costs = from_hello(hello.get("decode"))
         if self.keys is None:
             if "auth" in hello:
                 raise _Refused("this frame server is keyless (key=None); a receiver with a key refuses it")
             self._check_epoch(epoch)
-            return have, epoch
+            return have, epoch, costs
         nonce = hello.get("nonce")
         if hello.get("auth") != HANDSHAKE or not isinstance(nonce, str) or len(nonce) != 64:
             raise _Refused("this frame server requires the run's key; the receiver offered none (keyless?)")
@@ -208,7 +198,7 @@ class FrameServer:
         if not same_proof(client_proof(self.keys, nonce, mine, line), got):
             raise _Refused("the receiver does not know this run's key")
         self._check_epoch(epoch)  # the epoch is in the hello the proof covers
-        return have, epoch
+        return have, epoch, costs
 
     def _check_epoch(self, epoch: int | None) -> None:
         """Refuse a receiver that holds a newer epoch than this publisher's: this server's
@@ -222,7 +212,7 @@ class FrameServer:
         )
 
     def _admit(self, conn: _Conn) -> None:
-        for kept in self._kept_since(conn.have, conn.epoch):
+        for kept in kept_since(self.retained, conn.have, conn.epoch):
             for rec in kept.records:
                 self._enqueue(conn, rec)
         self.active.append(conn)
@@ -278,14 +268,12 @@ class FrameServer:
         self.in_frame = True
 
     async def _end(self, header: VersionHeader, records: list[bytes]) -> None:
-        self._retain(_Kept(header, records))
+        self._retain(Kept(header, records))
         await self._frame_closed()
 
-    def _retain(self, kept: _Kept) -> None:
+    def _retain(self, kept: Kept) -> None:
         self.retained.append(kept)
-        anchors = [i for i, k in enumerate(self.retained) if k.header.kind == "anchor"]
-        if len(anchors) > self.keep_anchors:
-            del self.retained[: anchors[-self.keep_anchors]]
+        trim(self.retained, self.keep_anchors)
 
     async def _frame_closed(self) -> None:
         """A frame boundary: receivers that connected mid-frame join now."""
@@ -303,29 +291,7 @@ class FrameServer:
         frames after ``have`` when it holds that epoch (``epoch=None``: the version alone
         decides, as before epochs) and they weigh less than the newest anchor's path, else
         that anchor and the deltas after it."""
-        return [b"".join(k.records) for k in self._kept_since(have, epoch)]
-
-    def _kept_since(self, have: int | None, epoch: int | None) -> list[_Kept]:
-        if not self.retained:
-            return []
-        cur = self.retained[-1].header.epoch
-        kept = [k for k in self.retained if k.header.epoch == cur]
-        if epoch is not None and epoch > cur:
-            return []
-        same = epoch is None or epoch == cur
-        anchors = [i for i, k in enumerate(kept) if k.header.kind == "anchor"]
-        cold = [kept[anchors[-1]]] if anchors else []
-        if anchors:
-            cold += [k for k in kept[anchors[-1] + 1 :] if not k.recovery]
-        versions = [k.header.version for k in kept]
-        if same and have is not None and have in versions:
-            warm = [k for k in kept[versions.index(have) + 1 :] if not k.recovery]
-            if not cold or sum(k.size for k in warm) <= sum(k.size for k in cold):
-                return warm
-            return cold
-        if same and have is not None and versions and have >= versions[-1]:
-            return []
-        return cold
+        return [b"".join(k.records) for k in kept_since(self.retained, have, epoch)]
 
     def open_epoch(self, run: str, epoch: int) -> int:
         """A publisher starts on this server: it publishes ``epoch`` of ``run`` from now on."""
@@ -344,11 +310,11 @@ class FrameServer:
     def send_recovery(self, header: VersionHeader, records: Iterable[bytes]) -> int:
         """Retain a recovery anchor for receivers that catch up (not broadcast)."""
         self._check_lease(header)
-        kept = _Kept(header, list(sign_records(records, self.keys)), recovery=True)
+        kept = Kept(header, list(sign_records(records, self.keys)), recovery=True)
         self._call(self._keep_recovery(kept))
         return kept.size
 
-    async def _keep_recovery(self, kept: _Kept) -> None:
+    async def _keep_recovery(self, kept: Kept) -> None:
         self._retain(kept)
 
     def send(self, header: VersionHeader, records: Iterable[bytes]) -> int:
@@ -392,6 +358,11 @@ class FrameServer:
         shared); None without a limit. The publisher codes for it (``CodecConfig``)."""
         rate = self.limiter.rate
         return None if rate is None else rate / max(1, len(self.active))
+
+    @property
+    def receiver_costs(self) -> DecodeCosts:
+        """The decode costs to code for: the slowest connected receiver's (``decode_costs``)."""
+        return slowest([conn.costs for conn in self.active])
 
     def close(self) -> None:
         async def shutdown() -> None:

@@ -68,6 +68,9 @@ def warm_up(threads: int | None = None) -> bool:
             return False
         # the refusal path (put back what a corrupt chunk wrote) uses the "set" scatter
         chunks_v2._put_back([held16], [0], np.arange(0, 4, dtype=np.int64), base[:4].copy())
+        from modal_rl.weightsync.decode_costs import measure
+
+        measure()  # this CPU's v2 decode costs, for the hello (~40 ms, once per process)
         return True
     except Exception as exc:  # never fail the caller: the kernels then load on first use
         log.info("weight-sync warm-up skipped: %s", exc)
