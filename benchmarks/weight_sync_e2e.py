@@ -27,6 +27,7 @@ measured side by side in one run (``delta auth/keyless``, ``full auth/keyless``)
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -227,6 +228,31 @@ def _slime_bytes(states) -> float:
     )
 
 
+# Run order per scenario. A full-anchor run leaves the host busy as it ends (receivers
+# writing their weights, a model's worth of buffers freed), and the mode after it paid for
+# that: at 2 GB its first delta took 1.9 s against 1.65 s for the next ones (it was always
+# ``delta``). So the sparse modes run first (slime's right after the previous scenario's
+# full run), the full runs last, v1 and delta each after a sparse mode, and every mode
+# starts on a settled host (``_settled``).
+SMALL_ORDER = (
+    ("slime", True),
+    ("v1", True),
+    ("delta", True),
+    ("delta", False),
+    ("full", False),
+    ("full", True),
+)
+SCALE_ORDER = ("slime", "v1", "delta", "v2", "full")
+SETTLE_S = 1.0
+
+
+def _settled(fn, *args):
+    """``fn(*args)`` once the previous mode's garbage is collected and its processes are gone."""
+    gc.collect()
+    time.sleep(SETTLE_S)
+    return fn(*args)
+
+
 def run(quick: bool, out: Path) -> dict[str, Any]:
     versions = 5 if quick else 8
     states_by_step = adam_trajectory(1e-6, list(range(versions + 1)))
@@ -241,11 +267,8 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     rows = []
     for receivers, link, fanout in progress(scenarios, total=len(scenarios), desc=SUITE):
         runs = {}
-        # Interleaved, so that load from elsewhere on the host hits every mode alike.
-        for mode, keyed in (("full", False), ("delta", False), ("full", True), ("delta", True)):
-            runs[mode, keyed] = run_mode(states, mode, receivers, link, fanout, workdir, keyed)
-        for mode in ("v1", "slime"):
-            runs[mode, True] = run_mode(states, mode, receivers, link, fanout, workdir)
+        for mode, keyed in SMALL_ORDER:
+            runs[mode, keyed] = _settled(run_mode, states, mode, receivers, link, fanout, workdir, keyed)
         rows.append(
             _row(receivers, link, fanout, runs) | {"state_gb": _gb(states[0]), "bytes_slime_own": slime_bytes}
         )
@@ -258,8 +281,8 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         tiles = tiled_size(states[0], gb)
         big = [tiled_state(states[v], tiles) for v in range(scale_versions + 1)]
         runs = {}
-        for mode in ("full", "delta", "v1", "slime", "v2"):
-            runs[mode, True] = run_mode(big, mode, receivers, 1, "direct", workdir)
+        for mode in SCALE_ORDER:
+            runs[mode, True] = _settled(run_mode, big, mode, receivers, 1, "direct", workdir)
         own = tiles * _slime_bytes(states[: scale_versions + 1])
         peaks = {  # max resident set so far (KB on Linux): this process, and any receiver
             "peak_rss_gb_publisher_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
