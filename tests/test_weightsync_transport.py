@@ -189,15 +189,31 @@ def test_the_second_host_copy_is_made_before_the_first_delta(tmp_path):
     states = trajectory(3)
     publisher = Publisher(DirectoryStore(tmp_path), anchor_every=None, config=CONFIG)
     publisher.publish(states[0])
-    publisher._prefault.join(timeout=30)
-    spare = dict(publisher._spare)
-    assert set(spare) == set(states[0])
-    assert all(spare[n].shape == t.shape and spare[n].dtype == t.dtype for n, t in states[0].items())
+    prefault = publisher._prefault
+    prefault.thread.join(timeout=30)
+    ready = dict(prefault._ready)
+    assert set(ready) == set(states[0])
+    assert all(ready[n].shape == t.shape and ready[n].dtype == t.dtype for n, t in states[0].items())
     held = publisher.snapshot
-    assert all(spare[n].data_ptr() != held[n].data_ptr() for n in spare if spare[n].numel())
+    assert all(ready[n].data_ptr() != held[n].data_ptr() for n in ready if ready[n].numel())
     assert publisher.publish(states[1]).kind == "delta"
-    assert all(publisher.snapshot[n] is spare[n] for n in spare)  # the prepared buffers, reused
+    assert all(publisher.snapshot[n] is ready[n] for n in ready)  # the prepared buffers, reused
     assert same_state(publisher.snapshot, states[1])
     live: dict = {}
     assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(1, timeout=30)
     assert same_state(live, states[1])
+
+
+def test_a_publish_never_waits_for_the_background_copy():
+    """Buffers the next publish takes first are never made (or kept) by the background
+    thread: it skips what was claimed, so nothing is made twice and nothing waits."""
+    from modal_rl.weightsync.publisher import _Prefault
+
+    state = {f"t{i}": torch.zeros(1 << 16, dtype=torch.bfloat16) for i in range(64)}
+    prefault = _Prefault(state)
+    taken = {name: prefault.take(name) for name in state}  # at once, while it runs
+    prefault.thread.join(timeout=30)
+    assert prefault._ready == {}  # everything claimed: nothing left behind
+    made = [t for t in taken.values() if t is not None]
+    assert all(t.shape == (1 << 16,) and t.dtype == torch.bfloat16 for t in made)
+    assert prefault.take("t0") is None  # a name is handed out at most once
