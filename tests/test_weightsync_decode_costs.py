@@ -47,7 +47,7 @@ def test_the_slowest_receiver_sets_each_cost():
 
 
 def test_measured_costs_follow_the_v2_pass_on_this_cpu():
-    assert warm_up(1)  # loads the kernels and measures
+    assert warm_up(1, measure_costs=True)  # loads the kernels and measures
     costs = decode_costs.measured()
     assert costs is not None
     # v2's pass over every held word is real work (~1 ns/word); v1 touches only changes
@@ -92,3 +92,26 @@ def test_the_hello_carries_the_receiver_s_costs_to_the_publisher_s_coding(monkey
         if source is not None:
             source.close()
         server.close()
+
+
+def test_a_receiver_after_a_publisher_in_one_process_still_measures():
+    """Publishers warm up without measuring; a subscriber made later in the same process
+    gets its measurement on a thread of its own (a fresh process: the warm-up is global)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from modal_rl.weightsync import decode_costs\n"
+        "from modal_rl.weightsync.warmup import start_warm_up, wait_warm\n"
+        "start_warm_up(1)\n"
+        "assert wait_warm(120) and decode_costs.measured() is None\n"
+        "start_warm_up(1, measure_costs=True)\n"
+        "deadline = time.monotonic() + 120\n"
+        "while decode_costs.measured() is None and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
+        "print(decode_costs.measured().word_s > 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "True"

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.weightsync.diffwords import diff_words
+from modal_rl.weightsync.diffwords import diff_words, join_diffs
 from modal_rl.weightsync.errors import CorruptFrameError
 from modal_rl.weightsync.scatter import scatter, update
 from modal_rl.weightsync.streams import (
@@ -194,9 +194,7 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
     # a chunk always has at least one part (a tensor's words); the diff is v1's own
     # (64-bit blocks first), so coding for time costs the encoder no more than v1 does
     diffs = [diff_words(b, n) for b, n in zip(base_parts, new_parts, strict=True)]
-    positions = np.concatenate([p + s for (p, _, _), s in zip(diffs, part_starts, strict=True)])
-    old = np.concatenate([o for _, o, _ in diffs])
-    new = np.concatenate([n for _, _, n in diffs])
+    positions, old, new = join_diffs(diffs, part_starts)
     v1 = encode_delta_chunk(chunk, positions, old, new, level)
     k = int(positions.size)
     best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)

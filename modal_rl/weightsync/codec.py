@@ -27,6 +27,7 @@ from modal_rl.weightsync.chunks import (
 )
 from modal_rl.weightsync.decode_costs import DecodeCosts
 from modal_rl.weightsync.differ import Differ, default_differ
+from modal_rl.weightsync.diffwords import join_diffs
 from modal_rl.weightsync.dtypes import ITEMSIZE, dtype_name
 from modal_rl.weightsync.errors import LayoutMismatchError
 from modal_rl.weightsync.frames import (
@@ -290,13 +291,7 @@ def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v
         )
         return record(TAG_CHUNK, body)
     diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
-    if len(diffs) == 1:  # one tensor in the chunk: its diff is the chunk's, no copy
-        positions, old_words, new_words = diffs[0]
-        positions += pieces[0][3]
-    else:
-        positions = np.concatenate([pos + piece[3] for (pos, _, _), piece in zip(diffs, pieces, strict=True)])
-        old_words = np.concatenate([old for _, old, _ in diffs])
-        new_words = np.concatenate([new for _, _, new in diffs])
+    positions, old_words, new_words = join_diffs(diffs, [start for *_, start in pieces])
     dense_xor = config.coding == 0
     return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
 

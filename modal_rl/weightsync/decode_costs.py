@@ -3,8 +3,9 @@
 Coding for time (``chunks_v2.v2_pays``) weighs the wire time a v2 body saves against the
 extra decode time it costs the receiver: a pass over every held word of the chunk, and more
 work per change. Those costs belong to the receiver's CPU, not the trainer's, so each
-receiver measures them once (during its warm-up, ``measure``) and names them in its hello
-(``{"decode": {"word_s": …, "change_s": …}}``, covered by the handshake's proof); a frame
+receiver measures them once (during its warm-up, ``measure``; publishers do not) and
+names them in its hello (``{"decode": {"word_s": …, "change_s": …}}``, covered by the
+handshake's proof); a frame
 server codes for its slowest receiver (``slowest``). A receiver that has not measured yet,
 or an old one, counts at the defaults, which were measured on the real Adam band.
 
@@ -122,7 +123,7 @@ def _decode_times(changes: int, seed: int) -> tuple[float, float]:
 
 
 def measure() -> DecodeCosts:
-    """Measure this CPU's costs on probe chunks (~20 ms; the kernels must be loadable) and
+    """Measure this CPU's costs on probe chunks (~40 ms; the kernels must be loadable) and
     keep them for ``measured``. Two probes, one change and ``DENSITY``: the first gives the
     per-word pass, their difference the per-change work."""
     k = int(WORDS * DENSITY)

@@ -87,3 +87,15 @@ def diff_words(b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     old, new = np.empty(b.size, b.dtype), np.empty(b.size, b.dtype)
     k = kernel(b, n, b[:head].view(np.uint64), n[:head].view(np.uint64), per_block, pos, old, new)
     return pos[:k].copy(), old[:k].copy(), new[:k].copy()
+
+
+def join_diffs(diffs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], starts: list[int]):
+    """One chunk's (positions, old, new) from its parts' diffs, each part's positions
+    shifted by its chunk-local start. A single part's arrays are used as they are (the
+    diffs own them), so a one-tensor chunk is not copied."""
+    if len(diffs) == 1:
+        positions, old, new = diffs[0]
+        positions += starts[0]
+        return positions, old, new
+    positions = np.concatenate([p + s for (p, _, _), s in zip(diffs, starts, strict=True)])
+    return positions, np.concatenate([o for _, o, _ in diffs]), np.concatenate([n for _, _, n in diffs])

@@ -81,8 +81,9 @@ class Subscriber:
         self._kwargs = _keywords(self.source)
         from modal_rl.weightsync.warmup import start_warm_up
 
-        # the decoder's kernels load now, while the anchor is on the wire, not on the first delta
-        start_warm_up(self.config.threads)
+        # the decoder's kernels load now, while the anchor is on the wire, not on the first
+        # delta; and this CPU's decode costs are measured for the hello (``decode_costs``)
+        start_warm_up(self.config.threads, measure_costs=True)
 
     @property
     def floor(self) -> tuple[int | None, int] | None:

@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _started: threading.Thread | None = None
 _done = threading.Event()
+_measuring = False  # decode costs measured, or being measured, in this process
 
 
-def warm_up(threads: int | None = None) -> bool:
+def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
     """Run every kernel once (synchronously); True when they are loaded. ``threads``: also
-    start the codec's shared worker pool of that size."""
+    start the codec's shared worker pool of that size; ``measure_costs``: then measure this
+    CPU's v2 decode costs for the hello (receivers only, ``decode_costs``)."""
     try:
         if threads is not None:
             from modal_rl.weightsync.workers import shared_pool
@@ -68,9 +70,10 @@ def warm_up(threads: int | None = None) -> bool:
             return False
         # the refusal path (put back what a corrupt chunk wrote) uses the "set" scatter
         chunks_v2._put_back([held16], [0], np.arange(0, 4, dtype=np.int64), base[:4].copy())
-        from modal_rl.weightsync.decode_costs import measure
+        if measure_costs:
+            from modal_rl.weightsync.decode_costs import measure
 
-        measure()  # this CPU's v2 decode costs, for the hello (~40 ms, once per process)
+            measure()  # ~40 ms, once per receiving process
         return True
     except Exception as exc:  # never fail the caller: the kernels then load on first use
         log.info("weight-sync warm-up skipped: %s", exc)
@@ -79,24 +82,40 @@ def warm_up(threads: int | None = None) -> bool:
         _done.set()
 
 
+def _measure_when_warm() -> None:
+    _done.wait()
+    try:
+        from modal_rl.weightsync.decode_costs import measure
+
+        measure()
+    except Exception as exc:  # the hello then names no costs: the server's defaults apply
+        log.info("weight-sync decode costs not measured: %s", exc)
+
+
 def _forget_in_child() -> None:
     # a forked child has no warm-up thread (nor, maybe, the kernels): it starts its own
-    global _started, _done
-    _started, _done = None, threading.Event()
+    global _started, _done, _measuring
+    _started, _done, _measuring = None, threading.Event(), False
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def start_warm_up(threads: int | None = None) -> threading.Thread:
-    """``warm_up`` on a daemon thread, once per process; returns that thread."""
-    global _started
+def start_warm_up(threads: int | None = None, measure_costs: bool = False) -> threading.Thread:
+    """``warm_up`` on a daemon thread, once per process; returns that thread. A receiver
+    asks for ``measure_costs``; in a process whose warm-up a publisher already started, the
+    measurement follows it on a thread of its own."""
+    global _started, _measuring
     with _lock:
         if _started is None:
             _started = threading.Thread(
-                target=warm_up, args=(threads,), name="weightsync-warm-up", daemon=True
+                target=warm_up, args=(threads, measure_costs), name="weightsync-warm-up", daemon=True
             )
             _started.start()
+            _measuring = measure_costs
+        elif measure_costs and not _measuring:
+            _measuring = True
+            threading.Thread(target=_measure_when_warm, name="weightsync-decode-costs", daemon=True).start()
         return _started
 
 
