@@ -37,13 +37,13 @@ class _SharedNamespaceProvider(LocalProvider):
 
 
 async def _score_before(pool: SandboxPool, code: str, tests: dict) -> float:
-    cases, assert_code = parse_tests(tests)
+    spec = parse_tests(tests)
     async with pool.lease() as sb:
-        if assert_code is not None:
-            await sb.write_file("solution.py", code + "\n\n" + assert_code + "\n")
+        if spec.code is not None:
+            await sb.write_file("solution.py", code + "\n\n" + spec.code + "\n")
             return float((await sb.exec(["python3", "solution.py"], timeout_s=10)).ok)
         await sb.write_file("solution.py", code)
-        for stdin, expected in cases:
+        for stdin, expected in spec.cases:
             r = await sb.exec(["python3", "solution.py"], timeout_s=10, stdin=stdin)
             if not (r.ok and r.stdout.strip() == expected.strip()):
                 return 0.0

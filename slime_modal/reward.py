@@ -11,10 +11,12 @@ is none). The test cases are ``sample.metadata["tests"]`` if present, else ``sam
 - any other text (not a JSON object or list) is the expected standard output of the program run
   with empty standard input (one test case).
 
-Score: 1.0 if every case passes, else 0.0; with ``modal_rl_reward.partial`` (custom config) or
-``MODAL_RL_REWARD_PARTIAL=1``, the fraction passed. A sample with neither label nor tests is a
-``ValueError``. A sandbox that fails to start or dies masks the sample (``sample.remove_sample =
-True``, which zeroes its loss mask in slime) and scores 0.0, which then carries no signal.
+Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path verl's reward uses too: 1.0 if
+every test passes, else 0.0; with ``modal_rl_reward.partial`` (custom config) or
+``MODAL_RL_REWARD_PARTIAL=1``, the fraction passed over all tests. A sample with no tests (or
+tests that are no test spec), and a sample whose sandbox fails to start or dies, is masked
+(``sample.remove_sample = True``, which zeroes its loss mask in slime; the reason is logged) and
+scores 0.0, which then carries no signal; the other samples of a batch keep their scores.
 Pool settings: ``slime_modal.config``.
 """
 
@@ -25,8 +27,7 @@ import json
 import logging
 from typing import Any
 
-from modal_rl.sandboxes.coderun import extract_code, score_code
-from modal_rl.sandboxes.errors import SandboxError
+from modal_rl.sandboxes.scoring import score_sample
 from modal_rl.sandboxes.shared import on_pool_loop
 from slime_modal.config import reward_settings, rollout_pool
 
@@ -53,20 +54,25 @@ def sample_tests(sample: Any) -> Any:
 
 
 async def _score(args: Any, sample: Any) -> float:
-    tests = sample_tests(sample)
     timeout_s, partial = reward_settings(args)
-
-    async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
-        pool = await rollout_pool(args)
-        return await score_code(pool, extract_code(sample.response), tests, timeout_s=timeout_s)
-
     try:
-        result = await on_pool_loop(run())
-    except SandboxError as exc:
-        log.warning("sample %s masked: sandbox failure: %s", sample.index, exc)
+        tests = sample_tests(sample)
+    except ValueError as exc:
+        log.error("sample %s masked: %s", sample.index, exc)
         sample.remove_sample = True
         return 0.0
-    return result.fraction if partial else float(result.all_passed)
+
+    async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
+        return await score_sample(
+            lambda: rollout_pool(args), sample.response, tests, partial=partial, timeout_s=timeout_s
+        )
+
+    result = await on_pool_loop(run())
+    if result.masked:
+        log.warning("sample %s masked: %s", sample.index, result.why)
+        sample.remove_sample = True
+        return 0.0
+    return result.score
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:

@@ -21,8 +21,8 @@ def test_code_rows_are_deterministic_coderun_tests():
     rows = tiny.code_rows(16, 0, "train")
     assert rows == tiny.code_rows(16, 0, "train") and rows != tiny.code_rows(16, 1, "train")
     for row in rows:
-        cases, assert_code = parse_tests(row["reward_model"]["ground_truth"])
-        assert len(cases) == 2 and assert_code is None
+        tests = parse_tests(row["reward_model"]["ground_truth"])
+        assert len(tests.cases) == 2 and tests.code is None
         assert row["data_source"] == tiny.CODE_DATA_SOURCE and row["prompt"][0]["role"] == "user"
 
 

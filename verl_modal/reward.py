@@ -9,8 +9,10 @@ Returns ``{"score": 1.0/0.0 (or the pass fraction with partial=True), "passed", 
 "execs"}`` (``execs``: programs run in the sandbox). By name, the same scoring is verl's
 ``reward.reward_manager.name=modal_sandbox`` (``verl_modal.reward_manager``).
 
-Sandbox failures never become a reward: a failed evaluation is retried with a fresh sandbox
-(``sandbox_retries``), and if the infrastructure still fails the ``SandboxError`` propagates.
+Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path slime's reward uses too. Sandbox
+failures never become a reward: a failed evaluation is retried with a fresh sandbox
+(``sandbox_retries``), and if the infrastructure still fails a ``SandboxError`` is raised (tests
+that are no test spec: a ``ValueError`` naming the problem).
 The ``modal_sandbox`` manager turns it into a masked sample (``verl_modal.sample_mask``); any
 other manager fails the sample's group with it.
 """
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from modal_rl.sandboxes.coderun import extract_code, score_code
 from modal_rl.sandboxes.errors import SandboxError
+from modal_rl.sandboxes.scoring import score_sample
 from modal_rl.sandboxes.shared import shared_pool
 
 POOL_KEYS = ("backend", "image", "min_warm", "max_live", "memory_mb", "network", "app", "timeout_s", "cpu")
@@ -38,16 +40,17 @@ async def compute_score(
     sandbox_retries: int = 2,
     **kwargs: Any,
 ) -> dict:
-    pool = await shared_pool(**{k: kwargs[k] for k in POOL_KEYS if k in kwargs})
-    code = extract_code(solution_str)
-    for attempt in range(sandbox_retries + 1):
-        try:
-            result = await score_code(
-                pool, code, ground_truth, timeout_s=exec_timeout_s, stop_on_fail=not partial
-            )
-            break
-        except SandboxError:
-            if attempt == sandbox_retries:
-                raise
-    score = result.fraction if partial else float(result.all_passed)
-    return {"score": score, "passed": result.passed, "total": result.total, "execs": result.execs}
+    settings = {k: kwargs[k] for k in POOL_KEYS if k in kwargs}
+    result = await score_sample(
+        lambda: shared_pool(**settings),
+        solution_str,
+        ground_truth,
+        partial=partial,
+        timeout_s=exec_timeout_s,
+        sandbox_retries=sandbox_retries,
+    )
+    if result.masked and result.cause == "bad_tests":
+        raise ValueError(result.why)
+    if result.masked:  # the modal_sandbox manager masks it; any other manager fails the group
+        raise SandboxError(result.why)
+    return {"score": result.score, "passed": result.passed, "total": result.total, "execs": result.execs}

@@ -116,14 +116,34 @@ def _init(cmd, w):
             return
 
 
+def _map_ids(uid, gid):
+    """Map the exec's user namespace to the sandbox's uid and gid (the same numbers): a command's
+    files get an owner (an unmapped uid cannot create any) and the test runner can give the
+    program a user namespace of its own. The command still holds no capability in the
+    sandbox's namespaces, so nothing of the agent's is within its reach. Where the map cannot be
+    written (the sandbox's uid is 0: that needs CAP_SETFCAP) the exec stays unmapped."""
+    try:
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError:
+        pass
+
+
 def _isolate(cpu):
     """``preexec_fn`` of every exec (runs in the forked child, one thread): this process stays
     outside as the waiter, its child is the init of a new user + PID namespace, and the init's
     child returns from here to be exec'd as the command. Never returns in the waiter or init."""
+    uid, gid = os.getuid(), os.getgid()
     if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         os.write(2, f"[sandbox] cannot isolate the exec: unshare: {os.strerror(err)}\n".encode())
         os._exit(125)
+    _map_ids(uid, gid)
     r, w = os.pipe()
     init = os.fork()
     if init == 0:

@@ -1,22 +1,26 @@
 """Sandboxed test-case scoring of model-written code: the logic behind both frameworks' rewards.
 
 Test formats accepted (``parse_tests``): a JSON string or object ``{"inputs": [...], "outputs":
-[...]}`` (stdin/stdout pairs), a list of ``{"input": ..., "output": ...}``, or
-``{"assert": "<python test code>"}``. Output comparison ignores trailing whitespace per line.
+[...]}`` (stdin/stdout pairs), a list of ``{"input": ..., "output": ...}``, or test code
+``{"assert": "<python>"}`` (``"test"`` is the same key, HumanEval's name), optionally with
+``"entry_point"`` (the function HumanEval's ``check(candidate)`` gets). Test code is any Python
+test file: plain asserts, ``check(candidate)``, raise-based checks, ``unittest`` and pytest
+files (``from solution import f``, classes, fixtures, parametrize).
 
 The verdict never comes from anything the program can write, cause or read (the program is the
 policy's, and the policy optimises against this reward):
 - stdin/stdout cases: the host compares the captured output with the expected output, which
-  never enters the sandbox;
-- assert tests: ``modal_rl.sandboxes.verdict`` splits each assert; only the calls into the
-  program run in the sandbox (``_harness``), their values come back strictly encoded and the
-  host compares them with the expected side. The exit code counts for nothing.
+  never enters the sandbox; output comparison ignores trailing whitespace per line;
+- test code: a trusted runner runs the tests unchanged, with the program as a remote module in
+  a process that cannot reach the runner (``modal_rl.sandboxes.testrun``); the runner's report
+  is the verdict. The exit code counts for nothing.
 
 ``score_code`` returns a score for everything the program can cause (a crash, a hang, killed
 processes, exhausted memory or pids, flooded output, an early exit: a failure) and raises
 ``SandboxError`` only for what it cannot (no sandbox could be started, the sandbox was lost
-from outside, the provider failed): the caller masks that sample. Every exec runs in a PID
-namespace of its own (local provider), so nothing of one test case survives into the next.
+from outside, the provider failed, the sandbox cannot isolate the program): the caller masks
+that sample. Every exec runs in a PID namespace of its own (local provider), so nothing of one
+test case survives into the next.
 """
 
 from __future__ import annotations
@@ -24,13 +28,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from modal_rl.sandboxes import verdict
+from modal_rl.sandboxes import testrun
 from modal_rl.sandboxes.pool import SandboxPool
-
-_HARNESS_SRC = (Path(__file__).with_name("_harness.py")).read_text()
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -41,23 +42,38 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else (text or "")
 
 
-def parse_tests(tests: Any) -> tuple[list[tuple[str, str]], str | None]:
-    """Normalise test cases to ([(stdin, expected_stdout)], assert_code)."""
+@dataclass(frozen=True)
+class Tests:
+    """A sample's tests: stdin/stdout ``cases``, or test ``code`` (with its ``entry_point``)."""
+
+    cases: list[tuple[str, str]] = field(default_factory=list)
+    code: str | None = None
+    entry_point: str | None = None
+
+
+def parse_tests(tests: Any) -> Tests:
+    """Normalise a sample's tests; ``ValueError`` (one line, naming the fix) for any other shape."""
     if isinstance(tests, str):
         try:
             tests = json.loads(tests)
         except ValueError as exc:
             raise ValueError(f"test cases must be JSON, got {tests[:80]!r}") from exc
-    if isinstance(tests, dict) and "assert" in tests:
-        return [], str(tests["assert"])
+    if isinstance(tests, dict) and ("assert" in tests or "test" in tests):
+        code = tests.get("assert", tests.get("test"))
+        entry = tests.get("entry_point")
+        if not isinstance(code, str) or not (entry is None or isinstance(entry, str)):
+            raise ValueError("test code must be a string, and 'entry_point' a function name")
+        testrun.check_test_code(code)
+        return Tests(code=code, entry_point=entry)
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         if len(tests["inputs"]) != len(tests["outputs"]):
             raise ValueError("test cases: 'inputs' and 'outputs' differ in length")
-        return [(str(i), str(o)) for i, o in zip(tests["inputs"], tests["outputs"], strict=True)], None
+        return Tests(cases=[(str(i), str(o)) for i, o in zip(tests["inputs"], tests["outputs"], strict=True)])
     if isinstance(tests, list) and all(isinstance(t, dict) and "input" in t and "output" in t for t in tests):
-        return [(str(t["input"]), str(t["output"])) for t in tests], None
+        return Tests(cases=[(str(t["input"]), str(t["output"])) for t in tests])
     raise ValueError(
-        "test cases must be {'inputs': [...], 'outputs': [...]}, [{'input', 'output'}, ...] or {'assert': code}"
+        "test cases must be {'inputs': [...], 'outputs': [...]}, [{'input', 'output'}, ...] or "
+        "{'assert': code, 'entry_point'?: name}"
     )
 
 
@@ -71,7 +87,6 @@ class CodeScore:
     passed: int
     total: int
     details: list[dict] = field(default_factory=list)
-    unsplit: int = 0  # asserts judged inside the sandbox (see ``verdict``), counted in total
     execs: int = 0  # programs run in the sandbox
 
     @property
@@ -87,23 +102,13 @@ async def score_code(
     pool: SandboxPool, code: str, tests: Any, *, timeout_s: float = 10.0, stop_on_fail: bool = True
 ) -> CodeScore:
     """Run ``code`` against ``tests`` in one single-use sandbox from ``pool``."""
-    cases, assert_code = parse_tests(tests)
-    plan = verdict.plan_asserts(assert_code) if assert_code is not None else None
+    spec = parse_tests(tests)
     async with pool.lease() as sb:
-        if plan is not None:
-            # One exec: the harness reads the program and the steps on stdin; no file to tamper with.
-            r = await sb.exec(["python3", "-c", _HARNESS_SRC], timeout_s=timeout_s, stdin=plan.payload(code))
-            checks = verdict.judge(plan, r.stdout)
-            for row in checks:
-                row.update(rc=r.returncode, timed_out=r.timed_out)
-            score = CodeScore(sum(c["ok"] for c in checks), len(checks), checks)
-            score.unsplit, score.execs = sum(not c["split"] for c in checks), 1
-            if checks and not score.all_passed:
-                score.details[-1]["stderr"] = r.stderr[-500:]
-            return score
+        if spec.code is not None:
+            return await _run_test_code(sb, code, spec, timeout_s)
         await sb.write_file("solution.py", code)
-        score = CodeScore(0, len(cases))
-        for stdin, expected in cases:
+        score = CodeScore(0, len(spec.cases))
+        for stdin, expected in spec.cases:
             if sb.remaining_s() < timeout_s + 5.0:  # the sandbox's lifetime would end mid-case
                 score.details.append({"ok": False, "why": "sandbox lifetime spent by earlier cases"})
                 break
@@ -115,3 +120,22 @@ async def score_code(
             if not ok and stop_on_fail:
                 break
         return score
+
+
+async def _run_test_code(sb: Any, code: str, spec: Tests, timeout_s: float) -> CodeScore:
+    """One exec: the trusted runner, the program and the tests on its stdin (no file)."""
+    try:
+        stdin = testrun.payload(code, spec.code, spec.entry_point, testrun.deadline_for(timeout_s))
+    except UnicodeEncodeError:
+        return CodeScore(0, 1, [{"ok": False, "why": "the program is not valid text"}], execs=0)
+    r = await sb.exec(testrun.local_runner_argv(), timeout_s=timeout_s, stdin=stdin)
+    report = testrun.parse_report(r.stdout)  # InfraUnavailable (a SandboxError) propagates
+    if not report.complete:
+        why = "no report: the test run was killed or hung" + (" (timed out)" if r.timed_out else "")
+        return CodeScore(0, max(1, len(report.units)), [{"ok": False, "why": why}], execs=1)
+    details = [{"test": name, "ok": ok, **({"why": why} if why else {})} for name, ok, why in report.units]
+    if report.note and details:
+        details[0]["note"] = report.note
+    if not details:
+        raise ValueError("the test code has no checks: no assert, test function or test case ran")
+    return CodeScore(sum(ok for _, ok, _ in report.units), len(details), details, execs=1)

@@ -40,10 +40,12 @@ from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError
 from modal_rl.sandboxes.hostroot import host_root_args
 from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
+from modal_rl.sandboxes.testrun import testkit_binds
 
 _AGENT_SRC = (Path(__file__).with_name("_agent.py")).read_text()
 # Grace on top of a command's own timeout before the host declares the agent hung.
 _EXEC_GRACE_S = 10.0
+SANDBOX_UID = 1000  # the uid (and gid) sandboxed processes have in the sandbox
 
 
 class LocalProvider(Provider):
@@ -91,12 +93,16 @@ class LocalProvider(Provider):
         # A user namespace locks the read-only mounts; --cap-drop ALL because bwrap keeps root's caps.
         args = [self.setpriv, "--pdeathsig", "KILL", "--"] if self.setpriv else []
         args += [self.bwrap, "--die-with-parent", "--unshare-user", "--cap-drop", "ALL", "--unshare-pid"]
+        # Not uid 0 inside: an exec's user namespace can then map the sandbox's uid without
+        # CAP_SETFCAP (``_agent._map_ids``), so commands create files and nest namespaces.
+        args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         args += ["--unshare-ipc", "--unshare-uts"]
         args += ["--unshare-cgroup-try", "--hostname", "sandbox"]
         args.append("--unshare-net")  # always: network=True adds slirp4netns, never the host's stack
         size = str(spec.disk_mb << 20)
         if spec.image in (None, "host"):
             root, path = host_root_args()
+            root += testkit_binds()  # pytest for the test runner (never on the program's path)
             python = os.path.realpath(sys.executable)
             tmp = ["--dir", f"{wd}/.tmp", "--symlink", f"{wd}/.tmp", "/tmp"]
         else:

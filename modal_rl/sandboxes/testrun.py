@@ -1,0 +1,119 @@
+"""Host side of a test run: ship the trusted runner, read its report with bounds.
+
+One exec per scored sample runs the runner (``_runner``); the runner starts the program in a
+process it can never be reached from (``_isolation``), runs the dataset's tests as written
+(``_testforms``) against the program as a remote module (``_plainwire``), and writes its verdict
+to a stdout only it holds. The host never sees a value of the program's: it reads the runner's
+report lines, and ``parse_report`` reads them with bounds (line count, field count, lengths; no
+recursion, no JSON, nothing formatted from them). What the program can cause (a crash, a hang, a
+flood, a killed runner) leaves a failing or missing report: a score of 0. What it cannot cause
+(no isolation here, no pytest in the image) is an ``InfraUnavailable``: the caller masks it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modal_rl.sandboxes.errors import SandboxError
+
+_HERE = Path(__file__).parent
+_PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_runner")
+MAX_UNITS = 10_000
+# pytest and what it imports, bound read-only into local sandboxes (the program never sees it).
+TESTKIT_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
+TESTKIT_DIR = "/opt/modal-rl/testkit"
+UNIT, NOTE, DONE, INFRA = "MODAL_RL_UNIT", "MODAL_RL_NOTE", "MODAL_RL_DONE", "MODAL_RL_INFRA"
+
+
+class InfraUnavailable(SandboxError):
+    """The sandbox cannot run the tests as required (isolation or a test form's tools missing)."""
+
+
+def runner_source() -> str:
+    """One ``python3 -I -S -c`` script: the runner's modules, each made a module of its own."""
+    lines = ["import sys, types", "def _module(name, src):"]
+    lines += ["    m = types.ModuleType(name)", "    sys.modules[name] = m"]
+    lines += ["    exec(compile(src, name + '.py', 'exec'), m.__dict__)", "    return m"]
+    for name in _PARTS:
+        lines.append(f"_module({name!r}, {(_HERE / f'{name}.py').read_text()!r})")
+    lines.append("sys.modules['_runner'].main()")
+    return "\n".join(lines) + "\n"
+
+
+RUNNER_SOURCE = runner_source()
+
+
+def payload(program: str, tests: str, entry_point: str | None, deadline_s: float) -> bytes:
+    """The runner's stdin: the program first (read alone, before the fork), then the tests."""
+    code = program.encode("utf-8", "surrogatepass")
+    spec = {"tests": tests, "entry_point": entry_point, "deadline_s": deadline_s}
+    return len(code).to_bytes(4, "big") + code + json.dumps(spec).encode()
+
+
+def check_test_code(tests: str) -> None:
+    """Raises ``ValueError`` (naming the line) if the dataset's test code is not Python."""
+    try:
+        ast.parse(tests)
+    except SyntaxError as exc:
+        raise ValueError(f"test code does not parse: line {exc.lineno}: {exc.msg}") from exc
+
+
+@functools.cache
+def _testkit_binds() -> tuple[str, ...]:
+    args = []
+    for name in TESTKIT_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        src = origin.parent if origin.name == "__init__.py" else origin
+        args += ["--ro-bind", str(src), f"{TESTKIT_DIR}/{src.name}"]
+    return tuple(args)
+
+
+def testkit_binds() -> list[str]:
+    """bwrap args that give a host-mode sandbox pytest at ``TESTKIT_DIR`` (read-only)."""
+    return list(_testkit_binds())
+
+
+@dataclass
+class Report:
+    units: list[tuple[str, bool, str]] = field(default_factory=list)
+    note: str | None = None  # why every unit failed, once (the program did not load)
+    complete: bool = False  # the closing line came and matched the units
+
+
+def parse_report(stdout: str) -> Report:
+    """The runner's report in ``stdout`` (its own stream; bounded by the exec's output cap).
+    Raises ``InfraUnavailable`` for the runner's infrastructure line; anything malformed
+    leaves ``complete`` False, which scores as a failed run."""
+    report = Report()
+    for line in stdout.split("\n"):
+        tag, _, rest = line.partition("\t")
+        if tag == UNIT:
+            fields = rest.split("\t", 2)
+            if len(fields) != 3 or fields[0] not in ("0", "1") or len(report.units) >= MAX_UNITS:
+                return Report()
+            report.units.append((fields[1][:200], fields[0] == "1", fields[2][:300]))
+        elif tag == NOTE and report.note is None:
+            report.note = rest[:300]
+        elif tag == INFRA:
+            raise InfraUnavailable(f"the test runner cannot run here: {rest[:300]}")
+        elif tag == DONE:
+            report.complete = rest.isdigit() and len(rest) < 7 and int(rest) == len(report.units)
+            return report if report.complete else Report()
+    return Report()
+
+
+def local_runner_argv() -> list[str]:
+    return ["python3", "-I", "-S", "-c", RUNNER_SOURCE]
+
+
+def deadline_for(timeout_s: float) -> float:
+    """The runner's own limit: short of the exec's, so it always has time to report."""
+    return max(0.5, timeout_s - max(0.5, 0.1 * timeout_s))
