@@ -52,6 +52,11 @@ class Channel:
 
     def __init__(self, sock, stop, deadline):
         self.sock, self._stop, self.deadline, self.gone = sock, stop, deadline, None
+        self.refs = 0  # references in the last answer (only a construction may return one)
+
+    def _ref(self, num):
+        self.refs += 1
+        return RemoteObject(self, num)
 
     def stop(self, why):
         if self.gone is None:
@@ -61,7 +66,8 @@ class Channel:
     def receive(self):
         self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
         try:
-            return wire.recv_message(self.sock, lambda num: RemoteObject(self, num))
+            self.refs = 0
+            return wire.recv_message(self.sock, self._ref)
         except TimeoutError:
             self.stop("the program did not answer before the time limit")
         except (wire.WireError, OSError) as exc:
@@ -79,7 +85,11 @@ class Channel:
         except OSError as exc:
             self.stop(f"the program's channel failed: {clip(exc, 120)}")
             raise ProgramGone(self.gone) from None
-        reply = self.receive()
+        try:
+            reply = self.receive()
+        except BaseException:  # interrupted mid-answer (the time limit): the stream is unusable
+            self.stop("the call was interrupted")
+            raise
         if type(reply) is not tuple or not reply or reply[0] not in ("ok", "method", "err"):
             self.stop("the program answered out of protocol")
             raise ProgramGone(self.gone)
@@ -102,24 +112,31 @@ def _write_back(args, writeback):
         arg.update(new) if type(arg) is not list else arg.extend(new)
 
 
-def _call(channel, obj, attr, args, kwargs):
+def _call(channel, obj, attr, args, kwargs, construct=False):
+    """One call into the program. Only constructing one of its classes (``construct``) returns an
+    object of the program's (a ``RemoteObject``); every other call must answer plain data, so a
+    function cannot hand the test an object that answers the test's questions itself."""
     args = list(args)
     reply = channel.ask(("call", obj, attr, args, dict(kwargs)))
     if reply[0] != "ok" or len(reply) != 3:
         channel.stop("the program answered out of protocol")
         raise ProgramGone(channel.gone)
+    result = reply[1]
+    if channel.refs and not (construct and channel.refs == 1 and type(result) is RemoteObject):
+        raise TypeError("the program returned an object where plain data was expected")
     _write_back(args, reply[2])
-    return reply[1]
+    return result
 
 
 class RemoteFunction:
     """A top-level callable (function or class) of the program."""
 
-    def __init__(self, channel, name):
+    def __init__(self, channel, name, is_class=False):
         self._channel, self.__name__, self.__qualname__ = channel, name, name
+        self._is_class = is_class
 
     def __call__(self, *args, **kwargs):
-        return _call(self._channel, self.__name__, None, args, kwargs)
+        return _call(self._channel, self.__name__, None, args, kwargs, construct=self._is_class)
 
     def __repr__(self):
         return f"<remote {self.__name__}>"
@@ -139,7 +156,9 @@ class RemoteObject:
 
     def _op(self, op, *args):
         reply = self._channel.ask(("op", wire.Ref(self._num), op, list(args)))
-        return reply[1] if reply[0] == "ok" and len(reply) == 3 else None
+        if reply[0] != "ok" or len(reply) != 3 or self._channel.refs:
+            raise TypeError(f"the program's {op}() did not answer plain data")
+        return reply[1]
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -147,10 +166,9 @@ class RemoteObject:
         reply = self._channel.ask(("getattr", wire.Ref(self._num), name))
         if reply[0] == "method":
             return lambda *a, **k: _call(self._channel, wire.Ref(self._num), name, a, k)
+        if len(reply) != 3 or self._channel.refs:
+            raise TypeError(f"the program's attribute {name!r} is not plain data")
         return reply[1]
-
-    def __call__(self, *args, **kwargs):
-        return _call(self._channel, wire.Ref(self._num), None, args, kwargs)
 
     def __len__(self):
         n = self._op("len")
@@ -197,7 +215,7 @@ def build_module(channel, names):
             continue
         name, kind, value = entry
         if kind in ("func", "class"):
-            setattr(module, name, RemoteFunction(channel, name))
+            setattr(module, name, RemoteFunction(channel, name, is_class=kind == "class"))
         elif kind == "value":
             setattr(module, name, value)
         else:
