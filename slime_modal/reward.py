@@ -68,8 +68,10 @@ async def _score(args: Any, sample: Any) -> float:
         )
 
     result = await on_pool_loop(run())
-    if result.masked:
-        log.warning("sample %s masked: %s", sample.index, result.why)
+    if result.masked:  # a dataset problem is an error to fix; a sandbox failure is weather
+        (log.error if result.cause == "bad_tests" else log.warning)(
+            "sample %s masked: %s", sample.index, result.why
+        )
         sample.remove_sample = True
         return 0.0
     return result.score

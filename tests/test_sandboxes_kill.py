@@ -180,7 +180,9 @@ def test_slime_reward_masks_a_sample_whose_sandbox_is_killed():
     finally:
         killer.stop.set()
         killer.join(5)
-    assert [k[0] for k in killer.kills] == [1], killer.kills
+    # One scoring path (scoring.score_sample): slime retries a lost sandbox as verl does, on a
+    # fresh one each time (2 retries), and masks the sample only when the retries fail too.
+    assert [k[0] for k in killer.kills] == [1, 1, 1], killer.kills
     assert scores == [1.0, 0.0, 1.0]
     assert [s.remove_sample for s in samples] == [False, True, False]
     no_processes_left()

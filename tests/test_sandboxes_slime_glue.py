@@ -136,11 +136,16 @@ def test_reward_masks_sample_on_sandbox_failure(monkeypatch):
     assert sample.remove_sample is True
 
 
-def test_reward_rejects_bad_calls():
-    with pytest.raises(ValueError, match="no test cases"):
-        asyncio.run(reward_func(None, Sample(0, "print(1)", None)))
-    with pytest.raises(ValueError, match="test cases must be"):
-        asyncio.run(reward_func(None, Sample(0, "print(1)", '{"answer": 1}')))  # JSON, but not a spec
+def test_reward_rejects_bad_calls(caplog):
+    # A sample without usable tests is masked with its cause logged (one line), never raised:
+    # in a batch, raising would lose every other sample's score.
+    for label, cause in ((None, "no test cases"), ('{"answer": 1}', "test cases must be")):
+        sample = Sample(0, "print(1)", label)
+        with caplog.at_level("ERROR", logger="slime_modal.reward"):
+            assert asyncio.run(reward_func(None, sample)) == 0.0
+        assert sample.remove_sample is True
+        assert cause in caplog.text and "Traceback" not in caplog.text
+        caplog.clear()
     with pytest.raises(TypeError, match="batched_reward_func"):
         asyncio.run(reward_func(None, [Sample(0, "print(1)", "1")]))
     with pytest.raises(TypeError, match="list of samples"):
