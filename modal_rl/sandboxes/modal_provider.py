@@ -71,8 +71,8 @@ class ModalProvider(Provider):
     def image_for(self, spec: SandboxSpec):
         import modal
 
-        if spec.image is None:
-            return modal.Image.debian_slim()
+        if spec.image is None:  # pytest for the test runner's pytest-form reward tests
+            return modal.Image.debian_slim().pip_install("pytest>=8")
         if isinstance(spec.image, str):
             return modal.Image.from_registry(spec.image)
         if isinstance(spec.image, modal.Image):
