@@ -177,7 +177,7 @@ def test_settings_from_custom_config(tmp_path, monkeypatch):
         "modal_rl_sandbox": [
             ("provider", "unknown keys"),
             ("min_warm", "must be int"),
-            ("backend", "must be"),
+            ("backend", "unknown sandbox backend"),
         ],
         "modal_rl_reward": [("partial", "true or false"), ("timeout_s", "positive number")],
     }

@@ -43,5 +43,5 @@ def test_shared_settings(monkeypatch):
     assert (cfg["min_warm"], cfg["max_live"], cfg["backend"]) == (7, 9, "modal")
     with pytest.raises(ValueError, match="unknown sandbox pool settings"):
         settings(min_warn=3)
-    with pytest.raises(ValueError, match="'local' or 'modal'"):
+    with pytest.raises(ValueError, match=r"unknown sandbox backend 'docker'; known: \['local', 'modal'"):
         settings(backend="docker")

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from modal_rl.sandboxes.errors import SandboxError
 from modal_rl.sandboxes.provider import SandboxHandle
 from modal_rl.sandboxes.spec import ExecResult
 
-if TYPE_CHECKING:
-    from modal_rl.sandboxes.pool import SandboxPool
+
+class LeaseOwner(Protocol):
+    """What a lease needs of its pool (``SandboxPool``), named here so lease needs no pool import."""
+
+    async def acquire(self, *, reuse: bool) -> Sandbox: ...
+
+    async def _release(self, handle: SandboxHandle, *, reuse: bool) -> None: ...
 
 
 class Sandbox:
     """A leased sandbox. After ``release()`` every call raises ``SandboxError``: a released
     sandbox may already belong to someone else (``reuse=True``) or be gone."""
 
-    def __init__(self, pool: SandboxPool, handle: SandboxHandle, reuse: bool):
+    def __init__(self, pool: LeaseOwner, handle: SandboxHandle, reuse: bool):
         self._pool, self._handle, self.reuse = pool, handle, reuse
         self.id, self.tags = handle.id, dict(handle.tags)
         self.released = False
@@ -58,7 +63,7 @@ class Lease:
     """``async with pool.lease() as sb``: claims on enter, releases on exit (terminating the
     sandbox unless ``reuse=True`` and the block ended without an exception)."""
 
-    def __init__(self, pool: SandboxPool, reuse: bool):
+    def __init__(self, pool: LeaseOwner, reuse: bool):
         self._pool, self._reuse = pool, reuse
         self._sb: Sandbox | None = None
 

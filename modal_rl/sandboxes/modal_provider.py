@@ -68,6 +68,10 @@ class ModalProvider(Provider):
             )
         self._app = None
 
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> ModalProvider:
+        return cls(app_name=settings["app"])
+
     def image_for(self, spec: SandboxSpec):
         import modal
 

@@ -38,6 +38,7 @@ from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHand
 from modal_rl.sandboxes.ratelimit import TokenBucket, host_bucket
 from modal_rl.sandboxes.sizing import WarmSizer
 from modal_rl.sandboxes.spec import SandboxSpec
+from modal_rl.sandboxes.starting import start_one
 from modal_rl.sandboxes.teardown import EmergencyTeardown
 
 log = logging.getLogger("modal_rl.sandboxes")
@@ -337,32 +338,7 @@ class SandboxPool:
                 self._wake.set()
 
     async def _attempt_start(self) -> tuple[SandboxHandle, float]:
-        if self.bucket is not None:
-            await self.bucket.acquire()
-        t0 = time.monotonic()
-        self.metrics.record_create(t0)
-        try:
-            handle = await asyncio.wait_for(
-                self.provider.create(self.spec, tags=self.tags), self.create_timeout_s
-            )
-        except TimeoutError:
-            raise SandboxStartTimeout(
-                f"create took longer than {self.create_timeout_s}s", kind="create_timeout"
-            ) from None
-        self._all[handle.id] = handle
-        try:
-            await asyncio.wait_for(handle.ready(), self.ready_timeout_s)
-        except BaseException as exc:
-            self._all.pop(handle.id, None)
-            self._reap(handle)
-            if isinstance(exc, TimeoutError):
-                raise SandboxStartTimeout(
-                    f"not ready within {self.ready_timeout_s}s", kind="ready_timeout"
-                ) from None
-            if isinstance(exc, Exception):
-                raise SandboxStartError(f"readiness probe failed: {exc}", kind="ready", cause=exc) from exc
-            raise
-        return handle, time.monotonic() - t0
+        return await start_one(self, self._all, self._reap)
 
     def _backoff(self, attempt: int, exc: BaseException | None) -> float:
         if isinstance(exc, RateLimitedError) and exc.retry_after_s:

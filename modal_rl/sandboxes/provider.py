@@ -1,7 +1,7 @@
 """The provider port: how the pool creates, probes, uses and destroys one sandbox.
 
-One file per implementation: ``local.py`` (bubblewrap) and ``modal_provider.py`` (Modal). The
-pool only talks to these two ABCs, so a test double for fault injection is a subclass too.
+One file per implementation: ``local.py`` (bubblewrap) and ``modal_provider.py`` (Modal), found by
+name in ``providers.PROVIDERS``. The pool only talks to these two ABCs, so a test double for fault injection is a subclass too.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ class Provider(abc.ABC):
     name: str = "provider"
     create_rate: float = 5.0
     create_burst: int = 5
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, object]) -> Provider:
+        """The provider a shared pool's settings (``shared.settings``) ask for, by backend name
+        (``providers.PROVIDERS``). Default: built with no arguments."""
+        return cls()
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> SandboxHandle:

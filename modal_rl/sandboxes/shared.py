@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from modal_rl.sandboxes.pool import SandboxPool
+from modal_rl.sandboxes.providers import PROVIDERS
 from modal_rl.sandboxes.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,7 @@ def settings(**overrides: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown sandbox pool settings {sorted(unknown)}; known: {sorted(out)}")
     out.update({k: v for k, v in overrides.items() if v is not None})
-    if out["backend"] not in ("local", "modal"):
-        raise ValueError(f"sandbox backend must be 'local' or 'modal', got {out['backend']!r}")
+    PROVIDERS.target(out["backend"])  # an unknown backend fails here, naming the known ones
     return out
 
 
@@ -71,14 +71,7 @@ async def shared_pool(**overrides: Any) -> SandboxPool:
     key = (id(asyncio.get_running_loop()), tuple(sorted((k, repr(v)) for k, v in cfg.items())))
     pool = _POOLS.get(key)
     if pool is None or pool._closed:
-        if cfg["backend"] == "modal":
-            from modal_rl.sandboxes.modal_provider import ModalProvider
-
-            provider = ModalProvider(app_name=cfg["app"])
-        else:
-            from modal_rl.sandboxes.local import LocalProvider
-
-            provider = LocalProvider()
+        provider = PROVIDERS.load(cfg["backend"]).from_settings(cfg)
         spec = SandboxSpec(
             image=cfg["image"],
             cpu=cfg["cpu"],
