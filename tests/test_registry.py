@@ -61,3 +61,17 @@ def test_a_provider_package_plugs_in_through_the_entry_point_group(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_light_imports_load_only_what_they_use():
+    """Importing the weight-sync package, or the Volume helpers slime's hooks need, loads no
+    codec (numba, numpy, zstd); the package's names still resolve, on first use."""
+    code = (
+        "import sys\nimport modal_rl.weightsync, modal_rl.weightsync.volumes, slime_modal.weight_hooks\n"
+        "heavy = sorted(k for k in ('numba', 'numpy', 'zstandard', 'torch') if k in sys.modules)\n"
+        "assert not heavy, heavy\nfrom modal_rl.weightsync import VersionChain, CodecConfig\n"
+        "assert 'zstandard' in sys.modules and modal_rl.weightsync.codec.CodecConfig is CodecConfig\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

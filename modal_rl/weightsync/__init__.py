@@ -6,19 +6,40 @@ bodies), ``differ`` (numpy and torch diff paths), ``chain`` (``VersionChain``).
 The wire format is specified in ``docs/weight-sync-format.md``.
 """
 
-from modal_rl.weightsync.chain import VersionChain, frame_bytes
-from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
-from modal_rl.weightsync.decode import ApplyResult, apply_frame
-from modal_rl.weightsync.differ import NumpyDiffer, TorchDiffer
-from modal_rl.weightsync.errors import (
-    BaseMismatchError,
-    ChecksumMismatchError,
-    CorruptFrameError,
-    LayoutMismatchError,
-    StaleVersionError,
-    TruncatedFrameError,
-    WeightSyncError,
-)
+import importlib
+
+# Loaded on first access (PEP 562), so importing one submodule (``weightsync.volumes`` for
+# slime's hooks, a store transport) does not load the codec's numba, numpy and zstd.
+_EXPORTS = {
+    "VersionChain": "chain",
+    "frame_bytes": "chain",
+    "CodecConfig": "codec",
+    "encode_anchor": "codec",
+    "encode_delta": "codec",
+    "ApplyResult": "decode",
+    "apply_frame": "decode",
+    "NumpyDiffer": "differ",
+    "TorchDiffer": "differ",
+    "BaseMismatchError": "errors",
+    "ChecksumMismatchError": "errors",
+    "CorruptFrameError": "errors",
+    "LayoutMismatchError": "errors",
+    "StaleVersionError": "errors",
+    "TruncatedFrameError": "errors",
+    "WeightSyncError": "errors",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:  # a submodule, as the eager package used to make them attributes
+        try:
+            return importlib.import_module(f"modal_rl.weightsync.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'modal_rl.weightsync' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"modal_rl.weightsync.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ApplyResult",
