@@ -1,0 +1,219 @@
+"""Our per-step numbers into verl's own ``metrics`` dict, so every tracker verl logs to
+(``trainer.logger=[console,tensorboard]``, ``wandb``, ``mlflow``, ``file``) shows them.
+
+:func:`install` runs in verl's TaskRunner process (``verl_modal.runner``) and wraps two
+verl methods there, class-wide:
+
+- ``CheckpointEngineManager.update_weights`` (every weight sync, both of a separate-async
+  trainer's managers included): times the sync, keeps the sender's numbers it returns, asks
+  each rollout worker for its receiver's and engine adapter's numbers of that sync
+  (``__ray_call__``, so any worker class works), and each replica that has an engine
+  supervisor for its new events;
+- ``Tracking.log``: on a training step's call (its data has ``training/global_step``), adds
+  the ``modal_rl/...`` numbers (:mod:`modal_rl.report.numbers`) gathered since the previous
+  step, from the syncs above and from the run's parts directory (:data:`PARTS_ENV`): the
+  sandbox reward processes' snapshots (``sandbox-reward-<pid>.json``) and the masked
+  samples (``masks-<pid>.jsonl``, :func:`record_mask`).
+
+Invariants: both wrappers call verl's own method first and never change its result or
+raise because of us (a number we cannot get is left out and logged once); installing twice
+is a no-op; the parts directory is read on this machine only, so on a multi-node cluster a
+reward or agent-loop process on another node is not counted (the weight-sync and engine
+numbers come over Ray and are complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from modal_rl.report import numbers
+
+log = logging.getLogger("verl_modal")
+PARTS_ENV = "MODAL_RL_RUN_PARTS_DIR"
+SANDBOX_ENV = "MODAL_RL_SANDBOX_METRICS_DIR"  # verl_modal.reward_manager.METRICS_ENV
+EVENTS_FILE = "engine-events.jsonl"
+_MARK = "__modal_rl_step_metrics__"
+
+
+def record_mask(cause: str) -> None:
+    """A sample left out of the loss (``cause``: ``sandbox`` or ``engine``), appended to this
+    process's file in the parts directory; nothing without one. Never raises."""
+    parts = os.environ.get(PARTS_ENV)
+    if not parts:
+        return
+    with contextlib.suppress(OSError):
+        Path(parts).mkdir(parents=True, exist_ok=True)
+        with open(Path(parts) / f"masks-{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps({"t": time.time(), "cause": cause}) + "\n")
+
+
+def _worker_numbers(worker) -> dict:
+    """Runs inside a rollout worker (``__ray_call__``): its last sync's numbers."""
+    engine = getattr(worker, "checkpoint_engine", None)
+    adapter = getattr(worker, "server_adapter", None)
+    return {
+        "rank": getattr(engine, "rank", None),
+        "receiver": dict(getattr(engine, "metrics", None) or {}),
+        "adapter": {
+            k: float(v)
+            for k, v in (getattr(adapter, "metrics", None) or {}).items()
+            if isinstance(v, int | float)
+        },  # fmt: skip
+        "replica": getattr(adapter, "replica_rank", None),
+    }
+
+
+class Collector:
+    """What happened since the last logged step, in the TaskRunner process."""
+
+    def __init__(self, full_mib: float | None, parts: Path | None):
+        self.full_mib = full_mib
+        self.parts = parts
+        self.lock = threading.Lock()
+        self.syncs: list[numbers.SyncRecord] = []
+        self.events: list[dict] = []
+        self.seen_events: dict[Any, int] = {}
+        self.sandbox_before: dict[str, dict] = {}
+        self.mask_pos: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def _warn_once(self, what: str, exc: BaseException) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            log.warning("modal_rl step metrics: %s unavailable (%s: %s)", what, type(exc).__name__, exc)
+
+    async def after_sync(self, manager, seconds: float, sender: dict | None) -> None:
+        rec = numbers.SyncRecord(seconds=seconds, sender=dict(sender or {}), full_mib=self.full_mib)
+        if getattr(manager, "backend", "naive") != "naive":
+            try:
+                for replica in list(getattr(manager, "replicas", [])):
+                    for worker in list(getattr(replica, "workers", [])):
+                        got = await worker.__ray_call__.remote(_worker_numbers)
+                        if got["receiver"] and got["rank"] is not None:
+                            rec.receivers[int(got["rank"])] = got["receiver"]
+                        if got["adapter"] and got["replica"] is not None:
+                            rec.adapters[int(got["replica"])] = got["adapter"]
+            except Exception as exc:  # a worker gone mid-run: the sync's other numbers stay
+                self._warn_once("receiver numbers", exc)
+        new_events = []
+        for replica in list(getattr(manager, "replicas", [])):
+            if not hasattr(replica, "engine_events"):
+                continue
+            try:
+                events = await replica.engine_events()
+            except Exception as exc:
+                self._warn_once("engine events", exc)
+                continue
+            key = getattr(replica, "replica_rank", id(replica))
+            with self.lock:
+                seen = self.seen_events.get(key, 0)  # shared by both managers of separate_async
+                self.seen_events[key] = len(events)
+            new_events += [{**e, "replica": key} for e in events[seen:]]
+        with self.lock:
+            self.syncs.append(rec)
+            self.events += new_events
+        if new_events and self.parts is not None:
+            with contextlib.suppress(OSError), open(self.parts / EVENTS_FILE, "a") as f:
+                f.writelines(json.dumps(e, default=str) + "\n" for e in new_events)
+
+    def _sandbox_now(self) -> dict[str, dict]:
+        now = {}
+        for path in sorted(self.parts.glob("sandbox-reward-*.json")) if self.parts else ():
+            with contextlib.suppress(OSError, ValueError):
+                now[path.name] = json.loads(path.read_text())
+        return now
+
+    def _new_masks(self) -> list[str]:
+        causes = []
+        for path in sorted(self.parts.glob("masks-*.jsonl")) if self.parts else ():
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(self.mask_pos.get(path.name, 0))
+                chunk = f.read()
+                cut = chunk.rfind(b"\n") + 1
+                self.mask_pos[path.name] = self.mask_pos.get(path.name, 0) + cut
+                for line in chunk[:cut].splitlines():
+                    with contextlib.suppress(ValueError):
+                        causes.append(str(json.loads(line).get("cause")))
+        return causes
+
+    def drain(self) -> dict[str, float]:
+        """This step's ``modal_rl/`` numbers; resets the per-step counters."""
+        with self.lock:
+            syncs, self.syncs = self.syncs, []
+            events, self.events = self.events, []
+        out = numbers.weight_sync(syncs)
+        out.update(numbers.masked(self._new_masks()))
+        if self.seen_events:  # a replica with an engine supervisor answered at least once
+            out.update(numbers.engines(events))
+        now = self._sandbox_now()
+        out.update(numbers.sandbox(self.sandbox_before, now))
+        self.sandbox_before = now
+        return out
+
+
+_collector: Collector | None = None
+
+
+def collector() -> Collector | None:
+    return _collector
+
+
+def install(config) -> Collector:
+    """Wrap verl's sync and logging methods in this process (module docstring); idempotent."""
+    global _collector
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.utils.ray_utils import auto_await
+    from verl.utils.tracking import Tracking
+
+    from verl_modal.console import full_weights_mb
+
+    if _collector is not None:
+        return _collector
+    parts = os.environ.get(PARTS_ENV)
+    full_mb = full_weights_mb(config)  # MB (1e6 bytes); checkpoint engines report MiB
+    _collector = Collector(
+        None if full_mb is None else full_mb * 1e6 / (1 << 20), Path(parts) if parts else None
+    )
+    col = _collector
+
+    inner = getattr(CheckpointEngineManager.update_weights, "__wrapped__", None)
+    if inner is not None and not getattr(inner, _MARK, False):
+
+        @functools.wraps(inner)
+        async def update_weights(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            result = await inner(self, *args, **kwargs)
+            try:
+                await col.after_sync(
+                    self, time.perf_counter() - t0, result if isinstance(result, dict) else None
+                )
+            except Exception as exc:
+                col._warn_once("weight-sync numbers", exc)
+            return result
+
+        setattr(update_weights, _MARK, True)
+        CheckpointEngineManager.update_weights = auto_await(update_weights)
+
+    original_log = Tracking.log
+    if not getattr(original_log, _MARK, False):
+
+        @functools.wraps(original_log)
+        def tracking_log(self, data, step, backend=None):
+            if isinstance(data, dict) and "training/global_step" in data:
+                try:
+                    data = {**data, **col.drain()}
+                except Exception as exc:
+                    col._warn_once("step numbers", exc)
+            return original_log(self, data, step, backend=backend)
+
+        setattr(tracking_log, _MARK, True)
+        Tracking.log = tracking_log
+    return col
