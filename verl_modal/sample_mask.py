@@ -113,8 +113,8 @@ def install() -> None:
     async def _compute_score(self, outputs, kwargs):
         await original(self, outputs, kwargs=kwargs)
         cause = mask_cause(outputs) if outputs else None
-        if cause:  # counted whoever excludes it (we, or verl's own seam): verl_modal.step_metrics
-            from verl_modal.step_metrics import record_mask
+        if cause:  # counted whoever excludes it (we, or verl's own seam): modal_rl.report.parts
+            from modal_rl.report.parts import record_mask
 
             record_mask(cause)
         on_tq = _on_tq_path(self)  # verl's seam is on the TQ path only

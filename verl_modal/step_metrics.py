@@ -24,35 +24,20 @@ numbers come over Ray and are complete).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from modal_rl.report import numbers
+from modal_rl.report.parts import PARTS_ENV, PartsReader, parts_dir, record_events, record_mask
 
+__all__ = ["PARTS_ENV", "SANDBOX_ENV", "Collector", "install", "record_mask"]
 log = logging.getLogger("verl_modal")
-PARTS_ENV = "MODAL_RL_RUN_PARTS_DIR"
 SANDBOX_ENV = "MODAL_RL_SANDBOX_METRICS_DIR"  # verl_modal.reward_manager.METRICS_ENV
-EVENTS_FILE = "engine-events.jsonl"
 _MARK = "__modal_rl_step_metrics__"
-
-
-def record_mask(cause: str) -> None:
-    """A sample left out of the loss (``cause``: ``sandbox`` or ``engine``), appended to this
-    process's file in the parts directory; nothing without one. Never raises."""
-    parts = os.environ.get(PARTS_ENV)
-    if not parts:
-        return
-    with contextlib.suppress(OSError):
-        Path(parts).mkdir(parents=True, exist_ok=True)
-        with open(Path(parts) / f"masks-{os.getpid()}.jsonl", "a") as f:
-            f.write(json.dumps({"t": time.time(), "cause": cause}) + "\n")
 
 
 def _worker_numbers(worker) -> dict:
@@ -77,12 +62,12 @@ class Collector:
     def __init__(self, full_mib: float | None, parts: Path | None):
         self.full_mib = full_mib
         self.parts = parts
+        self.reader = PartsReader(parts)
         self.lock = threading.Lock()
         self.syncs: list[numbers.SyncRecord] = []
         self.events: list[dict] = []
         self.seen_events: dict[Any, int] = {}
         self.sandbox_before: dict[str, dict] = {}
-        self.mask_pos: dict[str, int] = {}
         self.warned: set[str] = set()
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
@@ -120,29 +105,7 @@ class Collector:
         with self.lock:
             self.syncs.append(rec)
             self.events += new_events
-        if new_events and self.parts is not None:
-            with contextlib.suppress(OSError), open(self.parts / EVENTS_FILE, "a") as f:
-                f.writelines(json.dumps(e, default=str) + "\n" for e in new_events)
-
-    def _sandbox_now(self) -> dict[str, dict]:
-        now = {}
-        for path in sorted(self.parts.glob("sandbox-reward-*.json")) if self.parts else ():
-            with contextlib.suppress(OSError, ValueError):
-                now[path.name] = json.loads(path.read_text())
-        return now
-
-    def _new_masks(self) -> list[str]:
-        causes = []
-        for path in sorted(self.parts.glob("masks-*.jsonl")) if self.parts else ():
-            with contextlib.suppress(OSError), open(path, "rb") as f:
-                f.seek(self.mask_pos.get(path.name, 0))
-                chunk = f.read()
-                cut = chunk.rfind(b"\n") + 1
-                self.mask_pos[path.name] = self.mask_pos.get(path.name, 0) + cut
-                for line in chunk[:cut].splitlines():
-                    with contextlib.suppress(ValueError):
-                        causes.append(str(json.loads(line).get("cause")))
-        return causes
+        record_events(self.parts, new_events)  # the report's timeline
 
     def drain(self) -> dict[str, float]:
         """This step's ``modal_rl/`` numbers; resets the per-step counters."""
@@ -150,10 +113,10 @@ class Collector:
             syncs, self.syncs = self.syncs, []
             events, self.events = self.events, []
         out = numbers.weight_sync(syncs)
-        out.update(numbers.masked(self._new_masks()))
+        out.update(numbers.masked(self.reader.new_masks()))
         if self.seen_events:  # a replica with an engine supervisor answered at least once
             out.update(numbers.engines(events))
-        now = self._sandbox_now()
+        now = self.reader.sandbox_snapshots()
         out.update(numbers.sandbox(self.sandbox_before, now))
         self.sandbox_before = now
         return out
@@ -177,11 +140,8 @@ def install(config) -> Collector:
 
     if _collector is not None:
         return _collector
-    parts = os.environ.get(PARTS_ENV)
     full_mb = full_weights_mb(config)  # MB (1e6 bytes); checkpoint engines report MiB
-    _collector = Collector(
-        None if full_mb is None else full_mb * 1e6 / (1 << 20), Path(parts) if parts else None
-    )
+    _collector = Collector(None if full_mb is None else full_mb * 1e6 / (1 << 20), parts_dir())
     col = _collector
 
     inner = getattr(CheckpointEngineManager.update_weights, "__wrapped__", None)
