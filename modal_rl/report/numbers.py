@@ -36,9 +36,11 @@ class SyncRecord:
     rank -> that receiver's numbers; ``adapters``: replica -> the engine's load numbers
     (``pause_s``: how long the engine stopped serving); ``seconds``: the trainer's wall time
     for the whole sync, during which the rollout does not generate; ``full_mib``: what a
-    full copy of the weights is (the size of a sync that reports no payload of its own)."""
+    full copy of the weights is (the size of a sync that reports no payload of its own).
+    ``seconds`` None: the sync's time is not known to the logging process (slime's disk
+    path), and the step then has no ``seconds`` / ``engine_pause_s``."""
 
-    seconds: float
+    seconds: float | None
     sender: dict[str, float] = field(default_factory=dict)
     receivers: dict[int, dict[str, float]] = field(default_factory=dict)
     adapters: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -70,6 +72,8 @@ def weight_sync(records: list[SyncRecord]) -> dict[str, float]:
         WS + "engine_pause_s": 0.0,
         WS + "refused_frames": 0.0,
     }
+    if any(rec.seconds is None for rec in records):
+        del out[WS + "seconds"], out[WS + "engine_pause_s"]
     for rec in records:
         s = rec.sender
         payload = s.get("checkpoint_engine/payload_mbytes")
@@ -84,9 +88,10 @@ def weight_sync(records: list[SyncRecord]) -> dict[str, float]:
             out[WS + "raw_mib"] += _f(s.get("checkpoint_engine/raw_mbytes"), _f(payload))
         if "checkpoint_engine/version" in s:
             out[WS + "version"] = _f(s["checkpoint_engine/version"])
-        out[WS + "seconds"] += rec.seconds
         pauses = [_f(a.get("pause_s")) for a in rec.adapters.values() if "pause_s" in a]
-        out[WS + "engine_pause_s"] += max(pauses) if pauses else rec.seconds
+        if WS + "seconds" in out:
+            out[WS + "seconds"] += rec.seconds
+            out[WS + "engine_pause_s"] += max(pauses) if pauses else rec.seconds
         for rank, r in sorted(rec.receivers.items()):
             out[WS + "refused_frames"] += _f(r.get("checkpoint_engine/refused"))
             base = f"{WS}receiver/{rank}/"
