@@ -129,10 +129,11 @@ def collector() -> SlimeCollector:
 def _bind_wandb_step(args) -> None:
     if not getattr(args, "use_wandb", False):
         return
-    try:
-        import wandb
+    import sys
 
-        if wandb.run is not None:
+    wandb = sys.modules.get("wandb")  # slime's logging_utils imported it; we add no dependency
+    try:
+        if wandb is not None and wandb.run is not None:
             wandb.define_metric(numbers.PREFIX + "*", step_metric=STEP_KEY)
     except Exception as exc:
         log.warning("modal_rl step metrics: wandb step binding failed (%s)", exc)

@@ -62,9 +62,9 @@ def first_series(run: RunData, keys: tuple[str, ...]) -> tuple[str, list[tuple[i
     return None
 
 
-def _line(ax, series, label, color=None, marker="o"):
+def _line(ax, series, label, color=None, marker="o", **style):
     xs, ys = zip(*series, strict=True)
-    ax.plot(xs, ys, marker=marker, label=label, color=color)
+    ax.plot(xs, ys, marker=marker, label=label, color=color, **style)
 
 
 def _steps_axis(ax, run: RunData) -> None:
@@ -106,9 +106,11 @@ def weight_sync(run: RunData):
     if receivers:
         ax1.legend(loc="best")
     _steps_axis(ax1, run)
-    for key, label in (("seconds", "sync time"), ("engine_pause_s", "engine pause")):
+    # Drawn so both stay visible where they are equal (verl's colocated sync pauses for all of it).
+    for key, label, style in (("seconds", "sync time", {"linewidth": 4, "alpha": 0.5}),
+                              ("engine_pause_s", "engine pause", {"linestyle": "--", "marker": "x"})):  # fmt: skip
         if got := run.series(n.WS + key):
-            _line(ax2, got, label)
+            _line(ax2, got, label, **style)
     ax2.set_ylabel("seconds per step")
     ax2.legend(loc="best")
     _steps_axis(ax2, run)
@@ -150,6 +152,8 @@ def masked(run: RunData):
                label=f"{cause} failure")  # fmt: skip
         for s, v in got:
             bottom[s] = bottom.get(s, 0.0) + v
+    if not any(bottom.values()):
+        ax.text(0.5, 0.5, "no sample was masked", transform=ax.transAxes, ha="center", va="center")
     ax.set_ylabel("samples masked")
     ax.set_ylim(bottom=0, top=max(1.0, max(bottom.values(), default=0.0) * 1.2))
     ax.legend(loc="best")
