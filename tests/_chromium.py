@@ -67,3 +67,10 @@ def color_fraction(png: Path, rgb: tuple[int, int, int], tol: int = 24) -> float
 def ink_fraction(png: Path) -> float:
     """The share of pixels that are not (near) white: a blank page is ~0."""
     return float((_pixels(png).min(axis=-1) < 235).mean())
+
+
+def colored_fraction(png: Path, spread: int = 60) -> float:
+    """The share of saturated pixels (channels apart by more than ``spread``): plot ink only,
+    since the page's text, rules and tables are black and grey."""
+    px = _pixels(png)
+    return float(((px.max(axis=-1) - px.min(axis=-1)) > spread).mean())
