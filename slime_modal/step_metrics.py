@@ -87,7 +87,7 @@ class SlimeCollector:
         out: dict[str, float] = {}
         for what, part in (
             ("weight sync", lambda: _without(numbers.weight_sync(self._syncs(args)), UNKNOWN_HERE)),
-            ("masks", lambda: numbers.masked(self.reader.new_masks())),
+            ("masks", lambda: numbers.masked(self.reader.new_masks()) if self.parts else {}),  # unseen: no 0
             ("sandboxes", self._sandbox),
         ):
             try:

@@ -113,7 +113,8 @@ class Collector:
             syncs, self.syncs = self.syncs, []
             events, self.events = self.events, []
         out = numbers.weight_sync(syncs)
-        out.update(numbers.masked(self.reader.new_masks()))
+        if self.parts is not None:  # without a parts dir the masks are not seen: no number, not 0
+            out.update(numbers.masked(self.reader.new_masks()))
         if self.seen_events:  # a replica with an engine supervisor answered at least once
             out.update(numbers.engines(events))
         now = self.reader.sandbox_snapshots()

@@ -11,7 +11,8 @@ Invariants:
 - counters are per step (what happened since the last logged step), gauges are the value
   at log time; the docstring of each function says which;
 - a part that did not run in this job contributes no names (a run without sandboxes has no
-  ``modal_rl/sandbox/*``); weight sync and masking are reported every step, zero included.
+  ``modal_rl/sandbox/*``); weight sync is reported every step, zero included, and masking
+  too where the masks can be seen (a run with a parts directory, :mod:`.parts`).
 """
 
 from __future__ import annotations
