@@ -87,3 +87,27 @@ def test_the_runs_report_equals_its_metrics_and_renders_in_chromium(run, tmp_pat
                 assert float(parser.values[(name, step)]) == float(value), (name, step)
     dom = check_rendered(report, tmp_path, steps=STEPS, plots=3)  # reward/length, weight sync, masks
     assert "grpo" in dom and str(run_dir / "tensorboard") in dom
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_sandboxed_run_logs_its_pool_per_step_and_draws_it(tmp_path):
+    # --tiny-task code: every sample is scored in bubblewrap sandboxes by the modal_sandbox
+    # reward manager, whose snapshots reach the TaskRunner through the run's parts folder.
+    code, log = run_launcher(
+        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--tiny-task", "code", "--log-dir",
+         str(tmp_path / "logs"), "--", "trainer.total_training_steps=2"],
+        timeout=1400,
+    )  # fmt: skip
+    assert code == 0, log[-4000:]
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    logged = _logged(run_dir)
+    assert sorted(logged) == [1, 2]
+    for step, data in logged.items():
+        # batch 4 prompts x 2 samples, each scored once; no sandbox failed, none masked
+        assert data["modal_rl/sandbox/samples"] == 8, (step, data)
+        assert data["modal_rl/sandbox/errors"] == 0 and data["modal_rl/masked/samples"] == 0
+        assert data["modal_rl/sandbox/pool_live"] >= 1 and data["modal_rl/sandbox/pool_target"] >= 1
+        assert 0 < data["modal_rl/sandbox/create_p50_s"] <= data["modal_rl/sandbox/create_p99_s"]
+    dom = check_rendered(run_dir / "report.html", tmp_path, steps=2, plots=4)  # + the sandbox pool
+    assert "Sandbox pool" in dom
