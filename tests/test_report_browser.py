@@ -43,3 +43,14 @@ def test_chromium_renders_every_plot_and_the_runs_numbers(tmp_path, monkeypatch)
         value = row["data"][name]
         cell = f'<td data-name="{name}" data-step="2" data-value="{exact(value)}">{fmt(value)}</td>'
         assert cell in dom, (name, value)
+
+
+def test_the_check_fails_a_page_whose_plots_did_not_draw(tmp_path, monkeypatch):
+    import pytest
+
+    report = write(make_run(tmp_path / "run", monkeypatch=monkeypatch))
+    page = report.read_text()
+    # the same page, each plot an empty SVG of its size: what a broken renderer would leave
+    report.write_text(re.sub(r"(<svg\b[^>]*>).*?</svg>", r"\1</svg>", page, flags=re.S))
+    with pytest.raises(AssertionError, match="colour|blue|nothing drawn"):
+        check_rendered(report, tmp_path, steps=3, plots=5)
