@@ -167,7 +167,10 @@ def engines(run: RunData):
     fig, (ax,) = _figure(1)
     if run.events:
         t0 = min(float(e.get("t", 0)) for e in run.events)
-        kinds = sorted({str(e.get("kind")) for e in run.events})
+        kinds = list(
+            dict.fromkeys(str(e.get("kind")) for e in sorted(run.events, key=lambda e: float(e.get("t", 0))))
+        )
+        kinds.reverse()  # first kind to happen on top, as the timeline reads
         for row, kind in enumerate(kinds):
             ts = [float(e.get("t", 0)) - t0 for e in run.events if str(e.get("kind")) == kind]
             ax.scatter(ts, [row] * len(ts), label=kind, marker="|", s=200)
