@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"slime_src": args.slime_src} if args.slime_src else {}  # only weight-sync takes it
     extra |= {"only": args.only} if args.only else {}  # only chaos takes it
-    module.run(quick=args.quick, out=args.out, **extra)
+    from modal_rl.progress import phase
+
+    with phase(f"benchmark suite {args.suite}{' (quick)' if args.quick else ''}", prefix="[benchmarks] "):
+        module.run(quick=args.quick, out=args.out, **extra)
     return 0
 
 

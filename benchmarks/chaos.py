@@ -97,8 +97,11 @@ def run(quick: bool, out: Path, only: str | None = None) -> dict:
                 f"chaos: no scenario {only!r}; choose one of {', '.join(n for n, _ in scenarios)}"
             )
         scenarios = [s for s in scenarios if s[0] == only]
-    for name, scenario in scenarios:
-        _say(f"scenario {name}: start")
+    suite_t0 = time.monotonic()
+    for k, (name, scenario) in enumerate(scenarios, 1):
+        _say(
+            f"scenario {k}/{len(scenarios)} {name}: start ({time.monotonic() - suite_t0:.0f} s into the suite)"
+        )
         t0 = time.monotonic()
         try:
             result = scenario(quick, say=_say)

@@ -21,6 +21,20 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
+# Headless Chromium: the report test opens the run report as a person would (docs/report.md).
+# Checked by command, so a second run costs nothing; without root the test says why it skips.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    say "installing chromium (apt-get), the browser the run-report test renders the page in"
+    t_chromium=$SECONDS
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } ||
+      say "chromium could not be installed; the browser test will skip and say so" >&2
+    say "chromium step took $((SECONDS - t_chromium)) s"
+  else
+    say "chromium missing; install it (apt-get install chromium) to run the report's browser test" >&2
+  fi
+fi
+
 ensure_venv
 # What this install depends on: a change to any of these reinstalls.
 stamp=$VENV/.modal-rl-install

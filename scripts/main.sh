@@ -23,5 +23,16 @@ TMPDIR=$JOB_TMP bash scripts/install_verl_cpu.sh
 say "install took $((SECONDS - t0)) s"
 activate_venv
 t1=$SECONDS
-python -m verl_modal --backend local --tiny runs/verl-cpu/tiny -- trainer.total_training_steps=3 "$@"
+# tensorboard beside the console: verl's own tracker then holds our modal_rl/ numbers too.
+python -m verl_modal --backend local --tiny runs/verl-cpu/tiny -- trainer.total_training_steps=3 \
+  'trainer.logger=[console,tensorboard]' "$@"
 say "verl GRPO run (3 steps) took $((SECONDS - t1)) s"
+# The run's folder is the newest under the launcher's log dir (it names it in its summary too).
+run_dir=$(ls -1dt runs/verl-cpu/logs/*/ | head -n 1)
+run_dir=${run_dir%/}
+if [ -f "$run_dir/report.html" ]; then
+  say "run report: $ROOT/$run_dir/report.html (static, opens offline in any browser)"
+fi
+if [ -d "$run_dir/tensorboard" ]; then
+  say "tensorboard: $ROOT/$run_dir/tensorboard (tensorboard --logdir $run_dir/tensorboard)"
+fi

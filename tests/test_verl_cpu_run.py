@@ -228,6 +228,22 @@ def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
         assert (
             0 < float(step["checkpoint_engine/payload_mbytes"]) < float(step["checkpoint_engine/raw_mbytes"])
         )
+    # Our numbers in verl's metrics (verl_modal.step_metrics): step 1 counts the start-up anchor
+    # and its own delta; step 2 one delta, which the one receiver got whole; the engine's own
+    # serving pause is a part of the trainer's sync time; no engine was replaced.
+    ours = {
+        n: {k: float(v) for k, v in step.items() if k.startswith("modal_rl/")} for n, step in metrics.items()
+    }
+    ws = "modal_rl/weight_sync/"
+    assert (ours[1][ws + "syncs"], ours[1][ws + "anchors"], ours[1][ws + "deltas"]) == (2, 1, 1), ours[1]
+    assert (ours[2][ws + "syncs"], ours[2][ws + "anchors"], ours[2][ws + "deltas"]) == (1, 0, 1), ours[2]
+    assert ours[2][ws + "sent_mib"] == pytest.approx(
+        float(metrics[2]["checkpoint_engine/payload_mbytes"]), rel=1e-3
+    )
+    assert ours[2][ws + "receiver/1/mib"] == pytest.approx(ours[2][ws + "sent_mib"], rel=1e-3)
+    for n in (1, 2):
+        assert 0 < ours[n][ws + "engine_pause_s"] < ours[n][ws + "seconds"]
+        assert ours[n][ws + "refused_frames"] == 0 and ours[n]["modal_rl/engines/replacements"] == 0
     # The engine's server process ended with the run.
     server_pids = {int(pid) for pid in re.findall(r"\(APIServer pid=(\d+)\)", engine_out)}
     assert server_pids and procs.alive(sorted(server_pids)) == []

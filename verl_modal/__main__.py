@@ -204,10 +204,14 @@ def _main(argv: list[str]) -> int:
 
     workload = []
     if args.tiny is not None:
+        from modal_rl.progress import phase
         from verl_modal.cpu import tiny
 
         try:
-            workload = tiny.make(args.tiny, task=args.tiny_task)
+            with phase(
+                f"tiny {args.tiny_task} model, tokenizer and dataset in {args.tiny}", prefix="verl_modal: "
+            ):
+                workload = tiny.make(args.tiny, task=args.tiny_task)
         except ValueError as exc:
             return _fail(str(exc))
     try:

@@ -129,7 +129,14 @@ def duration(seconds: float) -> str:
 
 
 def summary_lines(
-    steps: list[StepRecord], *, wall_s: float, total: int | None, files: RunFiles, checkpoints: str, ok: bool
+    steps: list[StepRecord],
+    *,
+    wall_s: float,
+    total: int | None,
+    files: RunFiles,
+    checkpoints: str,
+    ok: bool,
+    extra: list[tuple[str, str]] = (),
 ) -> list[str]:
     """The closing table: two columns, one row per fact."""
     rows = [
@@ -147,6 +154,7 @@ def summary_lines(
         ("log", str(files.log)),
         ("metrics", str(files.metrics)),
         ("checkpoints", checkpoints),
+        *extra,
     ]
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 2 + max(len(value) for _, value in rows))
@@ -337,10 +345,11 @@ def run_local(
     A failure in verl is re-raised as ``RunFailed`` naming the log; Ctrl-C propagates (the
     runner has shut its Ray down by then)."""
     from modal_rl.cli_errors import RunFailed
+    from verl_modal import run_report
     from verl_modal.runner import run, start_local_ray
 
     files = RunFiles.make(log_dir)
-    env = with_file_logger(config, files, env_vars)
+    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars))
     total = config.trainer.total_training_steps
     total = int(total) if total else None
     started = time.monotonic() if started is None else started  # the launcher's start: preflight counts
@@ -374,6 +383,7 @@ def run_local(
                 files=files,
                 checkpoints=checkpoints_note(config),
                 ok=ok,
+                extra=run_report.finish(files.dir),  # report.html, and the tensorboard dir
             )
             for line in lines:
                 progress.say(line, stamp=False)

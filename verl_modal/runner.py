@@ -164,6 +164,9 @@ def make_task_runner(cpu: bool):
             from verl_modal import pools, upstream
 
             swapped = pools.install()
+            from verl_modal import step_metrics
+
+            step_metrics.install(config)  # modal_rl/ numbers into verl's metrics, this process
             quieted = quiet_separate_async_info_log(config)
             print(
                 f"[verl_modal] upstream fixes in this verl: {upstream.seams()}; "

@@ -74,6 +74,15 @@ def is_flagged(outputs: list[Any], sandbox: bool = True) -> bool:
     return bool((sandbox and info.get(MASK_KEY)) or extra.get(ENGINE_MASK_KEY))
 
 
+def mask_cause(outputs: list[Any]) -> str | None:
+    """Why the trajectory is left out of the loss: ``engine`` (its engine died mid-request),
+    ``sandbox`` (its sandbox failed after retries), or None."""
+    extra = outputs[-1].extra_fields or {}
+    if extra.get(ENGINE_MASK_KEY):
+        return "engine"
+    return "sandbox" if (extra.get("reward_extra_info") or {}).get(MASK_KEY) else None
+
+
 def mask_trajectory(outputs: list[Any], kwargs: dict) -> str:
     """Zero every output's response mask and give the trajectory a group of its own.
 
@@ -103,6 +112,11 @@ def install() -> None:
     @functools.wraps(original)
     async def _compute_score(self, outputs, kwargs):
         await original(self, outputs, kwargs=kwargs)
+        cause = mask_cause(outputs) if outputs else None
+        if cause:  # counted whoever excludes it (we, or verl's own seam): modal_rl.report.parts
+            from modal_rl.report.parts import record_mask
+
+            record_mask(cause)
         on_tq = _on_tq_path(self)  # verl's seam is on the TQ path only
         if not outputs or not is_flagged(outputs, sandbox=sandbox or not on_tq):
             return
