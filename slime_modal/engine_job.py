@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from modal_rl.run_key import MissingRunKeyError, run_key
+from modal_rl.run_key import ENGINE_BEARER_ENV, SECRET_ENVS, MissingRunKeyError, engine_bearer_from_env
 
 FLAG = "--rollout-external-engine-addrs"
 START_TIMEOUT_S = 60.0
@@ -98,7 +98,12 @@ def start_forwarder(
         cmd += ["--allow-peer", peer]
     if routes:
         cmd += ["--routes", routes]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+    # The forwarder holds the engines' bearer and nothing else of the run's key.
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENVS}
+    env[ENGINE_BEARER_ENV] = engine_bearer_from_env()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig, env=env
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     line = b""
     while not line.endswith(b"\n"):
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         engines, entry, args, routes = parse(argv)
-        run_key()  # the forwarder needs it; say so here, in one line, before anything starts
+        engine_bearer_from_env()  # the forwarder needs it; say so here, in one line, before anything starts
         host, peers = listen_plan()
     except (ValueError, MissingRunKeyError) as exc:
         print(f"slime_modal.engine_job: {exc}", file=sys.stderr)

