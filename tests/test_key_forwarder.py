@@ -248,3 +248,15 @@ def test_upstreams_must_be_base_urls():
     for bad in ("127.0.0.1:1", "ftp://a:1", "http://a:1/v1"):
         with pytest.raises(ValueError, match="upstream"):
             KeyForwarder([bad], key=KEY)
+
+
+def test_plain_http_upstreams_off_loopback_are_refused():
+    """Round 3: the bearer goes to an engine only over https or to loopback, at start and on
+    every re-route (a replaced engine's new address)."""
+    for bad in ("http://10.0.0.5:8000", "http://engine.internal:8000", "http://127.1:8000"):
+        with pytest.raises(ValueError, match="goes only over https"):
+            KeyForwarder([bad], key=KEY)
+    fwd = KeyForwarder(["https://engine.modal.run", "http://127.0.0.1:8000"], key=KEY)
+    with pytest.raises(ValueError, match="goes only over https"):
+        fwd.route(0, "http://10.0.0.5:8000")
+    assert fwd.upstreams == ["https://engine.modal.run", "http://127.0.0.1:8000"]

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
 
@@ -122,9 +123,16 @@ def check_listen(host: str, allow_peers: list[str] | None) -> None:
 
 
 def check_upstream(url: str) -> str:
+    """``url`` without its trailing slash; ValueError unless it is an engine base URL the
+    bearer may go to: https, or plain http to loopback only (``engine_auth.key_safe_url``)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
         raise ValueError(f"upstream {url!r}: need http(s)://host[:port] with no path")
+    if not key_safe_url(url):
+        raise ValueError(
+            f"upstream {url!r}: the engine bearer goes only over https:// or to a loopback http:// "
+            "address; use the engine's TLS tunnel URL"
+        )
     return url.rstrip("/")
 
 

@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
+from modal_rl.cluster.netif import ingress_ipv4
 from modal_rl.run_key import redact, run_key
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
@@ -56,12 +57,11 @@ from modal_rl.weightsync.vllm_extension import EXTENSION, METHOD, STAGE_METHOD, 
 from modal_rl.weightsync.vllm_inplace import PLAIN_WEIGHTS_ENV
 
 EXPOSE = ("local", "modal")
-# Where the frame server listens behind a modal.forward tunnel. Not 127.0.0.1: Modal's ingress
-# reaches a container's port through its eth0 address, not loopback (Modal's own runtime waits
-# for web servers there and asks for 0.0.0.0 "rather than localhost or 127.0.0.1"). IPv4 only,
-# so not on the workspace's IPv6 network (i6pn); any peer that reaches it meets the keyed
-# handshake before a frame byte.
-TUNNEL_BIND_HOST = "0.0.0.0"
+# Where the frame server listens behind a modal.forward tunnel: the container's IPv4 address on
+# its default route (``netif.ingress_ipv4``), the eth0 address through which Modal's ingress
+# reaches a container's port (not loopback). Not 0.0.0.0 (round 3): only that one interface,
+# IPv4 only, so not on the workspace's IPv6 network (i6pn) nor any other interface; any peer
+# that reaches it meets the keyed handshake before a frame byte.
 
 
 class EnginePushError(RuntimeError):
@@ -96,7 +96,7 @@ class EnginePusher:
         self.pull_timeout_s = pull_timeout_s
         self.inplace, self.hold_requests = inplace, hold_requests
         self._stack = contextlib.ExitStack()
-        self._server = FrameServer(TUNNEL_BIND_HOST if expose == "modal" else bind_host, 0, key=self.keys)
+        self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
         self.publisher = Publisher(self._server, anchor_every=anchor_every, config=config)
         port = int(self._server.address[1])
