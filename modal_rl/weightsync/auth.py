@@ -33,6 +33,7 @@ import struct
 
 import xxhash
 
+from modal_rl import wire_json
 from modal_rl.run_key import FRAME_READ_ENV, RUN_KEY_ENV, derive, frame_read_key, run_key
 from modal_rl.weightsync.errors import (
     CorruptFrameError,
@@ -43,6 +44,7 @@ from modal_rl.weightsync.errors import (
 )
 
 MAC_SIZE = 32
+MAX_HANDSHAKE_LINE = 4096  # = transport_tcp.MAX_LINE (the server's bound on each line)
 MAC_DOMAIN = b"MRLW-mac1"
 HANDSHAKE = "hmac-sha256-v1"
 _ZERO_MAC = bytes(MAC_SIZE)
@@ -307,9 +309,10 @@ def hello_line(
 
 
 def _line_json(line: bytes):
+    """A server's line as JSON, bounded (``wire_json``), or None for anything else."""
     try:
-        return json.loads(line)
-    except ValueError:
+        return wire_json.loads(line, max_bytes=MAX_HANDSHAKE_LINE, max_depth=4)
+    except wire_json.WireError:
         return None
 
 

@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from modal_rl import wire_json
 from modal_rl.weightsync.auth import FrameKeys, sign_json, verify_json
 from modal_rl.weightsync.epoch import describe, new_epoch
 from modal_rl.weightsync.errors import (
@@ -147,7 +148,9 @@ class StoreLease:
 
     def read(self) -> LeaseRecord | None:
         try:
-            raw = json.loads(read_regular(self.path, MAX_LEASE_BYTES))
+            raw = wire_json.loads(
+                read_regular(self.path, MAX_LEASE_BYTES), max_bytes=MAX_LEASE_BYTES, max_depth=4
+            )
         except FileNotFoundError:
             return None
         except StoreFileError as exc:
@@ -296,7 +299,9 @@ def read_pointer(path: Path, keys: FrameKeys | None) -> dict:
     (``CorruptFrameError``), unsigned (``UnsignedFrameError``), signed for a keyless reader
     (``SignedFrameError``), or altered / another key's (``RecordMacError``)."""
     try:
-        data = json.loads(read_regular(path, MAX_POINTER_BYTES))
+        data = wire_json.loads(
+            read_regular(path, MAX_POINTER_BYTES), max_bytes=MAX_POINTER_BYTES, max_depth=4
+        )
     except FileNotFoundError:
         return {}
     except ValueError:

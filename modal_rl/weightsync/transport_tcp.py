@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl import wire_json
 from modal_rl.weightsync.auth import (
     FROM_ENV,
     HANDSHAKE,
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 SLICE = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_LINE = 4096
+MAX_COUNTER = (1 << 64) - 1  # versions and epochs are u64 on the wire (frames)
 
 
 class _Refused(Exception):
@@ -137,7 +139,9 @@ class FrameServer:
     def _run_loop(self, host: str, port: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = self.loop.run_until_complete(asyncio.start_server(self._accept, host, port))
+            self.server = self.loop.run_until_complete(
+                asyncio.start_server(self._accept, host, port, limit=MAX_LINE)
+            )
             self.address = self.server.sockets[0].getsockname()[:2]
         except OSError as exc:
             self.address = exc
@@ -175,11 +179,9 @@ class FrameServer:
     ) -> tuple[int | None, int | None, DecodeCosts | None]:
         """The receiver's (version, epoch, decode costs) once it is admitted; ``_Refused``
         otherwise. Nothing of a frame is written before this returns."""
-        line = await reader.readline()
-        hello = json.loads(line)
-        if not isinstance(hello, dict):
-            raise _Refused("the hello is not a JSON object")
-        have, epoch = (_int_or_none(hello.get(k)) for k in ("have", "epoch"))
+        line = await _read_line(reader)
+        hello = _parse(line, "hello")
+        have, epoch = (_counter(hello, k) for k in ("have", "epoch"))
         costs = from_hello(hello.get("decode"))
         if self.keys is None:
             if "auth" in hello:
@@ -193,8 +195,8 @@ class FrameServer:
         answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
-        reply = json.loads(await reader.readline())
-        got = reply.get("proof") if isinstance(reply, dict) else None
+        reply = _parse(await _read_line(reader), "proof line")
+        got = reply.get("proof")
         if not same_proof(client_proof(self.keys, nonce, mine, line), got):
             raise _Refused("the receiver does not know this run's key")
         self._check_epoch(epoch)  # the epoch is in the hello the proof covers
@@ -378,8 +380,38 @@ class FrameServer:
         self.loop.close()
 
 
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    """One line of at most ``MAX_LINE`` bytes (the reader's limit); longer is a refusal."""
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
+    except asyncio.IncompleteReadError as exc:
+        if len(exc.partial) >= MAX_LINE:
+            raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
+        raise
+
+
+def _parse(line: bytes, what: str) -> dict:
+    """A handshake line as a JSON object, bounded (``wire_json``); ``_Refused`` otherwise."""
+    try:
+        obj = wire_json.loads(line, max_bytes=MAX_LINE, max_depth=4)
+    except wire_json.WireError as exc:
+        raise _Refused(f"the {what} is refused: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _Refused(f"the {what} is not a JSON object")
+    return obj
+
+
+def _counter(hello: dict, name: str) -> int | None:
+    """A version or epoch the hello names (None: it names none); out of range is a refusal."""
+    value = hello.get(name)
+    if value is None:
+        return None
+    got = wire_json.int_in(value, 0, MAX_COUNTER)
+    if got is None:
+        raise _Refused(f"the hello's {name!r} must be an integer in 0..2**64-1")
+    return got
 
 
 __all__ = ["FrameServer", "TcpSource"]

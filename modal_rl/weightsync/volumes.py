@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from modal_rl import wire_json
 from modal_rl.weightsync.errors import StoreFileError
 
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
@@ -248,7 +249,9 @@ def missing(path: Path, required: Iterable[str] = ()) -> list[str]:
     out = []
     for m in markers:
         try:
-            listed = json.loads(read_regular(m, MAX_MARKER_BYTES))["files"]
+            listed = wire_json.loads(
+                read_regular(m, MAX_MARKER_BYTES), max_bytes=MAX_MARKER_BYTES, max_depth=4
+            )["files"]
             if not isinstance(listed, dict):
                 raise ValueError("files is not a mapping")
         except (ValueError, KeyError, TypeError, OSError, StoreFileError):
