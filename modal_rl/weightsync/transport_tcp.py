@@ -16,7 +16,12 @@ terminates TLS and forwards plain TCP to the server's port) and verifies its cer
 Invariants of ``FrameServer``:
 - a receiver is admitted (added to the fan-out, sent retained frames) only after the
   handshake succeeded; a refused one gets one ``{"error": ...}`` line, is disconnected, and
-  is logged on one line;
+  is logged on one line; every line it sends is bounded (``wire_json``);
+- admission: a connection holds an unauthenticated slot only until its handshake ends, at
+  most ``HANDSHAKE_TIMEOUT_S``; at most ``MAX_UNAUTHENTICATED`` such slots in all and
+  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, the oldest evicted first (its peer's
+  first), so hundreds of silent sockets neither exhaust descriptors nor keep out a receiver
+  that holds the key;
 - a receiver only ever gets whole frames, starting at a frame boundary;
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
@@ -49,6 +54,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from modal_rl import wire_json
+from modal_rl.weightsync.admission import Admission
 from modal_rl.weightsync.auth import (
     FROM_ENV,
     HANDSHAKE,
@@ -74,7 +80,15 @@ from modal_rl.weightsync.transport import TokenBucket
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
+# Admission (round 3): a connection that has not finished the handshake holds a slot for at
+# most ``HANDSHAKE_TIMEOUT_S`` (two short lines and one round trip: a receiver across the
+# internet needs well under a second); at most ``MAX_UNAUTHENTICATED`` slots in all and
+# ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address; a new connection over either cap evicts the
+# oldest unauthenticated one (of its peer first), so silent sockets can neither pile up nor keep
+# a receiver with the key out.
+HANDSHAKE_TIMEOUT_S = 3.0
+MAX_UNAUTHENTICATED = 64
+MAX_UNAUTHENTICATED_PER_PEER = 8
 MAX_LINE = 4096
 MAX_COUNTER = (1 << 64) - 1  # versions and epochs are u64 on the wire (frames)
 
@@ -123,6 +137,8 @@ class FrameServer:
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
+        self.unauthenticated = Admission(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER)
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self.in_frame = False
         self._frame_parts: list[bytes] = []
         self._frame_header: VersionHeader | None = None
@@ -152,8 +168,11 @@ class FrameServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
+        slot = self.unauthenticated.hold(writer)
         try:
-            have, epoch, costs = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            have, epoch, costs = await asyncio.wait_for(
+                self._handshake(reader, writer), self.handshake_timeout_s
+            )
         except _Refused as exc:
             log.warning("weight-sync receiver %s refused: %s", peer, exc)
             try:
@@ -164,9 +183,12 @@ class FrameServer:
             writer.close()
             return
         except (TimeoutError, ValueError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
-            log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
+            if not slot.evicted:
+                log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
             writer.close()
             return
+        finally:
+            self.unauthenticated.release(slot)
         conn = _Conn(writer, have, peer, epoch, costs)
         conn.task = asyncio.ensure_future(self._write_loop(conn))
         if self.in_frame:
