@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import socket
 import stat
@@ -42,6 +43,8 @@ from typing import Any, Protocol
 
 from modal_rl import wire_json
 from modal_rl.weightsync.errors import StoreFileError
+
+log = logging.getLogger(__name__)
 
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
 NODE_ID_ENV = "MODAL_RL_NODE_ID"  # defaults to the hostname (one Modal container = one host)
@@ -193,9 +196,36 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     return data
 
 
+def move_aside(path: Path) -> Path | None:
+    """Whatever is at ``path`` that is not a regular file (a directory, a symbolic link, a
+    fifo, a socket: a squatter ``os.replace`` cannot or must not overwrite) renamed to
+    ``.<name>.squatter-<ns>`` beside it and logged; the new name, or None when there was none."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    aside = path.with_name(f".{path.name}.squatter-{time.time_ns()}")
+    os.rename(path, aside)  # a rename never follows a link and moves a directory whole
+    log.warning(
+        "store: %s was a %s, not a regular file: moved aside to %s", path, _kind(st.st_mode), aside.name
+    )
+    return aside
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "fifo")):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def write_new(tmp: Path, chunks: Iterable[bytes]) -> int:
     """Write ``chunks`` to a fresh ``tmp`` (a stale one, or a link planted there, is removed,
-    never followed) and fsync it; the bytes written. The caller renames it into place."""
+    never followed; a directory or other squatter there is moved aside) and fsync it; the bytes
+    written. The caller renames it into place (after ``move_aside`` of the target)."""
+    move_aside(tmp)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -213,6 +243,7 @@ def _write_durable(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
     write_new(tmp, [data])
+    move_aside(path)
     os.replace(tmp, path)
 
 
