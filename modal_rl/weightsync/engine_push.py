@@ -126,7 +126,8 @@ class EnginePusher:
             "compression_ratio": report.raw_bytes / max(report.bytes, 1),
             "encode_s": time.perf_counter() - t0,
         }
-        return WeightSource(str(self.address[0]), int(self.address[1]), report.version, self.tls), numbers
+        where = (str(self.address[0]), int(self.address[1]))
+        return WeightSource(*where, report.version, self.tls, self.publisher.epoch), numbers
 
     def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
         """Publish the next version and have the engine load it; returns the numbers."""
@@ -180,7 +181,7 @@ def load_version(
     method = STAGE_METHOD if inplace else METHOD
     body = pull_request(
         source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls,
-        method=method,
+        method=method, epoch=getattr(source, "epoch", None),
     )  # fmt: skip
     t1 = time.perf_counter()
     results = _rpc(engine_url, body, source.version, key)
