@@ -171,6 +171,7 @@ class LocalEnginePool(EnginePool):
         except BaseException:
             log.close()
             raise
+        procs.remember_start(proc)  # signal_group checks it before any killpg
         redactor = Redactor(self._key or run_key_or_none())
         thread = threading.Thread(
             target=_pump_to_file, args=(proc.stdout, redactor, log), name=f"engine-log-{index}", daemon=True
@@ -239,15 +240,13 @@ class LocalEnginePool(EnginePool):
         with self._lock:
             self._stopped = True
         for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            procs.signal_group(proc, signal.SIGTERM)  # only while its leader is still ours
         deadline = time.monotonic() + self.grace_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                procs.signal_group(proc, signal.SIGKILL)
                 proc.wait()
         survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
         if survivors:
@@ -326,8 +325,9 @@ def _pump_to_file(stream, redactor: Redactor, log) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """End ``proc``'s group — only while its leader is still the engine we started (a reaped
+    engine's pid may be another process's now); its other processes go with ``end_run``."""
+    procs.signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
 

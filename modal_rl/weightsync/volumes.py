@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
 NODE_ID_ENV = "MODAL_RL_NODE_ID"  # defaults to the hostname (one Modal container = one host)
-NODE_STATE_ENV = "MODAL_RL_NODE_STATE_DIR"  # node-local lock/state dir; default: <tmp>/modal-rl-publish
+NODE_STATE_ENV = "MODAL_RL_NODE_STATE_DIR"  # node-local lock/state dir; default: <tmp>/modal-rl-publish-<uid>
 MARKER_DIR = ".modal-rl-commit"
 MAX_MARKER_BYTES = 64 << 20  # a marker lists one node's files: ~100 bytes each
 
@@ -153,9 +153,14 @@ def _listing(path: Path) -> dict[str, tuple[int, int]]:
 
 @contextlib.contextmanager
 def _node_lock(key: str):
-    state = Path(os.environ.get(NODE_STATE_ENV) or Path(tempfile.gettempdir(), "modal-rl-publish"))
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state / f"{key}.lock", "a+") as f:
+    from modal_rl.run_temp import private_dir
+
+    # Per user, 0700, never another user's (``private_dir``): in a shared /tmp another user
+    # could otherwise plant ``<key>.lock`` as a link and have us create or write through it.
+    default = Path(tempfile.gettempdir(), f"modal-rl-publish-{os.getuid()}")
+    state = private_dir(os.environ.get(NODE_STATE_ENV) or default)
+    fd = os.open(state / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield state / f"{key}.committed"
@@ -247,6 +252,18 @@ def _write_durable(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _write_local(path: Path, data: bytes) -> None:
+    """Node-local bookkeeping (no fsync: losing it costs one more commit): a fresh file
+    (``O_EXCL|O_NOFOLLOW``) renamed into place, so nothing is written through a link."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def publish(path: str | Path, sync: DirSync | None = None) -> bool:
     """Commit what this node wrote under ``path`` (once per node per state); True if it committed.
 
@@ -266,7 +283,7 @@ def publish(path: str | Path, sync: DirSync | None = None) -> bool:
         marker = {"node": node_id(), "time": time.time(), "files": {k: s for k, (s, _) in files.items()}}
         _write_durable(path / MARKER_DIR / f"{node_id()}.json", json.dumps(marker).encode())
         sync.commit(path)
-        state_file.write_text(fingerprint)
+        _write_local(state_file, fingerprint.encode())  # never through a link
         return True
 
 
