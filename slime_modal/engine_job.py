@@ -7,7 +7,7 @@ addresses. So the launcher submits the job through this module, which, on the jo
 (rank 0, where Ray runs a job's entrypoint):
 
 1. starts ``modal_rl.cluster.key_forwarder`` as a child process with one port per engine,
-   each adding ``Authorization: Bearer <run key>`` and forwarding to that engine's URL
+   each adding ``Authorization: Bearer <engine bearer>`` (``run_key.engine_bearer``: the only key it holds) and forwarding to that engine's URL
    (the TLS tunnel of a Modal engine);
 2. runs ``ENTRY`` (slime's ``train.py``) in this process as ``__main__`` with ``ARGS`` plus
    ``--rollout-external-engine-addrs <forwarder address per engine>``, as ``python3 ENTRY

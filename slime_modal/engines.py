@@ -211,13 +211,14 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
         "command": engines.argv("0.0.0.0", engines.port),
         "health": engines.health_path,
         "auth": {
-            "engine_key": "the run's key: SGLang --api-key and --admin-api-key, added in-process by "
-            "modal_rl.cluster.keyed_launch from MODAL_RL_RUN_KEY (never on a command line)",
+            "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
+            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.cluster.keyed_launch "
+            "from MODAL_RL_ENGINE_BEARER (never on a command line)",
             "key_required": "every route except SGLang's /health*, /ready*, /metrics*",
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
             "forwarder": "modal_rl.cluster.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "
-            "Authorization: Bearer <run key>",
+            "Authorization: Bearer <engine bearer>",
         },
         "job_command": forwarded_job_command(
             ["python3", "<entry>", "<slime args>"], [f"<engine {i} url>" for i in range(engines.count)]

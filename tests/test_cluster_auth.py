@@ -185,7 +185,7 @@ def test_gcs_refuses_a_connection_without_the_token(run, tmp_path):
         "import sys; from ray._raylet import GcsClient; "
         "print(GcsClient(address=sys.argv[1]).internal_kv_get(b'modal_rl_probe', namespace=None, timeout=15))"
     )
-    owner = {**_stranger_env(tmp_path, run.key)}
+    owner = {**_stranger_env(tmp_path, ray_token(run.key))}  # the Ray token: derived (round 3)
     done = subprocess.run(
         [sys.executable, "-c", check, run.gcs], env=owner, capture_output=True, text=True, timeout=120
     )

@@ -2,7 +2,7 @@
 
 ``KeyForwarder(upstreams, host=...)`` listens on one port of ``host`` per upstream engine
 (``https://<tunnel>`` or ``http://host:port``) and forwards every request it gets there, any
-method and path, to that engine with ``Authorization: Bearer <run key>`` in place of whatever
+method and path, to that engine with ``Authorization: Bearer <engine bearer>`` in place of whatever
 the client sent (the engine bearer derived from it, ``run_key.engine_bearer``). Bodies stream both ways (request bodies are not buffered, responses are
 relayed chunk by chunk as they arrive), so large weight-sync payloads and streamed generations
 pass through at their own pace; a client that goes away closes the upstream request too.
