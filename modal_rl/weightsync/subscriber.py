@@ -75,6 +75,7 @@ class Subscriber:
     started_at: float = field(default_factory=time.time)
     floor_version: int | None = None  # never activate a version below it (see the invariants)
     floor_epoch: int | None = None  # ... of this epoch; without it, by version number alone
+    target_epoch: int | None = None  # the epoch a signed pull names (``vllm_extension``)
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))

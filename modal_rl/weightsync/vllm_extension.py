@@ -204,6 +204,7 @@ class DeltaWeightsExtension(InPlaceMixin):
         sub = tcp_subscriber(current, addr, target, config, key=keys, tls=bool(req["tls"]), epoch=epoch)
         if held is not None:
             sub.floor_epoch, sub.floor_version = held
+        sub.target_epoch = epoch  # the pull's (epoch, version) is what "reached" means
         self._modal_rl_subscriber = sub
         return sub, req
 
