@@ -80,3 +80,25 @@ def test_a_weight_push_follows_no_redirect_with_the_bearer(stand):
     with pytest.raises(EnginePushError, match="HTTP 302"):
         _post(url, "/collective_rpc", {}, 5.0, TEST_KEY)
     assert seen == [] and engine_bearer(TEST_KEY) not in str(seen)
+
+
+def test_the_verl_replica_proxy_follows_no_redirect_with_the_bearer(stand):
+    """verl's engine proxy (aiohttp) posts with the bearer: a 302 is an error, never followed."""
+    import asyncio
+
+    pytest.importorskip("verl")
+    from verl_modal.replica_proxy import VLLMHttpProxy
+
+    url, seen = stand
+    proxy = VLLMHttpProxy.__new__(VLLMHttpProxy)  # only its HTTP part: no engine is started
+    proxy._session, proxy._headers = None, {"Authorization": f"Bearer {engine_bearer(TEST_KEY)}"}
+
+    async def call():
+        try:
+            await proxy._post_to(url, "/collective_rpc", {})
+        finally:
+            await proxy._session.close()
+
+    with pytest.raises(RuntimeError, match="HTTP 302"):
+        asyncio.run(call())
+    assert seen == []
