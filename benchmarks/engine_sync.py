@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import markdown_table, progress, write_json
+from modal_rl.cluster.engine_auth import bearer_header
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key, run_key
 
 SUITE = "engine-sync"
@@ -63,7 +64,8 @@ def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
 
 def _post(url: str, body: dict | None = None) -> Any:
     data = json.dumps(body or {}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {run_key()}"}
+    # engines take the bearer derived from the run key, never the run key itself
+    headers = {"Content-Type": "application/json", **bearer_header(run_key())}
     request = urllib.request.Request(url, data, headers)
     with urllib.request.urlopen(request, timeout=300) as resp:
         text = resp.read().decode()

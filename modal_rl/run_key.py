@@ -9,6 +9,10 @@ Invariants:
   ``redact`` replaces it wherever text leaves the process (dry-run plans, error tails);
 - each use gets its own derived key (``derive``), so a key leaked from one place (say, an
   engine's bearer token in a proxy log) does not forge another (weight-frame MACs);
+- capabilities, not a shared secret: the raw key stays with the launcher and the trainer
+  (which signs leases). Every other part gets only the derived key it needs (``engine_bearer``, ``ray_token``, ``frame_read_key``):
+  engines ``ENGINE_BEARER_ENV`` and ``FRAME_READ_ENV`` (``engine_env``), Ray ``ray_token``;
+  none of them gives back the run key or another part's key (``docs/security.md``);
 - comparisons are constant-time (``hmac.compare_digest``).
 
 Keyless modes are explicit: callers pass ``key=None`` themselves; nothing here falls back
@@ -17,6 +21,7 @@ to "no key" silently.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -25,6 +30,13 @@ import secrets
 RUN_KEY_ENV = "MODAL_RL_RUN_KEY"
 # Ray 2.60 token authentication reads the token from this variable (and RAY_AUTH_MODE=token).
 RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
+# What an engine process holds instead of the run key: its bearer token (the one header its
+# guard accepts) and the frame-read key (frame-server handshake, frame MAC check, signed pulls).
+ENGINE_BEARER_ENV = "MODAL_RL_ENGINE_BEARER"
+FRAME_READ_ENV = "MODAL_RL_FRAME_READ_KEY"
+# Every variable that carries the key or a capability: stripped from child environments that
+# must hold none (sandboxes, keyless engines) and never printed.
+SECRET_ENVS = (RUN_KEY_ENV, RAY_TOKEN_ENV, ENGINE_BEARER_ENV, FRAME_READ_ENV)
 REDACTED = "<redacted>"
 KEY_BYTES = 32
 
@@ -68,15 +80,63 @@ def run_key_or_none(environ: dict[str, str] | None = None) -> str | None:
 
 
 def derive(key: str | bytes, purpose: str) -> bytes:
-    """A 32-byte key for one purpose (``"frames"``, ``"pull"``, ...), from the run key."""
+    """A 32-byte key for one purpose (``"frames"``, ``"pull"``, ...), from the run key.
+
+    The whole key counts: it is hashed to BLAKE2b's 64-byte key size first (a key longer than
+    64 bytes used to be cut there, so two keys sharing their first 64 bytes derived alike)."""
     raw = key.encode() if isinstance(key, str) else key
-    return hashlib.blake2b(purpose.encode(), key=raw[:64], digest_size=32, person=b"modal-rl").digest()
+    whole = hashlib.blake2b(raw, digest_size=64, person=b"modal-rl-key").digest()
+    return hashlib.blake2b(purpose.encode(), key=whole, digest_size=32, person=b"modal-rl").digest()
+
+
+def _text(raw: bytes) -> str:
+    """A derived key as URL-safe text (43 characters): what one part holds in place of the run
+    key (an env var, a header, a Ray token). One-way: it gives back neither the run key nor
+    any other purpose's key."""
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def engine_bearer(key: str) -> str:
+    """The bearer token every engine of the run accepts (and nothing else does)."""
+    return _text(derive(key, "engine-bearer"))
+
+
+def ray_token(key: str) -> str:
+    """The run's Ray token (``RAY_AUTH_TOKEN``): submits jobs, so no engine holds it."""
+    return _text(derive(key, "ray-token"))
+
+
+def frame_read_key(key: str) -> str:
+    """The frame-read key: passes the frame-server handshake, checks frame MACs and signed
+    pulls; it cannot sign a lease (``auth.FrameKeys``)."""
+    return _text(derive(key, "weightsync-reader"))
+
+
+def engine_env(key: str) -> dict[str, str]:
+    """What an engine process gets in place of the run key: its bearer and the frame-read key."""
+    return {ENGINE_BEARER_ENV: engine_bearer(key), FRAME_READ_ENV: frame_read_key(key)}
+
+
+def engine_bearer_from_env(environ: dict[str, str] | None = None) -> str:
+    """The engine bearer this process holds: ``ENGINE_BEARER_ENV``, else derived from the run
+    key (a launcher or trainer); ``MissingRunKeyError`` with the fix when it has neither."""
+    env = os.environ if environ is None else environ
+    bearer = env.get(ENGINE_BEARER_ENV, "")
+    if bearer:
+        return bearer
+    if env.get(RUN_KEY_ENV):
+        return engine_bearer(env[RUN_KEY_ENV])
+    raise MissingRunKeyError(
+        f"no engine key: neither {ENGINE_BEARER_ENV} nor {RUN_KEY_ENV} is set. Start engines "
+        "through modal_rl's engine pool, which gives each its bearer"
+    )
 
 
 def key_env(key: str) -> dict[str, str]:
-    """The environment entries that carry ``key`` to a process or container: our own
-    variable, and Ray's token variable (Ray uses it only where ``RAY_AUTH_MODE=token``)."""
-    return {RUN_KEY_ENV: key, RAY_TOKEN_ENV: key}
+    """The environment entries that carry ``key`` to a trainer-side process or container: our
+    own variable, and Ray's token (derived: ``ray_token``; Ray reads it only where
+    ``RAY_AUTH_MODE=token``). Engines get ``engine_env`` instead."""
+    return {RUN_KEY_ENV: key, RAY_TOKEN_ENV: ray_token(key)}
 
 
 def modal_secret(key: str):
@@ -86,10 +146,27 @@ def modal_secret(key: str):
     return modal.Secret.from_dict(key_env(key))
 
 
+def secret_texts(key: str) -> tuple[str, ...]:
+    """The key and every capability text made from it (what ``redact`` replaces)."""
+    return (key, engine_bearer(key), ray_token(key), frame_read_key(key))
+
+
+def engine_secret(key: str):
+    """The Modal Secret an engine container gets: ``engine_env(key)`` only."""
+    import modal
+
+    return modal.Secret.from_dict(engine_env(key))
+
+
 def redact(text: str, key: str | None = None) -> str:
-    """``text`` with the key (given, or the run's from the environment) replaced."""
+    """``text`` with the key (given, or the run's from the environment) and the capabilities
+    made from it replaced."""
     key = key if key is not None else run_key_or_none()
-    return text.replace(key, REDACTED) if key else text
+    if not key:
+        return text
+    for secret in secret_texts(key):
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 def same(a: str | bytes, b: str | bytes) -> bool:

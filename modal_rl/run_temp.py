@@ -19,6 +19,9 @@ Invariants:
   process makes or owns sweeps ``<base>/mrl-*`` of every dir whose owner is gone
   (:func:`sweep`). A dir without a mark (being made, kept with ``MODAL_RL_KEEP_LOGS``, or
   made by a shell script without one) is never swept;
+- shared hosts: a run dir is 0700 (``mkdtemp``, or ``private_dir`` for a named one, which
+  refuses a directory of that name made by another user, or a link); its owner mark is
+  written ``O_NOFOLLOW|O_EXCL``; ``sweep`` looks only at this user's dirs;
 - ``MODAL_RL_KEEP_LOGS`` set keeps it (its Ray session logs and engine logs), as the local
   cluster backend always did for its own temp root;
 - a variable the user set on purpose (``RAY_TMPDIR``, ``VLLM_RPC_BASE_PATH``,
@@ -36,6 +39,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,11 +87,45 @@ def owner_token(pid: int) -> str | None:
     return f"{pid} {fields[19]}"  # field 22: start time since boot
 
 
+class ForeignDirError(PermissionError):
+    """A directory this user must own (a run dir, a lock dir) belongs to another user, or is a
+    link; the message is one line with the fix."""
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a directory only this user can use: made 0700 when missing; an existing one
+    must be a real directory (not a link) owned by this user, and is narrowed to 0700.
+    ``ForeignDirError`` otherwise: on a shared host another user may have made it first, to
+    read what the run writes there or to plant links in it."""
+    path = Path(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = "not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise ForeignDirError(
+            f"refusing {path}: {what}, not this user's (uid {os.getuid()}); remove it, or point "
+            "TMPDIR at a directory of your own"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
 def _mark(path: str | os.PathLike) -> None:
+    """Write the owner mark: never through a link planted at its name (``O_NOFOLLOW``), and
+    only as a new file (``O_EXCL``: a stale mark of ours is unlinked first, which never follows)."""
     token = owner_token(os.getpid())
-    if token is not None:
-        with contextlib.suppress(OSError):
-            Path(path, OWNER_FILE).write_text(token + "\n")
+    if token is None:
+        return
+    mark = Path(path, OWNER_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(mark)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(OSError):
+        fd = os.open(mark, flags, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
 
 
 def owner_gone(path: str | os.PathLike) -> bool:
@@ -108,8 +146,19 @@ def sweep(where: str | None = None) -> list[str]:
         entries = list(Path(where or base_dir()).glob(f"{PREFIX}*"))
     except OSError:
         return removed
+    uid = os.getuid()
     for entry in entries:
-        if str(entry) not in _owned and entry.is_dir() and not entry.is_symlink() and owner_gone(entry):
+        try:
+            mine = entry.lstat().st_uid == uid  # another user's run dirs are theirs to sweep
+        except OSError:
+            continue
+        if (
+            mine
+            and str(entry) not in _owned
+            and entry.is_dir()
+            and not entry.is_symlink()
+            and owner_gone(entry)
+        ):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(str(entry))
     return removed
@@ -131,7 +180,8 @@ def named(unique: str) -> Path:
 def own(path: str | os.PathLike) -> Path:
     """Make ``path`` (again) and own it: a run dir that :func:`remove` took, reused."""
     _sweep_once()
-    Path(path).mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path)  # 0700; refused when another user made it first (the name is predictable)
     _owned.add(str(path))
     _mark(path)
     return Path(path)

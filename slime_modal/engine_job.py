@@ -7,7 +7,7 @@ addresses. So the launcher submits the job through this module, which, on the jo
 (rank 0, where Ray runs a job's entrypoint):
 
 1. starts ``modal_rl.cluster.key_forwarder`` as a child process with one port per engine,
-   each adding ``Authorization: Bearer <run key>`` and forwarding to that engine's URL
+   each adding ``Authorization: Bearer <engine bearer>`` (``run_key.engine_bearer``: the only key it holds) and forwarding to that engine's URL
    (the TLS tunnel of a Modal engine);
 2. runs ``ENTRY`` (slime's ``train.py``) in this process as ``__main__`` with ``ARGS`` plus
    ``--rollout-external-engine-addrs <forwarder address per engine>``, as ``python3 ENTRY
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from modal_rl.run_key import MissingRunKeyError, run_key
+from modal_rl.run_key import ENGINE_BEARER_ENV, SECRET_ENVS, MissingRunKeyError, engine_bearer_from_env
 
 FLAG = "--rollout-external-engine-addrs"
 START_TIMEOUT_S = 60.0
@@ -98,7 +98,12 @@ def start_forwarder(
         cmd += ["--allow-peer", peer]
     if routes:
         cmd += ["--routes", routes]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+    # The forwarder holds the engines' bearer and nothing else of the run's key.
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENVS}
+    env[ENGINE_BEARER_ENV] = engine_bearer_from_env()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig, env=env
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     line = b""
     while not line.endswith(b"\n"):
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         engines, entry, args, routes = parse(argv)
-        run_key()  # the forwarder needs it; say so here, in one line, before anything starts
+        engine_bearer_from_env()  # the forwarder needs it; say so here, in one line, before anything starts
         host, peers = listen_plan()
     except (ValueError, MissingRunKeyError) as exc:
         print(f"slime_modal.engine_job: {exc}", file=sys.stderr)

@@ -211,13 +211,14 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
         "command": engines.argv("0.0.0.0", engines.port),
         "health": engines.health_path,
         "auth": {
-            "engine_key": "the run's key: SGLang --api-key and --admin-api-key, added in-process by "
-            "modal_rl.cluster.keyed_launch from MODAL_RL_RUN_KEY (never on a command line)",
+            "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
+            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.cluster.keyed_launch "
+            "from MODAL_RL_ENGINE_BEARER (never on a command line)",
             "key_required": "every route except SGLang's /health*, /ready*, /metrics*",
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
             "forwarder": "modal_rl.cluster.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "
-            "Authorization: Bearer <run key>",
+            "Authorization: Bearer <engine bearer>",
         },
         "job_command": forwarded_job_command(
             ["python3", "<entry>", "<slime args>"], [f"<engine {i} url>" for i in range(engines.count)]
@@ -259,11 +260,14 @@ def replacement_problem(slime_argv: list[str], backend: str) -> str | None:
 
 
 def _admin_post(url: str, path: str, body: dict, key: str | None, timeout_s: float) -> dict:
+    from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, check_key_safe_url
+
     headers = {"Content-Type": "application/json"}
     if key:
-        headers["Authorization"] = f"Bearer {key}"
+        check_key_safe_url(url)
+        headers.update(bearer_header(key))  # the engine's bearer, derived from the run key
     req = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - our engine's URL
+    with KEYED_OPENER.open(req, timeout=timeout_s) as resp:  # no proxy, no redirect
         answer = json.loads(resp.read() or b"{}")
     if answer.get("success") is False:
         raise RuntimeError(f"{path} failed: {str(answer.get('message'))[-300:]}")

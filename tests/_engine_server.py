@@ -49,10 +49,11 @@ def main() -> None:
         "unknown_args": unknown,
     }
     print(f"fake engine starting on {args.host}:{args.port} mode={args.mode}", flush=True)
-    key = os.environ.get("MODAL_RL_RUN_KEY")
-    print(f"run key in env: {'yes' if key else 'no'}", flush=True)
+    key = os.environ.get("MODAL_RL_ENGINE_BEARER")  # what a keyed engine holds: never the run key
+    print(f"run key in env: {'yes' if os.environ.get('MODAL_RL_RUN_KEY') else 'no'}", flush=True)
+    print(f"engine bearer in env: {'yes' if key else 'no'}", flush=True)
     if args.require_key and not key:
-        print("fake engine: no MODAL_RL_RUN_KEY", flush=True)
+        print("fake engine: no MODAL_RL_ENGINE_BEARER", flush=True)
         sys.exit(2)
     if args.log_args and key:
         _log_args(args, key)
@@ -125,7 +126,7 @@ def _log_args(args, key: str) -> None:
 
     from modal_rl.run_key import derive
 
-    pull = derive(key, "weightsync-pull")
+    pull = derive(os.environ.get("MODAL_RL_FRAME_READ_KEY", ""), "weightsync-pull")
     line = (
         f"server_args=ServerArgs(model_path={args.model_path!r}, host={args.host!r}, port={args.port}, "
         f"api_key={key!r}, admin_api_key={key!r}) pull_key={pull.hex()} b64={base64.b64encode(pull).decode()}\n"

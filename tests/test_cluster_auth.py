@@ -30,7 +30,7 @@ from modal_rl.cluster import procs
 from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backend_local import LocalBackend
 from modal_rl.cluster.spec import ClusterSpec
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, new_run_key
+from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, new_run_key, ray_token
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,11 @@ def test_job_api_refuses_a_client_without_the_key_and_nothing_is_submitted(run):
     assert info.value.code == 401
     from ray.job_submission import JobSubmissionClient
 
-    client = JobSubmissionClient(run.url, headers={"Authorization": f"Bearer {run.key}"})
+    # Round 3: Ray's token is derived (``ray_token``); a leaked engine bearer, or the run key
+    # itself, submits nothing.
+    assert _post_job(run.url, {"Authorization": "Bearer " + engine_bearer(run.key)}) == 403
+    assert _post_job(run.url, {"Authorization": "Bearer " + run.key}) == 403
+    client = JobSubmissionClient(run.url, headers={"Authorization": f"Bearer {ray_token(run.key)}"})
     jobs = client.list_jobs()
     assert len(jobs) == 1 and "job.py" in jobs[0].entrypoint  # ours only: nothing was submitted
 
@@ -181,7 +185,7 @@ def test_gcs_refuses_a_connection_without_the_token(run, tmp_path):
         "import sys; from ray._raylet import GcsClient; "
         "print(GcsClient(address=sys.argv[1]).internal_kv_get(b'modal_rl_probe', namespace=None, timeout=15))"
     )
-    owner = {**_stranger_env(tmp_path, run.key)}
+    owner = {**_stranger_env(tmp_path, ray_token(run.key))}  # the Ray token: derived (round 3)
     done = subprocess.run(
         [sys.executable, "-c", check, run.gcs], env=owner, capture_output=True, text=True, timeout=120
     )

@@ -25,7 +25,7 @@ from modal_rl.cluster.backend_local import LocalBackend, node_command, node_proc
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
-from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, new_run_key
+from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, new_run_key, ray_token
 
 # slime's GLM-4.7 line without the paths that must exist on this machine for a local run.
 SLIME_LOCAL_LINE = [x for x in glm47_delta() if not x.startswith("/root/")]
@@ -214,7 +214,7 @@ def test_dashboard_token_goes_to_a_private_file_and_only_its_path_is_printed(mon
     plan = backend.make_plan(ClusterSpec(nodes=2, gpu="H100:8", dashboard=True), JobRequest(["true"]))
     backend._announce(plan)
     path = tmp_path / ".modal-rl" / "runs" / f"{plan.run_id}.token"
-    assert path.read_text() == key
+    assert path.read_text() == ray_token(key)  # Ray's token: derived, never the run key itself
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert (
         len(said) == 1 and str(path) in said[0] and key not in said[0] and "Authorization: Bearer" in said[0]

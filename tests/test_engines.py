@@ -12,7 +12,7 @@ import pytest
 from modal_rl.cluster import procs
 from modal_rl.cluster.engines import EngineSpec, EngineStartError, LocalEnginePool, probe, running
 from modal_rl.cluster.spec import ClusterSpecError
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, new_run_key
+from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, engine_env, new_run_key, ray_token
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
 
@@ -128,7 +128,12 @@ def test_keyed_engines_get_the_key_in_their_env_and_health_checks_send_it(tmp_pa
         assert probe(address + "/server_info", key=new_run_key()) == (False, "HTTP 401")
         got = records(tmp_path, pool.ports[0])
         assert [r["refused"] for r in got if r["path"] == "/server_info"] == [False, True, True]
-        assert "run key in env: yes" in pool.log_path(0).read_text()
+        log = pool.log_path(0).read_text()
+        # The engine holds its bearer, never the run key (round 3: capabilities, not a secret).
+        assert "engine bearer in env: yes" in log and "run key in env: no" in log
+        environ = Path(f"/proc/{pool.procs[0].pid}/environ").read_bytes()
+        assert key.encode() not in environ and engine_bearer(key).encode() in environ
+        assert ray_token(key).encode() not in environ
         with open(f"/proc/{pool.procs[0].pid}/cmdline", "rb") as f:
             assert key.encode() not in f.read()  # on no command line
     assert key not in json.dumps(pool.describe())
@@ -150,7 +155,7 @@ def test_a_keyless_engine_gets_no_key(tmp_path, key):
     with pool:
         environ = Path(f"/proc/{pool.procs[0].pid}/environ").read_bytes()
         assert key.encode() not in environ
-    assert "run key in env: no" in pool.log_path(0).read_text()
+    assert "engine bearer in env: no" in pool.log_path(0).read_text()
     assert "keyless" in pool.describe()["auth"]
 
 
@@ -162,11 +167,15 @@ def test_probe_sends_the_key_only_over_tls_or_to_loopback(key):
 def test_an_engine_log_tail_never_shows_the_key(tmp_path, key):
     # A server that prints its environment (as a misconfigured one might) and dies.
     spec = EngineSpec(
-        command=[sys.executable, "-c", "import os,sys; print(os.environ['MODAL_RL_RUN_KEY']); sys.exit(4)"]
+        command=[
+            sys.executable,
+            "-c",
+            "import os,sys; print(os.environ['MODAL_RL_ENGINE_BEARER']); sys.exit(4)",
+        ]
     )
     with pytest.raises(EngineStartError) as info:
         LocalEnginePool(spec).start()
-    assert "exited with code 4" in str(info.value) and key not in str(info.value)
+    assert "exited with code 4" in str(info.value) and engine_bearer(key) not in str(info.value)
     assert "<redacted>" in str(info.value)
 
 
@@ -205,7 +214,7 @@ def test_modal_engine_function_spec_offline(key):
     assert plan["reachable_as"].startswith("https://")
     # the run's secret, described by its variable names only
     assert plan["modal_function"]["inspected"]["secrets"] == [
-        "Secret.from_dict([MODAL_RL_RUN_KEY, RAY_AUTH_TOKEN])"
+        "Secret.from_dict([MODAL_RL_ENGINE_BEARER, MODAL_RL_FRAME_READ_KEY])"
     ]
 
 
@@ -228,7 +237,8 @@ def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
     _, fn = build_function(spec, key=key)
     # Modal turns the plain env into a secret of its own: the key is only in the run's secret.
     envs = secret_envs(fn)
-    assert {"named": "hf-token"} in envs and {RUN_KEY_ENV: key, RAY_TOKEN_ENV: key} in envs
+    assert {"named": "hf-token"} in envs and engine_env(key) in envs
+    assert not any(RUN_KEY_ENV in e or RAY_TOKEN_ENV in e for e in envs)  # an engine holds no run key
     assert {"VLLM_SERVER_DEV_MODE": "1"} in envs and len(envs) == 3
     with pytest.raises(ValueError, match="needs the run key"):
         build_function(spec)

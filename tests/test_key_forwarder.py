@@ -12,8 +12,10 @@ import pytest
 from aiohttp import web
 
 from modal_rl.cluster.key_forwarder import KeyForwarder, check_listen
+from modal_rl.run_key import engine_bearer
 
 KEY = "k3y-" + "x" * 40
+BEARER = engine_bearer(KEY)  # what the forwarder sends: the engine bearer, not the run key
 CHUNK = 1 << 20
 
 
@@ -30,13 +32,13 @@ class Upstream:
         @web.middleware
         async def auth(request, handler):
             self.seen.append((request.method, request.path_qs, request.headers.get("Authorization")))
-            if request.headers.get("Authorization") != f"Bearer {KEY}":
+            if request.headers.get("Authorization") != f"Bearer {BEARER}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
             return await handler(request)
 
         async def info(request):
             return web.json_response(
-                {"api_key": KEY, "launch_command": f"serve --api-key {KEY}", "tp_size": 1}
+                {"api_key": BEARER, "launch_command": f"serve --api-key {BEARER}", "tp_size": 1}
             )
 
         async def digest(request):  # reads the body as it streams in
@@ -113,7 +115,7 @@ def test_direct_without_key_is_refused_and_forwarded_is_allowed():
                 async with client.request(method, address + "/echo", headers={**headers, "X-Test": "1"}) as r:
                     assert r.status == 200, await r.text()
                     assert await r.json() == {"method": method, "x": "1"}
-        assert [a for _, _, a in up.seen[2:]] == [f"Bearer {KEY}"] * 8
+        assert [a for _, _, a in up.seen[2:]] == [f"Bearer {BEARER}"] * 8
         assert not any(KEY in line for line in logs)
 
     run(_with(body))
@@ -159,7 +161,7 @@ def test_info_routes_never_return_the_key():
     async def body(up, address, client, fwd, logs):
         async with client.get(address + "/server_info") as r:
             text = await r.text()
-        assert r.status == 200 and KEY not in text
+        assert r.status == 200 and BEARER not in text
         info = await _json(text)
         assert info["api_key"] == "<redacted>" and info["launch_command"] == "serve --api-key <redacted>"
         assert info["tp_size"] == 1
@@ -246,3 +248,15 @@ def test_upstreams_must_be_base_urls():
     for bad in ("127.0.0.1:1", "ftp://a:1", "http://a:1/v1"):
         with pytest.raises(ValueError, match="upstream"):
             KeyForwarder([bad], key=KEY)
+
+
+def test_plain_http_upstreams_off_loopback_are_refused():
+    """Round 3: the bearer goes to an engine only over https or to loopback, at start and on
+    every re-route (a replaced engine's new address)."""
+    for bad in ("http://10.0.0.5:8000", "http://engine.internal:8000", "http://127.1:8000"):
+        with pytest.raises(ValueError, match="goes only over https"):
+            KeyForwarder([bad], key=KEY)
+    fwd = KeyForwarder(["https://engine.modal.run", "http://127.0.0.1:8000"], key=KEY)
+    with pytest.raises(ValueError, match="goes only over https"):
+        fwd.route(0, "http://10.0.0.5:8000")
+    assert fwd.upstreams == ["https://engine.modal.run", "http://127.0.0.1:8000"]

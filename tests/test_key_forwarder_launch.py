@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
+from modal_rl.run_key import SECRET_ENVS, engine_bearer  # noqa: E402
 from slime_modal.engine_job import listen_plan
 from slime_modal.engines import KEY_FLAGS, parse_engines, running_engines
 
@@ -32,7 +33,7 @@ KEYED_SERVER = (
 
 
 def _env(tmp_path: Path, key: str | None = KEY) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "MODAL_RL_RUN_KEY" and "proxy" not in k.lower()}
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENVS and "proxy" not in k.lower()}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "tests")])
     if key:
         env["MODAL_RL_RUN_KEY"] = key
@@ -60,7 +61,8 @@ def test_keyed_launch_adds_the_key_in_process_only(tmp_path):
         seen = json.loads(proc.stdout.readline())
         assert seen["pid"] == proc.pid  # the module ran in the launcher's own process
         assert seen["main"] is True
-        assert seen["argv"] == ["--port", "1", f"--api-key={KEY}", f"--admin-api-key={KEY}"]
+        bearer = engine_bearer(KEY)  # the engine gets its bearer, never the run key
+        assert seen["argv"] == ["--port", "1", f"--api-key={bearer}", f"--admin-api-key={bearer}"]
         cmdline = _cmdline(proc.pid)
         assert "show_argv --port 1" in cmdline and KEY not in cmdline
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
@@ -73,7 +75,11 @@ def test_keyed_launch_adds_the_key_in_process_only(tmp_path):
 @pytest.mark.parametrize(
     "args, key, needle",
     [
-        (["--key-flag=--api-key", "show_argv"], None, "MODAL_RL_RUN_KEY is not set"),
+        (
+            ["--key-flag=--api-key", "show_argv"],
+            None,
+            "neither MODAL_RL_ENGINE_BEARER nor MODAL_RL_RUN_KEY is set",
+        ),
         (["--key-flag=--api-key", "show_argv", "--api-key", "x"], KEY, "--api-key is set by keyed_launch"),
         (["--key-flag=api-key", "show_argv"], KEY, "give a long flag"),
         (["--key-flag=--api-key"], KEY, "no module to run"),
@@ -165,7 +171,8 @@ def test_slime_job_reaches_keyed_engines_only_through_the_forwarder(tmp_path, mo
             assert _get(url + "/server_info") == 401
             assert _get(url + "/server_info", "wrong") == 401
             assert _get(url + "/health") == 200
-            assert _get(url + "/server_info", KEY) == 200  # the engine took the key from the launcher
+            assert _get(url + "/server_info", KEY) == 401  # the run key itself opens no engine
+            assert _get(url + "/server_info", engine_bearer(KEY)) == 200  # its bearer, from the launcher
         with open(state / "before.txt", "w") as f:
             f.write("".join(p.read_text() for p in state.glob("*.jsonl")))
         cmd = [sys.executable, "-m", "slime_modal.engine_job"]

@@ -20,12 +20,15 @@ from hypothesis import strategies as st
 
 from modal_rl.cluster.key_forwarder import BUFFER_BYTES, KeyForwarder, path_problem
 from modal_rl.cluster.redaction import DERIVED_PURPOSES, Redactor, secret_forms
-from modal_rl.run_key import derive, new_run_key
+from modal_rl.run_key import derive, engine_bearer, new_run_key
 
 KEY = new_run_key()
 PULL = derive(KEY, "weightsync-pull")
-# What a careless engine could print: the key, and derived keys in the forms code prints them in.
-LEAKS = [KEY, PULL.hex(), base64.b64encode(PULL).decode(), derive(KEY, "control").hex()]
+# An engine holds its bearer, never the run key (round 3): what a careless engine could print is
+# the bearer, and the key under it in the forms code prints keys in.
+SECRET = engine_bearer(KEY)
+RAW = derive(KEY, "engine-bearer")
+LEAKS = [SECRET, RAW.hex(), base64.b64encode(RAW).decode(), RAW.hex().upper()]
 ECHO = " ".join(LEAKS)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,19 +50,21 @@ class Stand:
             self.seen.append((request.raw_path, request.headers.get("Accept-Encoding")))
             tail = request.match_info["tail"]
             if tail == "split":  # the key cut in two chunks, the second sent after a pause
-                resp = web.StreamResponse(headers={"X-Echo": f"Bearer {KEY}"})
+                resp = web.StreamResponse(headers={"X-Echo": f"Bearer {SECRET}"})
                 await resp.prepare(request)
-                await resp.write(b"data: " + KEY[:17].encode())
+                await resp.write(b"data: " + SECRET[:17].encode())
                 await asyncio.sleep(0.2)
-                await resp.write(KEY[17:].encode() + b"\n\n")
+                await resp.write(SECRET[17:].encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
             if tail == "big":  # longer than the forwarder buffers, the key at its end too
-                return web.Response(body=b"x" * BUFFER_BYTES + ECHO.encode(), headers={"X-Echo": KEY})
+                return web.Response(body=b"x" * BUFFER_BYTES + ECHO.encode(), headers={"X-Echo": SECRET})
             if tail == "gzip":  # encoded although identity was asked
                 return web.Response(body=gzip.compress(ECHO.encode()), headers={"Content-Encoding": "gzip"})
-            body = {"api_key": KEY, "path": request.raw_path, "echo": ECHO}
-            return web.json_response(body, reason=f"OK {KEY}", headers={"X-Echo": f"Bearer {KEY}", KEY: "1"})
+            body = {"api_key": SECRET, "path": request.raw_path, "echo": ECHO}
+            return web.json_response(
+                body, reason=f"OK {SECRET}", headers={"X-Echo": f"Bearer {SECRET}", SECRET: "1"}
+            )
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", echo)

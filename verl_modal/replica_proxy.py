@@ -128,9 +128,12 @@ class VLLMHttpProxy:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), headers=self._headers
             )
-        async with self._session.post(base_url + path, json=payload or {}, params=params) as resp:
+        # allow_redirects=False: a 3xx would carry the engine bearer to wherever it points
+        async with self._session.post(
+            base_url + path, json=payload or {}, params=params, allow_redirects=False
+        ) as resp:
             text = await resp.text()
-            if resp.status >= 400:
+            if resp.status >= 300:  # a redirect is not followed: an error, like a 4xx
                 raise RuntimeError(f"vLLM {base_url}{path} answered HTTP {resp.status}: {text[:500]}")
             return (await resp.json(content_type=None)) if text else None
 

@@ -154,7 +154,13 @@ class LocalBackend(ClusterBackend):
                         start_new_session=True,
                     )
                 else:
-                    log = open(temp / f"rank-{rank}.log", "w")  # noqa: SIM115 - closed by the child's exit
+                    # 0600, never through a planted link (the run dir is 0700 too: run_temp.own)
+                    fd = os.open(
+                        temp / f"rank-{rank}.log",
+                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                        0o600,
+                    )
+                    log = os.fdopen(fd, "w")  # closed by the child's exit
                     nodes[rank] = subprocess.Popen(
                         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                     )

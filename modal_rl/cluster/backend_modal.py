@@ -9,7 +9,8 @@ support is the younger path) and runs ``bootstrap``; rank 0 returns ``{"exit_cod
 which Modal hands back (only rank 0's output is returned for clustered functions).
 
 Trust boundary (invariants):
-- Ray runs with token auth (``RAY_AUTH_MODE=token``); the token is the run key, which reaches
+- Ray runs with token auth (``RAY_AUTH_MODE=token``); the token is derived from the run key
+  (``run_key.ray_token``: no engine holds it); both reach
   the containers only in a Modal Secret made for the run (``run_key.modal_secret``), never in
   the plan JSON (the function's argument) or the function's ``env``;
 - the dashboard (which serves Ray's Job API: code execution on every node) leaves the
@@ -35,7 +36,15 @@ from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
-from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, modal_secret, redact
+from modal_rl.run_key import (
+    RAY_TOKEN_ENV,
+    REDACTED,
+    RUN_KEY_ENV,
+    ensure_run_key,
+    modal_secret,
+    ray_token,
+    redact,
+)
 
 RAY_VERSION = "2.60.0"
 
@@ -293,7 +302,7 @@ class ModalBackend(ClusterBackend):
 
     def _announce(self, plan: BootstrapPlan) -> None:
         if plan.dashboard:
-            self.on_err(dashboard_note(write_token_file(plan.run_id, ensure_run_key())))
+            self.on_err(dashboard_note(write_token_file(plan.run_id, ray_token(ensure_run_key()))))
 
     def run(self, spec: ClusterSpec, job: JobRequest) -> int:
         plan = self.make_plan(spec, job)

@@ -16,7 +16,7 @@ from typing import TextIO
 from modal_rl.cluster.netif import interface_for
 from modal_rl.cluster.plan import BootstrapPlan, address_env_values
 from modal_rl.cluster.raynode import node_environment
-from modal_rl.run_key import RAY_TOKEN_ENV, MissingRunKeyError, run_key
+from modal_rl.run_key import RAY_TOKEN_ENV, MissingRunKeyError, ray_token, run_key
 
 
 def bootstrap(rank: int, addresses: list[str], plan: BootstrapPlan, out: TextIO | None = None) -> int:
@@ -35,11 +35,12 @@ def bootstrap(rank: int, addresses: list[str], plan: BootstrapPlan, out: TextIO 
     per_node, shared = address_env_values(plan, rank)
     env.update(shared)  # rank 0 also hands ``env`` to the job's runtime env: shared values only
     if plan.ray_auth == "token":
-        # Ray's token is the run key, from this node's environment (the run's Modal Secret,
+        # Ray's token is derived from the run key (``ray_token``: an engine's bearer is another
+        # derivation, so it submits no job), from this node's environment (the run's Modal Secret,
         # or the local node process's env): `ray start`, the GCS, raylets, workers and our
         # own Job API / state API clients all read it there.
         try:
-            os.environ[RAY_TOKEN_ENV] = run_key()
+            os.environ[RAY_TOKEN_ENV] = ray_token(run_key())
         except MissingRunKeyError as exc:
             print(f"[modal_rl.cluster rank {rank}] {exc}", file=sys.stderr, flush=True)
             return 1

@@ -33,16 +33,29 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
+from modal_rl import wire_json
 from modal_rl.run_key import derive, run_key_or_none, same
 
 TAIL_LINES = 30
 HELLO_TIMEOUT_S = 10.0
+MAX_HELLO = 1024  # {"hello": rank, "proof": 64 hex}
+MAX_MESSAGE = 1 << 16  # a log line, a heartbeat; longer lines are a dropped connection
+log = logging.getLogger(__name__)
+
+
+def _message(raw: bytes, max_bytes: int) -> dict:
+    """One control line as a JSON object, bounded (``wire_json``); ``WireError`` otherwise."""
+    msg = wire_json.loads(raw, max_bytes=max_bytes, max_depth=4)
+    if not isinstance(msg, dict):
+        raise wire_json.WireError("a control line that is not a JSON object")
+    return msg
 
 
 def hello_proof(key: str, nonce: str, rank: int) -> str:
@@ -77,16 +90,21 @@ class ControlServer:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host=host, port=port, reuse_address=True)
+        self._server = await asyncio.start_server(
+            self._handle, host=host, port=port, reuse_address=True, limit=MAX_MESSAGE
+        )
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         state: FollowerState | None = None
         nonce = secrets.token_hex(16)
         try:
             writer.write((json.dumps({"challenge": nonce}) + "\n").encode())
-            hello = json.loads(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"null")
+            hello = _message(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"null", MAX_HELLO)
             if not self._admitted(hello, nonce):
                 self.refused += 1
+                log.warning(
+                    "control channel: refused a connection (no valid hello from a rank of this cluster)"
+                )
                 return
             state = self.followers[int(hello["hello"])]
             state.connected_at = state.last_seen = time.monotonic()
@@ -98,13 +116,17 @@ class ControlServer:
                 raw = await reader.readline()
                 if not raw:
                     break
-                msg = json.loads(raw)
+                msg = _message(raw, MAX_MESSAGE)
                 state.last_seen = time.monotonic()
                 if "log" in msg:
                     state.lines.append(str(msg["log"]))
                 elif "ray_exited" in msg and not self.closing:
                     state.lost = f"its Ray node exited with code {msg['ray_exited']}"
-        except (ConnectionError, ValueError, TimeoutError):
+        except ValueError as exc:  # a refused line (WireError), or one over the reader's limit
+            self.refused += state is None
+            why = exc if isinstance(exc, wire_json.WireError) else f"a line over {MAX_MESSAGE} bytes"
+            log.warning("control channel: dropped a connection: %s", why)
+        except (ConnectionError, TimeoutError):
             pass
         except asyncio.CancelledError:
             # The loop is shutting down; finishing normally keeps asyncio from logging it.
@@ -118,7 +140,8 @@ class ControlServer:
 
     def _admitted(self, hello, nonce: str) -> bool:
         """A hello from a rank this cluster has, with a valid proof when the run has a key."""
-        if not isinstance(hello, dict) or not isinstance(hello.get("hello"), int):
+        rank = hello.get("hello") if isinstance(hello, dict) else None
+        if not isinstance(rank, int) or isinstance(rank, bool):
             return False
         if hello["hello"] not in self.followers:
             return False  # a rank this cluster does not have
@@ -229,9 +252,16 @@ class ControlClient:
                 return False
             self._buffer += chunk
             if b"\n" not in self._buffer:
+                if len(self._buffer) > MAX_MESSAGE:
+                    log.warning("control channel: rank 0 sent a line over %d bytes", MAX_MESSAGE)
+                    return False
                 return None
         line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return _message(line, MAX_MESSAGE)
+        except wire_json.WireError as exc:
+            log.warning("control channel: rank 0 sent a line this follower refuses (%s)", exc)
+            return False
 
     def close(self) -> None:
         self.broken.set()

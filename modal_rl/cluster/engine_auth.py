@@ -1,10 +1,16 @@
-"""The engine servers' key guard: every request needs ``Authorization: Bearer <run key>``.
+"""The engine servers' key guard: every request needs ``Authorization: Bearer <engine bearer>``.
+
+The engine bearer is ``run_key.engine_bearer(run key)``, a key derived for this one use: an
+engine holds it (``MODAL_RL_ENGINE_BEARER``) and never the run key, so whoever reads it (an
+engine's log, a proxy) opens the run's engines and nothing else: no frame-server handshake, no
+frame MAC, no Ray token (``tests/test_capabilities.py``).
 
 vLLM loads it with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth`` (vLLM imports the
 dotted path and, for a class, calls ``app.add_middleware(cls)``; added last, it wraps every
 route, mounted apps such as ``/metrics`` included, and runs before CORS and vLLM's own
 ``--api-key`` check, which guards only ``/v1``). ``vllm_auth_args()`` gives the flag. The key
-is read from ``MODAL_RL_RUN_KEY`` in the server's environment, never from a flag.
+is read from ``MODAL_RL_ENGINE_BEARER`` (else derived from ``MODAL_RL_RUN_KEY``) in the
+server's environment, never from a flag.
 
 Invariants:
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
@@ -16,7 +22,8 @@ Invariants:
 - keys are compared in constant time over their SHA-256 digests (no length leak);
 - a server without a key does not start: building the guard without ``MODAL_RL_RUN_KEY`` exits
   with one line naming the fix;
-- clients send the key only over TLS or to a loopback address (``key_safe_url``).
+- clients send the bearer only over TLS or to a loopback address (``key_safe_url``), through
+  ``KEYED_OPENER``, which follows no redirect (a 302 would carry the header elsewhere).
 """
 
 from __future__ import annotations
@@ -24,13 +31,20 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import sys
+import urllib.request
 from urllib.parse import urlparse
 
-from modal_rl.run_key import RUN_KEY_ENV, MissingRunKeyError, run_key, same
+from modal_rl.run_key import (
+    ENGINE_BEARER_ENV,
+    MissingRunKeyError,
+    engine_bearer,
+    engine_bearer_from_env,
+    same,
+)
 
 MIDDLEWARE = "modal_rl.cluster.engine_auth.RunKeyAuth"
 OPEN_HEALTH_PATH = "/health"
-REFUSED_BODY = b'{"error":"unauthorized: this engine needs Authorization: Bearer <run key>"}'
+REFUSED_BODY = b'{"error":"unauthorized: this engine needs Authorization: Bearer <engine bearer>"}'
 # RFC 6455 "policy violation": the close code for a refused websocket handshake.
 WS_POLICY_VIOLATION = 1008
 
@@ -41,7 +55,27 @@ def vllm_auth_args() -> list[str]:
 
 
 def bearer_header(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+    """The header a client holding the run key sends to an engine (its derived bearer)."""
+    return token_header(engine_bearer(key))
+
+
+def token_header(bearer: str) -> dict[str, str]:
+    """The header for a process that holds only the engine bearer (an engine container, the
+    key forwarder)."""
+    return {"Authorization": f"Bearer {bearer}"}
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: a 3xx would carry ``Authorization`` to wherever it points,
+    a URL ``key_safe_url`` never saw. The caller gets the 3xx as an ``HTTPError``."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+# The one opener for requests that carry the engine bearer: no proxy (the environment's
+# proxy would see the header), no redirects.
+KEYED_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
 def _digest(value: bytes) -> bytes:
@@ -74,24 +108,27 @@ def check_key_safe_url(url: str) -> None:
 
 
 class RunKeyAuth:
-    """Pure ASGI middleware; see the module docstring. ``key`` defaults to the run's key."""
+    """Pure ASGI middleware; see the module docstring. ``key``: the run key (the guard keeps
+    only its engine bearer); default: the bearer from the environment."""
 
     def __init__(self, app, key: str | None = None) -> None:
         self.app = app
-        if key is None:
+        if key is not None:
+            bearer = engine_bearer(key)
+        else:
             try:
-                key = run_key()
+                bearer = engine_bearer_from_env()
             except MissingRunKeyError:
                 # vLLM builds the middleware while it starts serving: exit, don't serve unguarded.
                 print(
-                    f"modal_rl.cluster.engine_auth: refusing to serve: {RUN_KEY_ENV} is not set in "
-                    "the engine's environment (start engines through modal_rl's engine pool, or "
-                    f"export {RUN_KEY_ENV} to the run's key)",
+                    f"modal_rl.cluster.engine_auth: refusing to serve: {ENGINE_BEARER_ENV} is not "
+                    "set in the engine's environment (start engines through modal_rl's engine pool, "
+                    "which gives each its bearer)",
                     file=sys.stderr,
                     flush=True,
                 )
                 raise SystemExit(2) from None
-        self._digest = _digest(key.encode())
+        self._digest = _digest(bearer.encode())
 
     def authorized(self, scope) -> bool:
         values = [v for k, v in scope.get("headers") or () if k.lower() == b"authorization"]

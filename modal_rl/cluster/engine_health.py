@@ -21,10 +21,9 @@ import urllib.request
 import uuid
 from typing import Any
 
-from modal_rl.cluster.engine_auth import bearer_header, key_safe_url
+from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 
 PROBE_ID_PREFIX = "modal-rl-health-"
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def vllm_generate(served_name: str) -> dict[str, Any]:
@@ -54,7 +53,7 @@ def generation_probe(
         url.rstrip("/") + generate["path"], json.dumps(body).encode(), headers, method="POST"
     )
     try:
-        with _NO_PROXY.open(request, timeout=timeout_s) as resp:
+        with KEYED_OPENER.open(request, timeout=timeout_s) as resp:
             resp.read()
             return 200 <= resp.status < 300, f"generation answered HTTP {resp.status}"
     except urllib.error.HTTPError as exc:

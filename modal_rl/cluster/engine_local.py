@@ -54,7 +54,7 @@ from modal_rl.cluster.engines import (
     tail_of,
 )
 from modal_rl.cluster.redaction import Redactor
-from modal_rl.run_key import RUN_KEY_ENV, run_key_or_none
+from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, run_key_or_none
 
 TEMP_PREFIX = f"{run_temp.PREFIX}engines-"
 LOG_DIR_MODE = 0o700
@@ -107,16 +107,16 @@ class LocalEnginePool(EnginePool):
             procs.RUN_ID_ENV: self.run_id,
             "PYTHONUNBUFFERED": "1",
         }
-        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only ours
+        for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only its capabilities
             env.pop(name, None)
         if self._key is not None:
-            env[RUN_KEY_ENV] = self._key
+            env.update(engine_env(self._key))  # bearer + frame-read key; never the run key
         return env
 
     def describe(self) -> dict[str, Any]:
         auth = (
-            "bearer key required (Authorization: Bearer <run key>; each engine gets the key as "
-            f"{RUN_KEY_ENV} in its environment); plain http on 127.0.0.1 only"
+            "bearer key required (Authorization: Bearer <engine bearer>; each engine gets the bearer "
+            f"as {ENGINE_BEARER_ENV} in its environment, never the run key); plain http on 127.0.0.1 only"
             if self.spec.auth
             else "none (keyless server, explicitly asked for); plain http on 127.0.0.1 only"
         )
@@ -171,6 +171,7 @@ class LocalEnginePool(EnginePool):
         except BaseException:
             log.close()
             raise
+        procs.remember_start(proc)  # signal_group checks it before any killpg
         redactor = Redactor(self._key or run_key_or_none())
         thread = threading.Thread(
             target=_pump_to_file, args=(proc.stdout, redactor, log), name=f"engine-log-{index}", daemon=True
@@ -239,15 +240,13 @@ class LocalEnginePool(EnginePool):
         with self._lock:
             self._stopped = True
         for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            procs.signal_group(proc, signal.SIGTERM)  # only while its leader is still ours
         deadline = time.monotonic() + self.grace_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                procs.signal_group(proc, signal.SIGKILL)
                 proc.wait()
         survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
         if survivors:
@@ -326,8 +325,9 @@ def _pump_to_file(stream, redactor: Redactor, log) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """End ``proc``'s group — only while its leader is still the engine we started (a reaped
+    engine's pid may be another process's now); its other processes go with ``end_run``."""
+    procs.signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
 

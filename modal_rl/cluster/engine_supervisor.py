@@ -78,6 +78,7 @@ class WeightSource:
     port: int
     version: int
     tls: bool = False
+    epoch: int | None = None  # the publisher's epoch: signed into the pull (engines' floor)
 
 
 @dataclass

@@ -16,11 +16,13 @@ when ``spec.generate`` names a request, that request (a 1-token generation) answ
 open port or a 200 on ``/health`` alone does not count then.
 
 Auth (``spec.auth``): ``"bearer"`` (the default) says the server refuses requests without
-``Authorization: Bearer <run key>`` and reads the key from ``MODAL_RL_RUN_KEY`` in its own
-environment (vLLM through ``engine_auth.RunKeyAuth``; SGLang through ``keyed_launch``). The
-pool then needs the run's key to start (``run_key()``), hands it to each engine through the
-environment only (local: the process env; Modal: a Modal Secret made for the run), and sends it
-with every health check. ``None`` is an explicitly keyless server: it gets no key at all.
+``Authorization: Bearer <engine bearer>`` and reads the bearer from ``MODAL_RL_ENGINE_BEARER``
+in its own environment (vLLM through ``engine_auth.RunKeyAuth``; SGLang through
+``keyed_launch``). The pool then needs the run's key to start (``run_key()``) and hands each
+engine only what it needs, derived from it (``run_key.engine_env``: the bearer and the
+frame-read key, never the run key or the Ray token), through the environment only (local: the
+process env; Modal: a Modal Secret made for the run), and sends the bearer with every health
+check. ``None`` is an explicitly keyless server: it gets no key at all.
 
 Invariants:
 - ``start()`` returns only when every engine is up (above), or raises ``EngineStartError``
@@ -45,14 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modal_rl.cluster.engine_auth import bearer_header, key_safe_url
+from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
 from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
 from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, MissingRunKeyError, run_key
+from modal_rl.run_key import SECRET_ENVS, MissingRunKeyError, run_key
 
 LOG_TAIL_LINES = 30
 AUTH_MODES = ("bearer", None)
-KEY_ENVS = (RUN_KEY_ENV, RAY_TOKEN_ENV)
+KEY_ENVS = SECRET_ENVS
 
 
 class EngineStartError(RuntimeError):
@@ -177,19 +179,21 @@ class EngineSpec:
 
 
 # Engines are reached directly: an http_proxy in the environment must not reroute health checks.
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def probe(url: str, timeout_s: float = 2.0, key: str | None = None) -> tuple[bool, str]:
-    """One GET, with ``Authorization: Bearer key`` when a key is given (only over https or to
-    loopback: elsewhere nothing is sent); (answered 2xx, what happened)."""
+def probe(
+    url: str, timeout_s: float = 2.0, key: str | None = None, bearer: str | None = None
+) -> tuple[bool, str]:
+    """One GET, with the engine bearer (of the run key ``key``, or ``bearer`` itself) when one
+    is given (only over https or to loopback: elsewhere nothing is sent; no redirect is
+    followed); (answered 2xx, what happened)."""
     headers = {}
-    if key is not None:
+    if key is not None or bearer is not None:
         if not key_safe_url(url):
             return False, "not sent: the run key goes only over https or to loopback"
-        headers = bearer_header(key)
+        headers = bearer_header(key) if key is not None else token_header(bearer)
     try:
-        with _NO_PROXY.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+        with KEYED_OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
             return 200 <= resp.status < 300, f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"

@@ -11,14 +11,17 @@ terminates TLS at its edge, the address is ``tunnel.url``, ``https://...``) and 
 ``addr/<i>`` to the mailbox; on a failed start it writes ``error/<i>`` with the last log lines
 instead. Then it serves until the mailbox holds ``stop``, its server exits, or Modal cancels.
 
-Auth (``spec.auth == "bearer"``): the run's key reaches the container only through a Modal
-Secret made for the run (``run_key.modal_secret``) attached to the engine function, so the
-server finds it as ``MODAL_RL_RUN_KEY``; it is never in the spec, the function's ``env``, the
-mailbox or ``describe()``. Health checks (in the container and from here) send it.
+Auth (``spec.auth == "bearer"``): the container never holds the run key. It gets what an
+engine needs, derived from it (``run_key.engine_env``: the engine bearer and the frame-read
+key), only through a Modal Secret made for the run (``run_key.engine_secret``) attached to the
+engine function, so the server finds them as ``MODAL_RL_ENGINE_BEARER`` /
+``MODAL_RL_FRAME_READ_KEY``; they are never in the spec, the function's ``env``, the mailbox or
+``describe()``. Health checks (in the container and from here) send the bearer.
 
 Logs: the server's output goes to Modal's logs (and the mailbox's error tail) only through
-``relay``, which replaces the key and every key derived from it (``redaction.Redactor``):
-SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` with the key.
+``relay``, which replaces the container's keys and every key derived from them
+(``redaction.Redactor``): SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)``
+with the bearer.
 
 ``start`` waits until every engine has an address that answers health from here too, within
 ``startup_timeout_s``; the first error, an early-finished call or the deadline stops every
@@ -57,8 +60,8 @@ from modal_rl.cluster.engines import (
     engine_key,
     probe,
 )
-from modal_rl.cluster.redaction import Redactor
-from modal_rl.run_key import REDACTED, RUN_KEY_ENV, modal_secret
+from modal_rl.cluster.redaction import Redactor, held_secrets
+from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
 
 APP_NAME = "modal-rl-engines"
 CONTAINER_POLL_S = 1.0
@@ -109,7 +112,7 @@ def build_function(spec: EngineSpec, app_name: str = APP_NAME, key: str | None =
     }
     secrets = [modal.Secret.from_name(s) for s in spec.secrets]
     if spec.auth is not None:
-        secrets.append(modal_secret(key))
+        secrets.append(engine_secret(key))  # the bearer and frame-read key, never the run key
     fn = app.function(
         image=build_image(spec),
         volumes=volumes,
@@ -133,26 +136,27 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
     spec = EngineSpec.from_dict(spec_json)
     name = slot(index, generation)
     tail: deque[str] = deque(maxlen=30)
-    key = os.environ.get(RUN_KEY_ENV) or None
-    if spec.auth is not None and key is None:
-        why = f"no run key in the container ({RUN_KEY_ENV}): the run's Modal Secret is not attached"
+    held = held_secrets()  # (bearer, frame-read key): what this container holds of the run's key
+    bearer = os.environ.get(ENGINE_BEARER_ENV) or None
+    if spec.auth is not None and bearer is None:
+        why = f"no engine key in the container ({ENGINE_BEARER_ENV}): the run's Modal Secret is not attached"
         mailbox[f"error/{name}"] = {"why": why, "tail": []}
         return {"index": index, "exit": why}
     proc = subprocess.Popen(
         spec.argv(CONTAINER_HOST, spec.port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    relaying = threading.Thread(target=relay, args=(proc.stdout, Redactor(key), tail), daemon=True)
+    relaying = threading.Thread(target=relay, args=(proc.stdout, Redactor(None, held), tail), daemon=True)
     relaying.start()
 
     def last_lines() -> list[str]:
         if proc.poll() is not None:
             relaying.join(RELAY_JOIN_S)  # the server is gone: its last lines are on their way
-        return _redacted(tail, key)
+        return _redacted(tail, held)
 
     local = f"http://127.0.0.1:{spec.port}{spec.health_path}"
     deadline = time.monotonic() + spec.startup_timeout_s
     try:
-        while not probe(local, key=key)[0]:
+        while not probe(local, bearer=bearer)[0]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
                 mailbox[f"error/{name}"] = {"why": why, "tail": last_lines()}
@@ -177,8 +181,8 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
             proc.kill()
 
 
-def _redacted(tail: deque, key: str | None) -> list[str]:
-    redactor = Redactor(key)  # the lines are redacted already: a second pass costs nothing
+def _redacted(tail: deque, held: tuple[str, ...]) -> list[str]:
+    redactor = Redactor(None, held)  # the lines are redacted already: a second pass costs nothing
     return [redactor.text(line) for line in tail]
 
 
@@ -223,8 +227,8 @@ class ModalEnginePool(EnginePool):
         # A dry run needs no key: a placeholder stands in for the run's secret (never deployed).
         _, fn = build_function(self.spec, self.app_name, key=REDACTED)
         auth = (
-            f"{TUNNEL}, bearer key required (Authorization: Bearer <run key>; the key reaches each "
-            f"engine as {RUN_KEY_ENV} through a Modal Secret made for the run)"
+            f"{TUNNEL}, bearer key required (Authorization: Bearer <engine bearer>; the bearer reaches "
+            f"each engine as {ENGINE_BEARER_ENV} through a Modal Secret made for the run, never the run key)"
             if self.spec.auth
             else f"{TUNNEL}, no key (keyless server, explicitly asked for)"
         )

@@ -2,15 +2,16 @@
 
 ``KeyForwarder(upstreams, host=...)`` listens on one port of ``host`` per upstream engine
 (``https://<tunnel>`` or ``http://host:port``) and forwards every request it gets there, any
-method and path, to that engine with ``Authorization: Bearer <run key>`` in place of whatever
-the client sent. Bodies stream both ways (request bodies are not buffered, responses are
+method and path, to that engine with ``Authorization: Bearer <engine bearer>`` in place of whatever
+the client sent (the engine bearer derived from it, ``run_key.engine_bearer``). Bodies stream both ways (request bodies are not buffered, responses are
 relayed chunk by chunk as they arrive), so large weight-sync payloads and streamed generations
 pass through at their own pace; a client that goes away closes the upstream request too.
 
 ``python -m modal_rl.cluster.key_forwarder --listen HOST --upstream URL [--upstream URL]...
 [--allow-peer ADDR]... [--routes FILE]`` runs one until SIGTERM; it prints one JSON line
 ``{"addresses": ["http://HOST:PORT", ...]}`` (upstream order) on stdout once it listens, and
-logs only to stderr. The key comes from ``MODAL_RL_RUN_KEY``, never from a flag.
+logs only to stderr. It holds only the engine bearer (``run_key.engine_bearer``), from
+``MODAL_RL_ENGINE_BEARER`` (its launcher gives it that and no run key), never from a flag.
 
 Routes: a port keeps its address for the whole run, while the engine behind it may change
 (a replaced engine has a new address). ``route(i, url)`` points port ``i`` at another engine;
@@ -51,8 +52,9 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
-from modal_rl.run_key import MissingRunKeyError, run_key
+from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
 
 BUFFER_BYTES = 1 << 20
 ROUTES_POLL_S = 0.2
@@ -121,9 +123,16 @@ def check_listen(host: str, allow_peers: list[str] | None) -> None:
 
 
 def check_upstream(url: str) -> str:
+    """``url`` without its trailing slash; ValueError unless it is an engine base URL the
+    bearer may go to: https, or plain http to loopback only (``engine_auth.key_safe_url``)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
         raise ValueError(f"upstream {url!r}: need http(s)://host[:port] with no path")
+    if not key_safe_url(url):
+        raise ValueError(
+            f"upstream {url!r}: the engine bearer goes only over https:// or to a loopback http:// "
+            "address; use the engine's TLS tunnel URL"
+        )
     return url.rstrip("/")
 
 
@@ -148,8 +157,12 @@ class KeyForwarder:
         self.upstreams: list[str | None] = [check_upstream(u) for u in upstreams]
         self.hold_s = hold_s
         self.host = host
-        self._key = key if key is not None else run_key()
-        self._redactor = Redactor(self._key)  # stateless use only (bytes/text); streams get their own
+        # Only the engine bearer is kept (``key``: the run key, whose bearer it derives; default:
+        # ``MODAL_RL_ENGINE_BEARER``, what its launcher gives it): a forwarder holds nothing else.
+        self._key = engine_bearer(key) if key is not None else engine_bearer_from_env()
+        self._redactor = Redactor(
+            None, (self._key,)
+        )  # stateless use only (bytes/text); streams get their own
         self._allowed = None if allow_peers is None else {_ip(p) for p in allow_peers}
         self.ports = list(ports) if ports is not None else [0] * len(upstreams)
         if len(self.ports) != len(self.upstreams):
@@ -319,7 +332,7 @@ class KeyForwarder:
         started.append(True)
         await resp.prepare(request)
         if has_body:
-            stream = Redactor(self._key)
+            stream = Redactor(None, (self._key,))
             async for chunk in up.content.iter_any():
                 out = stream.feed(chunk)
                 if out:

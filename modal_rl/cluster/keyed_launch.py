@@ -1,8 +1,9 @@
 """Run a Python module with the run's key added to its flags, without the key on a command line.
 
 ``python -m modal_rl.cluster.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
-sglang.launch_server --model-path ...`` reads the key from ``MODAL_RL_RUN_KEY``, appends
-``--api-key <key> --admin-api-key <key>`` to ``sys.argv`` inside this process and runs
+sglang.launch_server --model-path ...`` reads the engine bearer from ``MODAL_RL_ENGINE_BEARER``
+(an engine holds that, never the run key; ``run_key.engine_bearer``), appends
+``--api-key <bearer> --admin-api-key <bearer>`` to ``sys.argv`` inside this process and runs
 ``sglang.launch_server`` as ``__main__`` (``runpy.run_module``), in this same process.
 
 Why in-process: a server that takes its key only as a flag (SGLang has ``--api-key`` /
@@ -26,7 +27,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from modal_rl.run_key import MissingRunKeyError, run_key
+from modal_rl.run_key import MissingRunKeyError, engine_bearer_from_env
 
 USAGE = "usage: python -m modal_rl.cluster.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
 PREFIX = "--key-flag="
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         flags, module, args = split_argv(argv)
-        key = run_key() if flags else ""
+        key = engine_bearer_from_env() if flags else ""
     except (ValueError, MissingRunKeyError) as exc:
         print(f"keyed_launch: {exc}", file=sys.stderr)
         return 2

@@ -45,3 +45,24 @@ def interface_for(address: str) -> str:
             return name
     known = ", ".join(f"{n}={iface}" for n, iface in candidates) or "none"
     raise LookupError(f"no local interface carries {address} (interfaces: {known})")
+
+
+# A TEST-NET-3 address (RFC 5737): only used to ask the kernel which source address its
+# default route would use; a UDP ``connect`` sends no packet.
+_ROUTE_PROBE = ("203.0.113.1", 9)
+
+
+def ingress_ipv4() -> str:
+    """This host's IPv4 address on its default route: the interface Modal's tunnel ingress
+    reaches (a container's ``eth0``), so a server bound there is reachable through
+    ``modal.forward`` without listening on every interface (``0.0.0.0``). ``RuntimeError``
+    (one line) when the host has no IPv4 default route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(_ROUTE_PROBE)
+            address = probe.getsockname()[0]
+        except OSError as exc:
+            raise RuntimeError(f"no IPv4 default route to bind a tunnel's server to ({exc})") from None
+    if address in ("0.0.0.0", "") or ipaddress.ip_address(address).is_loopback:
+        raise RuntimeError(f"the IPv4 default route's source address is {address!r}: no ingress interface")
+    return address

@@ -89,3 +89,29 @@ def end_run(run_id: str, grace_s: float = 3.0) -> list[int]:
         signal_pids(pids, signal.SIGKILL)
         time.sleep(0.2)
     return pids_of_run(run_id)
+
+
+def remember_start(proc) -> None:
+    """Note ``proc``'s start time (``run_temp.owner_token``) right after it was started, for
+    ``signal_group``."""
+    from modal_rl import run_temp
+
+    proc.modal_rl_token = run_temp.owner_token(proc.pid)
+
+
+def signal_group(proc, sig: int) -> bool:
+    """Send ``sig`` to the process group ``proc`` leads, only while its leader is still the
+    process we started: not reaped (``returncode`` unset) and with the start time noted by
+    ``remember_start``. Once reaped, its pid — and the group number — may be another user's
+    or program's (pid reuse): then nothing is sent and False is returned (the run's other
+    processes are found by their run tag instead, ``end_run``)."""
+    from modal_rl import run_temp
+
+    token = getattr(proc, "modal_rl_token", None)
+    if proc.returncode is not None or token is None or run_temp.owner_token(proc.pid) != token:
+        return False
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

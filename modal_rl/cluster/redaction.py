@@ -9,8 +9,9 @@ answers, and the engine log relays (``engine_local``, ``engines_modal``). Invari
 from __future__ import annotations
 
 import base64
+import os
 
-from modal_rl.run_key import REDACTED, derive
+from modal_rl.run_key import ENGINE_BEARER_ENV, FRAME_READ_ENV, REDACTED, derive, frame_read_key
 
 # Every purpose the project passes to ``run_key.derive`` for a secret (``weightsync-run-id`` is a
 # public fingerprint, not a key). An engine or a log that shows one of these keys gives away what
@@ -21,22 +22,58 @@ DERIVED_PURPOSES = (
     "weightsync-pull",
     "weightsync-lease",
     "weightsync-latest",
+    "weightsync-reader",
+    "engine-bearer",
+    "ray-token",
     "control",
 )
+# The purposes derived from the frame-read key (``auth.FrameKeys``), not from the run key.
+READER_PURPOSES = ("weightsync-frame-mac", "weightsync-handshake", "weightsync-pull", "weightsync-latest")
 
 
-def secret_forms(key: str | None) -> tuple[bytes, ...]:
+def _printed(raw: bytes) -> set[bytes]:
+    """The text forms code prints a 32-byte key in (hex, base64 and url-safe base64 without
+    padding: a padded one contains these)."""
+    return {
+        raw.hex().encode(),
+        raw.hex().upper().encode(),
+        base64.b64encode(raw).rstrip(b"="),
+        base64.urlsafe_b64encode(raw).rstrip(b"="),
+    }
+
+
+def secret_forms(key: str | None, held: tuple[str, ...] = ()) -> tuple[bytes, ...]:
     """The byte strings that give ``key`` away, longest first: the key itself, and each key
-    derived from it (``DERIVED_PURPOSES``) in the text forms code prints a 32-byte key in
-    (hex, base64 and url-safe base64 without padding: a padded one contains these)."""
-    if not key:
-        return ()
-    forms = {key.encode()}
-    for purpose in DERIVED_PURPOSES:
-        raw = derive(key, purpose)
-        forms |= {raw.hex().encode(), raw.hex().upper().encode()}
-        forms |= {base64.b64encode(raw).rstrip(b"="), base64.urlsafe_b64encode(raw).rstrip(b"=")}
+    derived from it (``DERIVED_PURPOSES``, the reader's through the frame-read key) in every
+    printed form. ``held``: capabilities a process holds without the run key (an engine's
+    bearer and frame-read key, read from its environment): they and what derives from them."""
+    forms: set[bytes] = set()
+    readers = [text for text in held if text]
+    if key:
+        forms.add(key.encode())
+        for purpose in DERIVED_PURPOSES:
+            forms |= _printed(derive(key, purpose))
+        readers.append(frame_read_key(key))
+    for text in readers:
+        forms.add(text.encode())
+        forms |= _printed(_raw_of(text))
+        for purpose in READER_PURPOSES:
+            forms |= _printed(derive(text, purpose))
     return tuple(sorted(forms, key=len, reverse=True))
+
+
+def _raw_of(text: str) -> bytes:
+    """The bytes under a capability text (``run_key._text``); the text itself when it is none."""
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except ValueError:
+        return text.encode()
+
+
+def held_secrets(environ=None) -> tuple[str, ...]:
+    """The capabilities in this process's environment (an engine's, a forwarder's)."""
+    env = os.environ if environ is None else environ
+    return tuple(env[name] for name in (ENGINE_BEARER_ENV, FRAME_READ_ENV) if env.get(name))
 
 
 class Redactor:
@@ -48,8 +85,8 @@ class Redactor:
     server-sent event) is never held. One instance per stream (it keeps that stream's tail).
     """
 
-    def __init__(self, key: str | None):
-        self.forms = secret_forms(key)
+    def __init__(self, key: str | None, held: tuple[str, ...] = ()):
+        self.forms = secret_forms(key, held)
         self._text_forms = tuple(f.decode() for f in self.forms)
         self._held = b""
 

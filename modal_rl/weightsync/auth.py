@@ -2,8 +2,8 @@
 
 Everything here is keyed by the run's secret (``modal_rl.run_key``) through keys derived
 per purpose (``derive``), so the frame MAC key, the handshake key and the pull-request key
-are three different keys, and none of them is the run key itself (which is also the
-engines' bearer token).
+are three different keys, none of them is the run key, and none is the engines' bearer
+token or the Ray token (``run_key.engine_bearer``, ``ray_token``).
 
 Record MACs (format: ``docs/weight-sync-format.md``, "Signed frames"). A signed record is
 
@@ -33,7 +33,8 @@ import struct
 
 import xxhash
 
-from modal_rl.run_key import derive, run_key
+from modal_rl import wire_json
+from modal_rl.run_key import FRAME_READ_ENV, RUN_KEY_ENV, derive, frame_read_key, run_key
 from modal_rl.weightsync.errors import (
     CorruptFrameError,
     HandshakeError,
@@ -43,6 +44,7 @@ from modal_rl.weightsync.errors import (
 )
 
 MAC_SIZE = 32
+MAX_HANDSHAKE_LINE = 4096  # = transport_tcp.MAX_LINE (the server's bound on each line)
 MAC_DOMAIN = b"MRLW-mac1"
 HANDSHAKE = "hmac-sha256-v1"
 _ZERO_MAC = bytes(MAC_SIZE)
@@ -62,19 +64,42 @@ FROM_ENV = _FromEnv()  # the default of every ``key`` parameter: the run's key f
 
 
 class FrameKeys:
-    """Keys derived from the run key for weight sync; the run key itself is not kept."""
+    """Keys derived for weight sync; the run key itself is not kept.
+
+    Two capabilities (``run_key.frame_read_key``): a *reader* (an engine, a receiver) holds
+    only the frame-read key, from which the handshake, frame-MAC, pull and ``latest`` keys
+    are derived; it can pass the frame server's handshake, check frames, pulls and ``latest``
+    records, and nothing else. A *writer* (the trainer, from the run key) also holds the lease
+    key: only it can sign a store's lease. Neither is an engine bearer or the Ray token.
+    (HMACs are symmetric: a reader's key also makes frames that other readers accept; it
+    never makes a lease, a bearer or a Ray token. See docs/security.md.)"""
 
     __slots__ = ("mac", "handshake", "pull", "lease", "pointer", "run_id")
 
-    def __init__(self, key: str) -> None:
-        self.mac = derive(key, "weightsync-frame-mac")
-        self.handshake = derive(key, "weightsync-handshake")
-        self.pull = derive(key, "weightsync-pull")
-        self.lease = derive(key, "weightsync-lease")
-        self.pointer = derive(key, "weightsync-latest")  # a store's ``latest`` record
+    def __init__(self, key: str | None, *, reader: str | None = None) -> None:
+        if key is not None:
+            reader = frame_read_key(key)
+            self.lease: bytes | None = derive(key, "weightsync-lease")
+        elif reader:
+            self.lease = None  # a reader signs no lease
+        else:
+            raise ValueError("FrameKeys needs the run key or the frame-read key")
+        self.mac = derive(reader, "weightsync-frame-mac")
+        self.handshake = derive(reader, "weightsync-handshake")
+        self.pull = derive(reader, "weightsync-pull")
+        self.pointer = derive(reader, "weightsync-latest")  # a store's ``latest`` record
         # The run's public name in frames and leases: a fingerprint of the key (one-way, so
         # it reveals nothing of it); a restarted trainer of the same run has the same id.
-        self.run_id = "run-" + derive(key, "weightsync-run-id")[:8].hex()
+        self.run_id = "run-" + derive(reader, "weightsync-run-id")[:8].hex()
+
+    @classmethod
+    def reading(cls, reader: str) -> FrameKeys:
+        """Reader keys from the frame-read key alone (what an engine holds)."""
+        return cls(None, reader=reader)
+
+    @property
+    def writer(self) -> bool:
+        return self.lease is not None
 
     def __repr__(self) -> str:
         return "FrameKeys(<redacted>)"
@@ -82,8 +107,14 @@ class FrameKeys:
 
 def frame_keys(key) -> FrameKeys | None:
     """Resolve a ``key`` argument: ``FROM_ENV`` (the default) → the run's key from the
-    environment; ``None`` → keyless; the run key text; or ``FrameKeys`` already derived."""
+    environment, else the frame-read key (``MODAL_RL_FRAME_READ_KEY``: reader keys); ``None``
+    → keyless; the run key text; or ``FrameKeys`` already derived."""
     if key is FROM_ENV:
+        import os
+
+        reader = os.environ.get(FRAME_READ_ENV)
+        if reader and not os.environ.get(RUN_KEY_ENV):
+            return FrameKeys.reading(reader)
         key = run_key()
     if key is None or isinstance(key, FrameKeys):
         return key
@@ -113,6 +144,10 @@ def sign_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> dict
         raise ValueError(f"unknown signed-record purpose {purpose!r}")
     if keys is None:
         return dict(obj)
+    if getattr(keys, purpose) is None:
+        raise PermissionError(
+            f"this process holds the frame-read key only: it cannot sign a {purpose} record"
+        )
     canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
     return {**obj, "mac": hmac.new(getattr(keys, purpose), canonical, hashlib.sha256).hexdigest()}
 
@@ -122,6 +157,8 @@ def verify_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> bo
     it carries none)."""
     if keys is None:
         return "mac" not in obj
+    if getattr(keys, purpose) is None:
+        return False  # a reader cannot check a lease (nor does it need to)
     body = {k: v for k, v in obj.items() if k != "mac"}
     return same_proof(sign_json(keys, body, purpose)["mac"], obj.get("mac"))
 
@@ -272,9 +309,10 @@ def hello_line(
 
 
 def _line_json(line: bytes):
+    """A server's line as JSON, bounded (``wire_json``), or None for anything else."""
     try:
-        return json.loads(line)
-    except ValueError:
+        return wire_json.loads(line, max_bytes=MAX_HANDSHAKE_LINE, max_depth=4)
+    except wire_json.WireError:
         return None
 
 

@@ -46,6 +46,8 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
+from modal_rl.cluster.netif import ingress_ipv4
 from modal_rl.run_key import redact, run_key
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.codec import CodecConfig
@@ -55,12 +57,11 @@ from modal_rl.weightsync.vllm_extension import EXTENSION, METHOD, STAGE_METHOD, 
 from modal_rl.weightsync.vllm_inplace import PLAIN_WEIGHTS_ENV
 
 EXPOSE = ("local", "modal")
-# Where the frame server listens behind a modal.forward tunnel. Not 127.0.0.1: Modal's ingress
-# reaches a container's port through its eth0 address, not loopback (Modal's own runtime waits
-# for web servers there and asks for 0.0.0.0 "rather than localhost or 127.0.0.1"). IPv4 only,
-# so not on the workspace's IPv6 network (i6pn); any peer that reaches it meets the keyed
-# handshake before a frame byte.
-TUNNEL_BIND_HOST = "0.0.0.0"
+# Where the frame server listens behind a modal.forward tunnel: the container's IPv4 address on
+# its default route (``netif.ingress_ipv4``), the eth0 address through which Modal's ingress
+# reaches a container's port (not loopback). Not 0.0.0.0 (round 3): only that one interface,
+# IPv4 only, so not on the workspace's IPv6 network (i6pn) nor any other interface; any peer
+# that reaches it meets the keyed handshake before a frame byte.
 
 
 class EnginePushError(RuntimeError):
@@ -95,7 +96,7 @@ class EnginePusher:
         self.pull_timeout_s = pull_timeout_s
         self.inplace, self.hold_requests = inplace, hold_requests
         self._stack = contextlib.ExitStack()
-        self._server = FrameServer(TUNNEL_BIND_HOST if expose == "modal" else bind_host, 0, key=self.keys)
+        self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
         self.publisher = Publisher(self._server, anchor_every=anchor_every, config=config)
         port = int(self._server.address[1])
@@ -125,7 +126,8 @@ class EnginePusher:
             "compression_ratio": report.raw_bytes / max(report.bytes, 1),
             "encode_s": time.perf_counter() - t0,
         }
-        return WeightSource(str(self.address[0]), int(self.address[1]), report.version, self.tls), numbers
+        where = (str(self.address[0]), int(self.address[1]))
+        return WeightSource(*where, report.version, self.tls, self.publisher.epoch), numbers
 
     def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
         """Publish the next version and have the engine load it; returns the numbers."""
@@ -179,7 +181,7 @@ def load_version(
     method = STAGE_METHOD if inplace else METHOD
     body = pull_request(
         source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls,
-        method=method,
+        method=method, epoch=getattr(source, "epoch", None),
     )  # fmt: skip
     t1 = time.perf_counter()
     results = _rpc(engine_url, body, source.version, key)
@@ -265,14 +267,16 @@ def _reset_prefix_cache(engine_url: str, version: int, key: str, tries: int = 5)
 
 
 def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> Any:
+    if not key_safe_url(engine_url):
+        raise EnginePushError(f"{engine_url}: the engine bearer goes only over https or to loopback")
     request = urllib.request.Request(
         engine_url + path,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        headers={"Content-Type": "application/json", **bearer_header(key)},
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with KEYED_OPENER.open(request, timeout=timeout) as resp:  # no proxy, no redirect
             text = resp.read().decode()
     except urllib.error.HTTPError as exc:
         detail = redact(exc.read().decode(errors="replace")[-500:], key)

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import xxhash
 import zstandard
 
+from modal_rl import wire_json
 from modal_rl.weightsync.auth import FrameKeys, Verifier, trailer_size
 from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 from modal_rl.weightsync.errors import CorruptFrameError, TruncatedFrameError
@@ -236,11 +237,14 @@ def manifest_digest(tensor_bodies: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
+MAX_HEADER_JSON = 1 << 20  # a header names a few hundred tensors at most in its own record
+
+
 def _loads(body: bytes, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptFrameError(f"{what} is not valid JSON") from exc
+        data = wire_json.loads(body, max_bytes=MAX_HEADER_JSON, max_depth=8)
+    except wire_json.WireError as exc:
+        raise CorruptFrameError(f"{what} is refused: {exc}") from None
     if not isinstance(data, dict):
         raise CorruptFrameError(f"{what} is not a JSON object")
     return data

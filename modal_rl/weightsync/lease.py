@@ -1,7 +1,7 @@
 """A store's signed records: the publisher's lease (one trainer at a time) and ``latest``.
 
 A store's ``lease`` file is a JSON record ``{run, holder, epoch, renewed_at, expires_at, ttl_s,
-mac}``: ``holder`` names the publisher (host, pid and a random tag), ``epoch`` the trainer
+after, mac}``: ``holder`` names the publisher (host, pid and a random tag), ``epoch`` the trainer
 start it publishes, ``mac`` an HMAC-SHA256 of the rest under a key derived from the run key
 (``auth.sign_json``). It is written like every store file (temporary name, fsync, rename; on a
 Modal Volume, then ``commit()``), so a reader sees either the old record or the new one.
@@ -18,6 +18,10 @@ Invariants:
   the same) epoch** raises ``LeaseLostError`` then and at every later publish: a trainer
   whose lease lapsed and was taken stops publishing. A lapsed lease nobody took is simply
   renewed;
+- a successor's record names the epoch it took over from (``after``: the newest epoch in the
+  store's signed records when it took the lease, so ours or a later one); a record of a newer
+  epoch that names an older one (or none) was written by a trainer that never saw ours — the
+  loser of a simultaneous start, replayed — and is logged and overwritten like a replay;
 - a record of an older epoch than the holder's cannot be a successor's (every successor's
   epoch is above its predecessor's): it is a replayed copy of an old record (no key is
   needed to copy a file back) or a predecessor's late write. It is logged and overwritten
@@ -55,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from modal_rl import wire_json
 from modal_rl.weightsync.auth import FrameKeys, sign_json, verify_json
 from modal_rl.weightsync.epoch import describe, new_epoch
 from modal_rl.weightsync.errors import (
@@ -87,6 +92,11 @@ class LeaseRecord:
     renewed_at: float
     expires_at: float
     ttl_s: float
+    # The newest epoch its holder found in the store's signed records when it took the lease
+    # (None: none). A successor of ours names our epoch (or a later one); a record that names
+    # an older one was written by a trainer that never saw ours (the loser of a simultaneous
+    # start, replayed) and does not stop us.
+    after: int | None = None
 
     def live(self, now: float) -> bool:
         if now >= self.expires_at:
@@ -114,6 +124,7 @@ def _well_typed(r: LeaseRecord) -> bool:
         and isinstance(r.epoch, int)
         and not isinstance(r.epoch, bool)
         and all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers)
+        and (r.after is None or (isinstance(r.after, int) and not isinstance(r.after, bool)))
     )
 
 
@@ -147,7 +158,9 @@ class StoreLease:
 
     def read(self) -> LeaseRecord | None:
         try:
-            raw = json.loads(read_regular(self.path, MAX_LEASE_BYTES))
+            raw = wire_json.loads(
+                read_regular(self.path, MAX_LEASE_BYTES), max_bytes=MAX_LEASE_BYTES, max_depth=4
+            )
         except FileNotFoundError:
             return None
         except StoreFileError as exc:
@@ -190,10 +203,12 @@ class StoreLease:
                     "to another store"
                 )
             time.sleep(min(0.5, max(0.05, deadline - time.monotonic())))
-        floor = max(e for e in (epoch - 1, after_epoch, held.epoch if held else None) if e is not None)
+        seen = [e for e in (after_epoch, held.epoch if held else None) if e is not None]
+        took_over = max(seen) if seen else None  # what this lease follows (signed records only)
+        floor = max(e for e in (epoch - 1, took_over) if e is not None)
         if epoch <= floor:
             epoch = new_epoch(after=floor)
-        record = LeaseRecord(run, self.holder, epoch, now, now + self.ttl_s, self.ttl_s)
+        record = LeaseRecord(run, self.holder, epoch, now, now + self.ttl_s, self.ttl_s, took_over)
         self._put(record)
         self._refresh()
         back = self.read()
@@ -236,7 +251,13 @@ class StoreLease:
                 raise LeaseLostError(f"{self.path}: this publisher holds no lease (released or never taken)")
             self._refresh()
             held, now = self.read(), time.time()
-            if held is not None and held.holder != self.holder and held.epoch >= self.mine.epoch:
+            successor = held is not None and held.after is not None and held.after >= self.mine.epoch
+            if (
+                held is not None
+                and held.holder != self.holder
+                and held.epoch >= self.mine.epoch
+                and successor
+            ):
                 # Only a later acquire writes a newer epoch: taken, whatever its expiry (a
                 # successor that lapsed in turn may have had receivers move to its epoch).
                 self.lost = LeaseLostError(
@@ -247,15 +268,23 @@ class StoreLease:
                 raise self.lost
             if held is not None and held.holder != self.holder:
                 log.warning(
-                    "lease record of %s is of an older epoch than this publisher's %s: a replayed or late "
-                    "record; it does not count and is overwritten",
+                    "lease record of %s (epoch %s, after %s) is no successor of this publisher's epoch %s: "
+                    "a replayed, late or simultaneous-start loser's record; it does not count and is overwritten",
                     held.holder,
+                    describe(held.epoch),
+                    describe(held.after),
                     describe(self.mine.epoch),
                 )
             if not write and held == self.mine:
                 return  # ours, exactly as last written: nothing to repair
             self.mine = LeaseRecord(
-                self.mine.run, self.holder, self.mine.epoch, now, now + self.ttl_s, self.ttl_s
+                self.mine.run,
+                self.holder,
+                self.mine.epoch,
+                now,
+                now + self.ttl_s,
+                self.ttl_s,
+                self.mine.after,
             )
             self._put(self.mine)
 
@@ -281,7 +310,11 @@ class StoreLease:
             held = self.read()
             if held is not None and held.holder == self.holder:
                 now = time.time()
-                self._put(LeaseRecord(self.mine.run, self.holder, self.mine.epoch, now, now, self.ttl_s))
+                self._put(
+                    LeaseRecord(
+                        self.mine.run, self.holder, self.mine.epoch, now, now, self.ttl_s, self.mine.after
+                    )
+                )
             self.mine = None
 
 
@@ -296,7 +329,9 @@ def read_pointer(path: Path, keys: FrameKeys | None) -> dict:
     (``CorruptFrameError``), unsigned (``UnsignedFrameError``), signed for a keyless reader
     (``SignedFrameError``), or altered / another key's (``RecordMacError``)."""
     try:
-        data = json.loads(read_regular(path, MAX_POINTER_BYTES))
+        data = wire_json.loads(
+            read_regular(path, MAX_POINTER_BYTES), max_bytes=MAX_POINTER_BYTES, max_depth=4
+        )
     except FileNotFoundError:
         return {}
     except ValueError:

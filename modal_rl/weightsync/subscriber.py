@@ -75,6 +75,7 @@ class Subscriber:
     started_at: float = field(default_factory=time.time)
     floor_version: int | None = None  # never activate a version below it (see the invariants)
     floor_epoch: int | None = None  # ... of this epoch; without it, by version number alone
+    target_epoch: int | None = None  # the epoch a signed pull names (``vllm_extension``)
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
@@ -245,26 +246,20 @@ def tcp_subscriber(
     """The subscriber that should stage ``target`` (of ``epoch``, when the caller knows it)
     from the frame server at ``addr`` (``key``, ``tls``: see ``TcpSource``).
 
-    With ``epoch``, ``current`` is always kept — its chain takes a new epoch's anchor by
-    itself (``VersionChain``) and its staged state is the next delta's base — and only its
-    connection moves when the server did. Without it, ``current`` is kept while it follows
-    that server and holds an older version; a moved server, or one that announces a version
-    already held (a restarted trainer of unknown epoch), starts a fresh chain that catches
-    up from the server's last anchor. The old connection is closed."""
+    ``current`` is always kept (round 3: whatever the server): its chain takes a newer epoch's
+    anchor by itself and refuses an older epoch (``VersionChain``), its staged state is the next
+    delta's base, and its floor stays; only its connection moves when the server did (the old
+    one is closed). A fresh chain would load whatever the named server holds — a replaced
+    trainer that still runs could move the receiver back to its stale weights. ``target`` and
+    ``epoch`` are checked against what is held by the caller (``vllm_extension.check_pull_floor``)."""
     from modal_rl.weightsync.transport_tcp import TcpSource
 
-    if current is not None:
-        held = current.live_version
-        same = current.source.addr == addr and getattr(current.source, "tls", False) == tls
-        if epoch is not None:
-            if not same:
-                current.source.close()
-                current.source = TcpSource(*addr, key=key, tls=tls)
-            return current
-        if same and (held is None or target > held):
-            return current
+    if current is None:
+        return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
+    if current.source.addr != addr or getattr(current.source, "tls", False) != tls:
         current.source.close()
-    return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
+        current.source = TcpSource(*addr, key=key, tls=tls)
+    return current
 
 
 def _keywords(source: Any) -> frozenset[str]:

@@ -20,8 +20,14 @@ Invariants:
   ``latest`` — a wire anchor or a recovery anchor (``send_recovery``) — and the deltas after
   it: at most one anchor window, never the whole chain;
 - garbage collection keeps the ``keep_anchors`` newest anchor windows (default 2: the
-  current one and the previous one, which a receiver may still be reading), across epochs
-  in ``(epoch, version)`` order; older frames are deleted after the pointer moved;
+  current one and the previous one, which a receiver may still be reading) of the frames
+  *this publisher wrote*, in ``(epoch, version)`` order; older ones are deleted after the
+  pointer moved. Nothing unsigned decides anything: a file's name (anyone's to choose) never
+  decides what is pruned nor the epoch a trainer takes (that comes from ``latest`` and the
+  lease record, both signed); a previous trainer's frames are left for its operator to delete;
+- a squatter at a name the publisher writes (``latest``, ``lease``, a frame, their temporary
+  names) — a directory, link, fifo or socket — is moved aside (``volumes.move_aside``) and
+  logged, never a stop;
 - with a key (the default: the run's key from the environment) every frame, the lease and
   ``latest`` are written signed (``latest``: HMAC-SHA256 under ``derive(key,
   "weightsync-latest")`` over its version, epoch, kind, anchor and write time ``at``), and a
@@ -57,7 +63,7 @@ from modal_rl.weightsync.chain import read_frame_file
 from modal_rl.weightsync.errors import RolledBackError, StoreFileError, WeightSyncError
 from modal_rl.weightsync.frames import VersionHeader
 from modal_rl.weightsync.lease import POINTER_FILE, StoreLease, read_pointer, signed_pointer
-from modal_rl.weightsync.volumes import write_new
+from modal_rl.weightsync.volumes import move_aside, write_new
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -105,6 +111,10 @@ class DirectoryStore:
         self.frames_read: list[tuple[int, int, str]] = []  # (epoch, version, kind) fetched
         self._pointer: dict[str, Any] = {}  # the last ``latest`` this store's publisher wrote
         self._refused: set[tuple] = set()  # identities of files this reader refused
+        self.squatters: list[Path] = []  # what this publisher moved aside (``volumes.move_aside``)
+        # The frames this publisher wrote, (epoch, version, kind, path): the only ones it prunes
+        # (a file's name is anyone's to choose, so names never decide what is deleted).
+        self._written: list[tuple[int, int, str, Path]] = []
 
     # Hooks a networked store overrides (see ModalVolumeStore).
     def after_write(self) -> None:
@@ -115,7 +125,10 @@ class DirectoryStore:
 
     def _write_atomic(self, path: Path, chunks: Iterable[bytes]) -> int:
         tmp = path.with_name(f".{path.name}.partial")
+        # A directory, link or fifo squatting either name: moved aside and reported, not a stop.
+        self.squatters += [p for p in (move_aside(tmp),) if p is not None]
         size = write_new(tmp, chunks)  # a link planted at the temporary name is not followed
+        self.squatters += [p for p in (move_aside(path),) if p is not None]
         os.replace(tmp, path)
         return size
 
@@ -130,8 +143,10 @@ class DirectoryStore:
             pointer = self.latest()
         except (WeightSyncError, OSError):  # unsigned (an older store) or damaged: ours replaces it
             pointer = {}
-        seen = [e for e, _, _, _ in self._listing()] + [pointer.get("epoch") or 0]
-        self.epoch = self.lease.acquire(run, epoch, wait_s=self.lease_wait_s, after_epoch=max(seen))
+        # Epochs only from signed records (``latest`` here, the lease record in ``acquire``),
+        # never from file names: a planted ``ffff...`` name would otherwise decide our epoch.
+        after = pointer.get("epoch") if pointer else None
+        self.epoch = self.lease.acquire(run, epoch, wait_s=self.lease_wait_s, after_epoch=after)
         return self.epoch
 
     def _check_epoch(self, header: VersionHeader) -> None:
@@ -147,6 +162,7 @@ class DirectoryStore:
         self._check_epoch(header)
         path = self.frame_path(header.epoch, header.version, header.kind)
         size = self._write_atomic(path, sign_records(records, self.keys))
+        self._written.append((header.epoch, header.version, header.kind, path))
         self.after_write()  # the frame is durable before anything points at it
         self.lease.renew(write=False)  # lost meanwhile: the pointer does not move to our frame
         # The anchor field comes from our own last pointer, not the store's (anyone's to write).
@@ -167,9 +183,9 @@ class DirectoryStore:
         """A recovery anchor of a version already published (see ``Publisher``): written
         beside its delta; the pointer's ``anchor`` moves to it; live readers never need it."""
         self._check_epoch(header)
-        size = self._write_atomic(
-            self.frame_path(header.epoch, header.version, "anchor"), sign_records(records, self.keys)
-        )
+        path = self.frame_path(header.epoch, header.version, "anchor")
+        size = self._write_atomic(path, sign_records(records, self.keys))
+        self._written.append((header.epoch, header.version, "anchor", path))
         self.after_write()
         mine = {k: v for k, v in self._pointer.items() if k not in ("at", "mac")}
         if mine.get("epoch") == header.epoch and mine.get("version") == header.version:
@@ -191,13 +207,16 @@ class DirectoryStore:
         return sorted(out, key=lambda e: (e[0], e[1], e[2] == "anchor"))
 
     def _prune(self) -> None:
-        listing = self._listing()
-        anchors = [(e, v) for e, v, kind, _ in listing if kind == "anchor"]
+        """Delete what this publisher wrote before its ``keep_anchors``-th newest anchor; files
+        it did not write (another trainer's, or planted under any name) are never touched."""
+        written = sorted(set(self._written), key=lambda e: (e[0], e[1], e[2] == "anchor"))
+        anchors = [(e, v) for e, v, kind, _ in written if kind == "anchor"]
         if len(anchors) > self.keep_anchors:
             oldest_kept = anchors[-self.keep_anchors]
-            for e, v, _, path in listing:
+            for e, v, _, path in written:
                 if (e, v) < oldest_kept:
                     path.unlink(missing_ok=True)
+            self._written = [w for w in written if (w[0], w[1]) >= oldest_kept]
             self.after_write()
 
     def close(self) -> None:
@@ -257,7 +276,13 @@ class DirectoryStore:
             return []  # the receiver is ahead of this pointer (a stale store): nothing to give
         if epoch == cur and have is not None and have >= target:
             return []
-        frames = [(v, kind, p) for e, v, kind, p in self._listing() if e == cur and v <= target]
+        # Files this reader refused are not candidates: a planted name cannot hide the real
+        # anchor below it (the newest *usable* anchor is taken).
+        frames = [
+            (v, kind, p)
+            for e, v, kind, p in self._listing()
+            if e == cur and v <= target and (not self._refused or _ident(p) not in self._refused)
+        ]
         anchors = [i for i, (_, kind, _) in enumerate(frames) if kind == "anchor"]
         cold = []
         if anchors:

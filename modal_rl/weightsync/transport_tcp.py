@@ -16,7 +16,12 @@ terminates TLS and forwards plain TCP to the server's port) and verifies its cer
 Invariants of ``FrameServer``:
 - a receiver is admitted (added to the fan-out, sent retained frames) only after the
   handshake succeeded; a refused one gets one ``{"error": ...}`` line, is disconnected, and
-  is logged on one line;
+  is logged on one line; every line it sends is bounded (``wire_json``);
+- admission: a connection holds an unauthenticated slot only until its handshake ends, at
+  most ``HANDSHAKE_TIMEOUT_S``; at most ``MAX_UNAUTHENTICATED`` such slots in all and
+  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, the oldest evicted first (its peer's
+  first), so hundreds of silent sockets neither exhaust descriptors nor keep out a receiver
+  that holds the key;
 - a receiver only ever gets whole frames, starting at a frame boundary;
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
@@ -48,6 +53,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl import wire_json
+from modal_rl.weightsync.admission import Admission
 from modal_rl.weightsync.auth import (
     FROM_ENV,
     HANDSHAKE,
@@ -73,8 +80,17 @@ from modal_rl.weightsync.transport import TokenBucket
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
+# Admission (round 3): a connection that has not finished the handshake holds a slot for at
+# most ``HANDSHAKE_TIMEOUT_S`` (two short lines and one round trip: a receiver across the
+# internet needs well under a second); at most ``MAX_UNAUTHENTICATED`` slots in all and
+# ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address; a new connection over either cap evicts the
+# oldest unauthenticated one (of its peer first), so silent sockets can neither pile up nor keep
+# a receiver with the key out.
+HANDSHAKE_TIMEOUT_S = 3.0
+MAX_UNAUTHENTICATED = 64
+MAX_UNAUTHENTICATED_PER_PEER = 8
 MAX_LINE = 4096
+MAX_COUNTER = (1 << 64) - 1  # versions and epochs are u64 on the wire (frames)
 
 
 class _Refused(Exception):
@@ -121,6 +137,8 @@ class FrameServer:
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
+        self.unauthenticated = Admission(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER)
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self.in_frame = False
         self._frame_parts: list[bytes] = []
         self._frame_header: VersionHeader | None = None
@@ -137,7 +155,9 @@ class FrameServer:
     def _run_loop(self, host: str, port: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = self.loop.run_until_complete(asyncio.start_server(self._accept, host, port))
+            self.server = self.loop.run_until_complete(
+                asyncio.start_server(self._accept, host, port, limit=MAX_LINE)
+            )
             self.address = self.server.sockets[0].getsockname()[:2]
         except OSError as exc:
             self.address = exc
@@ -148,8 +168,11 @@ class FrameServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
+        slot = self.unauthenticated.hold(writer)
         try:
-            have, epoch, costs = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            have, epoch, costs = await asyncio.wait_for(
+                self._handshake(reader, writer), self.handshake_timeout_s
+            )
         except _Refused as exc:
             log.warning("weight-sync receiver %s refused: %s", peer, exc)
             try:
@@ -160,9 +183,12 @@ class FrameServer:
             writer.close()
             return
         except (TimeoutError, ValueError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
-            log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
+            if not slot.evicted:
+                log.info("weight-sync receiver %s left during the handshake (%s)", peer, type(exc).__name__)
             writer.close()
             return
+        finally:
+            self.unauthenticated.release(slot)
         conn = _Conn(writer, have, peer, epoch, costs)
         conn.task = asyncio.ensure_future(self._write_loop(conn))
         if self.in_frame:
@@ -175,11 +201,9 @@ class FrameServer:
     ) -> tuple[int | None, int | None, DecodeCosts | None]:
         """The receiver's (version, epoch, decode costs) once it is admitted; ``_Refused``
         otherwise. Nothing of a frame is written before this returns."""
-        line = await reader.readline()
-        hello = json.loads(line)
-        if not isinstance(hello, dict):
-            raise _Refused("the hello is not a JSON object")
-        have, epoch = (_int_or_none(hello.get(k)) for k in ("have", "epoch"))
+        line = await _read_line(reader)
+        hello = _parse(line, "hello")
+        have, epoch = (_counter(hello, k) for k in ("have", "epoch"))
         costs = from_hello(hello.get("decode"))
         if self.keys is None:
             if "auth" in hello:
@@ -193,8 +217,8 @@ class FrameServer:
         answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
-        reply = json.loads(await reader.readline())
-        got = reply.get("proof") if isinstance(reply, dict) else None
+        reply = _parse(await _read_line(reader), "proof line")
+        got = reply.get("proof")
         if not same_proof(client_proof(self.keys, nonce, mine, line), got):
             raise _Refused("the receiver does not know this run's key")
         self._check_epoch(epoch)  # the epoch is in the hello the proof covers
@@ -378,8 +402,38 @@ class FrameServer:
         self.loop.close()
 
 
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    """One line of at most ``MAX_LINE`` bytes (the reader's limit); longer is a refusal."""
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
+    except asyncio.IncompleteReadError as exc:
+        if len(exc.partial) >= MAX_LINE:
+            raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
+        raise
+
+
+def _parse(line: bytes, what: str) -> dict:
+    """A handshake line as a JSON object, bounded (``wire_json``); ``_Refused`` otherwise."""
+    try:
+        obj = wire_json.loads(line, max_bytes=MAX_LINE, max_depth=4)
+    except wire_json.WireError as exc:
+        raise _Refused(f"the {what} is refused: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _Refused(f"the {what} is not a JSON object")
+    return obj
+
+
+def _counter(hello: dict, name: str) -> int | None:
+    """A version or epoch the hello names (None: it names none); out of range is a refusal."""
+    value = hello.get(name)
+    if value is None:
+        return None
+    got = wire_json.int_in(value, 0, MAX_COUNTER)
+    if got is None:
+        raise _Refused(f"the hello's {name!r} must be an integer in 0..2**64-1")
+    return got
 
 
 __all__ = ["FrameServer", "TcpSource"]

@@ -7,8 +7,8 @@ a version with vLLM's own ``POST /collective_rpc``::
     {"method": "modal_rl_pull_weights", "args": [REQUEST, SIGNATURE]}
 
 REQUEST is a JSON string (vLLM passes only string arguments to ``collective_rpc``):
-``host``, ``port``, ``tls``, ``version``, ``timeout_s``, ``max_refusals``, ``issued`` (unix
-time) and a random ``nonce``; SIGNATURE is the hex HMAC-SHA256 of REQUEST's bytes under the
+``host``, ``port``, ``tls``, ``version``, the publisher's ``epoch``, ``timeout_s``,
+``max_refusals``, ``issued`` (unix time) and a random ``nonce``; SIGNATURE is the hex HMAC-SHA256 of REQUEST's bytes under the
 run key's ``weightsync-pull`` key (``auth.FrameKeys.pull``). Every worker process of the engine
 (one per tensor/pipeline-parallel rank) runs the call: it verifies the signature, connects
 to the frame server at host:port (``modal_rl.weightsync.transport_tcp``, TLS if asked; the
@@ -26,6 +26,10 @@ Invariants:
   whoever can reach ``/collective_rpc`` without the run key cannot point the engine at a
   frame server of their own; and a signed request naming a server without the key still
   fails at that server's handshake;
+- floors (round 3): a pull below the (epoch, version) the engine holds is refused before
+  anything is dialled (``check_pull_floor``: a late signed pull, or one from a replaced
+  trainer that still runs), and the subscriber keeps its chain and that floor when a pull
+  names another server, so no frame below what is held is ever loaded;
 - each worker keeps one ``Subscriber`` across calls; its staged state is the next delta's
   base, so after the first anchor only deltas cross the wire;
 - the model is touched only after version N is staged with every tensor matching the
@@ -83,6 +87,7 @@ def pull_request(
     key=FROM_ENV,
     tls: bool = False,
     method: str = METHOD,
+    epoch: int | None = None,
 ) -> dict:
     """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``
     (``method``: :data:`METHOD` in full, :data:`STAGE_METHOD` to stage it for an in-place
@@ -95,6 +100,8 @@ def pull_request(
     args = {"host": host, "port": int(port), "tls": bool(tls), "version": int(version),
             "timeout_s": float(timeout_s), "max_refusals": int(max_refusals), "issued": time.time(),
             "nonce": new_nonce()}  # fmt: skip
+    if epoch is not None:
+        args["epoch"] = int(epoch)  # signed: the engine loads nothing below (epoch, version)
     request = json.dumps(args, sort_keys=True)
     # vLLM's own wait is bounded too: give it the pull's bound plus the load.
     return {
@@ -125,6 +132,27 @@ def verify_pull(request: Any, signature: Any, keys: FrameKeys, seen: dict[str, f
         raise PullRefusedError("weight pull refused: this request was already used (replay)")
     seen[req["nonce"]] = issued
     return req
+
+
+def check_pull_floor(current, target: int, epoch: int | None) -> tuple[int | None, int] | None:
+    """The (epoch, version) the engine holds, once a pull for ``target`` (of ``epoch``) is
+    known not to be below it; ``PullRefusedError`` when it is (a signed pull that arrives late,
+    or one from a replaced trainer that still runs: it would move the engine back). Without
+    an epoch in the pull, versions alone decide."""
+    if current is None or current.live_version is None:
+        return None
+    held_epoch, held_version = current.live_epoch, current.live_version
+    if epoch is None or held_epoch is None:
+        below = target < held_version
+    else:
+        below = (epoch, target) < (held_epoch, held_version)
+    if below:
+        raise PullRefusedError(
+            f"weight pull refused: it asks for v{target}"
+            + (f" of epoch {epoch:x}" if epoch is not None else "")
+            + f", below the v{held_version} this engine holds (a late or stale pull); the weights stay"
+        )
+    return held_epoch, held_version
 
 
 def pull_results(answer: Any, version: int) -> list[dict]:
@@ -165,11 +193,18 @@ class DeltaWeightsExtension(InPlaceMixin):
             seen = self._modal_rl_nonces = {}
         req = verify_pull(request, signature, keys, seen, time.time())  # before anything is dialled
         target = int(req["version"])
+        epoch = req.get("epoch")
+        if epoch is not None and not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+            raise PullRefusedError("weight pull refused: its epoch is not a non-negative integer")
         addr = (str(req["host"]), int(req["port"]))
         config = getattr(self, "_modal_rl_codec", None) or CodecConfig()
         self._modal_rl_codec = config
         current = getattr(self, "_modal_rl_subscriber", None)
-        sub = tcp_subscriber(current, addr, target, config, key=keys, tls=bool(req["tls"]))
+        held = check_pull_floor(current, target, epoch)  # a late or stale pull moves nothing back
+        sub = tcp_subscriber(current, addr, target, config, key=keys, tls=bool(req["tls"]), epoch=epoch)
+        if held is not None:
+            sub.floor_epoch, sub.floor_version = held
+        sub.target_epoch = epoch  # the pull's (epoch, version) is what "reached" means
         self._modal_rl_subscriber = sub
         return sub, req
 

@@ -95,7 +95,7 @@ class InPlaceMixin:
             from modal_rl.weightsync.inplace import stage
 
             try:
-                job["timings"] = sub.stage_until(target, timeout_s, max_refusals)
+                job["timings"] = sub.stage_until(target, timeout_s, max_refusals, epoch=sub.target_epoch)
                 job["staged"] = stage(self._modal_rl_map, sub.chain.state, sub.live_version, generation)
                 job["state"] = "ready"
             except Exception as exc:  # noqa: BLE001 -- reported to the pusher, weights untouched
@@ -178,7 +178,7 @@ class InPlaceMixin:
         return {"learnt": True, **emap.stats(), "fallback": dict(emap.fallback)}
 
     def _modal_rl_full(self, sub, target: int, timeout_s: float, max_refusals: int) -> dict:
-        timings = sub.stage_until(target, timeout_s, max_refusals)
+        timings = sub.stage_until(target, timeout_s, max_refusals, epoch=sub.target_epoch)
         t0 = time.perf_counter()
         self._modal_rl_load(sub.chain.state)
         self._modal_rl_generation += 1

@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import socket
 import stat
@@ -40,11 +41,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from modal_rl import wire_json
 from modal_rl.weightsync.errors import StoreFileError
+
+log = logging.getLogger(__name__)
 
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
 NODE_ID_ENV = "MODAL_RL_NODE_ID"  # defaults to the hostname (one Modal container = one host)
-NODE_STATE_ENV = "MODAL_RL_NODE_STATE_DIR"  # node-local lock/state dir; default: <tmp>/modal-rl-publish
+NODE_STATE_ENV = "MODAL_RL_NODE_STATE_DIR"  # node-local lock/state dir; default: <tmp>/modal-rl-publish-<uid>
 MARKER_DIR = ".modal-rl-commit"
 MAX_MARKER_BYTES = 64 << 20  # a marker lists one node's files: ~100 bytes each
 
@@ -149,9 +153,14 @@ def _listing(path: Path) -> dict[str, tuple[int, int]]:
 
 @contextlib.contextmanager
 def _node_lock(key: str):
-    state = Path(os.environ.get(NODE_STATE_ENV) or Path(tempfile.gettempdir(), "modal-rl-publish"))
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state / f"{key}.lock", "a+") as f:
+    from modal_rl.run_temp import private_dir
+
+    # Per user, 0700, never another user's (``private_dir``): in a shared /tmp another user
+    # could otherwise plant ``<key>.lock`` as a link and have us create or write through it.
+    default = Path(tempfile.gettempdir(), f"modal-rl-publish-{os.getuid()}")
+    state = private_dir(os.environ.get(NODE_STATE_ENV) or default)
+    fd = os.open(state / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield state / f"{key}.committed"
@@ -192,9 +201,36 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     return data
 
 
+def move_aside(path: Path) -> Path | None:
+    """Whatever is at ``path`` that is not a regular file (a directory, a symbolic link, a
+    fifo, a socket: a squatter ``os.replace`` cannot or must not overwrite) renamed to
+    ``.<name>.squatter-<ns>`` beside it and logged; the new name, or None when there was none."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    aside = path.with_name(f".{path.name}.squatter-{time.time_ns()}")
+    os.rename(path, aside)  # a rename never follows a link and moves a directory whole
+    log.warning(
+        "store: %s was a %s, not a regular file: moved aside to %s", path, _kind(st.st_mode), aside.name
+    )
+    return aside
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "fifo")):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def write_new(tmp: Path, chunks: Iterable[bytes]) -> int:
     """Write ``chunks`` to a fresh ``tmp`` (a stale one, or a link planted there, is removed,
-    never followed) and fsync it; the bytes written. The caller renames it into place."""
+    never followed; a directory or other squatter there is moved aside) and fsync it; the bytes
+    written. The caller renames it into place (after ``move_aside`` of the target)."""
+    move_aside(tmp)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -212,6 +248,19 @@ def _write_durable(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
     write_new(tmp, [data])
+    move_aside(path)
+    os.replace(tmp, path)
+
+
+def _write_local(path: Path, data: bytes) -> None:
+    """Node-local bookkeeping (no fsync: losing it costs one more commit): a fresh file
+    (``O_EXCL|O_NOFOLLOW``) renamed into place, so nothing is written through a link."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
@@ -234,7 +283,7 @@ def publish(path: str | Path, sync: DirSync | None = None) -> bool:
         marker = {"node": node_id(), "time": time.time(), "files": {k: s for k, (s, _) in files.items()}}
         _write_durable(path / MARKER_DIR / f"{node_id()}.json", json.dumps(marker).encode())
         sync.commit(path)
-        state_file.write_text(fingerprint)
+        _write_local(state_file, fingerprint.encode())  # never through a link
         return True
 
 
@@ -248,7 +297,9 @@ def missing(path: Path, required: Iterable[str] = ()) -> list[str]:
     out = []
     for m in markers:
         try:
-            listed = json.loads(read_regular(m, MAX_MARKER_BYTES))["files"]
+            listed = wire_json.loads(
+                read_regular(m, MAX_MARKER_BYTES), max_bytes=MAX_MARKER_BYTES, max_depth=4
+            )["files"]
             if not isinstance(listed, dict):
                 raise ValueError("files is not a mapping")
         except (ValueError, KeyError, TypeError, OSError, StoreFileError):
