@@ -101,3 +101,19 @@ def test_both_providers_refuse_a_credential_handed_in(tmp_path, run_env, env):
     assert run_env not in str(err.value)  # the error names the variable, never the key
     with pytest.raises(SandboxEnvError):
         LocalProvider(registry_dir=tmp_path / "reg").command(SandboxSpec(env=env), "id0")
+
+
+def test_a_part_holding_only_derived_keys_cannot_hand_one_in(monkeypatch, tmp_path):
+    """An engine process holds no run key, only its bearer and frame-read key: a value carrying
+    either, under an innocent name, is refused too (and the error never shows it)."""
+    from modal_rl.run_key import ENGINE_BEARER_ENV, FRAME_READ_ENV, RUN_KEY_ENV
+
+    monkeypatch.delenv(RUN_KEY_ENV, raising=False)
+    for name in (ENGINE_BEARER_ENV, FRAME_READ_ENV):
+        secret = f"derived-{name.lower()}-0123456789abcdef"
+        monkeypatch.setenv(name, secret)
+        env = {"INNOCENT_NAME": f"prefix {secret} suffix"}
+        with pytest.raises(SandboxEnvError) as err:
+            LocalProvider(registry_dir=tmp_path / "reg").command(SandboxSpec(env=env), "id0")
+        assert secret not in str(err.value)
+        monkeypatch.delenv(name)

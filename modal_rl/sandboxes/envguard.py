@@ -9,18 +9,18 @@ both pass those through ``check_env`` first, so a credential cannot be handed in
 (e.g. ``env=dict(os.environ)``).
 
 Refused: names that carry credentials (``CREDENTIAL_NAMES``, any ``MODAL_*`` or ``RAY_*``
-name) and any value that contains the run's key, whatever its name.
+name) and any value that contains a key this process holds (the run's key, or a part's
+derived key: engine bearer, frame-read key, Ray token), whatever its name.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, run_key_or_none
+from modal_rl.run_key import SECRET_ENVS
 
-CREDENTIAL_NAMES = frozenset(
-    {RUN_KEY_ENV, RAY_TOKEN_ENV, "RAY_AUTH_TOKEN_PATH", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"}
-)
+CREDENTIAL_NAMES = frozenset({*SECRET_ENVS, "RAY_AUTH_TOKEN_PATH", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"})
 CREDENTIAL_PREFIXES = ("MODAL_", "RAY_")
 
 
@@ -31,16 +31,17 @@ class SandboxEnvError(ValueError):
 def check_env(env: Mapping[str, str] | None, where: str) -> dict[str, str]:
     """``env`` as a dict, or ``SandboxEnvError`` naming the first credential found (by name only)."""
     env = dict(env or {})
-    key = run_key_or_none()
+    # Whatever key this process holds (the run's, or only a part's derived ones): none may leak.
+    keys = [os.environ[n] for n in SECRET_ENVS if len(os.environ.get(n, "")) >= 16]
     for name, value in env.items():
         if name in CREDENTIAL_NAMES or name.startswith(CREDENTIAL_PREFIXES):
             raise SandboxEnvError(
                 f"{where}: {name} may not be passed into a sandbox (credentials and Modal/Ray "
                 "settings stay outside it); drop it from the sandbox env"
             )
-        if key and key in str(value):
+        if any(k in str(value) for k in keys):
             raise SandboxEnvError(
-                f"{where}: the value of {name} holds the run's key; sandboxed code must never "
-                "see it — drop it from the sandbox env"
+                f"{where}: the value of {name} holds a key of the run's; sandboxed code must never "
+                "see one — drop it from the sandbox env"
             )
     return env
