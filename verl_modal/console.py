@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verl_modal.model_size import checkpoint_numel, full_weights_mb  # noqa: F401  (checkpoint_numel: tests)
+
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
 FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"  # verl.utils.tracking.FileLogger
 PREFIX = "verl_modal:"
@@ -261,39 +263,6 @@ class Watcher(threading.Thread):
         self.join(timeout=5)
         self._phase = len(PHASES)  # phases no longer matter; pick up any last step
         self.poll()
-
-
-def checkpoint_numel(model_dir: Path) -> int | None:
-    """Parameters in a safetensors checkpoint, from its headers (no tensor is read)."""
-    import math
-    import struct
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for path in files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return total
-
-
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-
-
-def full_weights_mb(config) -> float | None:
-    """What verl's ``naive`` sync sends each time: every parameter in the actor's dtype."""
-    from omegaconf import OmegaConf
-
-    model = Path(str(OmegaConf.select(config, "actor_rollout_ref.model.path", default=""))).expanduser()
-    dtype = str(OmegaConf.select(config, "actor_rollout_ref.actor.fsdp_config.model_dtype", default="fp32"))
-    try:
-        numel = checkpoint_numel(model)
-    except (OSError, ValueError, KeyError):
-        return None
-    return None if numel is None else numel * _DTYPE_BYTES.get(dtype, 4) / 1e6
 
 
 def checkpoints_note(config) -> str:

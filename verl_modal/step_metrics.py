@@ -142,7 +142,7 @@ def install(config) -> Collector:
     from verl.utils.ray_utils import auto_await
     from verl.utils.tracking import Tracking
 
-    from verl_modal.console import full_weights_mb
+    from verl_modal.model_size import full_weights_mb
 
     if _collector is not None:
         return _collector
