@@ -26,6 +26,7 @@ from modal_rl import wire_json
 from modal_rl.cluster import control
 from modal_rl.cluster.key_forwarder import path_problem
 from modal_rl.run_key import RUN_KEY_ENV
+from modal_rl.weightsync import hello as hello_lines
 from modal_rl.weightsync import transport_tcp
 from modal_rl.weightsync.auth import frame_keys, sign_json
 from modal_rl.weightsync.decode_costs import from_hello
@@ -86,12 +87,12 @@ def test_wire_json_refuses_with_wire_error_only(line):
 @given(lines)
 def test_the_frame_server_hello_parser_is_total(line):
     try:
-        hello = transport_tcp._parse(line, "hello")
+        hello = hello_lines.parse(line, "hello")
         for name in ("have", "epoch"):
-            got = transport_tcp._counter(hello, name)
-            assert got is None or 0 <= got <= transport_tcp.MAX_COUNTER
+            got = hello_lines.counter(hello, name)
+            assert got is None or 0 <= got <= hello_lines.MAX_COUNTER
         from_hello(hello.get("decode"))
-    except transport_tcp._Refused as exc:
+    except hello_lines.Refused as exc:
         assert "\n" not in str(exc)
 
 

@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from modal_rl import wire_json
+from modal_rl.weightsync import hello as lines
 from modal_rl.weightsync.admission import Admission
 from modal_rl.weightsync.auth import (
     FROM_ENV,
@@ -80,21 +80,11 @@ from modal_rl.weightsync.transport import TokenBucket
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
-# Admission (round 3): a connection that has not finished the handshake holds a slot for at
-# most ``HANDSHAKE_TIMEOUT_S`` (two short lines and one round trip: a receiver across the
-# internet needs well under a second); at most ``MAX_UNAUTHENTICATED`` slots in all and
-# ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address; a new connection over either cap evicts the
-# oldest unauthenticated one (of its peer first), so silent sockets can neither pile up nor keep
-# a receiver with the key out.
+# Admission (round 3; the module docstring says why): two short lines and one round trip
+# take well under a second even across the internet.
 HANDSHAKE_TIMEOUT_S = 3.0
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_PEER = 8
-MAX_LINE = 4096
-MAX_COUNTER = (1 << 64) - 1  # versions and epochs are u64 on the wire (frames)
-
-
-class _Refused(Exception):
-    """A receiver failed admission; the message is sent to it and logged (one line)."""
 
 
 @dataclass
@@ -156,7 +146,7 @@ class FrameServer:
         asyncio.set_event_loop(self.loop)
         try:
             self.server = self.loop.run_until_complete(
-                asyncio.start_server(self._accept, host, port, limit=MAX_LINE)
+                asyncio.start_server(self._accept, host, port, limit=lines.MAX_LINE)
             )
             self.address = self.server.sockets[0].getsockname()[:2]
         except OSError as exc:
@@ -173,7 +163,7 @@ class FrameServer:
             have, epoch, costs = await asyncio.wait_for(
                 self._handshake(reader, writer), self.handshake_timeout_s
             )
-        except _Refused as exc:
+        except lines.Refused as exc:
             log.warning("weight-sync receiver %s refused: %s", peer, exc)
             try:
                 writer.write(json.dumps({"error": str(exc)}).encode() + b"\n")
@@ -199,28 +189,32 @@ class FrameServer:
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> tuple[int | None, int | None, DecodeCosts | None]:
-        """The receiver's (version, epoch, decode costs) once it is admitted; ``_Refused``
+        """The receiver's (version, epoch, decode costs) once it is admitted; ``lines.Refused``
         otherwise. Nothing of a frame is written before this returns."""
-        line = await _read_line(reader)
-        hello = _parse(line, "hello")
-        have, epoch = (_counter(hello, k) for k in ("have", "epoch"))
+        line = await lines.read_line(reader)
+        hello = lines.parse(line, "hello")
+        have, epoch = (lines.counter(hello, k) for k in ("have", "epoch"))
         costs = from_hello(hello.get("decode"))
         if self.keys is None:
             if "auth" in hello:
-                raise _Refused("this frame server is keyless (key=None); a receiver with a key refuses it")
+                raise lines.Refused(
+                    "this frame server is keyless (key=None); a receiver with a key refuses it"
+                )
             self._check_epoch(epoch)
             return have, epoch, costs
         nonce = hello.get("nonce")
         if hello.get("auth") != HANDSHAKE or not isinstance(nonce, str) or len(nonce) != 64:
-            raise _Refused("this frame server requires the run's key; the receiver offered none (keyless?)")
+            raise lines.Refused(
+                "this frame server requires the run's key; the receiver offered none (keyless?)"
+            )
         mine = new_nonce()
         answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
-        reply = _parse(await _read_line(reader), "proof line")
+        reply = lines.parse(await lines.read_line(reader), "proof line")
         got = reply.get("proof")
         if not same_proof(client_proof(self.keys, nonce, mine, line), got):
-            raise _Refused("the receiver does not know this run's key")
+            raise lines.Refused("the receiver does not know this run's key")
         self._check_epoch(epoch)  # the epoch is in the hello the proof covers
         return have, epoch, costs
 
@@ -230,7 +224,7 @@ class FrameServer:
         if self.epoch is None or epoch is None or epoch <= self.epoch:
             return
         self.superseded_by = max(epoch, self.superseded_by or 0)
-        raise _Refused(
+        raise lines.Refused(
             f"this frame server publishes epoch {describe(self.epoch)}, older than the receiver's "
             f"{describe(epoch)}: its trainer was replaced by a newer one"
         )
@@ -400,40 +394,6 @@ class FrameServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
         self.loop.close()
-
-
-async def _read_line(reader: asyncio.StreamReader) -> bytes:
-    """One line of at most ``MAX_LINE`` bytes (the reader's limit); longer is a refusal."""
-    try:
-        return await reader.readuntil(b"\n")
-    except asyncio.LimitOverrunError:
-        raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
-    except asyncio.IncompleteReadError as exc:
-        if len(exc.partial) >= MAX_LINE:
-            raise _Refused(f"a handshake line over {MAX_LINE} bytes") from None
-        raise
-
-
-def _parse(line: bytes, what: str) -> dict:
-    """A handshake line as a JSON object, bounded (``wire_json``); ``_Refused`` otherwise."""
-    try:
-        obj = wire_json.loads(line, max_bytes=MAX_LINE, max_depth=4)
-    except wire_json.WireError as exc:
-        raise _Refused(f"the {what} is refused: {exc}") from None
-    if not isinstance(obj, dict):
-        raise _Refused(f"the {what} is not a JSON object")
-    return obj
-
-
-def _counter(hello: dict, name: str) -> int | None:
-    """A version or epoch the hello names (None: it names none); out of range is a refusal."""
-    value = hello.get(name)
-    if value is None:
-        return None
-    got = wire_json.int_in(value, 0, MAX_COUNTER)
-    if got is None:
-        raise _Refused(f"the hello's {name!r} must be an integer in 0..2**64-1")
-    return got
 
 
 __all__ = ["FrameServer", "TcpSource"]
