@@ -47,61 +47,23 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from modal_rl.cluster.engine_health import healthy
-from modal_rl.cluster.engines import EnginePool, EngineStartError
-
-SERVING, LOADING, LOST, REPLACING, FAILED = "serving", "loading", "lost", "replacing", "failed"
-EVENT_KINDS = (
-    "started",
-    "lost",
-    "replaced",
-    "caught_up",
-    "serving",
-    "replace_failed",
-    "version",
-    "route_failed",
+from modal_rl.cluster.engine_state import (  # noqa: F401  (EngineLost, WeightSource: re-exported)
+    EVENT_KINDS,
+    FAILED,
+    LOADING,
+    LOST,
+    REPLACING,
+    SERVING,
+    EngineLost,
+    EngineState,
+    Lease,
+    WeightSource,
 )
-
-
-class EngineLost(RuntimeError):
-    """No engine of the right weight version could answer a request in time: drop and mask it."""
-
-
-@dataclass(frozen=True)
-class WeightSource:
-    """Where engines pull the pool's current weights from (a ``FrameServer``), and which version."""
-
-    host: str
-    port: int
-    version: int
-    tls: bool = False
-    epoch: int | None = None  # the publisher's epoch: signed into the pull (engines' floor)
-
-
-@dataclass
-class EngineState:
-    index: int
-    url: str
-    generation: int = 0
-    status: str = SERVING
-    version: int | None = None
-    failures: int = 0
-    lost_at: float | None = None
-    progress: int = 0  # requests that finished on this engine since its last check
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One request's engine: stays valid while ``supervisor.is_current(lease)``."""
-
-    index: int
-    generation: int
-    url: str
-    version: int | None
-
+from modal_rl.cluster.engines import EnginePool, EngineStartError
 
 Loader = Callable[[str, WeightSource], dict]
 

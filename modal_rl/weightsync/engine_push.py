@@ -114,7 +114,7 @@ class EnginePusher:
     def publish(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> tuple[Any, dict[str, float]]:
         """Publish the next version on this pusher's frame server (no engine is asked);
         returns ``(WeightSource, numbers)``."""
-        from modal_rl.cluster.engine_supervisor import WeightSource
+        from modal_rl.cluster.engine_state import WeightSource
 
         t0 = time.perf_counter()
         report = self.publisher.publish(tensors)
