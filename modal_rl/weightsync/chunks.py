@@ -25,12 +25,24 @@ the held host words (``host_written``), which are put back when the streams fail
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from modal_rl.weightsync.chunk_header import (  # noqa: E402, F401  (re-exported: the chunk format's names)
+    CHUNK_HEADER,
+    CTX_SPARSE,
+    DENSE,
+    ENCODING_NAMES,
+    FULL,
+    SPARSE,
+    SUB_DENSE,
+    SUB_SPARSE,
+    UNCHANGED,
+    XOR_DENSE,
+    XOR_SPARSE,
+)
 from modal_rl.weightsync.diffwords import diff_words, join_diffs
 from modal_rl.weightsync.errors import CorruptFrameError
 from modal_rl.weightsync.scatter import scatter, update
@@ -45,20 +57,6 @@ from modal_rl.weightsync.streams import (
     unpack_streams,
 )
 
-UNCHANGED, XOR_SPARSE, XOR_DENSE, FULL, SUB_SPARSE, SUB_DENSE = 0, 1, 2, 3, 4, 5
-CTX_SPARSE = 6  # chunk coding v2: context-conditioned coding (``chunks_v2``)
-ENCODING_NAMES = {
-    UNCHANGED: "unchanged",
-    XOR_SPARSE: "xor-sparse",
-    XOR_DENSE: "xor-dense",
-    FULL: "full",
-    SUB_SPARSE: "sub-sparse",
-    SUB_DENSE: "sub-dense",
-    CTX_SPARSE: "ctx-sparse",
-}
-SPARSE, DENSE = {XOR_SPARSE, SUB_SPARSE, CTX_SPARSE}, {XOR_DENSE, SUB_DENSE}
-# chunk_index u32, elem_count u32, nchanged u32, encoding u8, nstreams u8
-CHUNK_HEADER = struct.Struct("<IIIBB")
 MAX_CHUNK_ELEMS = 1 << 28
 GAP_ESCAPE = 255
 GAP_STREAMS = 5  # gap bytes + 4 exception planes

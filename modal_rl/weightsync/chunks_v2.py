@@ -142,7 +142,7 @@ def decode(
     on return they hold the new words, and (chunk-local positions, residuals new - old)
     say what changed, to undo or to copy elsewhere. On ``CorruptFrameError`` the parts
     are as they were: every word written is put back."""
-    from modal_rl.weightsync.chunks import CHUNK_HEADER
+    from modal_rl.weightsync.chunk_header import CHUNK_HEADER
 
     k_ = _kernels()
     if sum(p.size for p in parts) != count or any(p.dtype != np.uint16 for p in parts):

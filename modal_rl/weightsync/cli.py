@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from modal_rl.run_key import MissingRunKeyError
-from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys, sign_records, trailer_size
-from modal_rl.weightsync.chunks import CHUNK_HEADER, ENCODING_NAMES
+from modal_rl.weightsync.auth import FrameKeys, sign_records, trailer_size
+from modal_rl.weightsync.chunk_header import CHUNK_HEADER, ENCODING_NAMES
+from modal_rl.weightsync.cli_common import BAD_INPUT, FAILED, CliError, add_key_flag, check_out, keys_of  # noqa: F401
 from modal_rl.weightsync.codec import CodecConfig, encode_anchor, encode_delta
 from modal_rl.weightsync.decode import apply_frame
 from modal_rl.weightsync.differ import NumpyDiffer
@@ -51,16 +52,6 @@ from modal_rl.weightsync.frames import (
     VersionHeader,
     read_records,
 )
-
-BAD_INPUT, FAILED = 2, 1
-
-
-class CliError(Exception):
-    """A user-facing failure: printed as one line; exit code ``code`` (bad input: 2)."""
-
-    def __init__(self, message: str, code: int = BAD_INPUT) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def load_safetensors(path: Path) -> dict[str, Any]:
@@ -85,33 +76,6 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def check_out(out: Path) -> None:
-    """Refuse an output whose directory does not exist (before any work is done)."""
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise CliError(f"{out}: directory {parent} does not exist; create it first or choose another --out")
-    if out.is_dir():
-        raise CliError(f"{out} is a directory; --out names a file")
-
-
-def keys_of(args: argparse.Namespace) -> FrameKeys | None:
-    """The run's frame keys from the environment, or None with ``--keyless``."""
-    if args.keyless:
-        return None
-    try:
-        return frame_keys(FROM_ENV)
-    except MissingRunKeyError as exc:
-        raise MissingRunKeyError(f"{exc}; or pass --keyless for unsigned frames") from None
-
-
-def add_key_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--keyless",
-        action="store_true",
-        help="unsigned frames (default: sign/verify with the run key in MODAL_RL_RUN_KEY)",
-    )
 
 
 def cmd_encode(args: argparse.Namespace) -> int:

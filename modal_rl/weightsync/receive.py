@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
         help="activate without copying the staged weights into a second, live copy (saves one "
         "copy of the model: benchmarks at model scale); incompatible with --out",
     )
-    from modal_rl.weightsync.cli import add_key_flag
+    from modal_rl.weightsync.cli_common import add_key_flag
 
     add_key_flag(rec)
     rec.set_defaults(fn=cmd_receive)
@@ -87,7 +87,7 @@ def _epoch(text: str) -> int:
 
 
 def _address(text: str) -> tuple[str, int]:
-    from modal_rl.weightsync.cli import CliError
+    from modal_rl.weightsync.cli_common import CliError
 
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -106,7 +106,7 @@ def _write_status(path: Path | None, subscriber: Subscriber) -> None:
 def cmd_receive(args: argparse.Namespace) -> int:
     import torch
 
-    from modal_rl.weightsync.cli import FAILED, CliError, check_out, keys_of
+    from modal_rl.weightsync.cli_common import FAILED, CliError, check_out, keys_of
     from modal_rl.weightsync.transport import gbps
 
     addr = _address(args.tcp) if args.tcp is not None else None

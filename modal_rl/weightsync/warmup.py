@@ -71,7 +71,7 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
         # the refusal path (put back what a corrupt chunk wrote) uses the "set" scatter
         chunks_v2._put_back([held16], [0], np.arange(0, 4, dtype=np.int64), base[:4].copy())
         if measure_costs:
-            from modal_rl.weightsync.decode_costs import measure
+            from modal_rl.weightsync.decode_probe import measure
 
             measure()  # ~40 ms, once per receiving process
         return True
@@ -85,7 +85,7 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
 def _measure_when_warm() -> None:
     _done.wait()
     try:
-        from modal_rl.weightsync.decode_costs import measure
+        from modal_rl.weightsync.decode_probe import measure
 
         measure()
     except Exception as exc:  # the hello then names no costs: the server's defaults apply
