@@ -19,6 +19,17 @@ def initialize_global_process_group_ray(timeout_second=None, backend=None):
     device = get_device_name()
     backend = backend or ("cpu:gloo" if device == "cpu" else f"cpu:gloo,{device}:{get_nccl_backend()}")
 """
+# patches/verl-main/0004: one helper builds the string for both initializers.
+BACKEND_HELPER = """
+def default_process_group_backend():
+    device = get_device_name()
+    if device == "cpu":
+        return "cpu:gloo"
+    return f"cpu:gloo,{device}:{get_nccl_backend()}"
+
+def initialize_global_process_group_ray(timeout_second=None, backend=None):
+    backend = backend or default_process_group_backend()
+"""
 TQ_FIXED = """
 INVALID_SAMPLE_KEY = "invalid_sample"
 
@@ -50,6 +61,9 @@ def test_process_group_backend_seam(sources):
     assert upstream.process_group_backend() is False
     upstream.process_group_backend.cache_clear()
     sources[upstream.DISTRIBUTED] = BACKEND_FIXED
+    assert upstream.process_group_backend() is True
+    upstream.process_group_backend.cache_clear()
+    sources[upstream.DISTRIBUTED] = BACKEND_HELPER
     assert upstream.process_group_backend() is True
 
 

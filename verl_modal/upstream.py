@@ -17,7 +17,7 @@ their run-time shim only where the answer is False:
 - ``invalid_sample``: verl's V1 agent loop excludes a sample whose reward result sets
   ``reward_extra_info["invalid_sample"]`` (``patches/verl-main/0005``, ``patches/verl/0007``)
   -> :mod:`verl_modal.sample_mask` leaves sandbox failures to verl;
-- ``process_group_backend``: ``initialize_global_process_group_ray`` gives a CPU platform the
+- ``process_group_backend``: verl's default process-group backend gives a CPU platform the
   single backend ``"cpu:gloo"`` (``patches/verl-main/0004``, ``patches/verl/0006``) ->
   :mod:`verl_modal.cpu.patches` does not wrap ``torch.distributed.init_process_group``.
 
@@ -137,16 +137,21 @@ def invalid_sample_key() -> str | None:
 
 @functools.cache
 def process_group_backend() -> bool:
-    """verl's default process-group backend names the CPU once on a CPU platform: the
-    function that builds it holds the string ``"cpu:gloo"`` on its own (the bug only ever
-    built it inside ``f"cpu:gloo,{device}:..."``)."""
+    """verl's default process-group backend names the CPU once on a CPU platform: a function of
+    ``verl.utils.distributed`` holds the string ``"cpu:gloo"`` on its own (the bug only ever
+    built it inside ``f"cpu:gloo,{device}:..."``, whose constant part is ``"cpu:gloo,"``).
+    The fix lives in ``initialize_global_process_group_ray`` (``patches/verl/0006``) or in
+    the ``default_process_group_backend`` helper both initializers call
+    (``patches/verl-main/0004``), so every function of the module counts."""
     tree = _tree(DISTRIBUTED)
     if tree is None:
         return False
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "initialize_global_process_group_ray":
-            return any(isinstance(n, ast.Constant) and n.value == "cpu:gloo" for n in ast.walk(node))
-    return False
+    return any(
+        isinstance(n, ast.Constant) and n.value == "cpu:gloo"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        for n in ast.walk(node)
+    )
 
 
 def pool_wait_env() -> str | None:
