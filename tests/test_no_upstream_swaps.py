@@ -22,8 +22,9 @@ PACKAGES = ("verl_modal", "slime_modal")
 
 # (file, assigned target) -> why it is still there. Upstream-name swaps first.
 ALLOWED = {
-    # verl resource-pool seam not written (docs/upstream.md "Seams"): swapped in five modules.
-    ("verl_modal/pools.py", "module.ResourcePoolManager"): "verl has no pool-manager seam yet",
+    # Fallback where verl lacks patches/verl-main/0006 (with it, install() swaps nothing:
+    # tests/test_patches_seams.py): swapped in the five modules that construct one.
+    ("verl_modal/pools.py", "module.ResourcePoolManager"): "until patches/verl-main/0006 is in verl",
     # Shims that stop once verl carries the fix (verl_modal.upstream detects it from source).
     ("verl_modal/cpu/patches.py", "dist.init_process_group"): "until patches/verl-main/0004 is in verl",
     ("verl_modal/cpu/patches.py", "cls.pause_generation"): "until patches/verl-main/0001 is in verl",

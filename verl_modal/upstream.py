@@ -14,6 +14,10 @@ their run-time shim only where the answer is False:
   ``_create_checkpoint_manager`` (patch 0004);
 - ``pool_wait``: ``ResourcePoolManager`` has ``wait_timeout_s`` and verl names its env var
   (patch 0005) -> :func:`verl_modal.pools.install` hands the wait to verl;
+- ``pool_manager_class``: every place verl builds a pool manager asks
+  ``resource_pool_manager_class()``, which reads a subclass's name from an env var
+  (``patches/verl-main/0006``, ``patches/verl/0008``) -> :func:`verl_modal.pools.install`
+  names our subclass there and swaps nothing;
 - ``invalid_sample``: verl's V1 agent loop excludes a sample whose reward result sets
   ``reward_extra_info["invalid_sample"]`` (``patches/verl-main/0005``, ``patches/verl/0007``)
   -> :mod:`verl_modal.sample_mask` leaves sandbox failures to verl;
@@ -154,6 +158,28 @@ def process_group_backend() -> bool:
     )
 
 
+@functools.cache
+def pool_manager_class_env() -> str | None:
+    """The env var verl reads the ``ResourcePoolManager`` subclass it builds from, when every
+    construction site asks ``resource_pool_manager_class()`` (``patches/verl-main/0006``,
+    ``patches/verl/0008``): ``base.py`` defines that function and assigns the variable's name
+    to ``RESOURCE_POOL_MANAGER_CLASS_ENV``."""
+    tree = _tree(POOL_BASE)
+    if not _defines(tree, "resource_pool_manager_class"):
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "RESOURCE_POOL_MANAGER_CLASS_ENV" for t in node.targets
+            )
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    return None
+
+
 def pool_wait_env() -> str | None:
     """The env var verl's ``ResourcePoolManager`` reads its wait from, when it can wait."""
     try:
@@ -172,6 +198,7 @@ def seams() -> dict[str, bool]:
         "pause_mode_aware": pause_mode_aware(),
         "checkpoint_manager_class": checkpoint_manager_class(),
         "pool_wait": pool_wait_env() is not None,
+        "pool_manager_class": pool_manager_class_env() is not None,
         "process_group_backend": process_group_backend(),
         "invalid_sample": invalid_sample_key() is not None,
     }
