@@ -171,6 +171,8 @@ def _main(argv: list[str]) -> int:
         "volumes": volumes,
         "env": {k: v for k, v in runtime_env["env_vars"].items() if k == L.VOLUMES_ENV},
     }
+    # The series (patches/slime) as extra build steps of both images (Modal only).
+    steps = upstream.image_steps(args)
     try:
         engines_plan = E.describe(engines, job_argv, **engine_opts) if engines is not None else None
     except ValueError as exc:
@@ -195,6 +197,7 @@ def _main(argv: list[str]) -> int:
             framework_argv=slime_argv,
             address_env=L.address_env(spec.env),
             local_files=shipped,
+            image_steps=steps,
             plan_extra={
                 "slime": slime_plan,
                 "rollout_engines": engines_plan,
@@ -204,16 +207,13 @@ def _main(argv: list[str]) -> int:
         )
 
     if engines is None or args.dry_run or args.preflight_only:
-        with upstream.patched_images(args):
-            return submit()
+        return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
     from modal_rl.cluster.engines import EngineStartError
 
     try:
-        with (
-            upstream.patched_images(args),
-            E.running_engines(engines, job_argv, backend=args.backend, **engine_opts) as addresses,
-        ):
+        pool = {"pool_kwargs": {"image_steps": steps}} if steps else {}
+        with E.running_engines(engines, job_argv, backend=args.backend, **engine_opts, **pool) as addresses:
             print(
                 f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
             )

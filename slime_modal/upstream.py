@@ -16,20 +16,20 @@ or its SGLang lacks slime's pull_weights patch) fails the image build with git's
 script's message; ``--no-slime-patches`` runs the registry image as it is. The dry-run plan
 lists the patches and the exact build commands (:func:`plan`).
 
-The image is extended while the two ``build_image`` functions of ``modal_rl.cluster`` run,
-for the duration of one launch (:func:`patched_images`); nothing else of theirs changes.
+The steps reach both images as the ``extra_steps`` parameter of ``modal_rl.cluster``'s image
+builders (:func:`image_steps`); nothing of theirs is replaced.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
+import functools
 import inspect
 import re
 import shlex
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,52 +149,12 @@ def plan(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> dict[str, A
     }
 
 
-@contextlib.contextmanager
-def patched_images(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> Iterator[None]:
-    """While active, the cluster's and the Modal engines' images carry the series (when
-    :func:`enabled`); everything is restored on exit.
-
-    Modal runs no build step on top of a mount layer, and both ``build_image`` functions end
-    by mounting this project's sources (``add_local_python_source``), so the series goes in
-    right before that call: it is intercepted only while one ``build_image`` runs. A
-    ``build_image`` that no longer makes that call raises instead of building an unpatched
-    image. (A seam in ``modal_rl.cluster`` for extra image steps would replace this.)"""
+def image_steps(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> list[Callable[[Any], Any]]:
+    """The extra build steps of the cluster's and the Modal engines' images: the series (when
+    :func:`enabled`), else none. Passed to ``modal_rl.cluster``'s image builders as their
+    ``extra_steps`` (``run_job(image_steps=...)``, ``ModalEnginePool(image_steps=...)``), which
+    apply them before mounting this project's sources."""
     if not enabled(args):
-        yield
-        return
+        return []
     series(series_dir)  # fail before anything starts when the files are missing
-    import modal
-
-    from modal_rl.cluster import backend_modal, engines_modal
-
-    originals = {module: module.build_image for module in (backend_modal, engines_modal)}
-    mount_sources = modal.Image.add_local_python_source
-
-    def wrap(original):
-        def build_image(spec):
-            extended = []
-
-            def add_local_python_source(image, *modules, **kwargs):
-                extended.append(True)
-                return mount_sources(extend_image(image, args.slime_path, series_dir), *modules, **kwargs)
-
-            modal.Image.add_local_python_source = add_local_python_source
-            try:
-                image = original(spec)
-            finally:
-                modal.Image.add_local_python_source = mount_sources
-            if len(extended) != 1:
-                raise RuntimeError(
-                    f"{original.__module__}.build_image changed: update slime_modal/upstream.py"
-                )
-            return image
-
-        return build_image
-
-    try:
-        for module, original in originals.items():
-            module.build_image = wrap(original)
-        yield
-    finally:
-        for module, original in originals.items():
-            module.build_image = original
+    return [functools.partial(extend_image, slime_path=args.slime_path, series_dir=series_dir)]

@@ -31,16 +31,19 @@ os.environ.pop(pools.PLACEMENT_ENV, None)
 os.environ[pools.WAIT_ENV] = "42"
 seams = upstream.seams()
 swapped = pools.install()
-import verl.trainer.ppo.v1.trainer_base as trainer_base
-manager = trainer_base.ResourcePoolManager(resource_pool_spec={"p": [1]}, mapping={})
+# Built where verl builds it: one of the five construction sites (a late-imported one).
+from verl.experimental.separation.utils import create_resource_pool_manager
+from verl.trainer.ppo.utils import Role
+site_config = OmegaConf.create({"trainer": {"n_gpus_per_node": 1, "nnodes": 1}})
+manager = create_resource_pool_manager(site_config, roles=[Role.Actor])
 patches.install()
 import vllm.v1.engine.async_llm  # the post-import hook decides whether to wrap pause_generation
 config = OmegaConf.create(
     {"trainer": {"v1": {"trainer_mode": "separate_async"}}, "actor_rollout_ref": {"hybrid_engine": False}}
 )
-os.environ[pools.PLACEMENT_ENV] = '{"global_pool": [0]}'  # a placement plan needs our manager
+os.environ[pools.PLACEMENT_ENV] = '{"trainer_pool": [0]}'  # a placement plan needs our manager
 swapped_with_plan = pools.install()
-placed = trainer_base.ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
+placed = create_resource_pool_manager(site_config, roles=[Role.Actor])
 print(json.dumps({
     "swapped_with_plan": swapped_with_plan,
     "placed_ours": type(placed) is pools.manager_class(),
@@ -60,7 +63,11 @@ print(json.dumps({
 def _probe(pythonpath: list[str]) -> dict:
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"}
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(ROOT), str(ROOT / "tests")])
-    for key in ("VERL_RESOURCE_POOL_WAIT_TIMEOUT", "VERL_MODAL_POOL_PLACEMENT"):
+    for key in (
+        "VERL_RESOURCE_POOL_WAIT_TIMEOUT",
+        "VERL_MODAL_POOL_PLACEMENT",
+        "VERL_RESOURCE_POOL_MANAGER_CLASS",
+    ):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -77,13 +84,12 @@ def test_patched_verl_uses_the_upstream_seams(patched_verl):
     seen = _probe([str(patched_verl)])
     assert seen["verl"] == str(patched_verl / "verl")
     assert seen["seams"] == dict.fromkeys(seen["seams"], True)
-    assert seen["swapped"] == []  # no placement plan: verl's own manager, with our wait
-    assert not seen["ours"] and seen["wait_timeout_s"] == 42.0
+    # verl's seam (patch 0008) builds our subclass by name at every site: nothing is swapped
+    assert seen["swapped"] == [] and seen["swapped_with_plan"] == []
+    assert seen["ours"] and seen["wait_timeout_s"] == 42.0
     assert seen["pause_wrapped"] is False
     assert seen["pg_wrapped"] is False  # verl builds "cpu:gloo" itself (patch 0006)
     assert seen["log_quieted"] is False
-    # with a placement plan our manager is still swapped in (placement is ours, not verl's)
-    assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped_with_plan"]
     assert seen["placed_ours"] and seen["placed_wait_s"] == 42.0
 
 
@@ -91,7 +97,8 @@ def test_unpatched_verl_keeps_the_shims():
     seen = _probe([])
     assert seen["seams"] == dict.fromkeys(seen["seams"], False)
     assert "verl.trainer.ppo.v1.trainer_base" in seen["swapped"]
-    assert seen["ours"] and seen["wait_timeout_s"] == 42.0
+    assert seen["ours"] and seen["wait_timeout_s"] == 42.0  # swapped in when separation.utils loads
+    assert seen["placed_ours"] and seen["placed_wait_s"] == 42.0
     assert seen["pause_wrapped"] is True
     assert seen["pg_wrapped"] is True
     assert seen["log_quieted"] is True

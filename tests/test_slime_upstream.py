@@ -97,9 +97,12 @@ def _assert_series_then_sources(layers, first: str):
     assert all(kind == "build" for kind, _ in layers[:-1])
 
 
-def test_cluster_and_engine_images_carry_the_series_then_restore():
+def test_cluster_and_engine_images_carry_the_series_as_extra_steps():
+    """The series reaches both images through the builders' ``extra_steps`` parameter: the
+    builders themselves are never replaced, and without the steps an image has no series."""
     from modal_rl.cluster import backend_modal, engines_modal
     from modal_rl.cluster.engines import EngineSpec
+    from modal_rl.cluster.engines_modal import ModalEnginePool
     from modal_rl.cluster.spec import ClusterSpec
 
     cluster = ClusterSpec(nodes=2, gpu="H100:8", image=L.SLIME_IMAGE)
@@ -107,14 +110,34 @@ def test_cluster_and_engine_images_carry_the_series_then_restore():
         command=["python3", "-m", "sglang.launch_server", "--port", "{port}"], image=L.SLIME_IMAGE
     )
     originals = backend_modal.build_image, engines_modal.build_image
-    with upstream.patched_images(_args()):
-        _assert_series_then_sources(image_layers(backend_modal.build_image(cluster)), L.SLIME_IMAGE)
-        _assert_series_then_sources(image_layers(engines_modal.build_image(engine)), L.SLIME_IMAGE)
+    steps = upstream.image_steps(_args())
+    assert len(steps) == 1
+    _assert_series_then_sources(image_layers(backend_modal.build_image(cluster, steps)), L.SLIME_IMAGE)
+    _assert_series_then_sources(image_layers(engines_modal.build_image(engine, steps)), L.SLIME_IMAGE)
+    # The objects the launch builds with: the cluster backend and the Modal engine pool.
+    backend = backend_modal.ModalBackend(image_steps=steps)
+    backend.build_function(cluster, key="k" * 32)
+    _assert_series_then_sources(image_layers(backend.last_image), L.SLIME_IMAGE)
+    assert ModalEnginePool(engine, image_steps=steps).image_steps == tuple(steps)
     assert (backend_modal.build_image, engines_modal.build_image) == originals
     plain = "\n".join(str(c) for _, c in image_layers(backend_modal.build_image(cluster)))
     assert " am -3 " not in plain
-    with upstream.patched_images(_args(no_slime_patches=True)):
-        assert backend_modal.build_image is originals[0]
+    assert upstream.image_steps(_args(no_slime_patches=True)) == []
+
+
+def test_upstream_replaces_no_module_attribute():
+    """No ``module.name = ...`` assignment (the old ``build_image`` swap) in slime_modal/upstream.py."""
+    import ast
+
+    tree = ast.parse(Path(upstream.__file__).read_text())
+    swaps = [
+        ast.unparse(target)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+    ]
+    assert swaps == [], swaps
 
 
 def test_missing_series_is_one_line_not_a_traceback(tmp_path):
@@ -162,14 +185,16 @@ def test_image_build_commands_apply_the_series_and_refresh_sglang(tmp_path, base
     for command in commands:
         proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
-    log = subprocess.run(
-        ["git", "-C", str(base_checkout), "log", "--format=%s", "-3"], capture_output=True, text=True
-    )
     titles = [p["title"] for p in tomllib.loads(SERIES.read_text())["patch"]]
-    assert log.stdout.splitlines()[:2] == titles[::-1]
+    log = subprocess.run(
+        ["git", "-C", str(base_checkout), "log", "--format=%s", f"-{len(titles) + 1}"],
+        capture_output=True,
+        text=True,
+    )
+    assert log.stdout.splitlines()[: len(titles)] == titles[::-1]
     refreshed = installed.read_text()
     assert refreshed == upstream.extract_engine_apply((base_checkout / upstream.SGLANG_PATCH).read_text())
-    assert "_clear_applied_version" in refreshed and "_sparse_apply" in refreshed
+    assert "_invalidate_applied_version" in refreshed and "_sparse_apply" in refreshed
 
 
 def test_refresh_fails_loud_without_slimes_sglang_patch(tmp_path, base_checkout):

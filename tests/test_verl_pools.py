@@ -46,6 +46,29 @@ def test_install_swaps_the_class_verl_constructs():
     assert issubclass(pools.manager_class(), ResourcePoolManager)
 
 
+def test_with_verls_pool_manager_seam_install_names_ours_and_swaps_nothing(monkeypatch):
+    """The seam path (``patches/verl/0008``; the detector is tested on source in
+    test_verl_upstream_detect.py, the whole path on the patched sdist in
+    test_patches_seams.py): our class reaches verl by name, through verl's own loader."""
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+    from verl.single_controller.ray.base import ResourcePoolManager
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from verl_modal import pools, upstream
+
+    env = "VERL_RESOURCE_POOL_MANAGER_CLASS"
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(upstream, "pool_manager_class_env", lambda: env)
+    before = trainer_base.ResourcePoolManager
+    assert pools.install() == []
+    assert trainer_base.ResourcePoolManager is before  # nothing swapped on this path
+    assert os.environ[env] == pools.MANAGER_FQN
+    loaded = load_class_from_fqn(os.environ[env], description="resource pool manager class")
+    assert loaded is pools.manager_class() and issubclass(loaded, ResourcePoolManager)
+    monkeypatch.setenv(env, "someone.elses.Manager")  # a deployment's own choice is kept
+    assert pools.install() == [] and os.environ[env] == "someone.elses.Manager"
+
+
 def test_wait_default_comes_from_the_env(monkeypatch):
     from verl_modal import pools
 

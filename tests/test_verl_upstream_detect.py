@@ -19,6 +19,23 @@ def initialize_global_process_group_ray(timeout_second=None, backend=None):
     device = get_device_name()
     backend = backend or ("cpu:gloo" if device == "cpu" else f"cpu:gloo,{device}:{get_nccl_backend()}")
 """
+# patches/verl-main/0004: one helper builds the string for both initializers.
+BACKEND_HELPER = """
+def default_process_group_backend():
+    device = get_device_name()
+    if device == "cpu":
+        return "cpu:gloo"
+    return f"cpu:gloo,{device}:{get_nccl_backend()}"
+
+def initialize_global_process_group_ray(timeout_second=None, backend=None):
+    backend = backend or default_process_group_backend()
+"""
+POOL_BASE_SEAM = """
+RESOURCE_POOL_MANAGER_CLASS_ENV = "VERL_RESOURCE_POOL_MANAGER_CLASS"
+
+def resource_pool_manager_class():
+    return ResourcePoolManager
+"""
 TQ_FIXED = """
 INVALID_SAMPLE_KEY = "invalid_sample"
 
@@ -38,10 +55,16 @@ def sources(monkeypatch):
     """Serve ``_tree(module)`` from a dict of module name -> source (absent: not installed)."""
     served: dict[str, str] = {}
     monkeypatch.setattr(upstream, "_tree", lambda m: ast.parse(served[m]) if m in served else None)
-    for detector in (upstream.process_group_backend, upstream.invalid_sample_key, upstream.pause_mode_aware):
+    detectors = (
+        upstream.process_group_backend,
+        upstream.invalid_sample_key,
+        upstream.pause_mode_aware,
+        upstream.pool_manager_class_env,
+    )
+    for detector in detectors:
         detector.cache_clear()
     yield served
-    for detector in (upstream.process_group_backend, upstream.invalid_sample_key, upstream.pause_mode_aware):
+    for detector in detectors:
         detector.cache_clear()
 
 
@@ -51,6 +74,19 @@ def test_process_group_backend_seam(sources):
     upstream.process_group_backend.cache_clear()
     sources[upstream.DISTRIBUTED] = BACKEND_FIXED
     assert upstream.process_group_backend() is True
+    upstream.process_group_backend.cache_clear()
+    sources[upstream.DISTRIBUTED] = BACKEND_HELPER
+    assert upstream.process_group_backend() is True
+
+
+def test_pool_manager_class_seam(sources):
+    assert upstream.pool_manager_class_env() is None  # base.py not found: no seam
+    upstream.pool_manager_class_env.cache_clear()
+    sources[upstream.POOL_BASE] = "class ResourcePoolManager:\n    pass\n"
+    assert upstream.pool_manager_class_env() is None
+    upstream.pool_manager_class_env.cache_clear()
+    sources[upstream.POOL_BASE] = POOL_BASE_SEAM
+    assert upstream.pool_manager_class_env() == "VERL_RESOURCE_POOL_MANAGER_CLASS"
 
 
 def test_invalid_sample_seam_and_the_flags_our_reward_manager_writes(sources):

@@ -18,10 +18,14 @@ Invariants:
   sliver of the rank's custom resource ``modal_rl_rank_<r>`` (every cluster node carries
   its own). Trainer pools take the first ranks, standalone rollout replicas the ranks after.
   Pools without a plan, or whose plan does not match their node entries, are left to Ray.
-- :func:`install` swaps our class in for the name every verl module that builds a pool
-  manager constructs (:data:`_USERS`; a test scans verl for construction sites and fails on
-  a new one), in this process only; installed files are never edited. Modules not yet
-  imported are swapped right after verl imports them (an import hook).
+- A verl whose construction sites all ask ``resource_pool_manager_class()`` (the seam of
+  ``patches/verl-main/0006``, seen by :func:`verl_modal.upstream.pool_manager_class_env`)
+  gets our subclass by name, :data:`MANAGER_FQN` in verl's env var, and nothing is swapped:
+  the subclass is what verl builds everywhere, with or without a placement plan.
+- Without that seam, :func:`install` swaps our class in for the name every verl module that
+  builds a pool manager constructs (:data:`_USERS`; a test scans verl for construction sites
+  and fails on a new one), in this process only; installed files are never edited. Modules
+  not yet imported are swapped right after verl imports them (an import hook).
 - A verl with the upstream wait (``patches/verl/0005``, seen by
   :func:`verl_modal.upstream.pool_wait_env`) needs no swap unless a placement plan is set:
   :func:`install` then only hands our wait to verl's own env var (unless already set).
@@ -38,6 +42,8 @@ from modal_rl.cluster.plan import rank_resource  # the custom resource only that
 WAIT_ENV = "VERL_MODAL_POOL_WAIT_S"
 PLACEMENT_ENV = "VERL_MODAL_POOL_PLACEMENT"
 DEFAULT_WAIT_S = 300.0
+# What verl's resource_pool_manager_class() loads (module __getattr__ builds it on first use).
+MANAGER_FQN = "verl_modal.pools.WaitingResourcePoolManager"
 # Modules that construct ``ResourcePoolManager`` by the name they imported: imported and
 # swapped at once (the trainer's own) ...
 _USERS = (
@@ -232,6 +238,13 @@ def manager_class():
     return _CLASS
 
 
+def __getattr__(name: str):
+    # verl loads MANAGER_FQN by name; building the class imports verl, so it waits until asked.
+    if name == "WaitingResourcePoolManager":
+        return manager_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _swap(module) -> bool:
     if getattr(module, "ResourcePoolManager", None) is None:
         return False
@@ -241,13 +254,20 @@ def _swap(module) -> bool:
 
 def install() -> list[str]:
     """Make every place verl builds a pool manager build ours; returns the modules changed now
-    (the late ones are changed when imported). On a verl with the upstream wait and no
+    (the late ones are changed when imported). On a verl with the pool-manager seam: no swap,
+    verl's env var names our class, returns ``[]``. On a verl with the upstream wait and no
     placement plan: no swap, verl's env var gets our wait, returns ``[]``."""
     import importlib
     import sys
 
     from verl_modal import _register, upstream
 
+    seam_env = upstream.pool_manager_class_env()
+    if seam_env:
+        named = os.environ.setdefault(seam_env, MANAGER_FQN)
+        if named != MANAGER_FQN:
+            print(f"[verl_modal.pools] ${seam_env}={named} is set: verl builds that, not our manager")
+        return []
     verl_env = upstream.pool_wait_env()
     if verl_env and not os.environ.get(PLACEMENT_ENV):
         os.environ.setdefault(verl_env, f"{_default_wait():g}")

@@ -14,10 +14,14 @@ their run-time shim only where the answer is False:
   ``_create_checkpoint_manager`` (patch 0004);
 - ``pool_wait``: ``ResourcePoolManager`` has ``wait_timeout_s`` and verl names its env var
   (patch 0005) -> :func:`verl_modal.pools.install` hands the wait to verl;
+- ``pool_manager_class``: every place verl builds a pool manager asks
+  ``resource_pool_manager_class()``, which reads a subclass's name from an env var
+  (``patches/verl-main/0006``, ``patches/verl/0008``) -> :func:`verl_modal.pools.install`
+  names our subclass there and swaps nothing;
 - ``invalid_sample``: verl's V1 agent loop excludes a sample whose reward result sets
   ``reward_extra_info["invalid_sample"]`` (``patches/verl-main/0005``, ``patches/verl/0007``)
   -> :mod:`verl_modal.sample_mask` leaves sandbox failures to verl;
-- ``process_group_backend``: ``initialize_global_process_group_ray`` gives a CPU platform the
+- ``process_group_backend``: verl's default process-group backend gives a CPU platform the
   single backend ``"cpu:gloo"`` (``patches/verl-main/0004``, ``patches/verl/0006``) ->
   :mod:`verl_modal.cpu.patches` does not wrap ``torch.distributed.init_process_group``.
 
@@ -137,16 +141,43 @@ def invalid_sample_key() -> str | None:
 
 @functools.cache
 def process_group_backend() -> bool:
-    """verl's default process-group backend names the CPU once on a CPU platform: the
-    function that builds it holds the string ``"cpu:gloo"`` on its own (the bug only ever
-    built it inside ``f"cpu:gloo,{device}:..."``)."""
+    """verl's default process-group backend names the CPU once on a CPU platform: a function of
+    ``verl.utils.distributed`` holds the string ``"cpu:gloo"`` on its own (the bug only ever
+    built it inside ``f"cpu:gloo,{device}:..."``, whose constant part is ``"cpu:gloo,"``).
+    The fix lives in ``initialize_global_process_group_ray`` (``patches/verl/0006``) or in
+    the ``default_process_group_backend`` helper both initializers call
+    (``patches/verl-main/0004``), so every function of the module counts."""
     tree = _tree(DISTRIBUTED)
     if tree is None:
         return False
+    return any(
+        isinstance(n, ast.Constant) and n.value == "cpu:gloo"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        for n in ast.walk(node)
+    )
+
+
+@functools.cache
+def pool_manager_class_env() -> str | None:
+    """The env var verl reads the ``ResourcePoolManager`` subclass it builds from, when every
+    construction site asks ``resource_pool_manager_class()`` (``patches/verl-main/0006``,
+    ``patches/verl/0008``): ``base.py`` defines that function and assigns the variable's name
+    to ``RESOURCE_POOL_MANAGER_CLASS_ENV``."""
+    tree = _tree(POOL_BASE)
+    if not _defines(tree, "resource_pool_manager_class"):
+        return None
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "initialize_global_process_group_ray":
-            return any(isinstance(n, ast.Constant) and n.value == "cpu:gloo" for n in ast.walk(node))
-    return False
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "RESOURCE_POOL_MANAGER_CLASS_ENV" for t in node.targets
+            )
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    return None
 
 
 def pool_wait_env() -> str | None:
@@ -167,6 +198,7 @@ def seams() -> dict[str, bool]:
         "pause_mode_aware": pause_mode_aware(),
         "checkpoint_manager_class": checkpoint_manager_class(),
         "pool_wait": pool_wait_env() is not None,
+        "pool_manager_class": pool_manager_class_env() is not None,
         "process_group_backend": process_group_backend(),
         "invalid_sample": invalid_sample_key() is not None,
     }

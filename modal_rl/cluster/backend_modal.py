@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +73,17 @@ def validate_for_modal(spec: ClusterSpec) -> None:
 # This project's packages, shipped as source into every container: the core and the thin
 # adapters (they import their framework lazily, so unused ones cost nothing).
 LOCAL_PACKAGES = ("modal_rl", "verl_modal", "slime_modal")
+# One extra image build step: takes a modal.Image, returns the extended one.
+ImageStep = Callable[[Any], Any]
 
 
-def build_image(spec: ClusterSpec):
-    """The user's registry image, or Debian slim with Ray and torch, plus this project's
-    packages as source. A registry image keeps its own Python: framework images (verl's,
-    slime's) carry the framework, torch and Ray in it, and a second interpreter would not."""
+def build_image(spec: ClusterSpec, extra_steps: Sequence[ImageStep] = ()):
+    """The user's registry image, or Debian slim with Ray and torch, then ``extra_steps``
+    (each ``image -> image``, in order: an adapter's build steps, e.g. slime's patch series),
+    plus this project's packages as source. A registry image keeps its own Python: framework
+    images (verl's, slime's) carry the framework, torch and Ray in it, and a second
+    interpreter would not. The sources are mounted last: Modal runs no build step on top of
+    a mount layer, so every extra step comes before them."""
     import modal
 
     if spec.image:
@@ -87,6 +92,8 @@ def build_image(spec: ClusterSpec):
         image = modal.Image.debian_slim(python_version="3.11").pip_install(
             f"ray[default]=={RAY_VERSION}", "torch"
         )
+    for step in extra_steps:
+        image = step(image)
     return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
@@ -220,9 +227,11 @@ class ModalBackend(ClusterBackend):
         on_line=None,
         on_err=None,
         local_files: Sequence[LocalInput] = (),
+        image_steps: Sequence[ImageStep] = (),
     ):
         self.app_name = app_name
         self.local_files = tuple(local_files)  # the job's local inputs, shipped at their paths
+        self.image_steps = tuple(image_steps)  # build_image's extra_steps
         self.last_image = None
         self.on_line = on_line
         self.on_err = on_err or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -262,7 +271,7 @@ class ModalBackend(ClusterBackend):
             "secrets": [*spec.secrets, RUN_SECRET_NOTE],
         }
         clustered = modal.clustered(size=spec.nodes, rdma=spec.rdma)(container_main)
-        image = with_local_files(build_image(spec), self.local_files)
+        image = with_local_files(build_image(spec, self.image_steps), self.local_files)
         self.last_image = image
         fn = app.function(
             image=image,

@@ -180,13 +180,15 @@ def run_job(
     collective_check: bool = False,
     out: TextIO | None = None,
     local_files: Sequence[LocalInput] = (),
+    image_steps: Sequence[Any] = (),
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
     ``address_env`` names env vars filled with cluster addresses at bring-up (see
     ``plan.address_env_values``); ``plan_extra`` adds the adapter's own sections to a dry run's
     plan. ``local_files`` (``local_inputs.collect``) travel into the Modal containers at the
-    same path and are listed in the plan; the local backend's nodes already see them. Returns
+    same path and are listed in the plan; the local backend's nodes already see them.
+    ``image_steps`` (Modal only): extra build steps of the cluster image (``build_image``). Returns
     the process exit code: 0 for a clean dry run or preflight, 2 for a preflight failure
     (nothing was started), else rank 0's (the job's) exit code.
     """
@@ -198,7 +200,8 @@ def run_job(
         collective_check=collective_check,
         address_env=dict(address_env or {}),
     )
-    impl = get_backend(backend, **({"local_files": tuple(local_files)} if backend == "modal" else {}))
+    modal_only = {"local_files": tuple(local_files), "image_steps": tuple(image_steps)}
+    impl = get_backend(backend, **(modal_only if backend == "modal" else {}))
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
         return 2

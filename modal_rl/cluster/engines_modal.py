@@ -47,9 +47,10 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
-from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, inspect_function
+from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, ImageStep, inspect_function
 from modal_rl.cluster.engine_health import ready
 from modal_rl.cluster.engine_local import pump
 from modal_rl.cluster.engines import (
@@ -85,7 +86,10 @@ def function_kwargs(spec: EngineSpec) -> dict[str, Any]:
     return kwargs
 
 
-def build_image(spec: EngineSpec):
+def build_image(spec: EngineSpec, extra_steps: Sequence[ImageStep] = ()):
+    """The engine's registry image, its ``pip`` packages, then ``extra_steps`` (each
+    ``image -> image``, in order), then this project's sources (mounted last: Modal runs no
+    build step on top of a mount layer)."""
     import modal
 
     if not spec.image:
@@ -94,12 +98,17 @@ def build_image(spec: EngineSpec):
     image = modal.Image.from_registry(spec.image).entrypoint([])
     if spec.pip:
         image = image.pip_install(*spec.pip)
+    for step in extra_steps:
+        image = step(image)
     return image.add_local_python_source(*LOCAL_PACKAGES)
 
 
-def build_function(spec: EngineSpec, app_name: str = APP_NAME, key: str | None = None):
+def build_function(
+    spec: EngineSpec, app_name: str = APP_NAME, key: str | None = None, image_steps: Sequence[ImageStep] = ()
+):
     """(app, function) defined offline. ``key``: the run key, attached as the run's Modal
-    Secret when ``spec.auth`` is set (required then; dry runs pass a placeholder)."""
+    Secret when ``spec.auth`` is set (required then; dry runs pass a placeholder);
+    ``image_steps``: :func:`build_image`'s ``extra_steps``."""
     import modal
 
     if spec.auth is not None and not key:
@@ -114,7 +123,7 @@ def build_function(spec: EngineSpec, app_name: str = APP_NAME, key: str | None =
     if spec.auth is not None:
         secrets.append(engine_secret(key))  # the bearer and frame-read key, never the run key
     fn = app.function(
-        image=build_image(spec),
+        image=build_image(spec, image_steps),
         volumes=volumes,
         secrets=secrets,
         env=dict(spec.env),
@@ -211,10 +220,16 @@ class ModalEnginePool(EnginePool):
     backend = "modal"
 
     def __init__(
-        self, spec: EngineSpec, app_name: str = APP_NAME, poll_s: float = 2.0, grace_s: float = 20.0
+        self,
+        spec: EngineSpec,
+        app_name: str = APP_NAME,
+        poll_s: float = 2.0,
+        grace_s: float = 20.0,
+        image_steps: Sequence[ImageStep] = (),
     ):
         super().__init__(spec)
         self.app_name = app_name
+        self.image_steps = tuple(image_steps)  # build_image's extra_steps
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.calls: list = []
@@ -225,7 +240,7 @@ class ModalEnginePool(EnginePool):
 
     def describe(self) -> dict[str, Any]:
         # A dry run needs no key: a placeholder stands in for the run's secret (never deployed).
-        _, fn = build_function(self.spec, self.app_name, key=REDACTED)
+        _, fn = build_function(self.spec, self.app_name, key=REDACTED, image_steps=self.image_steps)
         auth = (
             f"{TUNNEL}, bearer key required (Authorization: Bearer <engine bearer>; the bearer reaches "
             f"each engine as {ENGINE_BEARER_ENV} through a Modal Secret made for the run, never the run key)"
@@ -246,7 +261,7 @@ class ModalEnginePool(EnginePool):
         import modal
 
         self._key = engine_key(self.spec)
-        app, fn = build_function(self.spec, self.app_name, key=self._key)
+        app, fn = build_function(self.spec, self.app_name, key=self._key, image_steps=self.image_steps)
         self._stack = contextlib.ExitStack()
         try:
             self._stack.enter_context(app.run())
