@@ -32,6 +32,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from modal_rl import run_temp
 from patches import base as bases
 from patches.series import Series
 
@@ -78,6 +79,18 @@ def run_tests(tree: Path, runner: str, files: list[str], env: dict[str, str], sc
     """Run ``files`` in ``tree`` with ``runner``; never raises for failing tests."""
     full_env = {**os.environ, **env}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    # Upstream tests' own temp files (multiprocessing's pymp-* dirs outlive a test that exits
+    # hard, Ray's session dir) go into a short run dir of ours (socket paths under it must stay
+    # short), removed when the run ends: never into the caller's temp dir.
+    temp = run_temp.make("pt")
+    full_env.update(run_temp.child_env(temp))
+    try:
+        return _run_in(tree, runner, files, full_env, scratch)
+    finally:
+        run_temp.remove(temp)
+
+
+def _run_in(tree: Path, runner: str, files: list[str], full_env: dict[str, str], scratch: Path) -> Run:
     started = time.monotonic()
     if runner == "pytest":
         xml = scratch / f"junit-{time.monotonic_ns()}.xml"

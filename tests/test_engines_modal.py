@@ -16,7 +16,7 @@ import pytest
 from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
 from modal_rl.cluster.engines import EngineSpec, EngineStartError, probe
-from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, new_run_key
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
 
@@ -32,8 +32,11 @@ class FakeTunnel:
 
 @pytest.fixture
 def key(monkeypatch) -> str:
+    """The run key; the container holds only what the run's engine Secret gives it (the engine
+    bearer and the frame-read key, ``run_key.engine_env``), never the key itself."""
     value = new_run_key()
-    monkeypatch.setenv(RUN_KEY_ENV, value)
+    for name, derived in engine_env(value).items():
+        monkeypatch.setenv(name, derived)
     return value
 
 
@@ -97,11 +100,12 @@ def test_container_reports_its_address_serves_and_stops_on_request(container, tm
 
 
 def test_container_without_the_run_secret_starts_no_server(container, tmp_path, monkeypatch):
-    monkeypatch.delenv(RUN_KEY_ENV)
+    monkeypatch.delenv(ENGINE_BEARER_ENV)
     mailbox: dict = {}
     out = engines_modal.engine_container_main(spec_for(tmp_path).to_dict(), 1, mailbox)
     assert (
-        "no run key in the container" in out["exit"] and "Secret is not attached" in mailbox["error/1"]["why"]
+        "no engine key in the container" in out["exit"]
+        and "Secret is not attached" in mailbox["error/1"]["why"]
     )
     assert container == [] and not list(tmp_path.glob("*.jsonl"))  # no server, no tunnel
 

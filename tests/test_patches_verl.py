@@ -52,7 +52,16 @@ def test_every_verl_patch_applies_and_flips_its_test(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     patches = [r for r in rows if r["patch"] not in ("series", "sanity")]
-    assert [r["patch"][:4] for r in patches] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
+    assert [r["patch"][:4] for r in patches] == [
+        "0001",
+        "0002",
+        "0003",
+        "0004",
+        "0005",
+        "0006",
+        "0007",
+        "0008",
+    ]
     for row in patches:
         assert row["applies"] and row["ok"], row
         assert row["before"].startswith("FAIL") and row["after"].startswith("pass"), row
