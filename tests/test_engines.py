@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
-from modal_rl.cluster.engines import EngineSpec, EngineStartError, LocalEnginePool, probe, running
+from modal_rl.cluster.engine_health import probe
+from modal_rl.cluster.engine_local import LocalEnginePool
+from modal_rl.cluster.engines import EngineSpec, EngineStartError, running
 from modal_rl.cluster.spec import ClusterSpecError
 from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, engine_env, new_run_key, ray_token
 

@@ -15,7 +15,8 @@ import pytest
 
 from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
-from modal_rl.cluster.engines import EngineSpec, EngineStartError, probe
+from modal_rl.cluster.engine_health import probe
+from modal_rl.cluster.engines import EngineSpec, EngineStartError
 from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, new_run_key
 
 SERVER = str(Path(__file__).with_name("_engine_server.py"))

@@ -64,10 +64,12 @@ def test_a_provider_package_plugs_in_through_the_entry_point_group(tmp_path):
 
 
 def test_light_imports_load_only_what_they_use():
-    """Importing the weight-sync package, or the Volume helpers slime's hooks need, loads no
-    codec (numba, numpy, zstd); the package's names still resolve, on first use."""
+    """Importing the weight-sync package, the Volume helpers slime's hooks need, or the store
+    transport (with its file reader and the ports), loads no codec (numba, numpy, zstd); the
+    package's names still resolve, on first use."""
     code = (
         "import sys\nimport modal_rl.weightsync, modal_rl.weightsync.volumes, slime_modal.weight_hooks\n"
+        "import modal_rl.weightsync.transport_store, modal_rl.weightsync.transport\n"
         "heavy = sorted(k for k in ('numba', 'numpy', 'zstandard', 'torch') if k in sys.modules)\n"
         "assert not heavy, heavy\nfrom modal_rl.weightsync import VersionChain, CodecConfig\n"
         "assert 'zstandard' in sys.modules and modal_rl.weightsync.codec.CodecConfig is CodecConfig\n"

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("verl")
 
 from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
+from modal_rl.weightsync.transport import FrameSink  # noqa: E402
 from tests.test_weightsync_faults_e2e import FlakyProxy  # noqa: E402
 from tests.verl_plugin_helpers import plugin_env, run_python  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY, bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
@@ -172,9 +173,10 @@ def test_damaged_stream_is_refused_then_healed_by_reconnecting():
         cluster.close()
 
 
-class CorruptNext:
+class CorruptNext(FrameSink):
     """A frame sink that flips one byte inside the next frame's first chunk record (its own
-    record checksum catches it), then passes frames through unchanged."""
+    record checksum catches it), then passes frames through unchanged (no link share, no
+    recovery anchors: the port's defaults)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.armed = inner, True

@@ -80,7 +80,8 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     # (and what it needs in the image).
     assert cmd[cmd.index("--load-format") + 1] == "dummy"
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
-    assert {p.split(">=")[0] for p in spec.pip} == {"zstandard", "xxhash"}
+    # (and what it needs in the image: pyproject's engine-receiver extra; numba decodes v2 chunks)
+    assert {p.split(">=")[0] for p in spec.pip} == {"numpy", "zstandard", "xxhash", "numba"}
 
     from modal_rl.cluster.backend_modal import inspect_function
     from modal_rl.cluster.engines_modal import build_function

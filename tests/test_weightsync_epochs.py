@@ -25,6 +25,7 @@ from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 from modal_rl.weightsync.transport_store import DirectoryStore
 from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from tests.memory_transport import Hub, MemorySink, MemorySource
 from tests.weightsync_helpers import TEST_KEY, bits, perturb, same_state
 
 CONFIG = CodecConfig(threads=1)
@@ -143,14 +144,18 @@ def test_a_trainer_whose_lease_lapsed_stops_publishing(tmp_path):
     second.sink.close()
 
 
-@pytest.mark.parametrize("transport", ["store", "tcp"])
+@pytest.mark.parametrize("transport", ["store", "tcp", "memory"])
 def test_a_cold_receiver_on_a_200_version_chain_reads_one_anchor_window(tmp_path, transport):
     """Live receivers get only deltas; a receiver that starts after 200 versions reads one
-    recovery anchor and fewer than ``recovery_every`` deltas, not the chain."""
+    recovery anchor and fewer than ``recovery_every`` deltas, not the chain. ``memory``: a
+    transport written only against the declared ports (``tests/memory_transport.py``)."""
     every = 10
     if transport == "store":
         sink = DirectoryStore(tmp_path, lease_wait_s=0)
         source = lambda: DirectoryStore(tmp_path)  # noqa: E731
+    elif transport == "memory":
+        hub = Hub()
+        sink, source = MemorySink(hub), lambda: MemorySource(hub)  # noqa: E731
     else:
         sink = FrameServer("127.0.0.1", 0)
         source = lambda: TcpSource(*sink.address)  # noqa: E731

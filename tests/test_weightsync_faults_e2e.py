@@ -23,6 +23,7 @@ from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode
 from modal_rl.weightsync.errors import BaseMismatchError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
+from modal_rl.weightsync.transport import FrameSource
 from modal_rl.weightsync.transport_tcp import FrameServer
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
@@ -238,13 +239,13 @@ def test_publisher_restart_resumes_the_chain(tmp_path):
     assert port_is_free(port)
 
 
-class ListSource:
+class ListSource(FrameSource):
     keys = None  # explicitly keyless: the frames below are unsigned codec output
 
     def __init__(self, frames):
         self.frames = list(frames)
 
-    def next_frame(self, have_version, timeout=None):
+    def next_frame(self, have_version, timeout=None, epoch=None, floor=None):
         return self.frames.pop(0) if self.frames else None
 
     def close(self):

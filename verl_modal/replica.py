@@ -56,6 +56,7 @@ import weakref
 
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
+from modal_rl.adapters import extra_requirements
 from modal_rl.cluster.engine_auth import vllm_auth_args
 from modal_rl.cluster.engine_health import vllm_generate
 from modal_rl.cluster.engines import EngineSpec
@@ -81,7 +82,6 @@ DEFAULTS = {
     "retry_wait_s": "1800",
 }
 VLLM_PORT = 8000
-WEIGHT_SYNC_PIP = ("zstandard>=0.22", "xxhash>=3.4")  # what vllm_extension needs beyond vLLM
 
 
 def engine_settings(config) -> dict[str, str]:
@@ -233,7 +233,7 @@ class ModalVLLMReplica(RolloutReplica):
             volumes=parse_volumes(self.settings["volumes"]),
             # Plain weights on a CPU engine, so versions are written in place (no effect on GPUs).
             env={"VLLM_SERVER_DEV_MODE": "1", **({PLAIN_WEIGHTS_ENV: "1"} if self.receives_weights else {})},
-            pip=WEIGHT_SYNC_PIP if self.receives_weights else (),
+            pip=extra_requirements("engine-receiver") if self.receives_weights else (),
             startup_timeout_s=float(self.settings["startup_timeout_s"]),
             name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",
         )

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from modal_rl.cluster.backends import BACKENDS
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     smoke = sub.add_parser("smoke", help="bring up a cluster, all-reduce across its nodes, tear down")
-    smoke.add_argument("--backend", choices=("local", "modal"), default="local")
+    smoke.add_argument("--backend", choices=BACKENDS.names(), default="local")
     smoke.add_argument("--nodes", type=int, default=2)
     smoke.add_argument("--gpu", default=None, help="per node, e.g. H100:8 (required for --backend modal)")
     smoke.add_argument("--rdma", action=argparse.BooleanOptionalAction, default=False)

@@ -78,16 +78,3 @@ def plan_from(spec: ClusterSpec, job: JobRequest, **overrides: Any) -> Bootstrap
     )
     fields.update(overrides)
     return BootstrapPlan(**fields)
-
-
-def get_backend(name: str, **kwargs: Any) -> ClusterBackend:
-    """The one place a backend name becomes an object."""
-    if name == "local":
-        from modal_rl.cluster.backend_local import LocalBackend
-
-        return LocalBackend(**kwargs)
-    if name == "modal":
-        from modal_rl.cluster.backend_modal import ModalBackend
-
-        return ModalBackend(**kwargs)
-    raise ValueError(f"unknown cluster backend {name!r}; choose 'local' or 'modal'")

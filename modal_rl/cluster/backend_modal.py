@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from modal_rl.adapters import shipped_packages
 from modal_rl.cluster.backend import ClusterBackend, JobRequest, plan_from
 from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.plan import BootstrapPlan
@@ -70,9 +71,6 @@ def validate_for_modal(spec: ClusterSpec) -> None:
         raise ClusterSpecError("--backend modal needs --gpu (Modal clusters are GPU-only), e.g. --gpu H100:8")
 
 
-# This project's packages, shipped as source into every container: the core and the thin
-# adapters (they import their framework lazily, so unused ones cost nothing).
-LOCAL_PACKAGES = ("modal_rl", "verl_modal", "slime_modal")
 # One extra image build step: takes a modal.Image, returns the extended one.
 ImageStep = Callable[[Any], Any]
 
@@ -94,7 +92,8 @@ def build_image(spec: ClusterSpec, extra_steps: Sequence[ImageStep] = ()):
         )
     for step in extra_steps:
         image = step(image)
-    return image.add_local_python_source(*LOCAL_PACKAGES)
+    # the core and every declared adapter (they import their framework lazily: unused ones cost nothing)
+    return image.add_local_python_source(*shipped_packages())
 
 
 def with_local_files(image, local_files: Sequence[LocalInput]):
@@ -297,6 +296,7 @@ class ModalBackend(ClusterBackend):
                 "total_bytes": sum(item.bytes for item in self.local_files),
                 "inspected": image_local_files(self.last_image),
             },
+            "packages": list(shipped_packages()),
             "commands": ["modal_rl.cluster.backend_modal.container_main(plan) on every container"],
             "env": {
                 **node_environment(plan, "<interface of the cluster address>"),

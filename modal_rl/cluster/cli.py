@@ -26,7 +26,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
-from modal_rl.cluster.backend import JobRequest, get_backend
+from modal_rl.cluster.backend import JobRequest
+from modal_rl.cluster.backends import BACKENDS, get_backend
 from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
@@ -59,9 +60,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
     """Adds the cluster flags to ``parser`` (in an argument group named 'cluster')."""
     d = defaults or ClusterSpec()
     g = parser.add_argument_group("cluster")
-    g.add_argument(
-        "--backend", choices=("local", "modal"), default="local", help="where the Ray cluster runs"
-    )
+    g.add_argument("--backend", choices=BACKENDS.names(), default="local", help="where the Ray cluster runs")
     g.add_argument("--nodes", type=int, default=d.nodes, help="nodes (Modal containers) in the cluster")
     g.add_argument(
         "--gpu", default=d.gpu, help="GPUs per node, TYPE:COUNT, e.g. H100:8 (Modal: all of a host)"

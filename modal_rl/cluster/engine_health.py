@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
+from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
 
 PROBE_ID_PREFIX = "modal-rl-health-"
 
@@ -62,11 +62,32 @@ def generation_probe(
         return False, f"generation failed: {type(exc).__name__}: {exc}"
 
 
+# Engines are reached directly: an http_proxy in the environment must not reroute health checks.
+
+
+def probe(
+    url: str, timeout_s: float = 2.0, key: str | None = None, bearer: str | None = None
+) -> tuple[bool, str]:
+    """One GET, with the engine bearer (of the run key ``key``, or ``bearer`` itself) when one
+    is given (only over https or to loopback: elsewhere nothing is sent; no redirect is
+    followed); (answered 2xx, what happened)."""
+    headers = {}
+    if key is not None or bearer is not None:
+        if not key_safe_url(url):
+            return False, "not sent: the run key goes only over https or to loopback"
+        headers = bearer_header(key) if key is not None else token_header(bearer)
+    try:
+        with KEYED_OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300, f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
 def ready(url: str, spec, key: str | None, timeout_s: float = 2.0) -> tuple[bool, str]:
     """The start-time check: ``GET spec.health_path`` is 2xx and, if the spec names one, a
     1-token generation answers too."""
-    from modal_rl.cluster.engines import probe
-
     ok, what = probe(url.rstrip("/") + spec.health_path, timeout_s=timeout_s, key=key)
     if not ok or spec.generate is None:
         return ok, what
@@ -77,7 +98,5 @@ def healthy(url: str, spec, key: str | None, timeout_s: float) -> tuple[bool, st
     """The check of a running engine: the 1-token generation (``GET health_path`` when the spec
     names no generation), bounded by ``timeout_s``."""
     if spec.generate is None:
-        from modal_rl.cluster.engines import probe
-
         return probe(url.rstrip("/") + spec.health_path, timeout_s=timeout_s, key=key)
     return generation_probe(url, spec.generate, key, timeout_s)

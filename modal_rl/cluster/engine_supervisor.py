@@ -296,7 +296,7 @@ class EngineSupervisor:
             engine.progress, engine.failures = 0, 0
             return
         if self.paused:  # paused/asleep engines hold generations: check the server only
-            from modal_rl.cluster.engines import probe
+            from modal_rl.cluster.engine_health import probe
 
             ok, what = probe(engine.url + self.pool.spec.health_path, self.probe_timeout_s, self.pool._key)
         else:

@@ -39,17 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import urllib.error
-import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
 from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
 from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
+from modal_rl.registry import Registry
 from modal_rl.run_key import SECRET_ENVS, MissingRunKeyError, run_key
 
 LOG_TAIL_LINES = 30
@@ -178,29 +176,6 @@ class EngineSpec:
         return cls(**data)
 
 
-# Engines are reached directly: an http_proxy in the environment must not reroute health checks.
-
-
-def probe(
-    url: str, timeout_s: float = 2.0, key: str | None = None, bearer: str | None = None
-) -> tuple[bool, str]:
-    """One GET, with the engine bearer (of the run key ``key``, or ``bearer`` itself) when one
-    is given (only over https or to loopback: elsewhere nothing is sent; no redirect is
-    followed); (answered 2xx, what happened)."""
-    headers = {}
-    if key is not None or bearer is not None:
-        if not key_safe_url(url):
-            return False, "not sent: the run key goes only over https or to loopback"
-        headers = bearer_header(key) if key is not None else token_header(bearer)
-    try:
-        with KEYED_OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
-            return 200 <= resp.status < 300, f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return False, f"HTTP {exc.code}"
-    except (OSError, ValueError) as exc:
-        return False, f"{type(exc).__name__}: {exc}"
-
-
 def engine_key(spec: EngineSpec) -> str | None:
     """The run key for ``spec``'s engines (None when keyless); EngineStartError when missing."""
     if spec.auth is None:
@@ -258,16 +233,16 @@ class EnginePool(ABC):
         self.stop()
 
 
+# Engine pools by backend name (``modal_rl.registry``: imported only when chosen; a package
+# adds one through the ``modal_rl.engine_pools`` entry-point group).
+ENGINE_POOLS = Registry("engine pool backend", group="modal_rl.engine_pools")
+ENGINE_POOLS.add("local", "modal_rl.cluster.engine_local:LocalEnginePool")
+ENGINE_POOLS.add("modal", "modal_rl.cluster.engines_modal:ModalEnginePool")
+
+
 def get_engine_pool(spec: EngineSpec, backend: str = "local", **kwargs: Any) -> EnginePool:
-    if backend == "local":
-        from modal_rl.cluster.engine_local import LocalEnginePool
-
-        return LocalEnginePool(spec, **kwargs)
-    if backend == "modal":
-        from modal_rl.cluster.engines_modal import ModalEnginePool
-
-        return ModalEnginePool(spec, **kwargs)
-    raise ValueError(f"unknown engine backend {backend!r}; choose 'local' or 'modal'")
+    """The pool of ``spec``'s engines on ``backend``, made with ``kwargs``."""
+    return ENGINE_POOLS.load(backend)(spec, **kwargs)
 
 
 @contextlib.contextmanager
@@ -287,12 +262,3 @@ def tail_of(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 def engine_failure(name: str, index: int, why: str, tail: list[str]) -> str:
     body = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
     return f"{name} {index} {why}; its last lines:\n{body}"
-
-
-def __getattr__(name: str):
-    # ``LocalEnginePool`` moved to ``engine_local``; the old import path keeps working.
-    if name == "LocalEnginePool":
-        from modal_rl.cluster.engine_local import LocalEnginePool
-
-        return LocalEnginePool
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

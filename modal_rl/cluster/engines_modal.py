@@ -50,8 +50,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from modal_rl.cluster.backend_modal import LOCAL_PACKAGES, ImageStep, inspect_function
-from modal_rl.cluster.engine_health import ready
+from modal_rl.adapters import shipped_packages
+from modal_rl.cluster.backend_modal import ImageStep, inspect_function
+from modal_rl.cluster.engine_health import probe, ready
 from modal_rl.cluster.engine_local import pump
 from modal_rl.cluster.engines import (
     EnginePool,
@@ -59,7 +60,6 @@ from modal_rl.cluster.engines import (
     EngineStartError,
     engine_failure,
     engine_key,
-    probe,
 )
 from modal_rl.cluster.redaction import Redactor, held_secrets
 from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
@@ -100,7 +100,7 @@ def build_image(spec: EngineSpec, extra_steps: Sequence[ImageStep] = ()):
         image = image.pip_install(*spec.pip)
     for step in extra_steps:
         image = step(image)
-    return image.add_local_python_source(*LOCAL_PACKAGES)
+    return image.add_local_python_source(*shipped_packages())
 
 
 def build_function(

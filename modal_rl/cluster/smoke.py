@@ -12,7 +12,8 @@ import json
 import sys
 import time
 
-from modal_rl.cluster.backend import JobRequest, get_backend
+from modal_rl.cluster.backend import JobRequest
+from modal_rl.cluster.backends import get_backend
 from modal_rl.cluster.collective import MARKER
 from modal_rl.cluster.spec import ClusterSpec
 

@@ -30,11 +30,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, BinaryIO
 
 import xxhash
-import zstandard
 
 from modal_rl import wire_json
 from modal_rl.weightsync.auth import FrameKeys, Verifier, trailer_size
-from modal_rl.weightsync.dtypes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
+from modal_rl.weightsync.dtype_codes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 from modal_rl.weightsync.errors import CorruptFrameError, TruncatedFrameError
 
 MAGIC = b"MRLW"
@@ -153,6 +152,8 @@ class GroupHeader:
             entries.append(struct.pack("<BB", DTYPE_CODES[t.dtype], len(t.shape)))
             entries.append(struct.pack(f"<{len(t.shape)}QH", *t.shape, len(name)) + name)
             entries.append(bytes.fromhex(t.checksum))
+        import zstandard  # lazily: a store's reader and the wire's framing never need it
+
         packed = zstandard.ZstdCompressor(level=3).compress(b"".join(entries))
         return GROUP_HEADER.pack(len(self.tensors), self.chunk_elems, self.nchunks, self.total) + packed
 
@@ -163,6 +164,8 @@ class GroupHeader:
         ntensors, chunk_elems, nchunks, total = GROUP_HEADER.unpack_from(body)
         if not 0 < ntensors <= MAX_GROUP_TENSORS or chunk_elems == 0:
             raise CorruptFrameError(f"group header declares {ntensors} tensors, chunk size {chunk_elems}")
+        import zstandard
+
         try:
             raw = zstandard.ZstdDecompressor().decompress(
                 body[GROUP_HEADER.size :], max_output_size=ntensors * 4096

@@ -76,11 +76,10 @@ class Publisher:
         self.anchor_every = anchor_every
         self.recovery_every = recovery_every
         self.config = config or CodecConfig()
-        self.run = run or run_id_of(getattr(sink, "keys", None))
+        self.run = run or run_id_of(sink.keys)
         self.epoch = epoch if epoch is not None else new_epoch()
-        opener = getattr(sink, "open_epoch", None)
-        if opener is not None:  # a store takes its lease here: a second trainer fails now
-            self.epoch = opener(self.run, self.epoch)
+        # a store takes its lease here: a second trainer fails now
+        self.epoch = sink.open_epoch(self.run, self.epoch)
         self.start_version = start_version
         self.snapshot: dict[str, Any] = {}
         self.checksums: dict[str, str] = {}
@@ -122,10 +121,10 @@ class Publisher:
         its link (a rate-limited frame server) lets deltas be coded for time on that link,
         unless the config already names a link; with it, the decode costs its receivers
         measured and named in their hellos (``decode_costs``)."""
-        share = getattr(self.sink, "link_share_bytes_per_s", None)
+        share = self.sink.link_share_bytes_per_s
         if self.config.link_bytes_per_s is not None or share is None:
             return self.config
-        costs = self.config.receiver_costs or getattr(self.sink, "receiver_costs", None)
+        costs = self.config.receiver_costs or self.sink.receiver_costs
         return dataclasses.replace(self.config, link_bytes_per_s=share, receiver_costs=costs)
 
     @property
@@ -187,15 +186,14 @@ class Publisher:
         """An anchor of the version just published, for receivers that catch up. Its failure
         costs only catch-up length (the next version tries again), so it is logged, not raised
         — except a lost lease, which ends this publisher."""
-        send = getattr(self.sink, "send_recovery", None)
-        if send is None:
+        if not self.sink.recovery_anchors:
             return 0
         from modal_rl.weightsync.errors import LeaseLostError
 
         header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
         records = encode_anchor(self.snapshot.items(), version=version, config=self.config)
         try:
-            size = send(header, stamp(records, self.run, self.epoch))
+            size = self.sink.send_recovery(header, stamp(records, self.run, self.epoch))
         except LeaseLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - see the docstring

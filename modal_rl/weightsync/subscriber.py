@@ -28,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -78,8 +77,7 @@ class Subscriber:
     target_epoch: int | None = None  # the epoch a signed pull names (``vllm_extension``)
 
     def __post_init__(self) -> None:
-        self.chain = VersionChain(self.config, retain=False, key=getattr(self.source, "keys", FROM_ENV))
-        self._kwargs = _keywords(self.source)
+        self.chain = VersionChain(self.config, retain=False, key=self.source.keys)
         from modal_rl.weightsync.warmup import start_warm_up
 
         # the decoder's kernels load now, while the anchor is on the wire, not on the first
@@ -119,26 +117,19 @@ class Subscriber:
     def _refuse(self, exc: WeightSyncError) -> None:
         self.refused.append(f"{type(exc).__name__}: {exc}")
         log.warning("weight-sync frame refused: %s", exc)
-        reset = getattr(self.source, "reset", None)
-        if reset is not None:
-            reset()  # reconnect and ask for what we lack from our (unchanged) version
+        self.source.reset()  # reconnect and ask for what we lack from our (unchanged) version
 
     def poll(self, timeout: float | None = None) -> SyncTiming | None:
         """Fetch, stage and activate at most one frame. None if nothing arrived in time, the
         frame (or the source's handshake, or its file) was refused (see ``refused``), or it
         was staged below the floor (not activated)."""
         t0 = time.monotonic()
-        kwargs: dict[str, Any] = {}
-        if "epoch" in self._kwargs:
-            kwargs["epoch"] = self.chain.epoch
-        if "floor" in self._kwargs and self.floor is not None:
-            kwargs["floor"] = self.floor
         # A source that hands records on as they arrive (TCP) is decoded while the rest of
         # the frame is on the wire; a store's frames come whole.
-        streamed = hasattr(self.source, "next_records")
+        streamed = self.source.streams
         fetch = self.source.next_records if streamed else self.source.next_frame
         try:
-            frame = fetch(self.chain.version, timeout, **kwargs)
+            frame = fetch(self.chain.version, timeout, epoch=self.chain.epoch, floor=self.floor)
         except WeightSyncError as exc:  # a handshake, or a store file, refused before staging
             self._refuse(exc)
             return None
@@ -156,7 +147,7 @@ class Subscriber:
             return None
         # streamed: fetch and decode overlap (decode_s runs from the first record to the
         # frame verified; fetch_s from the first record to the last)
-        fetch_s = getattr(self.source, "last_fetch_s", None) or t1 - t0
+        fetch_s = self.source.last_fetch_s or t1 - t0
         decode_s = time.monotonic() - t1
         size = self.source.last_frame_bytes if streamed else len(frame)
         if self._below_floor(result.header.epoch, result.header.version):
@@ -256,20 +247,10 @@ def tcp_subscriber(
 
     if current is None:
         return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)
-    if current.source.addr != addr or getattr(current.source, "tls", False) != tls:
+    if not isinstance(current.source, TcpSource) or (current.source.addr, current.source.tls) != (addr, tls):
         current.source.close()
         current.source = TcpSource(*addr, key=key, tls=tls)
     return current
-
-
-def _keywords(source: Any) -> frozenset[str]:
-    """Which of ``epoch=`` and ``floor=`` ``source.next_frame`` accepts (sources written before
-    epochs take neither; only a store takes a floor)."""
-    try:
-        params = inspect.signature(source.next_frame).parameters
-    except (TypeError, ValueError, AttributeError):
-        return frozenset()
-    return frozenset(k for k in ("epoch", "floor") if k in params)
 
 
 def copy_into(live: dict[str, Any]) -> Activate:

@@ -38,6 +38,7 @@ from modal_rl.weightsync.auth import (
 from modal_rl.weightsync.decode_costs import measured as measured_costs
 from modal_rl.weightsync.errors import FrameInterruptedError, HandshakeError
 from modal_rl.weightsync.frames import RECORD_HEADER, TAG_END, TAG_VERSION
+from modal_rl.weightsync.transport import Floor, FrameSource
 
 MAX_LINE = 4096
 # A frame in flight with no byte for this long is given up (and asked for again): records
@@ -45,7 +46,7 @@ MAX_LINE = 4096
 FRAME_STALL_S = 60.0
 
 
-class TcpSource:
+class TcpSource(FrameSource):
     """Receiver side: a blocking client that reconnects (with its version) on any failure.
 
     ``key``: the run key (default: ``MODAL_RL_RUN_KEY``), or ``None`` for a keyless server.
@@ -54,8 +55,11 @@ class TcpSource:
     ``tls=True`` speaks TLS to the endpoint (certificate checked against the system's CAs,
     or ``cafile``; host name ``server_hostname``, default ``host``).
     ``on_record(tag, raw)`` sees every record as it arrives — a relay forwards with it.
-    ``last_fetch_s`` is the time from a frame's first record to its last.
+    ``last_fetch_s`` is the time from a frame's first record to its last. A ``floor`` is
+    the chain's to enforce (the server sends what the receiver's version and epoch lack).
     """
+
+    streams = True
 
     def __init__(
         self,
@@ -222,7 +226,11 @@ class TcpSource:
                 return None
 
     def next_frame(
-        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+        self,
+        have_version: int | None,
+        timeout: float | None = None,
+        epoch: int | None = None,
+        floor: Floor | None = None,
     ) -> bytes | None:
         """The next whole frame, or None when none started within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -237,7 +245,11 @@ class TcpSource:
                 continue
 
     def next_records(
-        self, have_version: int | None, timeout: float | None = None, epoch: int | None = None
+        self,
+        have_version: int | None,
+        timeout: float | None = None,
+        epoch: int | None = None,
+        floor: Floor | None = None,
     ) -> Iterator[tuple[bytes, bytes]] | None:
         """The next frame as its raw ``(tag, record)`` pairs, yielded as they arrive (the
         end record last), or None when no frame started within ``timeout``."""

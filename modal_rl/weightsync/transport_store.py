@@ -59,23 +59,26 @@ from pathlib import Path
 from typing import Any
 
 from modal_rl.weightsync.auth import FROM_ENV, frame_keys, sign_records
-from modal_rl.weightsync.chain import read_frame_file
 from modal_rl.weightsync.errors import RolledBackError, StoreFileError, WeightSyncError
+from modal_rl.weightsync.frame_file import read_frame_file
 from modal_rl.weightsync.frames import VersionHeader
 from modal_rl.weightsync.lease import POINTER_FILE, StoreLease, read_pointer, signed_pointer
+from modal_rl.weightsync.transport import FrameSink, FrameSource
 from modal_rl.weightsync.volumes import move_aside, write_new
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
-class DirectoryStore:
+class DirectoryStore(FrameSink, FrameSource):
     """FrameSink and FrameSource over a directory (local disk, NFS, or a mounted volume).
 
     ``lease_ttl_s``: how long a publisher's lease lives without a heartbeat;
     ``lease_wait_s``: how long a new publisher waits for a live lease to lapse before it is
     refused (default: the ttl, so a trainer restarted on another host takes over once the
     dead one's lease lapsed)."""
+
+    recovery_anchors = True
 
     def __init__(
         self,

@@ -10,8 +10,7 @@ after it), then streams every frame published from then on. Records are self-del
 publishes (the receiver's ``VersionChain`` checks the MACs); a relay forwards them as they
 are. ``key=None`` on both sides is the explicit keyless mode: no handshake, no MACs.
 
-``TcpSource(tls=True)`` dials a TLS endpoint (a Modal tunnel's ``tls_socket``, which
-terminates TLS and forwards plain TCP to the server's port) and verifies its certificate.
+``TcpSource(tls=True)`` dials a TLS endpoint (a Modal tunnel's ``tls_socket``) and checks its certificate.
 
 Invariants of ``FrameServer``:
 - a receiver is admitted (added to the fan-out, sent retained frames) only after the
@@ -76,7 +75,7 @@ from modal_rl.weightsync.frames import (
 )
 from modal_rl.weightsync.retention import Kept, kept_since, trim
 from modal_rl.weightsync.tcp_source import TcpSource  # the receiver side, re-exported
-from modal_rl.weightsync.transport import TokenBucket
+from modal_rl.weightsync.transport import FrameSink, TokenBucket
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
@@ -101,7 +100,9 @@ class _Conn:
     closed: bool = False
 
 
-class FrameServer:
+class FrameServer(FrameSink):
+    recovery_anchors = True  # retained for receivers that catch up (``send_recovery``)
+
     def __init__(
         self,
         host: str = "127.0.0.1",
