@@ -26,7 +26,7 @@ import numpy as np
 import zstandard
 
 from modal_rl.weightsync import CodecConfig, apply_frame, encode_anchor, encode_delta, frame_bytes
-from modal_rl.weightsync.dtypes import words_of
+from modal_rl.weightsync.codec.dtypes import words_of
 
 State = dict[str, Any]
 

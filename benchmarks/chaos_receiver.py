@@ -112,7 +112,7 @@ def _pass(seq, *, kill: bool, out_dir: Path, rate: float) -> dict:
 
     from modal_rl.weightsync import CodecConfig
     from modal_rl.weightsync.publisher import Publisher
-    from modal_rl.weightsync.transport_tcp import FrameServer
+    from modal_rl.weightsync.transport.tcp import FrameServer
 
     last = len(seq) - 1
     server = FrameServer(rate_bytes_per_s=rate)

@@ -32,7 +32,7 @@ def measure(model_dir: str, kills: int = 1, interval_s: float = 0.5) -> dict:
 
     from modal_rl.cluster.engine_local import LocalEnginePool
     from modal_rl.cluster.engine_supervisor import EngineSupervisor
-    from modal_rl.weightsync.engine_push import EnginePusher, local_vllm_spec
+    from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec
 
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     weights = {

@@ -57,7 +57,7 @@ PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 
 
 def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
-    from modal_rl.weightsync.engine_push import local_vllm_spec
+    from modal_rl.weightsync.apply.engine_push import local_vllm_spec
 
     return local_vllm_spec(str(model_dir), dtype="bfloat16", max_model_len=256, name=log_name, inplace=True)
 
@@ -81,7 +81,7 @@ def complete(url: str, model: str, max_tokens: int = 12) -> dict[str, list]:
 
 
 def push_all(url: str, states: list, mode: str) -> list[dict[str, float]]:
-    from modal_rl.weightsync.engine_push import EnginePusher
+    from modal_rl.weightsync.apply.engine_push import EnginePusher
 
     anchor_every, inplace = MODES[mode]
     rows = []

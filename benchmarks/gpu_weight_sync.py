@@ -21,7 +21,7 @@ import time
 import torch
 
 from modal_rl.weightsync import CodecConfig, TorchDiffer, apply_frame, frame_bytes
-from modal_rl.weightsync.codec import encode_delta
+from modal_rl.weightsync.codec.encode import encode_delta
 
 
 def sync(device: str) -> None:

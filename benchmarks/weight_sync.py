@@ -24,7 +24,7 @@ import torch
 from benchmarks._weight_sync_codecs import Codec, context_entropy_bytes, entropy_bytes, make_codecs
 from benchmarks._weight_sync_data import adam_trajectory, pretrained_bf16, synthetic_update
 from benchmarks.report import markdown_table, progress, write_json
-from modal_rl.weightsync.differ import NumpyDiffer
+from modal_rl.weightsync.codec.differ import NumpyDiffer
 
 SUITE = "weight-sync"
 LRS = [1e-6, 3e-6, 1e-5]

@@ -44,8 +44,8 @@ from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.transport import gbps
-from modal_rl.weightsync.transport_tcp import FrameServer
+from modal_rl.weightsync.transport.base import gbps
+from modal_rl.weightsync.transport.tcp import FrameServer
 
 SUITE = "weight-sync-e2e"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The project's one rate limiter: a token bucket, in-process or shared by every process on a host.
 
 Used for sandbox creates (tokens = creates, ``modal_rl.sandboxes``) and for the weight-sync
-frame server's byte rate (tokens = bytes, ``modal_rl.weightsync.transport``).
+frame server's byte rate (tokens = bytes, ``modal_rl.weightsync.transport.base``).
 
 Invariants:
 - ``rate`` tokens/s accrue up to ``burst``; ``rate=None`` means no limit (acquire returns at once);

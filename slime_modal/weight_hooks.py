@@ -9,7 +9,7 @@ reload that ``modal.Volume``; elsewhere they make the writes durable (fsync) on 
 
 Trainer side: slime calls the post-write hook on every trainer rank after a barrier that follows
 the writes (full and delta mode), and on rank 0 only after it empties the directory at the
-delta baseline. Each node commits once (``modal_rl.weightsync.volumes.publish``: a node-local
+delta baseline. Each node commits once (``modal_rl.weightsync.transport.volumes.publish``: a node-local
 file lock; the other co-located ranks return once that commit is done), leaving a commit marker
 that lists the files the node wrote. A node that cannot see the version directory wrote nothing
 into it (delta mode: only PP-source ranks write) and commits nothing.
@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from modal_rl.weightsync.volumes import await_visible, publish
+from modal_rl.weightsync.transport.volumes import await_visible, publish
 
 log = logging.getLogger(__name__)
 

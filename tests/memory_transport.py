@@ -1,5 +1,5 @@
 """An in-process transport written only against the declared ports (``FrameSink`` and
-``FrameSource`` in ``modal_rl.weightsync.transport``): how a newcomer adds one.
+``FrameSource`` in ``modal_rl.weightsync.transport.base``): how a newcomer adds one.
 
 It has every optional capability — a lease (an epoch newer than the holder's takes it, the
 holder's next send raises ``LeaseLostError``), recovery anchors (retained for catch-up, never
@@ -14,11 +14,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from modal_rl.weightsync.auth import FROM_ENV, frame_keys, sign_records
 from modal_rl.weightsync.errors import FrameInterruptedError, LeaseLostError
-from modal_rl.weightsync.frames import RECORD_HEADER, TAG_END, VersionHeader
-from modal_rl.weightsync.retention import Kept, kept_since
-from modal_rl.weightsync.transport import Floor, FrameSink, FrameSource
+from modal_rl.weightsync.transport.base import Floor, FrameSink, FrameSource
+from modal_rl.weightsync.transport.retention import Kept, kept_since
+from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys, sign_records
+from modal_rl.weightsync.wire.frames import RECORD_HEADER, TAG_END, VersionHeader
 
 
 class Hub:

@@ -25,11 +25,18 @@ from modal_rl.run_key import (
     redact,
 )
 from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, frame_bytes
-from modal_rl.weightsync.auth import FROM_ENV, FrameKeys, frame_keys, sign_json, sign_records, verify_json
 from modal_rl.weightsync.errors import RecordMacError, VersionNotReachedError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
+from modal_rl.weightsync.wire.auth import (
+    FROM_ENV,
+    FrameKeys,
+    frame_keys,
+    sign_json,
+    sign_records,
+    verify_json,
+)
 from tests.weightsync_helpers import TEST_KEY, model_state, same_state
 
 CONFIG = CodecConfig(chunk_elems=4096, threads=2)

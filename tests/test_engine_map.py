@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modal_rl.weightsync.engine_map import learn_map, validate
-from modal_rl.weightsync.inplace import StaleStageError, digests, stage, switch, undo
+from modal_rl.weightsync.apply.engine_map import learn_map, validate
+from modal_rl.weightsync.apply.inplace import StaleStageError, digests, stage, switch, undo
 
 H, F = 16, 24  # hidden, intermediate
 

@@ -17,7 +17,7 @@ from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_tcp import (
+from modal_rl.weightsync.transport.tcp import (
     HANDSHAKE_TIMEOUT_S,
     MAX_UNAUTHENTICATED,
     MAX_UNAUTHENTICATED_PER_PEER,

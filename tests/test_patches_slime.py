@@ -106,8 +106,8 @@ def test_sparse_round_trips_bit_exactly_at_most_055x_xor(slime_source, adam_case
 
 def test_sparse_chunks_are_our_format(slime_source, adam_cases):
     """slime's encoder output, read by modal_rl's own chunk decoder, rebuilds the new words."""
-    from modal_rl.weightsync.chunks import decode_chunk
-    from modal_rl.weightsync.dtypes import words_of
+    from modal_rl.weightsync.codec.codings.chunks import decode_chunk
+    from modal_rl.weightsync.codec.dtypes import words_of
 
     disk_delta = sys.modules["slime.utils.disk_delta"]
     _, base, new = adam_cases[0]

@@ -16,10 +16,10 @@ import torch
 
 from modal_rl.run_key import FRAME_READ_ENV, RUN_KEY_ENV, frame_read_key
 from modal_rl.weightsync import CodecConfig
+from modal_rl.weightsync.apply.vllm_extension import DeltaWeightsExtension, pull_request
 from modal_rl.weightsync.errors import PullRefusedError, VersionNotReachedError
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.transport_tcp import FrameServer
-from modal_rl.weightsync.vllm_extension import DeltaWeightsExtension, pull_request
+from modal_rl.weightsync.transport.tcp import FrameServer
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 CONFIG = CodecConfig(threads=1)

@@ -68,11 +68,11 @@ def test_light_imports_load_only_what_they_use():
     transport (with its file reader and the ports), loads no codec (numba, numpy, zstd); the
     package's names still resolve, on first use."""
     code = (
-        "import sys\nimport modal_rl.weightsync, modal_rl.weightsync.volumes, slime_modal.weight_hooks\n"
-        "import modal_rl.weightsync.transport_store, modal_rl.weightsync.transport\n"
+        "import sys\nimport modal_rl.weightsync, modal_rl.weightsync.transport.volumes, slime_modal.weight_hooks\n"
+        "import modal_rl.weightsync.transport.store, modal_rl.weightsync.transport.base\n"
         "heavy = sorted(k for k in ('numba', 'numpy', 'zstandard', 'torch') if k in sys.modules)\n"
         "assert not heavy, heavy\nfrom modal_rl.weightsync import VersionChain, CodecConfig\n"
-        "assert 'zstandard' in sys.modules and modal_rl.weightsync.codec.CodecConfig is CodecConfig\n"
+        "assert 'zstandard' in sys.modules and modal_rl.weightsync.codec.encode.CodecConfig is CodecConfig\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -185,7 +185,7 @@ def test_engine_pushers_tunnel_side_frame_server_is_ipv4_only_and_keyed(monkeypa
     import modal
 
     from modal_rl.cluster.netif import ingress_ipv4
-    from modal_rl.weightsync.engine_push import EnginePusher
+    from modal_rl.weightsync.apply.engine_push import EnginePusher
     from tests.weightsync_helpers import TEST_KEY
 
     forwarded: list = []

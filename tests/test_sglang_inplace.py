@@ -4,8 +4,8 @@ SGLang itself does not run here: its scheduler's side of the call is not exercis
 
 from __future__ import annotations
 
-from modal_rl.weightsync.inplace import digests
-from modal_rl.weightsync.sglang_inplace import inplace_loader
+from modal_rl.weightsync.apply.inplace import digests
+from modal_rl.weightsync.apply.sglang_inplace import inplace_loader
 from tests.test_engine_map import checkpoint, loaded, step
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from modal_rl import run_temp
 from modal_rl.cluster import engine_local, procs
-from modal_rl.weightsync import volumes
+from modal_rl.weightsync.transport import volumes
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")

@@ -24,7 +24,7 @@ import pytest
 import safetensors.numpy
 import zstandard
 
-from modal_rl.weightsync import volumes
+from modal_rl.weightsync.transport import volumes
 from slime_modal import weight_hooks
 from slime_modal.weight_hooks import post_write_commit, pre_read_reload, version_dir
 

@@ -20,10 +20,10 @@ import torch
 from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.errors import LeaseLostError
-from modal_rl.weightsync.lease import StoreLease
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_store import DirectoryStore
+from modal_rl.weightsync.transport.lease import StoreLease
+from modal_rl.weightsync.transport.store import DirectoryStore
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 CONFIG = CodecConfig(threads=1)

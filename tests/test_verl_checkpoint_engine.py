@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("verl")
 
 from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
-from modal_rl.weightsync.transport import FrameSink  # noqa: E402
+from modal_rl.weightsync.transport.base import FrameSink  # noqa: E402
 from tests.test_weightsync_faults_e2e import FlakyProxy  # noqa: E402
 from tests.verl_plugin_helpers import plugin_env, run_python  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY, bits, clone_state, model_state, perturb, records, same_state  # noqa: E402
@@ -257,7 +257,7 @@ def test_a_registration_failure_is_loud(tmp_path):
     out = run_python(
         """
         import sys
-        sys.modules["modal_rl.weightsync.transport_tcp"] = None  # make the engine's import fail
+        sys.modules["modal_rl.weightsync.transport.tcp"] = None  # make the engine's import fail
         import verl
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
         try:

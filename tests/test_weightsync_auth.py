@@ -11,7 +11,6 @@ import pytest
 
 from modal_rl.run_key import RUN_KEY_ENV, MissingRunKeyError
 from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode_delta, frame_bytes
-from modal_rl.weightsync.auth import HANDSHAKE, frame_keys, hello_line, sign_records
 from modal_rl.weightsync.errors import (
     RecordMacError,
     SignedFrameError,
@@ -20,8 +19,9 @@ from modal_rl.weightsync.errors import (
 )
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_store import DirectoryStore
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport.store import DirectoryStore
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
+from modal_rl.weightsync.wire.auth import HANDSHAKE, frame_keys, hello_line, sign_records
 from tests.weightsync_helpers import (
     OTHER_KEY,
     TEST_KEY,
@@ -138,7 +138,7 @@ def _read_all(sock: socket.socket) -> bytes:
 def test_the_frame_server_sends_no_frame_byte_to_a_receiver_without_the_key(caplog):
     server = FrameServer(keep_anchors=1)
     Publisher(server, config=CONFIG).publish(BASE)  # a retained anchor it could send
-    caplog.set_level(logging.INFO, logger="modal_rl.weightsync.transport_tcp")
+    caplog.set_level(logging.INFO, logger="modal_rl.weightsync.transport.tcp")
     try:
         with socket.create_connection(server.address) as keyless:
             keyless.sendall(b'{"have": null}\n')  # today's (v1) hello: no key

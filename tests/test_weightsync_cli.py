@@ -211,7 +211,7 @@ def test_receive_from_a_closed_port_says_connection_refused(tmp_path):
 def test_receive_keeps_a_status_file_with_the_epoch_it_serves(tmp_path):
     from modal_rl.weightsync import CodecConfig
     from modal_rl.weightsync.publisher import Publisher
-    from modal_rl.weightsync.transport_store import DirectoryStore
+    from modal_rl.weightsync.transport.store import DirectoryStore
 
     state = {k: v for k, v in model_state().items() if v.dim()}
     publisher = Publisher(DirectoryStore(tmp_path / "store", lease_wait_s=0), config=CodecConfig(threads=1))

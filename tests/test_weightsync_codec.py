@@ -23,7 +23,7 @@ from modal_rl.weightsync import (
     encode_delta,
     frame_bytes,
 )
-from modal_rl.weightsync.chunks import DENSE, SPARSE, decode_chunk
+from modal_rl.weightsync.codec.codings.chunks import DENSE, SPARSE, decode_chunk
 from tests.weightsync_helpers import DTYPES, clone_state, model_state, perturb, random_tensor, same_state
 
 SMALL = CodecConfig(chunk_elems=4096, threads=2)
@@ -180,7 +180,7 @@ def test_codec_config_is_validated():
 def test_device_apply_path_scatters_with_torch_and_rolls_back(monkeypatch, fmt):
     # The device path (torch integer views, host-decoded chunks uploaded and scattered by
     # torch) runs on CPU tensors here; on a GPU the same code writes device memory.
-    import modal_rl.weightsync.decode as decode
+    import modal_rl.weightsync.codec.decode as decode
 
     monkeypatch.setattr(decode, "_words", lambda t: TorchDiffer().prepare(t))
     config = CodecConfig(chunk_elems=4096, threads=2, coding=fmt)
@@ -210,7 +210,7 @@ def test_an_iterator_of_named_tensors_encodes_like_a_mapping():
 
 
 def test_the_compiled_scatter_wraps_like_the_words_and_refuses_out_of_range_changes():
-    from modal_rl.weightsync.scatter import scatter
+    from modal_rl.weightsync.codec.scatter import scatter
 
     words = np.array([0xFFFF, 1, 2, 3, 0x8000], dtype=np.uint16)
     scatter(words, np.array([10, 12, 14]), 10, np.array([1, 5, 0x8000], np.uint16), "add")
@@ -225,7 +225,13 @@ def test_the_compiled_scatter_wraps_like_the_words_and_refuses_out_of_range_chan
 
 def test_literal_tuned_zstd_is_written_as_plain_zstd_and_reads_back():
     # ZSTD_LITERALS is an encoder's choice: readers only ever see the ZSTD method.
-    from modal_rl.weightsync.streams import ZSTD, ZSTD_LITERALS, _read_varint, pack_streams, unpack_streams
+    from modal_rl.weightsync.codec.streams import (
+        ZSTD,
+        ZSTD_LITERALS,
+        _read_varint,
+        pack_streams,
+        unpack_streams,
+    )
 
     rng = np.random.default_rng(5)
     exponents = (118 + np.clip(rng.normal(0, 2, 1 << 16), -10, 10)).astype(np.uint8)
@@ -259,7 +265,7 @@ def test_a_forked_process_gets_pools_of_its_own(monkeypatch):
     # Threads do not survive a fork: a child must not queue work on its parent's pool.
     import os
 
-    from modal_rl.weightsync import workers
+    from modal_rl.weightsync.codec import workers
 
     parent = workers.shared_pool(3)
     assert workers.shared_pool(3) is parent

@@ -9,11 +9,11 @@ import io
 import pytest
 
 from modal_rl.weightsync import CodecConfig, apply_frame, encode_anchor, encode_delta, frame_bytes
-from modal_rl.weightsync.chunks import CTX_SPARSE, UNCHANGED, XOR_DENSE
-from modal_rl.weightsync.chunks_v2 import v2_pays
+from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, UNCHANGED, XOR_DENSE
+from modal_rl.weightsync.codec.codings.chunks_v2 import v2_pays
+from modal_rl.weightsync.codec.warmup import start_warm_up, wait_warm, warm_up
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.transport_tcp import FrameServer
-from modal_rl.weightsync.warmup import start_warm_up, wait_warm, warm_up
+from modal_rl.weightsync.transport.tcp import FrameServer
 from tests.test_weightsync_codec_v2 import BASE, NEW, chunk_encodings
 from tests.weightsync_helpers import clone_state, same_state
 

@@ -23,7 +23,7 @@ from modal_rl.weightsync import (
     encode_delta,
     frame_bytes,
 )
-from modal_rl.weightsync.chunks import CHUNK_HEADER, CTX_SPARSE, ENCODING_NAMES
+from modal_rl.weightsync.codec.codings.chunks import CHUNK_HEADER, CTX_SPARSE, ENCODING_NAMES
 from tests.weightsync_helpers import clone_state, perturb, records, reseal, same_state
 
 V2 = CodecConfig(chunk_elems=1 << 14, threads=2)
@@ -164,7 +164,7 @@ def test_a_v2_chunk_failing_at_its_end_puts_back_every_word_it_wrote():
     # v2 decodes into the held words as it goes. Damage in the residual stream's last
     # word lets the pass write (nearly) every change before the final check refuses the
     # chunk: the words written must all go back.
-    from modal_rl.weightsync import chunks_v2
+    from modal_rl.weightsync.codec.codings import chunks_v2
 
     base, new = adam_like({"w": (600, 128), "v": (300, 128)}, 3e-5, seed=3)
     b_parts = [t.reshape(-1).view(torch.int16).numpy().view(np.uint16).copy() for t in base.values()]
@@ -205,7 +205,7 @@ def test_v2_streams_are_near_the_context_entropy_bound():
 
 
 def test_v1_is_coded_in_full_only_where_a_sample_says_it_may_be_smaller():
-    from modal_rl.weightsync import chunks_v2
+    from modal_rl.weightsync.codec.codings import chunks_v2
 
     total = chunks_v2.V1_SAMPLE_SHARE * 2048
     positions = np.sort(np.random.default_rng(0).choice(1 << 22, total, replace=False))
@@ -228,7 +228,7 @@ def test_v1_is_coded_in_full_only_where_a_sample_says_it_may_be_smaller():
 
 
 def test_a_large_chunk_that_skips_the_v1_coding_round_trips(monkeypatch):
-    from modal_rl.weightsync import chunks_v2
+    from modal_rl.weightsync.codec.codings import chunks_v2
 
     answers, decide = [], chunks_v2.v1_may_be_smaller
     monkeypatch.setattr(chunks_v2, "v1_may_be_smaller", lambda *a: answers.append(decide(*a)) or answers[-1])
@@ -246,7 +246,7 @@ def test_a_large_chunk_that_skips_the_v1_coding_round_trips(monkeypatch):
 def test_a_chunk_that_barely_changed_stays_v1_where_v2_saves_too_little(monkeypatch):
     # v2 makes the receiver pass over every word of the chunk; a handful of changes in a
     # large chunk (an embedding whose rows saw no token) is not worth that pass.
-    from modal_rl.weightsync import chunks_v2
+    from modal_rl.weightsync.codec.codings import chunks_v2
 
     big = CodecConfig(chunk_elems=1 << 20, threads=1)
     base, _ = adam_like({"w": (1 << 20,)}, 3e-5, seed=6)
@@ -273,7 +273,7 @@ def test_the_run_length_tables_are_the_same_on_every_machine():
     # not with the platform's libm, and pinned here so a machine that differs fails loudly.
     import xxhash
 
-    from modal_rl.weightsync.ctxcoder import GEO
+    from modal_rl.weightsync.codec.codings.ctxcoder import GEO
 
     assert xxhash.xxh3_64_hexdigest(GEO.astype("<i8").tobytes()) == "6ff3e605e7638f03"
 
@@ -281,8 +281,8 @@ def test_the_run_length_tables_are_the_same_on_every_machine():
 def test_the_residual_model_tables_are_the_exact_integer_formula():
     # The rebuild computes its floors through a corrected float product; any table that
     # differed from the integer formula would make frames undecodable across builds.
-    from modal_rl.weightsync.ctxrans import M
-    from modal_rl.weightsync.ctxresidual import RES_SYM, _rebuild
+    from modal_rl.weightsync.codec.codings.ctxrans import M
+    from modal_rl.weightsync.codec.codings.ctxresidual import RES_SYM, _rebuild
 
     rng = np.random.default_rng(7)
     for scale in (1, 40, 10**4, 10**8, 2**33):

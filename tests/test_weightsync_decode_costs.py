@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from modal_rl.weightsync import CodecConfig, decode_costs
-from modal_rl.weightsync.chunks_v2 import v2_pays
-from modal_rl.weightsync.decode_costs import DEFAULT, DecodeCosts, from_hello, slowest
+from modal_rl.weightsync import CodecConfig
+from modal_rl.weightsync.codec import decode_costs
+from modal_rl.weightsync.codec.codings.chunks_v2 import v2_pays
+from modal_rl.weightsync.codec.decode_costs import DEFAULT, DecodeCosts, from_hello, slowest
+from modal_rl.weightsync.codec.warmup import warm_up
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
-from modal_rl.weightsync.warmup import warm_up
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
 from tests.weightsync_helpers import TEST_KEY, client_handshake
 
 
@@ -102,8 +103,8 @@ def test_a_receiver_after_a_publisher_in_one_process_still_measures():
 
     code = (
         "import time\n"
-        "from modal_rl.weightsync import decode_costs\n"
-        "from modal_rl.weightsync.warmup import start_warm_up, wait_warm\n"
+        "from modal_rl.weightsync.codec import decode_costs\n"
+        "from modal_rl.weightsync.codec.warmup import start_warm_up, wait_warm\n"
         "start_warm_up(1)\n"
         "assert wait_warm(120) and decode_costs.measured() is None\n"
         "start_warm_up(1, measure_costs=True)\n"

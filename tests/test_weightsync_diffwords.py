@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from modal_rl.weightsync import diffwords
-from modal_rl.weightsync.diffwords import diff_words
+from modal_rl.weightsync.codec import diffwords
+from modal_rl.weightsync.codec.diffwords import diff_words
 
 
 def _reference(b, n):

@@ -20,11 +20,11 @@ from modal_rl.weightsync.errors import (
     LeaseLostError,
     StaleEpochError,
 )
-from modal_rl.weightsync.frames import MAGIC, VersionHeader, read_records, record
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_store import DirectoryStore
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport.store import DirectoryStore
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
+from modal_rl.weightsync.wire.frames import MAGIC, VersionHeader, read_records, record
 from tests.memory_transport import Hub, MemorySink, MemorySource
 from tests.weightsync_helpers import TEST_KEY, bits, perturb, same_state
 

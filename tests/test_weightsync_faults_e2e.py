@@ -23,8 +23,8 @@ from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode
 from modal_rl.weightsync.errors import BaseMismatchError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport import FrameSource
-from modal_rl.weightsync.transport_tcp import FrameServer
+from modal_rl.weightsync.transport.base import FrameSource
+from modal_rl.weightsync.transport.tcp import FrameServer
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 ROOT = Path(__file__).resolve().parents[1]

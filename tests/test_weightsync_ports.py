@@ -16,7 +16,7 @@ from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport import FrameSink, FrameSource
+from modal_rl.weightsync.transport.base import FrameSink, FrameSource
 from tests.memory_transport import Hub, MemorySink, MemorySource
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 

@@ -19,14 +19,14 @@ import pytest
 
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer
 from modal_rl.weightsync import CodecConfig
-from modal_rl.weightsync.auth import frame_keys
-from modal_rl.weightsync.errors import PullRefusedError
-from modal_rl.weightsync.vllm_extension import (
+from modal_rl.weightsync.apply.vllm_extension import (
     PULL_MAX_AGE_S,
     DeltaWeightsExtension,
     pull_request,
     verify_pull,
 )
+from modal_rl.weightsync.errors import PullRefusedError
+from modal_rl.weightsync.wire.auth import frame_keys
 from tests.weightsync_helpers import (
     OTHER_KEY,
     TEST_KEY,
@@ -130,7 +130,7 @@ def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, mon
     import modal
 
     from modal_rl.cluster.netif import ingress_ipv4
-    from modal_rl.weightsync.engine_push import EnginePusher
+    from modal_rl.weightsync.apply.engine_push import EnginePusher
 
     certfile, keyfile = self_signed_cert(tmp_path)
     monkeypatch.setenv("SSL_CERT_FILE", certfile)  # the engine trusts the "tunnel" certificate

@@ -20,8 +20,8 @@ from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.errors import LeaseHeldError, LeaseLostError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport_store import DirectoryStore
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport.store import DirectoryStore
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
 
 CONFIG = CodecConfig(threads=1)

@@ -15,9 +15,9 @@ import pytest
 from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode_delta
 from modal_rl.weightsync.chain import frame_bytes
 from modal_rl.weightsync.errors import FrameInterruptedError, StaleVersionError
-from modal_rl.weightsync.frames import split_records
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.tcp_source import TcpSource
+from modal_rl.weightsync.transport.tcp_source import TcpSource
+from modal_rl.weightsync.wire.frames import split_records
 from tests.weightsync_helpers import clone_state, model_state, perturb, same_state
 
 CONFIG = CodecConfig(chunk_elems=4096, threads=2)

@@ -14,9 +14,9 @@ from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport import TokenBucket
-from modal_rl.weightsync.transport_store import DirectoryStore, ModalVolumeStore
-from modal_rl.weightsync.transport_tcp import FrameServer, TcpSource
+from modal_rl.weightsync.transport.base import TokenBucket
+from modal_rl.weightsync.transport.store import DirectoryStore, ModalVolumeStore
+from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
 from tests.weightsync_helpers import TEST_KEY, client_handshake, model_state, perturb, same_state
 
 CONFIG = CodecConfig(chunk_elems=4096, threads=2)

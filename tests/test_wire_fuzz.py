@@ -26,13 +26,13 @@ from modal_rl import wire_json
 from modal_rl.cluster import control
 from modal_rl.cluster.key_forwarder import path_problem
 from modal_rl.run_key import RUN_KEY_ENV
-from modal_rl.weightsync import hello as hello_lines
-from modal_rl.weightsync import transport_tcp
-from modal_rl.weightsync.auth import frame_keys, sign_json
-from modal_rl.weightsync.decode_costs import from_hello
+from modal_rl.weightsync.codec.decode_costs import from_hello
 from modal_rl.weightsync.errors import WeightSyncError
-from modal_rl.weightsync.frames import FORMAT_VERSION, MAGIC, VersionHeader
-from modal_rl.weightsync.lease import StoreLease, read_pointer
+from modal_rl.weightsync.transport import hello as hello_lines
+from modal_rl.weightsync.transport import tcp as transport_tcp
+from modal_rl.weightsync.transport.lease import StoreLease, read_pointer
+from modal_rl.weightsync.wire.auth import frame_keys, sign_json
+from modal_rl.weightsync.wire.frames import FORMAT_VERSION, MAGIC, VersionHeader
 from tests.weightsync_helpers import TEST_KEY
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -8,8 +8,8 @@ import struct
 
 import torch
 
-from modal_rl.weightsync.auth import trailer_size
-from modal_rl.weightsync.frames import RECORD_HEADER
+from modal_rl.weightsync.wire.auth import trailer_size
+from modal_rl.weightsync.wire.frames import RECORD_HEADER
 
 TEST_KEY = "test-run-key-0123456789abcdef0123456789abcdef"  # what the tests export as the run key
 OTHER_KEY = "another-run-key-fedcba9876543210fedcba9876543210"
@@ -96,7 +96,7 @@ def reseal(frame: bytes, offset: int, body: bytes) -> bytes:
 def client_handshake(sock, key: str | None, have: int | None = None) -> None:
     """Pass a frame server's handshake on a raw socket (as ``TcpSource`` does), for tests
     that need a receiver which then misbehaves (stalls, ...)."""
-    from modal_rl.weightsync.auth import check_server_hello, client_proof, frame_keys, hello_line
+    from modal_rl.weightsync.wire.auth import check_server_hello, client_proof, frame_keys, hello_line
 
     keys = frame_keys(key)
     line, nonce = hello_line(have, keys)

@@ -16,7 +16,7 @@ Invariants:
   from a checkpoint (``trainer.resume_mode``: verl restores ``global_steps`` and syncs it
   first) resume its numbering at the restored step; every engine instance (one trainer
   start) publishes in an epoch of its own and starts it with an anchor, and receivers order
-  what they hold by (epoch, version) (``modal_rl.weightsync.epoch``), so a restarted
+  what they hold by (epoch, version) (``modal_rl.weightsync.wire.epoch``), so a restarted
   trainer's versions never collide with what they hold;
 - the master announces in ``prepare()`` the epoch and the lowest version it will publish;
   each receiver's target is ``max(announced, global_steps)`` of that epoch, the same number
@@ -47,12 +47,12 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from modal_rl.weightsync.codec import CodecConfig
+from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, tcp_subscriber
-from modal_rl.weightsync.transport import gbps
-from modal_rl.weightsync.transport_tcp import FrameServer
+from modal_rl.weightsync.transport.base import gbps
+from modal_rl.weightsync.transport.tcp import FrameServer
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ end), ``health_interval_s``, ``health_timeout_s`` (one 1-token generation), ``he
 (failed checks in a row that make a live engine lost), ``retry_wait_s`` (how long a request
 whose engine died waits for the replacement before it is masked).
 
-Weights: a policy replica's engine loads ``modal_rl.weightsync.vllm_extension`` and gets each
+Weights: a policy replica's engine loads ``modal_rl.weightsync.apply.vllm_extension`` and gets each
 update from a relay worker on the trainer cluster (``replica_weights``); the run's
 checkpoint engine must be ``modal_delta``. Reward and teacher replicas keep their weights.
 """
@@ -60,8 +60,8 @@ from modal_rl.adapters import extra_requirements
 from modal_rl.cluster.engine_auth import vllm_auth_args
 from modal_rl.cluster.engine_health import vllm_generate
 from modal_rl.cluster.engines import EngineSpec
-from modal_rl.weightsync.vllm_extension import EXTENSION
-from modal_rl.weightsync.vllm_inplace import PLAIN_WEIGHTS_ENV
+from modal_rl.weightsync.apply.vllm_extension import EXTENSION
+from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
 from verl_modal.replica_proxy import VLLMHttpProxy
 
 log = logging.getLogger("verl_modal")

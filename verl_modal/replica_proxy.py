@@ -80,7 +80,7 @@ class VLLMHttpProxy:
 
     async def start(self) -> dict:
         """Start the engine (and keep it serving); returns ``{"address", "log_dir"}``."""
-        from modal_rl.weightsync.engine_push import load_version
+        from modal_rl.weightsync.apply.engine_push import load_version
 
         def load(url: str, source: WeightSource) -> dict:
             return load_version(url, source, key=self._key, pull_timeout_s=self.weights_timeout_s)

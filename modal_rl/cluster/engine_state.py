@@ -1,7 +1,7 @@
 """What the engine supervisor tracks per engine, and the values its users hold: an engine's
 state and status names, a request's lease, the weight source engines pull from, and the error
 a request gets when no engine of its version answers. A module of its own so that the request
-path (``engine_requests``) and the weight pusher (``weightsync.engine_push``) need not import
+path (``engine_requests``) and the weight pusher (``weightsync.apply.engine_push``) need not import
 the supervisor.
 """
 

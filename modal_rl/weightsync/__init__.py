@@ -1,25 +1,26 @@
 """Lossless delta-compressed weight sync.
 
-Pieces (each in its own module): ``codec`` (encode anchors and deltas), ``decode`` (apply a
-frame, verified, with rollback), ``frames`` (the record format), ``streams`` (chunk
-bodies), ``differ`` (numpy and torch diff paths), ``chain`` (``VersionChain``).
+By concept: ``wire`` (the format: frames, keys, epochs), ``codec`` (encode anchors and
+deltas, decode them verified with rollback, the chunk ``codings``), ``transport`` (the
+``FrameSink``/``FrameSource`` ports, TCP, stores), ``apply`` (into inference engines), ``cli``;
+``publisher``, ``subscriber`` and ``chain`` (``VersionChain``) at the top.
 The wire format is specified in ``docs/weight-sync-format.md``.
 """
 
 import importlib
 
-# Loaded on first access (PEP 562), so importing one submodule (``weightsync.volumes`` for
+# Loaded on first access (PEP 562), so importing one submodule (``weightsync.transport.volumes`` for
 # slime's hooks, a store transport) does not load the codec's numba, numpy and zstd.
 _EXPORTS = {
     "VersionChain": "chain",
     "frame_bytes": "chain",
-    "CodecConfig": "codec",
-    "encode_anchor": "codec",
-    "encode_delta": "codec",
-    "ApplyResult": "decode",
-    "apply_frame": "decode",
-    "NumpyDiffer": "differ",
-    "TorchDiffer": "differ",
+    "CodecConfig": "codec.encode",
+    "encode_anchor": "codec.encode",
+    "encode_delta": "codec.encode",
+    "ApplyResult": "codec.decode",
+    "apply_frame": "codec.decode",
+    "NumpyDiffer": "codec.differ",
+    "TorchDiffer": "codec.differ",
     "BaseMismatchError": "errors",
     "ChecksumMismatchError": "errors",
     "CorruptFrameError": "errors",

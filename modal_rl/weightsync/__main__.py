@@ -1,5 +1,5 @@
 import sys
 
-from modal_rl.weightsync.cli import main
+from modal_rl.weightsync.cli.commands import main
 
 sys.exit(main())

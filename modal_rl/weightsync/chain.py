@@ -29,10 +29,8 @@ import io
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
-from modal_rl.weightsync.auth import FROM_ENV, frame_keys
-from modal_rl.weightsync.codec import CodecConfig
-from modal_rl.weightsync.decode import ApplyResult, apply_frame
-from modal_rl.weightsync.epoch import describe
+from modal_rl.weightsync.codec.decode import ApplyResult, apply_frame
+from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import (
     BaseMismatchError,
     EpochMismatchError,
@@ -41,7 +39,9 @@ from modal_rl.weightsync.errors import (
     StaleEpochError,
     StaleVersionError,
 )
-from modal_rl.weightsync.frames import (
+from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
+from modal_rl.weightsync.wire.epoch import describe
+from modal_rl.weightsync.wire.frames import (
     VersionHeader,
 )
 
@@ -146,7 +146,7 @@ class VersionChain:
     @property
     def position(self) -> tuple[int, int]:
         """What is held, in the order receivers keep: (epoch, version); see ``epoch``."""
-        from modal_rl.weightsync.epoch import position
+        from modal_rl.weightsync.wire.epoch import position
 
         return position(self.epoch, self.version)
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.weightsync.auth import run_id_of
-from modal_rl.weightsync.codec import CodecConfig, Tensors, encode_anchor, encode_delta
-from modal_rl.weightsync.dtypes import words_of
-from modal_rl.weightsync.epoch import new_epoch
-from modal_rl.weightsync.frames import VersionHeader, stamp
-from modal_rl.weightsync.transport import FrameSink
+from modal_rl.weightsync.codec.dtypes import words_of
+from modal_rl.weightsync.codec.encode import CodecConfig, Tensors, encode_anchor, encode_delta
+from modal_rl.weightsync.transport.base import FrameSink
+from modal_rl.weightsync.wire.auth import run_id_of
+from modal_rl.weightsync.wire.epoch import new_epoch
+from modal_rl.weightsync.wire.frames import VersionHeader, stamp
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Publisher:
         # costs no allocation (nor page faults), and the publisher's peak stays at two copies
         self._spare: dict[str, Any] = {}
         self._prefault: _Prefault | None = None
-        from modal_rl.weightsync.warmup import start_warm_up
+        from modal_rl.weightsync.codec.warmup import start_warm_up
 
         start_warm_up(self.config.threads)  # the encoder's kernels load before the first delta
 

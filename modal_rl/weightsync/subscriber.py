@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.weightsync.auth import FROM_ENV
 from modal_rl.weightsync.chain import VersionChain
-from modal_rl.weightsync.codec import CodecConfig
-from modal_rl.weightsync.dtypes import words_of
+from modal_rl.weightsync.codec.dtypes import words_of
+from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import FrameInterruptedError, VersionNotReachedError, WeightSyncError
-from modal_rl.weightsync.transport import FrameSource
+from modal_rl.weightsync.transport.base import FrameSource
+from modal_rl.weightsync.wire.auth import FROM_ENV
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Subscriber:
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=self.source.keys)
-        from modal_rl.weightsync.warmup import start_warm_up
+        from modal_rl.weightsync.codec.warmup import start_warm_up
 
         # the decoder's kernels load now, while the anchor is on the wire, not on the first
         # delta; and this CPU's decode costs are measured for the hello (``decode_costs``)
@@ -243,7 +243,7 @@ def tcp_subscriber(
     one is closed). A fresh chain would load whatever the named server holds — a replaced
     trainer that still runs could move the receiver back to its stale weights. ``target`` and
     ``epoch`` are checked against what is held by the caller (``vllm_extension.check_pull_floor``)."""
-    from modal_rl.weightsync.transport_tcp import TcpSource
+    from modal_rl.weightsync.transport.tcp import TcpSource
 
     if current is None:
         return Subscriber(TcpSource(*addr, key=key, tls=tls), lambda _state, _version: None, config=config)

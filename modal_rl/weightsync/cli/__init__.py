@@ -1,0 +1,1 @@
+"""``python -m modal_rl.weightsync``: the encode/apply/inspect/receive commands."""

@@ -1,0 +1,353 @@
+"""Apply a frame to a held state: deltas in place, anchors into fresh tensors.
+
+Invariant (the one that matters to a rollout engine): ``apply_frame`` either returns with
+every tensor at the frame's new version, each verified against its xxh3-128 checksum, or
+raises a ``WeightSyncError`` with the held state bit-identical to what it was before.
+Deltas get there by rollback: every applied chunk is undone exactly (XOR again, or
+subtract what was added). Anchors never touch the held state; they
+build new tensors that the caller swaps in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableMapping
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
+from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
+from modal_rl.weightsync.codec.differ import TorchDiffer, checksum_words
+from modal_rl.weightsync.codec.dtypes import ITEMSIZE, dtype_name, empty_like_spec, is_torch, words_of
+from modal_rl.weightsync.codec.encode import CodecConfig, shape_of
+from modal_rl.weightsync.codec.workers import shared_pool
+from modal_rl.weightsync.errors import (
+    BaseMismatchError,
+    ChecksumMismatchError,
+    CorruptFrameError,
+    LayoutMismatchError,
+    TruncatedFrameError,
+    WeightSyncError,
+)
+from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
+from modal_rl.weightsync.wire.frames import (
+    TAG_CHUNK,
+    TAG_END,
+    TAG_GROUP,
+    TAG_VERSION,
+    EndRecord,
+    GroupHeader,
+    TensorHeader,
+    VersionHeader,
+    _loads,
+    manifest_digest,
+    read_records,
+    state_digest,
+    verify_records,
+)
+
+
+@dataclass
+class ApplyResult:
+    """What a successful apply produced. For anchors, ``state`` holds the new tensors."""
+
+    header: VersionHeader
+    checksums: dict[str, str]
+    state: dict[str, Any] | None = None
+    changed_words: int = 0
+    total_words: int = 0
+    verify_s: float = 0.0  # time spent hashing rebuilt tensors, summed over threads
+    tensors: list[TensorHeader] = field(default_factory=list)
+
+
+class _GroupJob:
+    """One group's in-flight chunk applies and its verification."""
+
+    def __init__(self, header: GroupHeader, segments: list[tuple[int, Any]]) -> None:
+        self.header = header
+        self.segments = segments
+        self.itemsize = ITEMSIZE[header.tensors[0].dtype]
+        self.chunk_futures: list[Future] = []
+        self.seen_chunks = 0
+
+
+def _words(tensor: Any) -> Any:
+    """Host tensors as shared numpy words; device tensors as torch integer views, so a
+    delta is scattered on the device and only its sparse contents cross from the host."""
+    if is_torch(tensor) and tensor.device.type != "cpu":
+        return TorchDiffer().prepare(tensor)
+    return words_of(tensor)
+
+
+def read_version_header(records: Iterator[tuple[bytes, bytes]]) -> VersionHeader:
+    try:
+        tag, body = next(records)
+    except StopIteration:
+        raise TruncatedFrameError("empty frame") from None
+    if tag != TAG_VERSION:
+        raise CorruptFrameError("frame does not start with a version header")
+    return VersionHeader.from_body(body)
+
+
+class _Applier:
+    def __init__(self, config: CodecConfig) -> None:
+        self.pool = shared_pool(config.threads)
+        self.limit = config.in_flight
+        self.applied: list[tuple[_GroupJob, bytes | DecodedChunk]] = []  # for rollback
+        self.lock = threading.Lock()
+        self.in_flight: list[Future] = []
+        self.tasks: list[Future] = []  # everything this apply queued; close() waits for it
+        self.closed = False
+        self.changed = 0
+        self.verify_s = 0.0
+
+    def _submit(self, fn, *args) -> Future:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the apply ended (the frame was refused)")
+            future = self.pool.submit(fn, *args)
+            self.tasks.append(future)
+        return future
+
+    def submit_chunk(self, job: _GroupJob, body: bytes, is_anchor: bool) -> None:
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        if len(self.in_flight) >= self.limit:
+            wait(self.in_flight[: len(self.in_flight) - self.limit + 1])
+        future = self._submit(self._apply_chunk, job, body, job.seen_chunks, is_anchor)
+        job.seen_chunks += 1
+        job.chunk_futures.append(future)
+        self.in_flight.append(future)
+
+    def _apply_chunk(self, job: _GroupJob, body: bytes, expected_index: int, is_anchor: bool) -> None:
+        gh = job.header
+        where = f"group of {gh.tensors[0].name!r}"
+
+        def base_for(index: int, count: int):
+            # v2 chunks model the held words and decode into them: every check that could
+            # refuse the chunk comes before
+            if index != expected_index or count != min(gh.chunk_elems, gh.total - index * gh.chunk_elems):
+                raise CorruptFrameError(f"{where}: chunk {index} is not chunk {expected_index} of its group")
+            if is_anchor:
+                raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
+            lo = index * gh.chunk_elems
+            return base_words(job.segments, lo, lo + count)
+
+        chunk = decode_chunk(body, job.itemsize, gh.chunk_elems, base_for)
+        try:
+            if chunk.index != expected_index:
+                raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
+            if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
+                raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
+            if is_anchor != (chunk.encoding == FULL):
+                raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
+            chunk.apply(job.segments)
+        except BaseException:
+            if chunk.host_written:  # the host words it already holds go back
+                chunk.apply([(s, w) for s, w in job.segments if isinstance(w, np.ndarray)], undo=True)
+            raise
+        with self.lock:
+            self.changed += chunk.nchanged
+            if not is_anchor:
+                # v2 chunks decode only against the words they replaced: keep them decoded
+                self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
+
+    def verify(self, job: _GroupJob) -> Future:
+        """The group's checksums, hashed once its chunks are applied. The hashing is only
+        queued when the last chunk is done: a queued task that waited for chunks would hold
+        a pool thread idle while the others decode (with two threads, no parallelism)."""
+        result: Future = Future()
+        pending = [len(job.chunk_futures)]
+
+        def start_hashing(_: Future | None = None) -> None:
+            if job.chunk_futures:
+                with self.lock:
+                    pending[0] -= 1
+                    if pending[0]:
+                        return
+                failed = next((f.exception() for f in job.chunk_futures if f.exception() is not None), None)
+                if failed is not None:
+                    result.set_exception(failed)
+                    return
+            try:
+                self._submit(self._hash_group, job).add_done_callback(lambda f: _copy_outcome(f, result))
+            except RuntimeError as exc:  # the frame was refused meanwhile
+                result.set_exception(exc)
+
+        if not job.chunk_futures:
+            start_hashing()
+        for future in job.chunk_futures:
+            future.add_done_callback(start_hashing)
+        return result
+
+    def _hash_group(self, job: _GroupJob) -> None:
+        gh = job.header
+        t0 = time.perf_counter()
+        if job.seen_chunks != gh.nchunks:
+            raise TruncatedFrameError(
+                f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
+            )
+        for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
+            actual = checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+            if actual != th.checksum:
+                raise ChecksumMismatchError(
+                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
+                )
+        with self.lock:
+            self.verify_s += time.perf_counter() - t0
+
+    def rollback(self) -> None:
+        # Wait for every chunk still running, then undo all applied XOR chunks.
+        wait(self.in_flight)
+        for job, done in self.applied:
+            if not isinstance(done, DecodedChunk):
+                done = decode_chunk(done, job.itemsize, job.header.chunk_elems)
+            done.apply(job.segments, undo=True)
+        self.applied.clear()
+
+    def close(self) -> None:
+        # The pool is shared and stays: wait for this apply's own tasks, and queue no more.
+        with self.lock:
+            self.closed = True
+            tasks = list(self.tasks)
+        for future in tasks:
+            future.cancel()
+        wait(tasks)
+
+
+def apply_frame(
+    state: MutableMapping[str, Any],
+    stream: BinaryIO | Iterator[tuple[bytes, bytes]],
+    *,
+    held_version: int | None,
+    held_checksums: dict[str, str] | None = None,
+    config: CodecConfig | None = None,
+    key=FROM_ENV,
+    check_header: Callable[[VersionHeader], None] | None = None,
+) -> ApplyResult:
+    """Apply one frame read from ``stream``: a binary stream, or the frame's raw
+    ``(tag, record)`` pairs as a transport receives them — then chunks are decoded while
+    later records are still on the wire. ``check_header`` may refuse the frame by its
+    (verified) version header before anything is decoded.
+
+    A delta is applied in place onto ``state`` (which must be at ``held_version``); an
+    anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
+    not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta made
+    from other weights be refused up front, without hashing the held state. ``key``: the
+    run key the frame must be signed with (default: ``MODAL_RL_RUN_KEY``), or ``None`` for
+    an unsigned frame; every record is verified before it is used.
+    """
+    config = config or CodecConfig()
+    keys = frame_keys(key)
+    records = (
+        read_records(stream, keys=keys) if hasattr(stream, "read") else verify_records(stream, keys=keys)
+    )
+    header = read_version_header(records)
+    if check_header is not None:
+        check_header(header)
+    is_anchor = header.kind == "anchor"
+    if not is_anchor and header.base_version != held_version:
+        raise BaseMismatchError(
+            f"delta {header.base_version}→{header.version} does not apply to held version {held_version}"
+        )
+    known_base = not is_anchor and held_checksums is not None and set(held_checksums) == set(state)
+    if known_base and header.base_digest != state_digest(held_checksums):
+        raise BaseMismatchError(
+            f"delta {header.base_version}→{header.version} was made from other weights than the held ones"
+        )
+    target: dict[str, Any] = {} if is_anchor else state  # type: ignore[assignment]
+    applier = _Applier(config)
+    result = ApplyResult(header=header, checksums={})
+    try:
+        _apply_records(records, header, state, target, applier, result)
+    except BaseException:
+        if not is_anchor:
+            applier.rollback()
+        raise
+    finally:
+        applier.close()
+    result.changed_words = applier.changed
+    result.verify_s = applier.verify_s
+    if is_anchor:
+        result.state = target
+    return result
+
+
+def _apply_records(records, header, state, target, applier, result) -> None:
+    is_anchor = header.kind == "anchor"
+    job: _GroupJob | None = None
+    verifications: list[Future] = []
+    bodies: list[bytes] = []
+    for tag, body in records:
+        if tag == TAG_GROUP:
+            if job is not None:
+                verifications.append(applier.verify(job))
+            gh = GroupHeader.from_body(body)
+            bodies.append(body)
+            segments, offset = [], 0
+            for th in gh.tensors:
+                _check_tensor(th, state, is_anchor, result)
+                if is_anchor:
+                    target[th.name] = empty_like_spec(th.dtype, th.shape)
+                segments.append((offset, _words(target[th.name])))
+                offset += th.numel
+                result.tensors.append(th)
+                result.checksums[th.name] = th.checksum
+            result.total_words += offset
+            job = _GroupJob(gh, segments)
+        elif tag == TAG_CHUNK:
+            if job is None:
+                raise CorruptFrameError("chunk record before any group header")
+            if job.seen_chunks >= job.header.nchunks:
+                raise CorruptFrameError(f"group of {job.header.tensors[0].name!r}: more chunks than declared")
+            applier.submit_chunk(job, body, is_anchor)
+        elif tag == TAG_END:
+            if job is not None:
+                verifications.append(applier.verify(job))
+            _check_end(body, bodies, result, state, is_anchor)
+            _raise_first(verifications)
+            return
+        else:
+            raise CorruptFrameError("a second version header inside one frame")
+    raise TruncatedFrameError(f"frame for version {header.version} ends before its end record")
+
+
+def _check_tensor(th: TensorHeader, state, is_anchor: bool, result: ApplyResult) -> None:
+    if th.name in result.checksums:
+        raise CorruptFrameError(f"tensor {th.name!r} appears twice in one frame")
+    if is_anchor:
+        return
+    if th.name not in state:
+        raise LayoutMismatchError(f"delta names tensor {th.name!r}, which the held state does not have")
+    held = state[th.name]
+    if dtype_name(held) != th.dtype or shape_of(held) != th.shape:
+        raise LayoutMismatchError(
+            f"tensor {th.name!r}: delta is {th.dtype}{list(th.shape)}, held is {dtype_name(held)}{list(shape_of(held))}"
+        )
+
+
+def _check_end(body: bytes, bodies: list[bytes], result: ApplyResult, state, is_anchor: bool) -> None:
+    end = EndRecord(**_loads(body, "end record"))
+    if end.tensors != len(result.tensors) or end.manifest_digest != manifest_digest(bodies):
+        raise CorruptFrameError("end record does not match the groups received (dropped or reordered groups)")
+    if not is_anchor and set(result.checksums) != set(state):
+        missing = sorted(set(state) - set(result.checksums))[:3]
+        raise LayoutMismatchError(f"delta does not cover every held tensor (missing {missing})")
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(None)
+
+
+def _raise_first(futures: list[Future]) -> None:
+    errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error if isinstance(error, WeightSyncError) else CorruptFrameError(str(error))

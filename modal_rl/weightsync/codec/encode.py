@@ -1,0 +1,362 @@
+"""Encode a policy version as a frame: a full anchor, or a lossless delta against a base.
+
+Encoding splits every tensor into chunks of ``CodecConfig.chunk_elems`` words and runs
+diff + pack per chunk on a thread pool (numpy and zstd release the GIL). Records are
+yielded strictly in frame order while at most ``window`` chunks are in flight, so the extra
+memory is bounded by ``window × chunk_elems`` words, whatever the model's size, and the
+caller can put one tensor on the wire while later ones are still being encoded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from modal_rl.weightsync.codec.codings.chunks import (
+    MAX_CHUNK_ELEMS,
+    ChunkSpec,
+    encode_delta_chunk,
+    encode_delta_chunk_v2,
+    encode_full_chunk,
+)
+from modal_rl.weightsync.codec.decode_costs import DecodeCosts
+from modal_rl.weightsync.codec.differ import Differ, default_differ
+from modal_rl.weightsync.codec.diffwords import join_diffs
+from modal_rl.weightsync.codec.dtypes import ITEMSIZE, dtype_name
+from modal_rl.weightsync.codec.workers import shared_pool
+from modal_rl.weightsync.errors import LayoutMismatchError
+from modal_rl.weightsync.wire.frames import (
+    RECORD_HEADER,
+    RECORD_TRAILER,
+    TAG_CHUNK,
+    TAG_GROUP,
+    EndRecord,
+    GroupHeader,
+    TensorHeader,
+    VersionHeader,
+    manifest_digest,
+    record,
+    state_digest,
+)
+
+# A state dict, or the (name, tensor) pairs of one as a framework streams them.
+Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Codec parameters. ``threads`` encode/decode chunks in parallel; ``window`` bounds the
+    chunks in flight (and so the extra memory) per encode or apply call."""
+
+    chunk_elems: int = 1 << 22
+    threads: int = min(8, os.cpu_count() or 1)
+    zstd_level: int = 1
+    window: int = 0  # 0 = 2 × threads
+    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where it pays;
+    # 1: v1 coding only (what receivers without numba need); 0: every delta chunk as a
+    # dense XOR with zstd planes — the shape of slime's xor + zstd-1 delta, carried in our
+    # frames for side-by-side measurements. Readers decode all of them.
+    coding: int = 2
+    # Bytes per second each receiver gets on this link (None: unknown — pick the coding by
+    # size alone). With it, a chunk is coded v2 only where the wire time its smaller body
+    # saves exceeds the extra decode time a v2 chunk costs the receiver (``chunks_v2.v2_pays``).
+    # The publisher fills it in from a rate-limited sink. Changes the bytes, never decodability.
+    link_bytes_per_s: float | None = None
+    # What a v2 chunk costs the slowest receiver beyond v1 (``decode_costs``: measured by
+    # each receiver, named in its hello; None: the defaults). Used with ``link_bytes_per_s``.
+    receiver_costs: DecodeCosts | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
+            raise ValueError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], got {self.chunk_elems}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not -7 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
+        if self.coding not in (0, 1, 2):
+            raise ValueError(f"coding must be 0, 1 or 2, got {self.coding}")
+        if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 (or None), got {self.link_bytes_per_s}")
+
+    def wire_params(self) -> dict[str, int]:
+        """What a reader may want to know; threads and window do not change the bytes."""
+        return {"chunk_elems": self.chunk_elems, "zstd_level": self.zstd_level, "coding": self.coding}
+
+    @property
+    def in_flight(self) -> int:
+        return self.window or 2 * self.threads
+
+
+def shape_of(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in tensor.shape)
+
+
+def chunk_specs(numel: int, chunk_elems: int) -> list[ChunkSpec]:
+    return [
+        ChunkSpec(i, start, min(chunk_elems, numel - start))
+        for i, start in enumerate(range(0, numel, chunk_elems))
+    ]
+
+
+def check_same_layout(base: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    if list(base) != list(new):
+        missing, extra = sorted(set(new) - set(base)), sorted(set(base) - set(new))
+        detail = (
+            f"only in new: {missing[:3]}, only in base: {extra[:3]}" if missing or extra else "order differs"
+        )
+        raise LayoutMismatchError(f"base and new hold different tensors ({detail})")
+    for name, tensor in new.items():
+        _check_tensor_layout(name, base[name], tensor)
+
+
+def _check_tensor_layout(name: str, b: Any, tensor: Any) -> None:
+    if b is None:
+        raise LayoutMismatchError(f"tensor {name!r} is not in the base")
+    if dtype_name(b) != dtype_name(tensor) or shape_of(b) != shape_of(tensor):
+        raise LayoutMismatchError(
+            f"tensor {name!r}: base is {dtype_name(b)}{list(shape_of(b))}, "
+            f"new is {dtype_name(tensor)}{list(shape_of(tensor))}"
+        )
+
+
+class _OrderedPool:
+    """Runs tasks on threads and yields results in submission order, ``limit`` in flight."""
+
+    def __init__(self, threads: int, limit: int) -> None:
+        self.executor = shared_pool(threads)
+        self.limit = limit
+        self.pending: deque[Future] = deque()
+
+    def submit(self, fn, *args) -> Iterator[Any]:
+        """Queue a task; yields the results that had to be drained to stay within the limit."""
+        self.pending.append(self.executor.submit(fn, *args))
+        while len(self.pending) > self.limit:
+            yield self.pending.popleft().result()
+
+    def drain(self) -> Iterator[Any]:
+        while self.pending:
+            yield self.pending.popleft().result()
+
+    def close(self) -> None:
+        # The pool is shared and stays: drop what has not started, wait for what has.
+        for future in self.pending:
+            future.cancel()
+        wait(self.pending)
+
+
+@dataclass
+class _Member:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    differ: Differ
+    new: Any
+    base: Any | None
+
+
+def _items(tensors: Tensors) -> Iterator[tuple[str, Any]]:
+    return iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
+
+
+def _groups(new: Tensors, base: Mapping[str, Any] | None, chunk_elems: int, differ: Differ | None):
+    """Yield runs of tensors to code as one word space (see ``GroupHeader``), streaming:
+    a group is yielded as soon as the next tensor cannot join it. With an iterator of
+    named tensors, layout is checked tensor by tensor; a mismatch aborts the frame."""
+    group: list[_Member] = []
+    total = 0
+    seen: set[str] = set()
+    for name, tensor in _items(new):
+        d = differ or default_differ(tensor)
+        new_h = d.prepare(tensor)
+        m = _Member(name, dtype_name(tensor), shape_of(tensor), _numel(new_h), d, new_h, None)
+        if name in seen:
+            raise LayoutMismatchError(f"tensor {name!r} given twice")
+        seen.add(name)
+        if base is not None:
+            _check_tensor_layout(name, base.get(name), tensor)
+            m.base = d.prepare(base[name])
+        fits = (
+            group
+            and ITEMSIZE[group[0].dtype] == ITEMSIZE[m.dtype]
+            and type(group[0].differ) is type(d)
+            and total + m.numel <= chunk_elems
+        )
+        if group and not fits:
+            yield group
+            group, total = [], 0
+        group.append(m)
+        total += m.numel
+    if group:
+        yield group
+    if base is not None and seen != set(base):
+        raise LayoutMismatchError(f"new version lacks tensors of the base: {sorted(set(base) - seen)[:3]}")
+
+
+def _encode(
+    new: Tensors,
+    base: Mapping[str, Any] | None,
+    header: VersionHeader,
+    config: CodecConfig,
+    checksums_out: dict[str, str] | None,
+    differ: Differ | None,
+) -> Iterator[bytes]:
+    yield header.to_record()
+    pool = _OrderedPool(config.threads, config.in_flight)
+    v2 = config.coding == 2 and _v2_available()
+    group_bodies: list[bytes] = []
+    ntensors = 0
+
+    def emit(records: Iterator[bytes]) -> Iterator[bytes]:
+        for rec in records:
+            if rec[:1] == TAG_GROUP:
+                group_bodies.append(rec[RECORD_HEADER.size : -RECORD_TRAILER.size])
+            yield rec
+
+    try:
+        for members in _groups(new, base, config.chunk_elems, differ):
+            ntensors += len(members)
+            total = sum(m.numel for m in members)
+            specs = chunk_specs(total, config.chunk_elems)
+            # The group record goes through the ordered pool like a chunk, so hashing the
+            # members overlaps with the diffs of this group's chunks and of its neighbours.
+            yield from emit(pool.submit(_group_task, members, config.chunk_elems, len(specs), checksums_out))
+            for spec in specs:
+                if base is None:
+                    yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
+                else:
+                    yield from emit(pool.submit(_delta_chunk, members, spec, config, v2))
+        yield from emit(pool.drain())
+        yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
+    finally:
+        pool.close()
+
+
+def _numel(handle: Any) -> int:
+    return int(handle.numel()) if callable(getattr(handle, "numel", None)) else int(handle.size)
+
+
+def _group_task(members: list[_Member], chunk_elems: int, nchunks: int, checksums_out) -> bytes:
+    tensors = []
+    for m in members:
+        checksum = m.differ.checksum(m.new)
+        if checksums_out is not None:
+            checksums_out[m.name] = checksum
+        tensors.append(TensorHeader(m.name, m.dtype, m.shape, checksum))
+    return record(TAG_GROUP, GroupHeader(tuple(tensors), chunk_elems, nchunks).body())
+
+
+def _space(members: list[_Member], attr: str) -> Any:
+    """The group's word space: the tensor itself, or its members' words concatenated
+    (several members only ever share one chunk, so this copy is bounded by chunk_elems)."""
+    if len(members) == 1:
+        return getattr(members[0], attr)
+    return members[0].differ.concat([getattr(m, attr) for m in members])
+
+
+def _v2_available() -> bool:
+    from modal_rl.weightsync.codec.codings import chunks_v2
+
+    return chunks_v2.available()
+
+
+def _pieces(members: list[_Member], spec: ChunkSpec) -> Iterator[tuple[_Member, int, int, int]]:
+    """The chunk's words member by member: (member, first word in it, count, chunk-local
+    start). A delta reads its members in place; no word space is concatenated."""
+    lo, hi, offset = spec.elem_start, spec.elem_start + spec.elem_count, 0
+    for m in members:
+        a, b = max(lo, offset), min(hi, offset + m.numel)
+        if a < b:
+            yield m, a - offset, b - a, a - lo
+        offset += m.numel
+
+
+def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool) -> bytes:
+    d, level = members[0].differ, config.zstd_level
+    pieces = list(_pieces(members, spec))
+    if v2 and ITEMSIZE[members[0].dtype] == 2:
+        # v2 models every held word of the chunk, so it reads the whole chunk on the host
+        # (a copy from the device for TorchDiffer), tensor by tensor
+        base_parts = [d.read(m.base, at, n).view(np.uint16) for m, at, n, _ in pieces]
+        new_parts = [d.read(m.new, at, n).view(np.uint16) for m, at, n, _ in pieces]
+        starts = [start for *_, start in pieces]
+        body = encode_delta_chunk_v2(
+            spec, base_parts, new_parts, starts, level, config.link_bytes_per_s, config.receiver_costs
+        )
+        return record(TAG_CHUNK, body)
+    diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
+    positions, old_words, new_words = join_diffs(diffs, [start for *_, start in pieces])
+    dense_xor = config.coding == 0
+    return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
+
+
+def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
+    words = members[0].differ.read(_space(members, "new"), spec.elem_start, spec.elem_count)
+    return record(TAG_CHUNK, encode_full_chunk(spec, words, level))
+
+
+def encode_anchor(
+    new: Tensors,
+    *,
+    version: int,
+    config: CodecConfig | None = None,
+    checksums_out: dict[str, str] | None = None,
+    differ: Differ | None = None,
+) -> Iterator[bytes]:
+    """Records of a full (compressed) anchor of ``new`` at ``version``."""
+    config = config or CodecConfig()
+    header = VersionHeader("anchor", version, None, codec=config.wire_params())
+    return _encode(new, None, header, config, checksums_out, differ)
+
+
+def encode_delta(
+    base: Mapping[str, Any],
+    new: Tensors,
+    *,
+    base_version: int,
+    version: int,
+    config: CodecConfig | None = None,
+    base_checksums: Mapping[str, str] | None = None,
+    checksums_out: dict[str, str] | None = None,
+    differ: Differ | None = None,
+) -> Iterator[bytes]:
+    """Records of the delta ``base`` (at ``base_version``) → ``new`` (at ``version``).
+
+    ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base,
+    whose digest goes into the version header so a receiver refuses a delta for another base
+    before touching anything.
+    ``new`` is a mapping or an iterator of ``(name, tensor)`` pairs (as frameworks stream
+    them). With a mapping, ``LayoutMismatchError`` is raised before anything is yielded;
+    with an iterator, when the mismatching tensor arrives (the frame is then incomplete,
+    and a receiver refuses it).
+    """
+    config = config or CodecConfig()
+    if isinstance(new, Mapping):
+        check_same_layout(base, new)
+    if version == base_version:
+        raise ValueError(f"a delta must move to a new version (both are {version})")
+    if base_checksums is None or set(base_checksums) != set(base):
+        base_checksums = _checksums(base, config, differ)
+    header = VersionHeader(
+        "delta",
+        version,
+        base_version,
+        base_digest=state_digest(dict(base_checksums)),
+        codec=config.wire_params(),
+    )
+    return _encode(new, base, header, config, checksums_out, differ)
+
+
+def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | None) -> dict[str, str]:
+    def one(item):
+        name, tensor = item
+        d = differ or default_differ(tensor)
+        return name, d.checksum(d.prepare(tensor))
+
+    return dict(shared_pool(config.threads).map(one, state.items()))
