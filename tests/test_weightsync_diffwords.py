@@ -45,8 +45,26 @@ def test_strided_views_take_the_numpy_path():
 
 
 def test_numpy_path_when_numba_is_missing(monkeypatch):
-    monkeypatch.setattr(diffwords, "_compiled", [None])
+    monkeypatch.setattr(diffwords.DIFF, "get", lambda: None)
     b = np.arange(1000, dtype=np.uint16)
     n = b.copy()
     n[[3, 500, 999]] += 7
     assert diff_words(b, n)[0].tolist() == [3, 500, 999]
+
+
+def test_numba_is_loaded_on_the_first_kernel_use_not_at_import():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nimport numpy as np\n"
+        "from modal_rl.weightsync.codec import diffwords, scatter\n"
+        "assert 'numba' not in sys.modules\n"
+        "words = np.zeros(8, np.uint16)\n"
+        "scatter.scatter(words, np.array([1, 3]), 0, np.array([5, 6], np.uint16), 'set')\n"
+        "assert 'numba' in sys.modules and words.tolist() == [0, 5, 0, 6, 0, 0, 0, 0]\n"
+        "assert diffwords.diff_words(words, np.zeros(8, np.uint16))[0].tolist() == [1, 3]\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

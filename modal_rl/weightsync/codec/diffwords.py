@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from modal_rl.weightsync.codec.jit import Kernel
+
 
 def _numpy_positions(b: np.ndarray, n: np.ndarray) -> np.ndarray:
     per_block = 8 // b.dtype.itemsize
@@ -59,24 +61,13 @@ def _diff_kernel(b, n, b64, n64, per_block, pos, old, new):
     return k
 
 
-_compiled: list = []  # [kernel or None], filled on first use: numba is imported lazily
-
-
-def _kernel():
-    if not _compiled:
-        try:
-            from numba import njit
-        except ImportError:  # numba missing: the numpy path
-            _compiled.append(None)
-        else:
-            _compiled.append(njit(nogil=True, cache=True)(_diff_kernel))
-    return _compiled[0]
+DIFF = Kernel(_diff_kernel)  # numba is imported on the first diff (``jit``)
 
 
 def diff_words(b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sorted positions where ``b`` and ``n`` differ, ``b`` there, ``n`` there); both
     contiguous 1-D arrays of one unsigned word type."""
-    kernel = _kernel()
+    kernel = DIFF.get()
     if kernel is None or not (b.flags.c_contiguous and n.flags.c_contiguous):
         positions = _numpy_positions(b, n)
         return positions, b[positions], n[positions]

@@ -15,25 +15,24 @@ from typing import Any
 
 import numpy as np
 
+from modal_rl.weightsync.codec.jit import Kernel
+
 SET, XOR, ADD = 0, 1, 2
 OPS = {"set": SET, "xor": XOR, "add": ADD}
 
-try:
-    from numba import njit
-except ImportError:  # numba missing: numpy fancy indexing below
-    _scatter = None
-else:
 
-    @njit(nogil=True, cache=True)
-    def _scatter(words, positions, shift, values, op):
-        for k in range(positions.size):
-            p = positions[k] - shift
-            if op == ADD:
-                words[p] += values[k]
-            elif op == XOR:
-                words[p] ^= values[k]
-            else:
-                words[p] = values[k]
+def _scatter_loop(words, positions, shift, values, op):
+    for k in range(positions.size):
+        p = positions[k] - shift
+        if op == ADD:
+            words[p] += values[k]
+        elif op == XOR:
+            words[p] ^= values[k]
+        else:
+            words[p] = values[k]
+
+
+SCATTER = Kernel(_scatter_loop)
 
 
 def scatter(words: np.ndarray, positions: np.ndarray, shift: int, values: np.ndarray, op: str) -> None:
@@ -44,10 +43,11 @@ def scatter(words: np.ndarray, positions: np.ndarray, shift: int, values: np.nda
         raise IndexError(
             f"changes at {positions[0] - shift}..{positions[-1] - shift} outside {words.size} words"
         )
-    if _scatter is None or values.dtype != words.dtype:
+    kernel = SCATTER.get()
+    if kernel is None or values.dtype != words.dtype:
         update(words, positions - shift, values, op)
         return
-    _scatter(words, positions, np.int64(shift), values, OPS[op])
+    kernel(words, positions, np.int64(shift), values, OPS[op])
 
 
 def update(words: Any, where: Any, values: Any, op: str) -> None:
