@@ -37,11 +37,11 @@ from modal_rl.run_key import MissingRunKeyError
 from modal_rl.weightsync.cli.common import BAD_INPUT, FAILED, CliError, add_key_flag, check_out, keys_of  # noqa: F401
 from modal_rl.weightsync.codec.decode import apply_frame
 from modal_rl.weightsync.codec.differ import NumpyDiffer
-from modal_rl.weightsync.codec.dtypes import ITEMSIZE
 from modal_rl.weightsync.codec.encode import CodecConfig, encode_anchor, encode_delta
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.wire.auth import FrameKeys, sign_records, trailer_size
 from modal_rl.weightsync.wire.chunk_header import CHUNK_HEADER, ENCODING_NAMES
+from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 from modal_rl.weightsync.wire.frames import (
     MAGIC,
     RECORD_HEADER,

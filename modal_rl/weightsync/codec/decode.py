@@ -22,7 +22,7 @@ import numpy as np
 from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
 from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
 from modal_rl.weightsync.codec.differ import TorchDiffer, checksum_words
-from modal_rl.weightsync.codec.dtypes import ITEMSIZE, dtype_name, empty_like_spec, is_torch, words_of
+from modal_rl.weightsync.codec.dtypes import dtype_name, empty_like_spec, is_torch, words_of
 from modal_rl.weightsync.codec.encode import CodecConfig, shape_of
 from modal_rl.weightsync.codec.workers import shared_pool
 from modal_rl.weightsync.errors import (
@@ -34,6 +34,7 @@ from modal_rl.weightsync.errors import (
     WeightSyncError,
 )
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
+from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 from modal_rl.weightsync.wire.frames import (
     TAG_CHUNK,
     TAG_END,

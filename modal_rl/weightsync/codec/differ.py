@@ -14,7 +14,8 @@ import numpy as np
 import xxhash
 
 from modal_rl.weightsync.codec.diffwords import diff_words
-from modal_rl.weightsync.codec.dtypes import ITEMSIZE, WORD_DTYPES, dtype_name, is_torch, words_of
+from modal_rl.weightsync.codec.dtypes import WORD_DTYPES, dtype_name, is_torch, words_of
+from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 
 
 class Differ(Protocol):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.weightsync.wire.dtype_codes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE  # noqa: F401 (re-exported)
+from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 
 WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -28,9 +28,10 @@ from modal_rl.weightsync.codec.codings.chunks import (
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts
 from modal_rl.weightsync.codec.differ import Differ, default_differ
 from modal_rl.weightsync.codec.diffwords import join_diffs
-from modal_rl.weightsync.codec.dtypes import ITEMSIZE, dtype_name
+from modal_rl.weightsync.codec.dtypes import dtype_name
 from modal_rl.weightsync.codec.workers import shared_pool
 from modal_rl.weightsync.errors import LayoutMismatchError
+from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 from modal_rl.weightsync.wire.frames import (
     RECORD_HEADER,
     RECORD_TRAILER,
