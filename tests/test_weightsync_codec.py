@@ -57,6 +57,31 @@ def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
     assert same_state(chain.state, new)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shapes=st.lists(shapes, min_size=1, max_size=4),
+    density=st.sampled_from([0.0, 0.001, 0.05, 1.0]),
+    chunk_elems=st.sampled_from([7, 256, 4096]),
+    coding=st.sampled_from([0, 1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_update_base_leaves_the_base_equal_to_new_and_the_frame_unchanged(
+    dtype, shapes, density, chunk_elems, coding, seed
+):
+    """``update_base`` (the publisher's one-copy snapshot) writes new into the base while
+    coding; the frame is byte for byte the one coded without it, for every coding."""
+    gen = torch.Generator().manual_seed(seed)
+    base = {f"t{i}": random_tensor(s, dtype, gen) for i, s in enumerate(shapes)}
+    new = perturb(base, density, seed)
+    config = CodecConfig(chunk_elems=chunk_elems, threads=2, coding=coding)
+    plain = frame_bytes(encode_delta(clone_state(base), new, base_version=0, version=1, config=config))
+    held = clone_state(base)
+    updated = frame_bytes(encode_delta(held, new, base_version=0, version=1, config=config, update_base=True))
+    assert updated == plain
+    assert same_state(held, new)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_word_chunks(dtype):
     gen = torch.Generator().manual_seed(3)

@@ -12,6 +12,7 @@ import torch
 
 from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
+from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
 from modal_rl.weightsync.transport.base import TokenBucket
@@ -183,37 +184,40 @@ def test_a_relay_re_serves_what_it_receives():
         relay_server.close()
 
 
-def test_the_second_host_copy_is_made_before_the_first_delta(tmp_path):
-    """After the first publish, the next version's buffers are made (pages touched) in the
-    background; the first delta copies into them instead of allocating a whole state."""
+def test_the_publisher_holds_one_copy_and_deltas_write_only_into_it(tmp_path):
+    """The snapshot is the publisher's only copy of the state: an anchor copies into it, and
+    each delta diffs the caller's tensors where they lie and writes the changed words into
+    the same buffers (no second host copy, no per-version allocation). The caller's tensors
+    are only read, and a receiver still gets every version bit for bit."""
+    states = trajectory(4)
+    publisher = Publisher(DirectoryStore(tmp_path), anchor_every=None, config=CONFIG)
+    publisher.publish(states[0])
+    buffers = {n: t.data_ptr() for n, t in publisher.snapshot.items()}
+    assert all(buffers[n] != t.data_ptr() for n, t in states[0].items() if t.numel())
+    for v in (1, 2, 3):
+        before = {n: t.clone() for n, t in states[v].items()}
+        assert publisher.publish(states[v]).kind == "delta"
+        assert {n: t.data_ptr() for n, t in publisher.snapshot.items()} == buffers
+        assert same_state(publisher.snapshot, states[v])
+        assert same_state(states[v], before)  # read, never written
+    live: dict = {}
+    assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(3, timeout=30)
+    assert same_state(live, states[3])
+
+
+def test_a_failed_delta_leaves_a_mixed_snapshot_that_the_next_anchor_rewrites(tmp_path):
+    """A delta that fails part way (here: the fourth tensor has a new shape) has already
+    written some chunks into the snapshot; the next publish is an anchor, so what the
+    receivers get stays exact."""
     states = trajectory(3)
     publisher = Publisher(DirectoryStore(tmp_path), anchor_every=None, config=CONFIG)
     publisher.publish(states[0])
-    prefault = publisher._prefault
-    prefault.thread.join(timeout=30)
-    ready = dict(prefault._ready)
-    assert set(ready) == set(states[0])
-    assert all(ready[n].shape == t.shape and ready[n].dtype == t.dtype for n, t in states[0].items())
-    held = publisher.snapshot
-    assert all(ready[n].data_ptr() != held[n].data_ptr() for n in ready if ready[n].numel())
-    assert publisher.publish(states[1]).kind == "delta"
-    assert all(publisher.snapshot[n] is ready[n] for n in ready)  # the prepared buffers, reused
-    assert same_state(publisher.snapshot, states[1])
+    names = list(states[1])
+    broken = ((n, t if i != 3 else t.reshape(-1)[:-1]) for i, (n, t) in enumerate(states[1].items()))
+    with pytest.raises(WeightSyncError):
+        publisher.publish(broken)
+    assert any(not torch.equal(publisher.snapshot[n], states[0][n]) for n in names[:3])
+    assert publisher.publish(states[2], version=2).kind == "anchor"
     live: dict = {}
-    assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(1, timeout=30)
-    assert same_state(live, states[1])
-
-
-def test_a_publish_never_waits_for_the_background_copy():
-    """Buffers the next publish takes first are never made (or kept) by the background
-    thread: it skips what was claimed, so nothing is made twice and nothing waits."""
-    from modal_rl.weightsync.publisher import _Prefault
-
-    state = {f"t{i}": torch.zeros(1 << 16, dtype=torch.bfloat16) for i in range(64)}
-    prefault = _Prefault(state)
-    taken = {name: prefault.take(name) for name in state}  # at once, while it runs
-    prefault.thread.join(timeout=30)
-    assert prefault._ready == {}  # everything claimed: nothing left behind
-    made = [t for t in taken.values() if t is not None]
-    assert all(t.shape == (1 << 16,) and t.dtype == torch.bfloat16 for t in made)
-    assert prefault.take("t0") is None  # a name is handed out at most once
+    assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(2, timeout=30)
+    assert same_state(live, states[2])

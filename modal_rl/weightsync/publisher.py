@@ -2,7 +2,11 @@
 
 Invariants:
 - ``snapshot`` holds, bit for bit, the last version published (on the host; in pinned
-  memory when the trainer's tensors are on CUDA, so device→host copies are fast);
+  memory when the trainer's tensors are on CUDA, so device→host copies are fast). It is
+  the publisher's one copy of the state: an anchor copies into its buffers, a delta diffs
+  the trainer's CPU tensors against it where they lie and writes only the changed words
+  into it (``encode_delta(update_base=True)``), so a version costs no second host copy and
+  no whole-state memcpy. CUDA tensors are still copied to a pinned host buffer first;
 - every frame names the run (``run``) and this publisher's ``epoch`` (drawn when it is made:
   one trainer start = one epoch; a store may raise it to stay above the previous holder's,
   see ``epoch``); a sink that keeps a lease (stores) grants it when the publisher is made,
@@ -17,8 +21,9 @@ Invariants:
   an anchor of the same version handed to the sink's ``send_recovery`` (kept for cold and
   restarted receivers, not streamed to the live ones), so catching up costs at most one
   anchor plus ``recovery_every`` deltas while live receivers only ever get deltas;
-- a version whose encode or send fails leaves the snapshot at the previous version, and
-  the next publish is an anchor (receivers may have seen a partial frame and refused it).
+- a version whose encode or send fails leaves the snapshot mixed (some chunks updated),
+  and the next publish is an anchor, which rewrites all of it (receivers may have seen a
+  partial frame and refused it; the version number stays the last one sent whole).
 
 Records go to the transport as the encoder produces them, so a group is on the wire while
 later ones are still being encoded.
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -87,24 +91,21 @@ class Publisher:
         self._since_anchor = 0
         self._since_recovery = 0
         self._force_anchor = True
-        # the previous snapshot's buffers, reused for the next version's copy: a version then
-        # costs no allocation (nor page faults), and the publisher's peak stays at two copies
-        self._spare: dict[str, Any] = {}
-        self._prefault: _Prefault | None = None
+        # host staging for device tensors (a delta of CPU tensors needs none)
+        self._device_staging: dict[str, Any] = {}
         from modal_rl.weightsync.codec.warmup import start_warm_up
 
         start_warm_up(self.config.threads)  # the encoder's kernels load before the first delta
 
-    def _to_host(self, name: str, tensor: Any) -> Any:
-        """Copy into a host buffer owned by the publisher (the caller may reuse its tensor)."""
+    def _to_host(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
+        """Copy into a host buffer owned by the publisher (the caller may reuse its tensor):
+        ``buffers[name]`` when it fits, else a new one."""
         import torch
 
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
         pin = tensor.device.type == "cuda"
-        out = self._prefault.take(name) if self._prefault is not None else None
-        if out is None:
-            out = self._spare.pop(name, None)
+        out = buffers.get(name)
         if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.is_pinned() != pin:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         if pin:
@@ -115,6 +116,18 @@ class Publisher:
             # threads measured 5x slower publishes on a busy 2-core host.
             np.copyto(words_of(out), words_of(tensor.detach()))
         return out
+
+    def _delta_input(self, name: str, tensor: Any) -> Any:
+        """What a delta diffs against the snapshot: a CPU tensor as it lies (read only),
+        a device tensor's copy in host staging."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            return tensor  # an array: read as it lies
+        if tensor.device.type != "cpu":
+            self._device_staging[name] = self._to_host(name, tensor, self._device_staging)
+            return self._device_staging[name]
+        return tensor.detach()
 
     def _config_for_link(self) -> CodecConfig:
         """The codec config for this publish: a sink that knows each receiver's share of
@@ -140,29 +153,35 @@ class Publisher:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
         every = self.anchor_every
         anchor = self._force_anchor or (every is not None and self._since_anchor + 1 >= every)
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
         staged: dict[str, Any] = {}
 
-        def host_items() -> Iterator[tuple[str, Any]]:
-            items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        def anchor_items() -> Iterator[tuple[str, Any]]:
+            # into the snapshot's own buffers: the publisher never holds two copies
             for name, tensor in items:
-                staged[name] = self._to_host(name, tensor)
+                staged[name] = self._to_host(name, tensor, self.snapshot)
                 yield name, staged[name]
+
+        def delta_items() -> Iterator[tuple[str, Any]]:
+            for name, tensor in items:
+                yield name, self._delta_input(name, tensor)
 
         sums: dict[str, str] = {}
         t0 = time.perf_counter()
         config = self._config_for_link()
         if anchor:
-            records = encode_anchor(host_items(), version=version, config=config, checksums_out=sums)
+            records = encode_anchor(anchor_items(), version=version, config=config, checksums_out=sums)
             header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
         else:
             records = encode_delta(
                 self.snapshot,
-                host_items(),
+                delta_items(),
                 base_version=self.version,
                 version=version,
                 config=config,
                 base_checksums=self.checksums,
                 checksums_out=sums,
+                update_base=True,
             )
             header = VersionHeader("delta", version, self.version, run=self.run, epoch=self.epoch)
         try:
@@ -170,16 +189,16 @@ class Publisher:
         except BaseException:
             self._force_anchor = True
             raise
-        self._spare = self.snapshot
-        self.snapshot, self.checksums, self.version = staged, sums, version
-        self._prefault = _Prefault(self.snapshot) if not self._spare else None
+        if anchor:
+            self.snapshot = staged
+        self.checksums, self.version = sums, version
         self._force_anchor = False
         self._since_anchor = 0 if anchor else self._since_anchor + 1
         self._since_recovery = 0 if anchor else self._since_recovery + 1
         recovery = 0
         if self.recovery_every is not None and self._since_recovery >= self.recovery_every:
             recovery = self._send_recovery(version)
-        raw = sum(t.numel() * t.element_size() for t in staged.values())
+        raw = sum(t.numel() * t.element_size() for t in self.snapshot.values())
         return PublishReport(version, header.kind, size, raw, time.perf_counter() - t0, self.epoch, recovery)
 
     def _send_recovery(self, version: int) -> int:
@@ -201,44 +220,3 @@ class Publisher:
             return 0
         self._since_recovery = 0
         return size
-
-
-class _Prefault:
-    """The second host copy (the next version's buffers), made on a background thread with
-    its pages touched. Only the first publish has no spare buffers; without this the first
-    delta paid a whole state's page faults (2 GB bf16, published alone: 2.2 s against 1.1 s
-    for the next deltas). Nothing ever waits for it: the next publish ``take``s each buffer
-    that is ready and allocates the others itself, which the thread then skips (on a busy
-    host, waiting for it cost the first delta 2.7 s at 2 GB). The peak stays at the two
-    copies a publisher holds anyway."""
-
-    def __init__(self, snapshot: dict[str, Any]) -> None:
-        self._lock = threading.Lock()
-        self._ready: dict[str, Any] = {}
-        self._claimed: set[str] = set()
-        self.thread = threading.Thread(target=self._make, args=(dict(snapshot),), name="publisher-prefault")
-        self.thread.daemon = True
-        self.thread.start()
-
-    def take(self, name: str) -> Any | None:
-        """The buffer made for ``name``, or None (not made yet: it will not be)."""
-        with self._lock:
-            self._claimed.add(name)
-            return self._ready.pop(name, None)
-
-    def _make(self, snapshot: dict[str, Any]) -> None:
-        import torch
-
-        try:
-            for name, held in snapshot.items():
-                with self._lock:
-                    if name in self._claimed:
-                        continue
-                out = torch.empty(held.shape, dtype=held.dtype, pin_memory=held.is_pinned())
-                words = words_of(out)
-                words[:: max(1, 4096 // words.itemsize)] = 0  # one store per page faults it in
-                with self._lock:
-                    if name not in self._claimed:
-                        self._ready[name] = out
-        except Exception as exc:  # the next copy allocates what is missing, as without it
-            log.warning("weight sync: could not prepare the next version's buffers: %s", exc)

@@ -35,6 +35,12 @@ class Differ(Protocol):
     def concat(self, handles: list[Any]) -> Any:
         """One handle holding the given handles' words back to back."""
 
+    def write(self, handle: Any, start: int, positions: np.ndarray, words: np.ndarray) -> None:
+        """``handle[start + positions] = words`` (the publisher's snapshot taking a delta)."""
+
+    def copy(self, dst: Any, src: Any, start: int, count: int) -> None:
+        """``dst[start:start+count] = src[start:start+count]``."""
+
 
 def checksum_words(words: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(words.view(np.uint8)) if words.size else xxhash.xxh3_128_hexdigest(b"")
@@ -58,6 +64,12 @@ class NumpyDiffer:
 
     def concat(self, handles: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(handles)
+
+    def write(self, handle: np.ndarray, start: int, positions: np.ndarray, words: np.ndarray) -> None:
+        handle[start:][positions] = words
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, start: int, count: int) -> None:
+        np.copyto(dst[start : start + count], src[start : start + count])
 
 
 class TorchDiffer:
@@ -96,6 +108,16 @@ class TorchDiffer:
         import torch
 
         return torch.cat(handles)
+
+    def write(self, handle: Any, start: int, positions: np.ndarray, words: np.ndarray) -> None:
+        import torch
+
+        index = torch.from_numpy(positions.astype(np.int64, copy=False) + start).to(handle.device)
+        signed = words.view(getattr(np, self._SIGNED[words.itemsize]))
+        handle[index] = torch.from_numpy(signed).to(handle.device)
+
+    def copy(self, dst: Any, src: Any, start: int, count: int) -> None:
+        dst[start : start + count].copy_(src[start : start + count])
 
     def checksum(self, handle: Any, copy_elems: int = 1 << 24) -> str:
         # Hash on the host in slices so a device tensor never needs a full host copy at once.

@@ -207,6 +207,7 @@ def _encode(
     config: CodecConfig,
     checksums_out: dict[str, str] | None,
     differ: Differ | None,
+    update_base: bool = False,
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
@@ -232,7 +233,7 @@ def _encode(
                 if base is None:
                     yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
                 else:
-                    yield from emit(pool.submit(_delta_chunk, members, spec, config, v2))
+                    yield from emit(pool.submit(_delta_chunk, members, spec, config, v2, update_base))
         yield from emit(pool.drain())
         yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
     finally:
@@ -278,7 +279,11 @@ def _pieces(members: list[_Member], spec: ChunkSpec) -> Iterator[tuple[_Member, 
         offset += m.numel
 
 
-def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool) -> bytes:
+def _delta_chunk(
+    members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool, update_base: bool
+) -> bytes:
+    """One delta chunk's record; with ``update_base``, the base's words of this chunk take the
+    new ones once it is coded (only this task ever touches them)."""
     d, level = members[0].differ, config.zstd_level
     pieces = list(_pieces(members, spec))
     if v2 and ITEMSIZE[members[0].dtype] == 2:
@@ -290,8 +295,14 @@ def _delta_chunk(members: list[_Member], spec: ChunkSpec, config: CodecConfig, v
         body = encode_delta_chunk_v2(
             spec, base_parts, new_parts, starts, level, config.link_bytes_per_s, config.receiver_costs
         )
+        if update_base:  # v2 read every word of the chunk anyway: one copy while it is hot
+            for m, at, n, _ in pieces:
+                d.copy(m.base, m.new, at, n)
         return record(TAG_CHUNK, body)
     diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
+    if update_base:  # only the changed words are written
+        for (m, at, _n, _), (pos, _old, new) in zip(pieces, diffs, strict=True):
+            d.write(m.base, at, pos, new)
     positions, old_words, new_words = join_diffs(diffs, [start for *_, start in pieces])
     dense_xor = config.coding == 0
     return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
@@ -326,8 +337,13 @@ def encode_delta(
     base_checksums: Mapping[str, str] | None = None,
     checksums_out: dict[str, str] | None = None,
     differ: Differ | None = None,
+    update_base: bool = False,
 ) -> Iterator[bytes]:
     """Records of the delta ``base`` (at ``base_version``) → ``new`` (at ``version``).
+
+    ``update_base``: each chunk, once coded, writes its changed words into ``base`` (the
+    publisher's snapshot then holds ``new`` without a second copy of the state; a frame
+    abandoned part way leaves ``base`` mixed, so its holder must send an anchor next).
 
     ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base,
     whose digest goes into the version header so a receiver refuses a delta for another base
@@ -351,7 +367,7 @@ def encode_delta(
         base_digest=state_digest(dict(base_checksums)),
         codec=config.wire_params(),
     )
-    return _encode(new, base, header, config, checksums_out, differ)
+    return _encode(new, base, header, config, checksums_out, differ, update_base)
 
 
 def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | None) -> dict[str, str]:
