@@ -1,0 +1,60 @@
+"""Child of ``test_weightsync_shards``: two real FSDP2 ranks (gloo, CPU) train a small model
+and each publishes only its ``Shard(0)`` local tensors (``dtensor_pieces``, no gather) to its
+own store. Rank 0 also saves the gathered full state of every version as the test's
+reference (verification only: the publish path never gathers).
+
+Usage: python -m tests._fsdp_shard_child OUT_DIR PORT VERSIONS"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def rank_main(rank: int, world: int, out: Path, port: int, versions: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.publisher import Publisher
+    from modal_rl.weightsync.shards import dtensor_pieces
+    from modal_rl.weightsync.transport.store import DirectoryStore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 70), torch.nn.Tanh(), torch.nn.Linear(70, 5))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    publisher = Publisher(
+        DirectoryStore(out / f"rank{rank}"), anchor_every=None, config=CodecConfig(chunk_elems=512), epoch=11
+    )
+    for version in range(versions):
+        if version:
+            x = torch.randn(16, 33)
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        bf16 = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+        publisher.publish(dtensor_pieces(bf16), version)
+        full = {n: p.full_tensor() for n, p in bf16}  # the reference only
+        held = sum(t.numel() for t in publisher.snapshot.values())
+        if rank == 0:
+            torch.save(full, out / f"full{version}.pt")
+        print(f"rank {rank} v{version} held {held} of {sum(t.numel() for t in full.values())}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    out_dir, port, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    mp.spawn(rank_main, args=(2, out_dir, port, count), nprocs=2)
