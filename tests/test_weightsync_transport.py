@@ -221,3 +221,27 @@ def test_a_failed_delta_leaves_a_mixed_snapshot_that_the_next_anchor_rewrites(tm
     live: dict = {}
     assert Subscriber(DirectoryStore(tmp_path), copy_into(live), CONFIG).run_until(2, timeout=30)
     assert same_state(live, states[2])
+
+
+def test_a_server_that_keeps_no_anchor_holds_no_frame_but_still_streams():
+    """``keep_anchors=0`` (the model-scale publisher: no compressed copy of the model beside
+    its snapshot): nothing is retained, connected receivers still get every version."""
+    states = trajectory(3)
+    server = FrameServer(keep_anchors=0)
+    live: dict = {}
+    sub = Subscriber(TcpSource(*server.address), copy_into(live), CONFIG)
+    publisher = Publisher(server, anchor_every=None, config=CONFIG)
+    try:
+        for v, state in enumerate(states):
+            got = threading.Thread(target=sub.run_until, args=(v, 30))
+            got.start()  # connects (once) and waits for version v
+            deadline = time.monotonic() + 30
+            while server.receivers < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert publisher.publish(state).bytes > 0
+            got.join(30)
+            assert sub.reached(v) and same_state(live, state)
+            assert server.retained == []
+    finally:
+        sub.source.close()
+        server.close()

@@ -28,7 +28,10 @@ class Kept(NamedTuple):
 
 
 def trim(retained: list[Kept], keep_anchors: int) -> None:
-    """Drop what lies before the ``keep_anchors``-th newest anchor."""
+    """Drop what lies before the ``keep_anchors``-th newest anchor (0: keep nothing)."""
+    if keep_anchors == 0:
+        retained.clear()
+        return
     anchors = [i for i, k in enumerate(retained) if k.header.kind == "anchor"]
     if len(anchors) > keep_anchors:
         del retained[: anchors[-keep_anchors]]

@@ -70,12 +70,7 @@ from modal_rl.weightsync.wire.auth import (
     sign_records,
 )
 from modal_rl.weightsync.wire.epoch import describe
-from modal_rl.weightsync.wire.frames import (
-    TAG_END,
-    TAG_VERSION,
-    VersionHeader,
-    record_body,
-)
+from modal_rl.weightsync.wire.frames import TAG_END, TAG_VERSION, VersionHeader, record_body
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
@@ -120,7 +115,9 @@ class FrameServer(FrameSink):
         self.limiter = TokenBucket(rate_bytes_per_s)
         self.max_buffer = max_buffer_bytes
         self.slow_timeout = slow_timeout_s
-        self.keep_anchors = keep_anchors
+        # 0: retain nothing (late receivers catch up from a store's recovery anchors), so
+        # the publisher holds no compressed copy of the model beside its snapshot
+        self.keep_anchors = max(0, keep_anchors)
         self.retained: list[Kept] = []
         self.run: str | None = None
         self.epoch: int | None = None  # the publisher's epoch (None: a relay, or no publisher yet)
@@ -340,18 +337,21 @@ class FrameServer(FrameSink):
         """FrameSink: broadcast records as they are produced (signed with the server's key);
         retain the frame for catch-up."""
         self._check_lease(header)
-        parts: list[bytes] = []
+        parts: list[bytes] = []  # what is retained (nothing with keep_anchors=0)
+        sent = 0
         self._call(self._begin())
         try:
             for rec in sign_records(records, self.keys):
-                parts.append(rec)
+                sent += len(rec)
+                if self.keep_anchors:
+                    parts.append(rec)
                 self._call(self._broadcast(rec))
         except BaseException:
             # An aborted frame: receivers got a prefix they will refuse; do not retain it.
             self._call(self._frame_closed())
             raise
         self._call(self._end(header, parts))
-        return sum(map(len, parts))
+        return sent
 
     def forward(self, tag: bytes, raw: bytes) -> None:
         """Relay: re-serve one record received from upstream (call in arrival order). Records
