@@ -188,3 +188,76 @@ def test_each_tensor_parallel_rank_learns_its_shard_from_vllms_loaders(monkeypat
         assert placed == sum(p.numel() for p in engine.parameters())  # every engine word, once
         switch(emap, stage(emap, v1, version=1, generation=0), generation=0)
         assert digests(engine) == digests(fresh(v1)), f"rank {rank}"
+
+
+class Layered(torch.nn.Module):
+    """Three ``Engine`` layers under ``model.layers.N.`` (or ``stack.N.``: parameters named
+    unlike the checkpoint) and a top-level embedding, loaded by routing each checkpoint name
+    to its layer's loader, as vLLM's models do."""
+
+    def __init__(self, stack: str = "layers") -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        setattr(self.model, stack, torch.nn.ModuleList(Engine() for _ in range(3)))
+        self.stack = getattr(self.model, stack)
+        self.top = torch.nn.Parameter(torch.zeros(8, H, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "top.weight":
+                self.top.data.copy_(w)
+                continue
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            self.stack[int(i)].load_weights([(rest, w)])
+
+
+def layered_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    out = {f"model.layers.{i}.{n}": t for i in range(3) for n, t in checkpoint(seed + i).items()}
+    return out | {"top.weight": checkpoint(seed)["emb.weight"][:8]}
+
+
+def _same_maps(a, b) -> bool:
+    def flat(emap):
+        return {
+            (name, p.param, p.is_run, p.start, p.offset, p.length)
+            + ((tuple(p.src.tolist()), tuple(p.dst.tolist())) if not p.is_run else ())
+            for name, places in emap.placements.items()
+            for p in places
+        }
+
+    return flat(a) == flat(b) and a.fallback == b.fallback
+
+
+@pytest.mark.parametrize("stack", ["layers", "stack"])
+def test_learning_layer_by_layer_gives_the_same_map_with_one_layers_shadow(stack):
+    """Grouped learning (one layer's shadows at a time, every other parameter storage-less)
+    finds exactly the map of learning everything at once; its largest shadow is one layer's
+    (int32 words here), not the model's. Parameters named unlike the checkpoint (``stack``)
+    are found by the extra pass."""
+    state = layered_checkpoint(3)
+    at_once = learn_map(Layered(stack), state, grouped=False)
+    grouped = learn_map(Layered(stack), state)
+    assert at_once.placements and _same_maps(grouped, at_once)
+    model = Layered(stack)
+    layer_params = sum(p.numel() for p in model.stack[0].parameters())
+    if stack == "layers":
+        assert grouped.learning["passes"] == 4  # three layers, then the rest
+        assert grouped.learning["largest_group_bytes"] == 4 * layer_params  # int32: one layer
+    else:
+        assert grouped.learning["passes"] == 5  # + every tensor into the unreached parameters
+    everything = sum(p.numel() for p in model.parameters())
+    assert at_once.learning["largest_group_bytes"] == 4 * everything  # every parameter's shadow at once
+    assert grouped.learning["int32_passes"] >= 1
+    # the map works: a full load, then in-place changes, equals a reload of the new state
+    new = step(state, 9)
+    live = Layered(stack)
+    live.load_weights(state.items())
+    grouped.bind(live)
+    assert validate(grouped, state) == []
+    want = Layered(stack)
+    want.load_weights(new.items())
+    staged = stage(grouped, new, 1, 0)
+    switch(grouped, staged, generation=0)
+    assert set(grouped.fallback) == {f"model.{stack}.{i}.scale" for i in range(3)}  # the cast: reloaded
+    for (n, p), (_, q) in zip(live.named_parameters(), want.named_parameters(), strict=True):
+        assert n in grouped.fallback or torch.equal(p, q), n

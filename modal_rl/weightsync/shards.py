@@ -29,6 +29,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +194,7 @@ class ShardedReceiver:
         config = config or CodecConfig()
         self.subscribers = [Subscriber(s, lambda _state, _version: None, config=config) for s in sources]
         self.activate = activate
+        self._pool = ThreadPoolExecutor(len(sources), thread_name_prefix="shard-receiver")
         self.live_version: int | None = None
         self.pause_s: list[float] = []
 
@@ -201,13 +203,21 @@ class ShardedReceiver:
 
     def run_until(self, version: int, timeout: float) -> bool:
         """Stage ``version`` (or a newer one) from every rank, then activate the newest version
-        all ranks hold. False if that did not happen within ``timeout``."""
+        all ranks hold. False if that did not happen within ``timeout``.
+
+        Every rank's stream is read at once, one thread each: a stream left unread while
+        another rank's frame decodes would fill its server's buffer and be dropped (and a
+        server that keeps no anchor cannot resend it); the ranks' decodes overlap too."""
         deadline = time.monotonic() + timeout
         target = version
         while True:
-            for sub in self.subscribers:
-                if not sub.run_until(target, max(0.0, deadline - time.monotonic())):
-                    return False
+            remaining = max(0.0, deadline - time.monotonic())
+            subs = self.subscribers
+            done = list(
+                self._pool.map(Subscriber.run_until, subs, [target] * len(subs), [remaining] * len(subs))
+            )
+            if not all(done):
+                return False
             staged = self.staged()
             if len(set(staged)) == 1:
                 break
@@ -228,3 +238,4 @@ class ShardedReceiver:
     def close(self) -> None:
         for sub in self.subscribers:
             sub.source.close()
+        self._pool.shutdown(wait=True)

@@ -19,15 +19,25 @@ Invariants:
   after loading) -- is in ``fallback`` with the reason, and has no placements;
 - learning changes no weight: shadows are swapped in and out inside one call, and the
   caller holds the engine paused meanwhile.
+
+Learning is done group by group (``layer_group``: one transformer layer's tensors, then the
+rest): only the parameters of the group being loaded get a shadow (int32 where the group's
+tensor ids and positions fit in 31 bits, else int64); every other parameter is swapped for a
+view of one uninitialised scratch buffer (on the CPU its pages are not resident until
+written), so what the loader writes outside the group costs nothing and changes nothing. Extra memory is the largest group's shadow, not the model's; every tensor
+is still loaded once. A parameter no group reached (a loader that names parameters unlike
+the checkpoint) is learned in one more pass that loads every tensor into its shadow only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-TAG_SHIFT = 40  # positions below 2**40 (a 1 T-element tensor); tensor ids in the bits above
+TAG_SHIFT = 40  # int64 shadows: positions below 2**40 (a 1 T-element tensor); tensor ids above
+_LAYER = re.compile(r"^((?:.*?\.)?(?:layers|h|blocks|layer)\.\d+\.)")
 UNPLACED = -1
 WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -61,6 +71,7 @@ class EngineMap:
     fallback: dict[str, str] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # checkpoint name -> dtype it was learnt for
     failed: set[str] = field(default_factory=set)  # checkpoint tensors the loader refused as indices
+    learning: dict[str, int] = field(default_factory=dict)  # passes, largest group's shadow bytes
 
     def fallback_tensors(self, owner: Callable[[str], str] | None = None) -> set[str]:
         """Checkpoint tensors that must be reloaded because they feed a fallback parameter
@@ -102,97 +113,171 @@ def words(tensor: Any) -> Any:
     return tensor.detach().reshape(-1).view(getattr(torch, WORD[tensor.element_size()]))
 
 
-def learn_map(model: Any, state: dict[str, Any], load: Load | None = None) -> EngineMap:
+def layer_group(name: str) -> str:
+    """The learning group of a checkpoint or engine name: its layer's prefix
+    (``model.layers.12.``), or ``""`` for what belongs to no layer (embeddings, norms, head)."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else ""
+
+
+@dataclass(frozen=True)
+class _Tags:
+    """How a pass writes (tensor id, position) into one shadow word."""
+
+    names: list[str]  # the pass's tensors; id = index + 1
+    shift: int
+    dtype: Any
+
+    @classmethod
+    def for_tensors(cls, names: list[str], state: dict[str, Any]) -> _Tags:
+        import torch
+
+        id_bits = max(1, len(names) + 1).bit_length()
+        largest = max((state[n].numel() for n in names), default=0)
+        if largest < 1 << (31 - id_bits):
+            return cls(names, 31 - id_bits, torch.int32)
+        return cls(names, TAG_SHIFT, torch.int64)
+
+
+def learn_map(
+    model: Any, state: dict[str, Any], load: Load | None = None, *, grouped: bool = True
+) -> EngineMap:
     """Learn where each tensor of ``state`` (checkpoint names, shapes and dtypes) lands in
     ``model``'s parameters, by loading index tensors through ``load(model, weights)``
-    (default: ``model.load_weights(weights)``, vLLM's and SGLang's loader entry point)."""
+    (default: ``model.load_weights(weights)``, vLLM's and SGLang's loader entry point).
+    ``grouped``: one layer at a time (the module docstring); False: every tensor in one pass."""
     import torch
 
     load = load or (lambda m, w: m.load_weights(w))
-    params: dict[str, Any] = {}
-    for pname, param in model.named_parameters(remove_duplicate=True):
-        params[pname] = param
+    params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=True))
     names = list(state)
     emap = EngineMap(params=params, dtypes={n: str(state[n].dtype) for n in names})
-    saved = {pname: p.data for pname, p in params.items()}
-    grads = {pname: p.requires_grad for pname, p in params.items()}
-    try:
-        for p in params.values():
-            p.requires_grad_(False)  # an integer shadow cannot require gradients
-            p.data = torch.full(tuple(p.shape), UNPLACED, dtype=torch.int64, device=p.device)
-        failed = _load_indices(model, state, names, load)
-        shadows = {pname: p.data for pname, p in params.items()}
-    finally:
-        for pname, p in params.items():
-            p.data = saved[pname]
-            p.requires_grad_(grads[pname])
-    emap.failed = set(failed)
-    for pname, shadow in shadows.items():
-        _read_shadow(emap, pname, shadow, names, state)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(layer_group(n) if grouped else "", []).append(n)
+    by_group: dict[str, list[str]] = {}
+    for pname in params:
+        by_group.setdefault(layer_group(pname) if grouped else "", []).append(pname)
+    failed: set[str] = set()
+    reached: set[str] = set()
+    passes = [(group, members, by_group.get(group, [])) for group, members in groups.items()]
+    for i, (_group, members, owned) in enumerate(passes):
+        failed |= _learn_pass(emap, model, state, members, owned, load, reached)
+        if i == len(passes) - 1:
+            lost = [p for p in params if p not in reached and p not in emap.fallback]
+            if grouped and lost:  # named unlike the checkpoint: every tensor, their shadows only
+                passes.append(("", names, lost))
+                failed |= _learn_pass(emap, model, state, names, lost, load, reached)
+    emap.failed = failed
     for pname, p in params.items():
         if pname in emap.fallback:
             continue
-        reached = [n for n, ps in emap.placements.items() if any(x.param == pname for x in ps)]
-        if failed and not reached:
+        fed = [n for n, ps in emap.placements.items() if any(x.param == pname for x in ps)]
+        if failed and not fed:
             emap.fallback[pname] = f"its loader refused the index tensor ({', '.join(sorted(failed))[:120]})"
-        elif reached and not p.is_contiguous():
+        elif fed and not p.is_contiguous():
             emap.fallback[pname] = "storage is not contiguous"
-        elif any(state[n].element_size() != p.element_size() or state[n].dtype != p.dtype for n in reached):
+        elif any(state[n].element_size() != p.element_size() or state[n].dtype != p.dtype for n in fed):
             emap.fallback[pname] = (
                 f"engine dtype {p.dtype} differs from the checkpoint's (a cast, not a placement)"
             )
     _drop_fallback(emap)
+    emap.learning = {
+        "passes": len(passes),
+        "largest_group_bytes": max(sum(params[p].numel() * _Tags.for_tensors(m, state).dtype.itemsize for p in o) for _, m, o in passes),
+        "int32_passes": sum(_Tags.for_tensors(m, state).dtype == torch.int32 for _, m, _ in passes),
+    }  # fmt: skip
     return emap
 
 
-def _index_tensors(state: dict[str, Any], names: list[str], only: Iterable[str]) -> Iterator[tuple[str, Any]]:
+def _learn_pass(
+    emap: EngineMap, model: Any, state: dict, members: list[str], owned: list[str], load: Load, reached: set
+) -> set[str]:
+    """Load ``members``' index tensors with shadows for the ``owned`` parameters only (every
+    other parameter storage-less); record placements. Returns the tensors the loader refused."""
+    import torch
+
+    tags = _Tags.for_tensors(members, state)
+    saved = {pname: p.data for pname, p in emap.params.items()}
+    grads = {pname: p.requires_grad for pname, p in emap.params.items()}
+    own = set(owned)
+    # Parameters outside the pass share one never-initialised scratch per device: on the CPU
+    # its pages stay unbacked until written, and a loader writes (garbage, ignored) only
+    # where a tensor of the pass lands outside its layer. (A parameter's storage cannot be
+    # swapped for a ``meta`` tensor; on a GPU the scratch is real: the largest parameter.)
+    scratch: dict[Any, Any] = {}
+    for p in emap.params.values():
+        scratch[p.device] = max(scratch.get(p.device, 0), p.numel())
+    scratch = {d: torch.empty(n, dtype=tags.dtype, device=d) for d, n in scratch.items()}
+    try:
+        for pname, p in emap.params.items():
+            p.requires_grad_(False)  # an integer shadow cannot require gradients
+            if pname in own:
+                p.data = torch.full(tuple(p.shape), UNPLACED, dtype=tags.dtype, device=p.device)
+            else:
+                p.data = scratch[p.device][: p.numel()].view(tuple(p.shape))
+        failed = _load_indices(model, state, tags, load)
+        shadows = {pname: emap.params[pname].data for pname in owned}
+    finally:
+        for pname, p in emap.params.items():
+            p.data = saved[pname]
+            p.requires_grad_(grads[pname])
+    for pname, shadow in shadows.items():
+        if _read_shadow(emap, pname, shadow, tags, state):
+            reached.add(pname)
+    return failed
+
+
+def _index_tensors(state: dict[str, Any], tags: _Tags, only: Iterable[str]) -> Iterator[tuple[str, Any]]:
     import torch
 
     for name in only:
         t = state[name]
-        tag = (names.index(name) + 1) << TAG_SHIFT
-        yield name, (torch.arange(t.numel(), dtype=torch.int64) + tag).reshape(t.shape)
+        tag = (tags.names.index(name) + 1) << tags.shift
+        yield name, (torch.arange(t.numel(), dtype=tags.dtype) + tag).reshape(t.shape)
 
 
-def _load_indices(model: Any, state: dict[str, Any], names: list[str], load: Load) -> set[str]:
-    """Load every index tensor; if the loader refuses the batch, one by one. Returns the
-    checkpoint names whose load raised."""
+def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load) -> set[str]:
+    """Load every index tensor of the pass; if the loader refuses the batch, one by one.
+    Returns the checkpoint names whose load raised."""
     try:
-        load(model, _index_tensors(state, names, names))
+        load(model, _index_tensors(state, tags, tags.names))
         return set()
     except Exception:  # noqa: BLE001 -- which tensor? ask one at a time below
         pass
     failed = set()
-    for name in names:
+    for name in tags.names:
         try:
-            load(model, _index_tensors(state, names, [name]))
+            load(model, _index_tensors(state, tags, [name]))
         except Exception:  # noqa: BLE001 -- this tensor's parameters fall back
             failed.add(name)
     return failed
 
 
-def _read_shadow(emap: EngineMap, pname: str, shadow: Any, names: list[str], state: dict[str, Any]) -> None:
+def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: dict[str, Any]) -> bool:
+    """Record the placements ``shadow`` holds; True if anything landed in it."""
     import torch
 
     flat = shadow.reshape(-1).cpu()
-    tag = flat >> TAG_SHIFT
-    placed = (tag >= 1) & (tag <= len(names))
+    tag = flat >> tags.shift
+    placed = (tag >= 1) & (tag <= len(tags.names))
     dst_all = torch.nonzero(placed).reshape(-1)
     if dst_all.numel() == 0:
-        return
-    tids = tag[dst_all] - 1
-    pos = flat[dst_all] & ((1 << TAG_SHIFT) - 1)
+        return False
+    tids = tag[dst_all].to(torch.int64) - 1
+    pos = (flat[dst_all] & ((1 << tags.shift) - 1)).to(torch.int64)
     for tid in torch.unique(tids).tolist():
-        name = names[tid]
+        name = tags.names[tid]
         sel = tids == tid
         src, dst = pos[sel], dst_all[sel]
         if int(src.max()) >= state[name].numel():
             emap.fallback[pname] = f"index values from {name!r} were changed by the loader (not a placement)"
-            return
+            return True
         order = torch.argsort(src, stable=True)
         src, dst = src[order], dst[order]
         emap._all_targets.setdefault(name, set()).add(pname)
         emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
+    return True
 
 
 def _compact(pname: str, src: Any, dst: Any) -> Placement:

@@ -1,0 +1,129 @@
+"""The processes of ``weight-sync-scale``: a trainer rank and a sharded receiver.
+
+``python -m benchmarks._scale_procs rank RANK WORLD TRAJ_DIR TILES RATE_BYTES_PER_S``
+    Holds the real trajectory's small per-version states (``TRAJ_DIR/v{n}.pt``; the tiled
+    model-scale state is views of them, as ``tiled_state`` makes it) and publishes, for each
+    ``publish V`` line on stdin, its dim-0 shard of version V (``dim0_pieces``) through its
+    own frame server (``keep_anchors=0``). The anchor goes out unthrottled; deltas at the
+    rate given (its share of the receiver's link). Prints one JSON line per event.
+``python -m benchmarks._scale_procs receive ADDRS VERSIONS TRAJ_DIR TILES``
+    A ``ShardedReceiver`` over every rank's server (comma-separated host:port) that keeps no
+    live copy (what it holds is what it serves); prints one JSON line per activated version
+    and, at the end, whether every piece equals the trajectory's last version bit for bit
+    (checked after its peak memory is reported: the check loads one small state).
+
+Memory is reported as peak RSS (``VmHWM``) and the baseline before the weight-sync
+objects were made, so ``peak - baseline`` is what weight sync holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _rss_gb(field: str = "VmHWM") -> float:
+    """Peak (``VmHWM``) or current (``VmRSS``) resident set of this process, in GB. Not
+    ``ru_maxrss``: that survives ``exec`` and would report the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1e6  # kB
+    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def _say(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _tiled(state: dict, tiles: int):
+    for k in range(tiles):
+        for name, tensor in state.items():
+            yield f"tile{k}.{name}", tensor
+
+
+def rank_main(rank: int, world: int, traj: Path, tiles: int, rate: float) -> None:
+    import torch
+
+    from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.publisher import Publisher
+    from modal_rl.weightsync.shards import dim0_pieces
+    from modal_rl.weightsync.transport.base import TokenBucket
+    from modal_rl.weightsync.transport.tcp import FrameServer
+
+    states = {int(p.stem[1:]): torch.load(p) for p in sorted(traj.glob("v*.pt"))}
+    baseline = _rss_gb()
+    server = FrameServer(keep_anchors=0)
+    publisher = Publisher(server, anchor_every=None, config=CodecConfig(threads=2), epoch=0x5CA1E)
+    _say(event="ready", rank=rank, port=server.address[1], baseline_gb=baseline)
+    for line in sys.stdin:
+        cmd, arg = line.split()
+        if cmd == "receivers":  # wait until that many receivers are admitted
+            while server.receivers < int(arg):
+                time.sleep(0.01)
+            _say(event="admitted", rank=rank)
+            continue
+        version = int(arg)
+        if version == 1:
+            server.limiter = TokenBucket(rate)
+        t0 = time.perf_counter()
+        report = publisher.publish(dim0_pieces(_tiled(states[version], tiles), rank, world), version)
+        shard = sum(t.numel() * t.element_size() for t in publisher.snapshot.values())
+        _say(
+            event="published",
+            rank=rank,
+            version=version,
+            kind=report.kind,
+            seconds=time.perf_counter() - t0,
+            bytes=report.bytes,
+            shard_gb=shard / 1e9,
+            peak_rss_gb=_rss_gb(),
+        )
+    server.close()
+
+
+def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
+    import torch
+
+    from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.shards import ShardedReceiver, parse_piece
+    from modal_rl.weightsync.transport.tcp import TcpSource
+
+    baseline = _rss_gb()
+    sources = [TcpSource(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs.split(",")]
+    receiver = ShardedReceiver(sources, lambda _pieces, _layout, _version: None, CodecConfig(threads=2))
+    _say(event="ready", baseline_gb=baseline)
+    for version in range(versions + 1):
+        if not receiver.run_until(version, timeout=900):
+            _say(event="failed", version=version, staged=receiver.staged())
+            return
+        last = [s.timings[-1] for s in receiver.subscribers]
+        held = sum(t.numel() * t.element_size() for s in receiver.subscribers for t in s.chain.state.values())
+        _say(
+            event="activated",
+            version=version,
+            fetch_s=max(t.fetch_s for t in last),
+            decode_s=max(t.decode_s for t in last),
+            verify_s=max(t.verify_s for t in last),
+            apply_s=receiver.pause_s[-1],
+            held_gb=held / 1e9,
+            peak_rss_gb=_rss_gb(),
+        )
+    expected = torch.load(traj / f"v{versions}.pt")
+    exact = True
+    for sub in receiver.subscribers:
+        for key, piece in sub.chain.state.items():
+            p = parse_piece(key)
+            source = expected[p.name.split(".", 1)[1]].reshape(-1)[p.start : p.start + piece.numel()]
+            exact &= torch.equal(source.view(torch.uint8), piece.reshape(-1).view(torch.uint8))
+    _say(event="checked", bit_exact=bool(exact), tiles=tiles)
+    receiver.close()
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
+    else:
+        receive_main(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))

@@ -1,0 +1,261 @@
+"""Suite ``weight-sync-scale``: sharded publishing at the largest states this host holds.
+
+1, 2 and 4 trainer rank *processes* each publish only their dim-0 shard (``dim0_pieces``:
+FSDP2's layout) of a tiled real trajectory — the bf16 sync points of an Adam run of
+all-MiniLM-L6-v2 (``adam_trajectory``), tiled to ``state_gb``, so every tile has the real
+per-tensor change statistics — through their own frame server; sharded receiver processes
+(``ShardedReceiver``) take every rank's stream and activate a version when all ranks staged
+it. No process gathers the model; a receiver holds it because it serves it.
+
+Links: the receivers' side is the bottleneck modelled — the ranks together send at the
+link's rate (each rank's server at ``link / ranks``); the anchor goes out unthrottled (it
+is not what is measured). Per version: seconds from the ``publish`` command to the last
+receiver's activation; stages (they overlap: records are decoded as they arrive): the
+slowest rank's ``encode`` (diff + code + hand to the server), the wire time of the
+version's bytes at the link, the slowest rank's ``decode``/``verify`` on the receiver, and
+``apply`` (the pieces checked to tile; activation itself is a no-op, the receiver's held
+state is what it serves). ``bound_s`` is this host's physical limit for a version: reading
+the previous and the new state once at the memory-read bandwidth measured in the same run,
+plus the wire time of the delta's bytes. Memory is each process's peak RSS minus its
+baseline before weight sync objects were made (a rank's baseline holds the trainer's own
+tensors: the small untiled states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks._weight_sync_data import adam_trajectory, tiled_size
+from benchmarks.report import markdown_table, progress, write_json
+from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+
+SUITE = "weight-sync-scale"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Proc:
+    """A child speaking JSON lines; events are timestamped on arrival."""
+
+    def __init__(self, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "benchmarks._scale_procs", *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.events: list[tuple[float, dict]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.append((time.monotonic(), json.loads(line)))
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, event: str, timeout: float = 600, **match) -> tuple[float, dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for at, e in self.events:
+                if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
+                    return at, e
+            if self.proc.poll() is not None and not any(e["event"] == event for _, e in self.events):
+                raise RuntimeError(f"{event} never came: {self.proc.stderr.read()[-1500:]}")
+            time.sleep(0.005)
+        raise TimeoutError(f"timed out waiting for {event} {match}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def read_bandwidth_bytes_per_s(gb: float = 0.5, threads: int = 2) -> float:
+    """Memory-read bandwidth of this host now: bytes summed per second by ``threads`` threads
+    over two buffers of ``gb`` each (best of 3; numpy's reductions release the GIL)."""
+    import numpy as np
+
+    n = int(gb * 1e9) // 8
+    a, b = np.ones(n, dtype=np.uint64), np.ones(n, dtype=np.uint64)
+    parts = [(x, lo, min(lo + -(-n // threads), n)) for x in (a, b) for lo in range(0, n, -(-n // threads))]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: p[0][p[1] : p[2]].sum(), parts))
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n * 8 / best
+
+
+def run_scenario(
+    traj: Path, state_gb: float, tiles: int, ranks: int, receivers: int, link: float, versions: int
+) -> dict[str, Any]:
+    rate = link * 1e9 / 8 / ranks
+    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), str(rate)]) for r in range(ranks)]
+    rxs: list[_Proc] = []
+    try:
+        ready = [p.wait_for("ready")[1] for p in procs]
+        addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
+        rxs = [_Proc(["receive", addrs, str(versions), str(traj), str(tiles)]) for _ in range(receivers)]
+        for p in procs:
+            p.send(f"receivers {receivers}")
+            p.wait_for("admitted")
+        times, stages, sent = [], [], []
+        for v in range(versions + 1):
+            t0 = time.monotonic()
+            for p in procs:
+                p.send(f"publish {v}")
+            pubs = [p.wait_for("published", version=v)[1] for p in procs]
+            acts = [r.wait_for("activated", version=v) for r in rxs]
+            times.append(max(at for at, _ in acts) - t0)
+            nbytes = sum(e["bytes"] for e in pubs)
+            sent.append(nbytes)
+            worst = max((e for _, e in acts), key=lambda e: e["decode_s"])
+            stages.append(
+                {"encode_s": max(e["seconds"] for e in pubs), "wire_s": nbytes * receivers * 8 / (link * 1e9)}
+                | {k: worst[k] for k in ("decode_s", "verify_s", "apply_s")}
+            )
+        checks = [r.wait_for("checked")[1] for r in rxs]
+        base_rank = {e["rank"]: e["baseline_gb"] for e in ready}
+        last_pub = {p: p.wait_for("published", version=versions)[1] for p in procs}
+        extra = max(e["peak_rss_gb"] - base_rank[e["rank"]] for e in last_pub.values())
+        rx_last = [r.wait_for("activated", version=versions)[1] for r in rxs]
+        rx_base = [r.wait_for("ready")[1]["baseline_gb"] for r in rxs]
+    finally:
+        for p in procs + rxs:
+            p.stop()
+    deltas = times[1:]
+    steady = statistics.mean(deltas[1:]) if len(deltas) > 1 else deltas[0]
+    state_bytes = state_gb * 1e9
+    return {
+        "state_gb": state_gb,
+        "ranks": ranks,
+        "receivers": receivers,
+        "link_gbps": link,
+        "tiles": tiles,
+        "anchor_s": times[0],
+        "first_delta_s": deltas[0],
+        "steady_delta_s": steady,
+        "delta_per_version_s": deltas,
+        "bytes_delta": statistics.mean(sent[1:]),
+        "bytes_anchor": sent[0],
+        "shard_gb": max(e["shard_gb"] for e in last_pub.values()),
+        "publisher_extra_gb": extra,
+        "peak_rss_receiver_gb": max(e["peak_rss_gb"] for e in rx_last),
+        "receiver_baseline_gb": max(rx_base),
+        "held_gb": max(e["held_gb"] for e in rx_last),
+        "bit_exact": all(c["bit_exact"] for c in checks),
+        "stages": {k: statistics.mean(s[k] for s in stages[1:]) for k in stages[1]},
+        "state_bytes": state_bytes,
+    }
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    import torch
+
+    versions = 3 if quick else 4
+    os.environ.setdefault(RUN_KEY_ENV, new_run_key())
+    states = adam_trajectory(1e-6, list(range(versions + 1)))
+    big_gb = 4.0 if quick else 6.0
+    plan = [(big_gb, ranks, 1, link) for ranks in (1, 2, 4) for link in (1, 10, 25)]
+    plan += [(1.0, 4, 4, link) for link in (1, 10, 25)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mrl-scale-", dir=out) as workdir:
+        traj = Path(workdir)
+        for v, state in states.items():
+            torch.save(state, traj / f"v{v}.pt")
+        small_gb = sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
+        for state_gb, ranks, receivers, link in progress(plan, total=len(plan), desc=SUITE):
+            tiles = tiled_size(states[0], state_gb)
+            bandwidth = read_bandwidth_bytes_per_s()  # measured beside each row: the host is shared
+            row = run_scenario(traj, tiles * small_gb, tiles, ranks, receivers, link, versions)
+            row["read_bandwidth_gbps"] = bandwidth * 8 / 1e9
+            row["bound_s"] = 2 * row["state_bytes"] / bandwidth + row["stages"]["wire_s"]
+            rows.append(row)
+    for row in rows:  # bytes against one rank (today's single stream) at the same size and link
+        same = (row["state_gb"], row["receivers"], row["link_gbps"])
+        one = [r for r in rows if r["ranks"] == 1 and (r["state_gb"], r["receivers"], r["link_gbps"]) == same]
+        row["bytes_vs_one_rank"] = row["bytes_delta"] / one[0]["bytes_delta"] if one else None
+    payload = {"quick": quick, "versions": versions, "scenarios": rows}
+    write_json(out, SUITE, payload)
+    text = render(rows)
+    (out / f"{SUITE}.md").write_text(text)
+    plot(rows, out / f"{SUITE}.png")
+    print(text)
+    return payload
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    table = markdown_table(
+        ["state GB", "ranks", "receivers", "link Gbps", "first delta s", "steady delta s", "bound s",
+         "steady/bound", "first/steady", "bytes delta", "bytes vs 1 rank", "encode s", "wire s",
+         "decode s", "verify s", "apply s", "shard GB", "publisher extra GB", "extra/shard",
+         "receiver peak GB", "held GB", "peak/held", "read GB/s", "bit-exact"],
+        [
+            [f"{r['state_gb']:.3g}", r["ranks"], r["receivers"], r["link_gbps"], r["first_delta_s"],
+             r["steady_delta_s"], r["bound_s"], r["steady_delta_s"] / r["bound_s"],
+             r["first_delta_s"] / r["steady_delta_s"], f"{r['bytes_delta']:,.0f}",
+             r["bytes_vs_one_rank"] if r["bytes_vs_one_rank"] is not None else "-",
+             *(r["stages"][k] for k in ("encode_s", "wire_s", "decode_s", "verify_s", "apply_s")),
+             r["shard_gb"], r["publisher_extra_gb"], r["publisher_extra_gb"] / r["shard_gb"],
+             r["peak_rss_receiver_gb"], r["held_gb"], r["peak_rss_receiver_gb"] / r["held_gb"],
+             r["read_bandwidth_gbps"] / 8, r["bit_exact"]]
+            for r in rows
+        ],
+    )  # fmt: skip
+    return (
+        f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "
+        f"reading the previous and the new state once at the measured read bandwidth + the wire "
+        f"time of the delta's bytes. Memory: peak RSS minus the process's baseline "
+        f"(publisher), peak RSS (receiver, interpreter included).\n\n{table}\n"
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['state_gb']:.2g}GB {r['ranks']}r {r['receivers']}rx {r['link_gbps']}G" for r in rows]
+    x = list(range(len(rows)))
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax.bar([i - 0.2 for i in x], [r["steady_delta_s"] for r in rows], 0.4, label="steady delta")
+    ax.bar([i + 0.2 for i in x], [r["bound_s"] for r in rows], 0.4, label="bound (memory + wire)")
+    ax.set_xticks(x, labels, rotation=35, fontsize=7, ha="right")
+    ax.set_ylabel("seconds per version")
+    ax.set_title("Sharded weight sync: time per version")
+    ax.legend(fontsize=8)
+    mem.bar(
+        [i - 0.2 for i in x],
+        [r["publisher_extra_gb"] / r["shard_gb"] for r in rows],
+        0.4,
+        label="publisher extra / shard",
+    )
+    mem.bar(
+        [i + 0.2 for i in x],
+        [r["peak_rss_receiver_gb"] / r["held_gb"] for r in rows],
+        0.4,
+        label="receiver peak / held",
+    )
+    mem.axhline(1.15, color="k", linestyle=":", label="1.15x")
+    mem.set_xticks(x, labels, rotation=35, fontsize=7, ha="right")
+    mem.set_title("Memory per process, relative to what it holds")
+    mem.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
