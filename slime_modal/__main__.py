@@ -184,7 +184,10 @@ def _main(argv: list[str]) -> int:
         if owned_by_manager:
             runtime_env["env_vars"].update(seam.manager_env(engines, job_argv, args.backend, **engine_opts))
             with_manager = seam.manager_argv(job_argv)
-            hooks, job_argv = hooks + with_manager[len(job_argv) :], with_manager
+            added = with_manager[len(job_argv) :]
+            hooks, job_argv = hooks + added, with_manager
+            # No job wrapper and no launcher forwarder: the rollout actor holds both.
+            engines_plan |= {"owner": seam.MANAGER_PATH, "job_command": None, "slime_args": added}
     except ValueError as exc:
         return _fail(str(exc))
     slime_plan = {

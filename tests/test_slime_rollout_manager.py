@@ -10,12 +10,16 @@ forwarder, and slime makes one ``SGLangEngine`` actor per forwarder port, regist
 router. Then an engine is killed: it is replaced, caught up through slime's weight path, and
 routed to again, and slime's own engine actor for that slot reaches the replacement.
 
-The single boundary: the ``sglang`` package, which slime's rollout modules import at module
-level and whose own modules need GPU-side packages this environment lacks, is
-``tests/_slime_cpu_boundary`` (only the names slime imports, SGLang's values; see its
-docstring). slime's router (``sglang_router``, a separate binary package) is not started:
-slime takes a router address it is given (``--sglang-router-ip``), here a recorder of the
-registrations slime's engine actors make. Nothing of slime is replaced.
+Two boundaries, both of this CPU host, nothing of slime replaced (``tests/_slime_cpu_boundary``,
+put on the Ray workers' ``PYTHONPATH``): the ``sglang`` package, which slime's rollout modules
+import at module level and whose own modules need packages this environment lacks (torchvision first)
+(only the names slime imports, SGLang's values); and the accelerator, which slime's
+``SGLangEngine.init`` asks for even for an external engine (a ``cpu`` backend registered through
+slime's own ``register_accelerator``, by that directory's ``sitecustomize``). slime's router
+(``sglang_router``, a separate binary package) is not started: slime takes a router address it
+is given (``--sglang-router-ip``), here a recorder of the registrations slime's engine actors
+make. The fast tests: the seam read from slime's source, the manager's flags and config, and
+the launcher's dry-run plan with and without the seam.
 
 Needs a slime git checkout (``$SLIME_PATH``, else the fetched mirror): skipped without one.
 """
@@ -233,6 +237,9 @@ def test_the_launcher_names_our_manager_only_where_slime_has_the_seam(trees, tmp
     added = ["--rollout-manager-path", manager_seam.MANAGER_PATH, "--rollout-num-gpus", "0"]
     assert seam["slime"]["argv"] == [*line, *added] and seam["slime"]["added_argv"] == added
     assert base["slime"]["argv"] == line
+    assert seam["rollout_engines"]["owner"] == manager_seam.MANAGER_PATH
+    assert seam["rollout_engines"]["job_command"] is None and base["rollout_engines"]["job_command"]
+    assert "slime_modal.engine_job" not in json.dumps(seam["entrypoint"])
     config = json.loads(seam["runtime_env"]["env_vars"][manager_seam.CONFIG_ENV])
     assert config["backend"] == "local" and config["spec"]["count"] == 2
     assert manager_seam.CONFIG_ENV not in base["runtime_env"]["env_vars"]
