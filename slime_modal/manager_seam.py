@@ -10,6 +10,10 @@ starts no engines and no forwarder itself. It adds to slime's argv (:func:`manag
 - ``--rollout-num-gpus 0``: the engines run on their own processes/machines, so slime's
   placement group reserves no GPUs for rollout (with ``--rollout-external-engine-addrs`` slime
   derives the same from the engines, which at parse time do not exist yet on this path);
+- ``--use-fault-tolerance``: only then does slime's trainer call the rollout actor's
+  ``recover_updatable_engines`` before each weight update, where ours waits until every engine
+  serves (a replacement caught up) or says which slot is gone; slime's own health monitors
+  watch server groups its external-engine server does not have, so none start;
 
 and puts what the manager needs to start them into the job's env as :data:`CONFIG_ENV` (JSON,
 :func:`manager_env`): the engine spec (``slime_modal.engines.engine_spec``: the same SGLang
@@ -34,6 +38,7 @@ from slime_modal.preflight import SlimeArgs
 MANAGER_PATH = "slime_modal.rollout_manager.ModalRolloutManager"
 PATH_FLAG = "--rollout-manager-path"
 GPUS_FLAG = "--rollout-num-gpus"
+RECOVER_FLAG = "--use-fault-tolerance"
 CONFIG_ENV = "MODAL_RL_SLIME_ENGINES"
 # Both places the seam touches: the option, and create_rollout_manager reading it.
 SEAM_SOURCES = {
@@ -60,7 +65,8 @@ def uses_manager(slime_path: str, backend: str, engines: EnginesRequest | None) 
 
 
 def manager_argv(slime_argv: list[str]) -> list[str]:
-    """slime's argv plus the manager's two flags; ValueError when the user set either."""
+    """slime's argv plus the manager's flags (module docstring); ValueError when the user set
+    the path or a rollout GPU count."""
     args = SlimeArgs(slime_argv)
     if args.has(PATH_FLAG):
         raise ValueError(f"{PATH_FLAG} is set by --rollout-engines (our rollout manager); drop it")
@@ -68,7 +74,8 @@ def manager_argv(slime_argv: list[str]) -> list[str]:
         raise ValueError(
             f"{GPUS_FLAG} with --rollout-engines: the engines run on their own machines; drop it"
         )
-    return [*slime_argv, PATH_FLAG, MANAGER_PATH, *([] if args.has(GPUS_FLAG) else [GPUS_FLAG, "0"])]
+    added = [PATH_FLAG, MANAGER_PATH] + ([] if args.has(GPUS_FLAG) else [GPUS_FLAG, "0"])
+    return [*slime_argv, *added, *([] if args.has(RECOVER_FLAG) else [RECOVER_FLAG])]
 
 
 def manager_env(

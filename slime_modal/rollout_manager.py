@@ -21,8 +21,10 @@ While the run goes on, the supervisor watches each engine (process, ``GET /healt
 hung one is replaced from the same spec, caught up to slime's newest published version through
 slime's own weight path (``slime_modal.engines.catch_up``: ``/pull_weights`` then
 ``/update_weights_from_disk``), and only then does its port route to it; meanwhile the port
-holds slime's requests. Before each weight update slime calls ``recover_updatable_engines``;
-here that waits until every slot serves again, so the update reaches every engine.
+holds slime's requests. Before each weight update slime calls ``recover_updatable_engines``
+(with ``--use-fault-tolerance``, which the launcher adds); here that waits until every slot
+serves again (an ended process is noticed then, not at the next check), so the update reaches
+every engine, or raises naming the slot that could not be replaced.
 ``dispose`` stops the engines with slime's own cleanup.
 
 Where the forwarder listens: as ``slime_modal.engine_job`` (``listen_plan``): 127.0.0.1 on one

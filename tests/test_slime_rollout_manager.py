@@ -135,7 +135,7 @@ def slime_args(tmp: Path, router: Router) -> Namespace:
         custom_convert_samples_to_train_data_path=None,
         use_wandb=False,
         use_tensorboard=False,
-        use_fault_tolerance=False,
+        use_fault_tolerance=True,  # the launcher adds --use-fault-tolerance (manager_seam)
         ci_test=False,
         rollout_global_dataset=True,
         rollout_batch_size=2,
@@ -191,12 +191,11 @@ def test_the_seam_is_read_from_slimes_source(trees, tmp_path):
 def test_the_manager_flags_and_its_engine_config():
     line = ["--hf-checkpoint", "/m", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d"]
     assert manager_seam.manager_argv(line) == [
-        *line, "--rollout-manager-path", manager_seam.MANAGER_PATH, "--rollout-num-gpus", "0"
+        *line, "--rollout-manager-path", manager_seam.MANAGER_PATH, "--rollout-num-gpus", "0",
+        "--use-fault-tolerance",
     ]  # fmt: skip
-    assert manager_seam.manager_argv([*line, "--rollout-num-gpus", "0"])[-2:] == [
-        "--rollout-manager-path",
-        manager_seam.MANAGER_PATH,
-    ]
+    kept = [*line, "--rollout-num-gpus", "0", "--use-fault-tolerance"]  # the user's own: not repeated
+    assert manager_seam.manager_argv(kept) == [*kept, "--rollout-manager-path", manager_seam.MANAGER_PATH]
     for bad in (["--rollout-num-gpus", "4"], ["--rollout-manager-path", "x.Y"]):
         with pytest.raises(ValueError, match=bad[0]):
             manager_seam.manager_argv([*line, *bad])
@@ -234,7 +233,13 @@ def test_the_launcher_names_our_manager_only_where_slime_has_the_seam(trees, tmp
         plans[name] = json.loads(out.stdout)
     seam, base = plans["patched"], plans["base"]
     assert seam["rollout_manager"]["used"] and not base["rollout_manager"]["used"]
-    added = ["--rollout-manager-path", manager_seam.MANAGER_PATH, "--rollout-num-gpus", "0"]
+    added = [
+        "--rollout-manager-path",
+        manager_seam.MANAGER_PATH,
+        "--rollout-num-gpus",
+        "0",
+        "--use-fault-tolerance",
+    ]
     assert seam["slime"]["argv"] == [*line, *added] and seam["slime"]["added_argv"] == added
     assert base["slime"]["argv"] == line
     assert seam["rollout_engines"]["owner"] == manager_seam.MANAGER_PATH
@@ -297,7 +302,7 @@ def test_slime_runs_our_manager_which_replaces_a_killed_engine(
             try:
                 report = ray.get(manager.engine_report.remote())
                 forwarded = report["addresses"]
-                assert [w["url"] for w in router.workers] == forwarded  # slime's engine actors
+                assert sorted(w["url"] for w in router.workers) == sorted(forwarded)  # slime's engine actors
                 assert per_epoch == 1 and args.num_rollout == 1  # slime's follow-up calls
                 engines, lock, num_new, *_ = ray.get(manager.get_updatable_engines_and_lock.remote())
                 assert len(engines) == 2
