@@ -11,7 +11,10 @@ of ``modal_rl.cluster`` (``--backend --nodes --gpu --volume --env --dry-run`` ..
   for the Hugging Face cache (default on Modal: ``slime-hf-cache``), data and checkpoints;
 - ``--rollout-engines modal:N[:GPU]``: N SGLang engines as their own Modal function, started
   before the job; they need the run's key, which slime cannot send, so the job runs through
-  ``slime_modal.engine_job`` and slime gets its key forwarders as ``--rollout-external-engine-addrs``.
+  ``slime_modal.engine_job`` and slime gets its key forwarders as ``--rollout-external-engine-addrs``;
+  on the local backend with a slime that has ``--rollout-manager-path`` (``patches/slime/0004``),
+  slime's rollout actor is our ``RolloutManager`` subclass, which starts and owns them instead
+  (``slime_modal.manager_seam``).
 
 Exit status: 0 when the job finished (or the dry run / preflight passed), 2 for bad flags,
 missing Modal credentials or a slime command line that cannot run on the cluster (one line
@@ -101,6 +104,7 @@ def _main(argv: list[str]) -> int:
     from modal_rl.run_key import ensure_run_key
     from slime_modal import engines as E
     from slime_modal import launch as L
+    from slime_modal import manager_seam as seam
     from slime_modal import preflight as pf
     from slime_modal import upstream
 
@@ -175,6 +179,15 @@ def _main(argv: list[str]) -> int:
     steps = upstream.image_steps(args)
     try:
         engines_plan = E.describe(engines, job_argv, **engine_opts) if engines is not None else None
+        # With slime's rollout-manager seam, slime's rollout actor (our subclass) owns the engines.
+        owned_by_manager = seam.uses_manager(args.slime_path, args.backend, engines)
+        if owned_by_manager:
+            runtime_env["env_vars"].update(seam.manager_env(engines, job_argv, args.backend, **engine_opts))
+            with_manager = seam.manager_argv(job_argv)
+            added = with_manager[len(job_argv) :]
+            hooks, job_argv = hooks + added, with_manager
+            # No job wrapper and no launcher forwarder: the rollout actor holds both.
+            engines_plan |= {"owner": seam.MANAGER_PATH, "job_command": None, "slime_args": added}
     except ValueError as exc:
         return _fail(str(exc))
     slime_plan = {
@@ -202,11 +215,12 @@ def _main(argv: list[str]) -> int:
                 "slime": slime_plan,
                 "rollout_engines": engines_plan,
                 "slime_patches": upstream.plan(args),
+                "rollout_manager": seam.plan(args.slime_path, args.backend, engines),
             },
             **run_options(args),
         )
 
-    if engines is None or args.dry_run or args.preflight_only:
+    if engines is None or args.dry_run or args.preflight_only or owned_by_manager:
         return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
     from modal_rl.cluster.engines import EngineStartError

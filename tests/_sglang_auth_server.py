@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--model-path")
     ap.add_argument("--state")
     ap.add_argument("--argv-out")
+    ap.add_argument("--enable-memory-saver", action="store_true")
     args, _ = ap.parse_known_args()
     server_args = ServerArgs(args.model_path, args.host, args.port, args.api_key, args.admin_api_key)
     print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {server_args=}", file=sys.stderr, flush=True)
@@ -99,6 +100,7 @@ def main() -> None:
             "model_path": args.model_path,
             "tp_size": 1,
             "pp_size": 1,
+            "enable_memory_saver": args.enable_memory_saver,  # SGLang reports every server arg
             "api_key": args.api_key,
             "admin_api_key": args.admin_api_key,
             "launch_command": " ".join(sys.argv),

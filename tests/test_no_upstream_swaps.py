@@ -9,12 +9,18 @@ too, so the list shrinks as seams land. ``setattr(obj, name, ...)`` with a name 
 adapters' idempotence marker counts the same.
 
 slime_modal has no swap left: the image's patch series goes in through the image builders'
-``extra_steps`` parameter (it used to replace both ``build_image`` functions).
+``extra_steps`` parameter (it used to replace both ``build_image`` functions), and with slime's
+rollout-manager seam (``patches/slime/0004``) our rollout actor is a subclass slime builds by
+name. For that seam-present path the rule is checked mechanically, not by the list: no module
+that path runs (``slime_modal/rollout_manager.py`` and every ``slime_modal`` module it imports,
+transitively) assigns an attribute of, or ``setattr``s on, a name it imported (a module or an
+upstream class), or rewrites a ``__qualname__``/``__name__``.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +58,13 @@ ALLOWED = {
     ("slime_modal/__main__.py", "args.volume"): "our parsed arguments",
     ("slime_modal/engine_job.py", "sys.argv"): "our engine job's own argv",
     ("slime_modal/engines.py", "supervisor.paused"): "our supervisor",
+    # slime hands its rollout actor the parsed args (a Namespace, not a module or class); ours
+    # records there the external engines it started: the forwarder ports (seam path).
+    ("slime_modal/rollout_manager.py", "args.rollout_external"): "our rollout actor's args from slime",
+    (
+        "slime_modal/rollout_manager.py",
+        "args.rollout_external_engine_addrs",
+    ): "our rollout actor's args from slime",
     (
         "slime_modal/reward.py",
         "sample.remove_sample",
@@ -105,3 +118,93 @@ def test_every_remaining_swap_is_listed_with_its_reason():
 def test_slime_modal_swaps_no_upstream_name():
     reasons = {where: why for where, why in ALLOWED.items() if where[0].startswith("slime_modal/")}
     assert reasons and all(why.startswith("our") for why in reasons.values()), reasons
+
+
+SEAM_PATH = "slime_modal/rollout_manager.py"
+
+
+def _slime_modal_imports(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("slime_modal"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("slime_modal"))
+    return found
+
+
+def _seam_path_files() -> list[Path]:
+    """``SEAM_PATH`` and the slime_modal modules it imports, transitively (lazy imports too)."""
+    todo, seen = [ROOT / SEAM_PATH], set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for module in _slime_modal_imports(ast.parse(path.read_text())):
+            candidate = ROOT / (module.replace(".", "/") + ".py")
+            if candidate.is_file():
+                todo.append(candidate)
+    return sorted(seen)
+
+
+def _imported_names(tree: ast.AST) -> set[str]:
+    """Names bound by imports of anything but the standard library (``sys.argv`` of our own
+    process is not an upstream name)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] not in sys.stdlib_module_names
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] not in sys.stdlib_module_names
+        ):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node
+
+
+def test_the_rollout_manager_seam_path_swaps_no_upstream_name():
+    files = _seam_path_files()
+    rels = [p.relative_to(ROOT).as_posix() for p in files]
+    assert {SEAM_PATH, "slime_modal/engines.py", "slime_modal/manager_seam.py"} <= set(rels), rels
+    problems = []
+    for path, rel in zip(files, rels, strict=True):
+        tree = ast.parse(path.read_text(), filename=rel)
+        imported = _imported_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                on, name = (node.args + [None, None])[:2]
+                renames = isinstance(name, ast.Constant) and name.value in ("__qualname__", "__name__")
+                if renames or (isinstance(_root(on), ast.Name) and _root(on).id in imported):
+                    problems.append(f"{rel}: {ast.unparse(node)}")
+                continue
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                if not isinstance(target, ast.Attribute):
+                    continue  # a local name, a subscript: nothing of another module
+                root = _root(target)
+                if isinstance(root, ast.Name) and root.id in imported:
+                    problems.append(f"{rel}: {ast.unparse(target)} (assigns into an imported name)")
+                if target.attr in ("__qualname__", "__name__"):
+                    problems.append(f"{rel}: {ast.unparse(target)} (a name rewrite)")
+    assert not problems, problems
+    manager = next(
+        n for n in ast.walk(ast.parse((ROOT / SEAM_PATH).read_text())) if isinstance(n, ast.ClassDef)
+    )
+    assert [ast.unparse(b) for b in manager.bases] == ["RolloutManager.__ray_actor_class__"]

@@ -1,0 +1,109 @@
+"""slime's rollout actor, owning our engines: ``--rollout-manager-path slime_modal.rollout_manager.ModalRolloutManager``.
+
+Used where slime has the rollout-manager seam (``patches/slime/0004``); the launcher names this
+class and passes the engines' config in ``MODAL_RL_SLIME_ENGINES`` (``slime_modal.manager_seam``).
+Imported only by slime's ``create_rollout_manager``, in the rollout actor's process: it imports
+slime's ``RolloutManager`` (and with it SGLang's client-side modules) at import.
+
+``ModalRolloutManager`` is a subclass of slime's ``RolloutManager`` (the class under its Ray
+actor, which the seam makes a Ray actor again). Before slime's own constructor runs, it:
+
+1. starts the engines from the config (``modal_rl.cluster``'s engine pool: the same keyed
+   SGLang command line as the fallback) under a supervisor, behind a key forwarder in this
+   process (``modal_rl.cluster.forwarded_engines``): one fixed ``http://host:port`` per engine,
+   which adds the engine bearer slime cannot send;
+2. gives slime those addresses as its external engines (``args.rollout_external_engine_addrs``,
+   then slime's own ``apply_external_engine_info_to_args``, which reads each one's
+   ``/server_info``), so slime's constructor takes its external-engine path: its router, and
+   one ``SGLangEngine`` actor per forwarder port, which weight updates go through.
+
+While the run goes on, the supervisor watches each engine (process, ``GET /health``); a dead or
+hung one is replaced from the same spec, caught up to slime's newest published version through
+slime's own weight path (``slime_modal.engines.catch_up``: ``/pull_weights`` then
+``/update_weights_from_disk``), and only then does its port route to it; meanwhile the port
+holds slime's requests. Before each weight update slime calls ``recover_updatable_engines``
+(with ``--use-fault-tolerance``, which the launcher adds); here that waits until every slot
+serves again (an ended process is noticed then, not at the next check), so the update reaches
+every engine, or raises naming the slot that could not be replaced.
+``dispose`` stops the engines with slime's own cleanup.
+
+Where the forwarder listens: as ``slime_modal.engine_job`` (``listen_plan``): 127.0.0.1 on one
+node, else this node's cluster address admitting only the cluster's nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from slime.backends.sglang_utils.external import apply_external_engine_info_to_args
+from slime.ray.rollout import RolloutManager
+
+from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+from modal_rl.cluster.forwarded_engines import ForwardedEngines
+from slime_modal.engine_job import listen_plan
+from slime_modal.engines import WeightPath, catch_up
+from slime_modal.manager_seam import CONFIG_ENV
+
+# How long a weight update waits for replacements (start + catch-up) before it fails.
+RECOVER_TIMEOUT_S = float(os.environ.get("MODAL_RL_SLIME_RECOVER_TIMEOUT_S", "1800"))
+
+
+def start_engines(environ: dict[str, str] | None = None) -> ForwardedEngines:
+    """The config's engines, started, supervised and behind this process's key forwarder."""
+    env = os.environ if environ is None else environ
+    if not env.get(CONFIG_ENV):
+        raise RuntimeError(
+            f"{CONFIG_ENV} is not set: ModalRolloutManager is named by python -m slime_modal "
+            "--rollout-engines, which sets it; run through that launcher"
+        )
+    config: dict[str, Any] = json.loads(env[CONFIG_ENV])
+    pool = get_engine_pool(EngineSpec.from_dict(config["spec"]), config["backend"], **config["pool"])
+    weights = WeightPath(**config["weights"])
+    host, peers = listen_plan(env)
+    engines = ForwardedEngines(
+        pool,
+        catch_up=lambda url: catch_up(url, weights, pool._key),
+        host=host,
+        allow_peers=peers,
+        health=config["health"],
+    )
+    engines.start()
+    return engines
+
+
+class ModalRolloutManager(RolloutManager.__ray_actor_class__):
+    """slime's rollout manager over engines we start, supervise and replace (module docstring)."""
+
+    def __init__(self, args, pg):
+        self.modal_engines = start_engines()
+        try:
+            args.rollout_external_engine_addrs = list(self.modal_engines.addresses)
+            args.rollout_external = True
+            apply_external_engine_info_to_args(args)
+            super().__init__(args, pg)
+        except BaseException:
+            self.modal_engines.stop()
+            raise
+
+    def recover_updatable_engines(self):
+        self.health_monitoring_pause()
+        self.modal_engines.wait_serving(RECOVER_TIMEOUT_S)
+
+    def dispose(self):
+        try:
+            super().dispose()
+        finally:
+            self.modal_engines.stop()
+
+    def engine_report(self) -> dict[str, Any]:
+        """Where each slot stands: the forwarder's addresses (what slime holds), the engines
+        behind them, their local pids, and the supervisor's events."""
+        supervisor = self.modal_engines.supervisor
+        return {
+            "addresses": list(self.modal_engines.addresses),
+            "engines": supervisor.snapshot(),
+            "pids": supervisor.pids(),
+            "events": list(supervisor.events),
+        }
