@@ -1,11 +1,11 @@
 """The processes of ``weight-sync-scale``: a trainer rank and a sharded receiver.
 
-``python -m benchmarks._scale_procs rank RANK WORLD TRAJ_DIR TILES RATE_BYTES_PER_S``
+``python -m benchmarks._scale_procs rank RANK WORLD TRAJ_DIR TILES``
     Holds the real trajectory's small per-version states (``TRAJ_DIR/v{n}.pt``; the tiled
     model-scale state is views of them, as ``tiled_state`` makes it) and publishes, for each
     ``publish V`` line on stdin, its dim-0 shard of version V (``dim0_pieces``) through its
-    own frame server (``keep_anchors=0``). The anchor goes out unthrottled; deltas at the
-    rate given (its share of the receiver's link). Prints one JSON line per event.
+    own frame server (``keep_anchors=0``), unthrottled until a ``rate BYTES_PER_S`` line sets
+    its share of the receivers' link. Prints one JSON line per event.
 ``python -m benchmarks._scale_procs receive ADDRS VERSIONS TRAJ_DIR TILES``
     A ``ShardedReceiver`` over every rank's server (comma-separated host:port) that keeps no
     live copy (what it holds is what it serves); prints one JSON line per activated version
@@ -43,7 +43,7 @@ def _tiled(state: dict, tiles: int):
             yield f"tile{k}.{name}", tensor
 
 
-def rank_main(rank: int, world: int, traj: Path, tiles: int, rate: float) -> None:
+def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
     import torch
 
     from modal_rl.weightsync import CodecConfig
@@ -64,9 +64,10 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, rate: float) -> Non
                 time.sleep(0.01)
             _say(event="admitted", rank=rank)
             continue
+        if cmd == "rate":  # the link changes between versions: the bucket is swapped whole
+            server.limiter = TokenBucket(float(arg))
+            continue
         version = int(arg)
-        if version == 1:
-            server.limiter = TokenBucket(rate)
         t0 = time.perf_counter()
         report = publisher.publish(dim0_pieces(_tiled(states[version], tiles), rank, world), version)
         shard = sum(t.numel() * t.element_size() for t in publisher.snapshot.values())
@@ -123,7 +124,11 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
 
 if __name__ == "__main__":
     role = sys.argv[1]
-    if role == "rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
+    if role == "engine-map":
+        from benchmarks._scale_engine_map import main
+
+        main(Path(sys.argv[2]))
+    elif role == "rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
     else:
         receive_main(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))

