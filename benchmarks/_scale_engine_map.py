@@ -71,6 +71,9 @@ def main(out_dir: Path) -> None:
     from vllm import LLM
 
     from benchmarks._engine_sync_model import make_model_dir
+    from modal_rl.weightsync.apply.vllm_inplace import keep_plain_cpu_weights
+
+    keep_plain_cpu_weights()  # as the in-place engines run: weights stay the parameters
 
     model_dir = make_model_dir(out_dir, shape=SCALE_SHAPE)
     state = {}

@@ -132,6 +132,37 @@ def main() -> None:
         )
     frame = frames[2]
 
+    # The sharded device path (weight-sync-scale's ranks on GPUs): one rank's dim-0 shard,
+    # its snapshot resident on the device, diffed and updated in place (update_base: only
+    # changed words are written, only they and their positions cross to the host).
+    from modal_rl.weightsync.shards import dim0_pieces
+
+    for world in (2, 4):
+        shard_new = dict(dim0_pieces(new.items(), 0, world))
+        snapshot = {k: v.clone() for k, v in dim0_pieces(base.items(), 0, world)}
+        shard_bytes = sum(t.numel() * 2 for t in snapshot.values())
+        config = CodecConfig(threads=args.threads, coding=1)
+        shard_s, _ = timed(
+            dev,
+            lambda config=config, snapshot=snapshot, shard_new=shard_new: frame_bytes(
+                encode_delta(
+                    snapshot,
+                    shard_new,
+                    base_version=0,
+                    version=1,
+                    config=config,
+                    differ=differ,
+                    update_base=True,
+                )
+            ),
+        )
+        rows.append(
+            (f"rank 0 of {world}: shard delta, snapshot on device", shard_s, shard_bytes / shard_s / 1e9)
+        )
+        exact = exact and all(
+            torch.equal(snapshot[k].view(torch.int16), shard_new[k].view(torch.int16)) for k in snapshot
+        )
+
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
     print(
         f"device: {name}; state {nbytes / 1e9:.2f} GB bf16 in {len(base)} tensors; density {changed / (nbytes / 2):.3%}"
