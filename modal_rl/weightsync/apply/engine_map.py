@@ -25,8 +25,9 @@ rest): only the parameters of the group being loaded get a shadow (int32 where t
 tensor ids and positions fit in 31 bits, else int64); every other parameter is swapped for a
 view of one uninitialised scratch buffer (on the CPU its pages are not resident until
 written), so what the loader writes outside the group costs nothing and changes nothing. Extra memory is the largest group's shadow, not the model's; every tensor
-is still loaded once. A parameter no group reached (a loader that names parameters unlike
-the checkpoint) is learned in one more pass that loads every tensor into its shadow only.
+is still loaded once. Tensors that landed nowhere (a layer whose parameters are named unlike
+its checkpoint tensors) get one more pass, into the parameters nothing fed yet (for such a
+model, its extra memory is theirs).
 """
 
 from __future__ import annotations
@@ -159,15 +160,17 @@ def learn_map(
     for pname in params:
         by_group.setdefault(layer_group(pname) if grouped else "", []).append(pname)
     failed: set[str] = set()
-    reached: set[str] = set()
-    passes = [(group, members, by_group.get(group, [])) for group, members in groups.items()]
-    for i, (_group, members, owned) in enumerate(passes):
-        failed |= _learn_pass(emap, model, state, members, owned, load, reached)
-        if i == len(passes) - 1:
-            lost = [p for p in params if p not in reached and p not in emap.fallback]
-            if grouped and lost:  # named unlike the checkpoint: every tensor, their shadows only
-                passes.append(("", names, lost))
-                failed |= _learn_pass(emap, model, state, names, lost, load, reached)
+    passes = [(members, by_group[g]) for g, members in groups.items() if by_group.get(g)]
+    for members, owned in passes:
+        failed |= _learn_pass(emap, model, state, members, owned, load)
+    # tensors that landed nowhere (their layer's parameters are named otherwise): one pass
+    # over them into the parameters nothing fed yet
+    orphans = [n for n in names if n not in emap.placements and n not in failed]
+    fed = set().union(*emap._all_targets.values()) | set(emap.fallback)
+    unfed = [p for p in params if p not in fed]
+    if grouped and orphans and unfed:
+        passes.append((orphans, unfed))
+        failed |= _learn_pass(emap, model, state, orphans, unfed, load)
     emap.failed = failed
     for pname, p in params.items():
         if pname in emap.fallback:
@@ -184,14 +187,14 @@ def learn_map(
     _drop_fallback(emap)
     emap.learning = {
         "passes": len(passes),
-        "largest_group_bytes": max(sum(params[p].numel() * _Tags.for_tensors(m, state).dtype.itemsize for p in o) for _, m, o in passes),
-        "int32_passes": sum(_Tags.for_tensors(m, state).dtype == torch.int32 for _, m, _ in passes),
+        "largest_group_bytes": max((sum(params[p].numel() * _Tags.for_tensors(m, state).dtype.itemsize for p in o) for m, o in passes), default=0),
+        "int32_passes": sum(_Tags.for_tensors(m, state).dtype == torch.int32 for m, _ in passes),
     }  # fmt: skip
     return emap
 
 
 def _learn_pass(
-    emap: EngineMap, model: Any, state: dict, members: list[str], owned: list[str], load: Load, reached: set
+    emap: EngineMap, model: Any, state: dict, members: list[str], owned: list[str], load: Load
 ) -> set[str]:
     """Load ``members``' index tensors with shadows for the ``owned`` parameters only (every
     other parameter storage-less); record placements. Returns the tensors the loader refused."""
@@ -223,8 +226,7 @@ def _learn_pass(
             p.data = saved[pname]
             p.requires_grad_(grads[pname])
     for pname, shadow in shadows.items():
-        if _read_shadow(emap, pname, shadow, tags, state):
-            reached.add(pname)
+        _read_shadow(emap, pname, shadow, tags, state)
     return failed
 
 
@@ -254,16 +256,41 @@ def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load) ->
     return failed
 
 
-def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: dict[str, Any]) -> bool:
-    """Record the placements ``shadow`` holds; True if anything landed in it."""
+def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: dict[str, Any]) -> None:
+    """Record the placements ``shadow`` holds. Engines place checkpoint tensors as a few
+    contiguous runs per parameter (fused q/k/v, a TP shard), so runs are found in a few
+    linear passes; a parameter with many runs (a transpose) takes the general, sorting path."""
     import torch
 
     flat = shadow.reshape(-1).cpu()
+    n = int(flat.numel())
+    if n == 0:
+        return
+    head, tail = flat[:-1], flat[1:]
+    goes_on = ((tail - head == 1) & (head >= 0)) | ((tail == UNPLACED) & (head == UNPLACED))
+    breaks = torch.nonzero(~goes_on).reshape(-1)
+    if breaks.numel() < max(64, n // 64):
+        bounds = [0, *(breaks + 1).tolist(), n]
+        mask = (1 << tags.shift) - 1
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            value = int(flat[a])
+            tag, pos = value >> tags.shift, value & mask
+            if not 1 <= tag <= len(tags.names):
+                continue  # unplaced, or a constant the loader wrote (a pad)
+            name = tags.names[tag - 1]
+            if pos + (b - a) > state[name].numel():
+                emap.fallback[pname] = (
+                    f"index values from {name!r} were changed by the loader (not a placement)"
+                )
+                return
+            emap._all_targets.setdefault(name, set()).add(pname)
+            emap.placements.setdefault(name, []).append(Placement(pname, start=pos, offset=a, length=b - a))
+        return
     tag = flat >> tags.shift
     placed = (tag >= 1) & (tag <= len(tags.names))
     dst_all = torch.nonzero(placed).reshape(-1)
     if dst_all.numel() == 0:
-        return False
+        return
     tids = tag[dst_all].to(torch.int64) - 1
     pos = (flat[dst_all] & ((1 << tags.shift) - 1)).to(torch.int64)
     for tid in torch.unique(tids).tolist():
@@ -272,12 +299,11 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
         src, dst = pos[sel], dst_all[sel]
         if int(src.max()) >= state[name].numel():
             emap.fallback[pname] = f"index values from {name!r} were changed by the loader (not a placement)"
-            return True
+            return
         order = torch.argsort(src, stable=True)
         src, dst = src[order], dst[order]
         emap._all_targets.setdefault(name, set()).add(pname)
         emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
-    return True
 
 
 def _compact(pname: str, src: Any, dst: Any) -> Placement:
