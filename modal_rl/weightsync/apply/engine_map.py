@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from modal_rl.weightsync.codec.jit import Kernel
+
 TAG_SHIFT = 40  # int64 shadows: positions below 2**40 (a 1 T-element tensor); tensor ids above
 _LAYER = re.compile(r"^((?:.*?\.)?(?:layers|h|blocks|layer)\.\d+\.)")
 UNPLACED = -1
@@ -236,7 +238,7 @@ def _index_tensors(state: dict[str, Any], tags: _Tags, only: Iterable[str]) -> I
     for name in only:
         t = state[name]
         tag = (tags.names.index(name) + 1) << tags.shift
-        yield name, (torch.arange(t.numel(), dtype=tags.dtype) + tag).reshape(t.shape)
+        yield name, torch.arange(tag, tag + t.numel(), dtype=tags.dtype).reshape(t.shape)
 
 
 def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load) -> set[str]:
@@ -266,11 +268,9 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
     n = int(flat.numel())
     if n == 0:
         return
-    head, tail = flat[:-1], flat[1:]
-    goes_on = ((tail - head == 1) & (head >= 0)) | ((tail == UNPLACED) & (head == UNPLACED))
-    breaks = torch.nonzero(~goes_on).reshape(-1)
-    if breaks.numel() < max(64, n // 64):
-        bounds = [0, *(breaks + 1).tolist(), n]
+    breaks = _run_breaks(flat, max(64, n // 64))
+    if breaks is not None:
+        bounds = [0, *(b + 1 for b in breaks), n]
         mask = (1 << tags.shift) - 1
         for a, b in zip(bounds, bounds[1:], strict=False):
             value = int(flat[a])
@@ -304,6 +304,40 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
         src, dst = src[order], dst[order]
         emap._all_targets.setdefault(name, set()).add(pname)
         emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
+
+
+def _breaks_loop(flat: Any, out: Any) -> int:
+    """Where runs end: ``i`` such that ``flat[i + 1]`` does not continue ``flat[i]`` (the next
+    checkpoint position, or unplaced after unplaced). Fills ``out``; -1 when it is too small."""
+    k = 0
+    for i in range(flat.shape[0] - 1):
+        a, b = flat[i], flat[i + 1]
+        if (a >= 0 and b == a + 1) or (a == -1 and b == -1):
+            continue
+        if k == out.shape[0]:
+            return -1
+        out[k] = i
+        k += 1
+    return k
+
+
+RUN_BREAKS = Kernel(_breaks_loop)  # numba on first use (``codec.jit``)
+
+
+def _run_breaks(flat: Any, cap: int) -> list[int] | None:
+    """The run ends of ``flat`` (see ``_breaks_loop``), or None when there are ``cap`` or more."""
+    import numpy as np
+    import torch
+
+    kernel = RUN_BREAKS.get()
+    if kernel is not None:
+        out = np.empty(cap, dtype=np.int64)
+        k = kernel(flat.numpy(), out)
+        return None if k < 0 else out[:k].tolist()
+    head, tail = flat[:-1], flat[1:]  # without numba: the same in a few torch passes
+    goes_on = ((tail - head == 1) & (head >= 0)) | ((tail == UNPLACED) & (head == UNPLACED))
+    breaks = torch.nonzero(~goes_on).reshape(-1)
+    return None if breaks.numel() >= cap else breaks.tolist()
 
 
 def _compact(pname: str, src: Any, dst: Any) -> Placement:
