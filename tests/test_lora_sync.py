@@ -303,11 +303,15 @@ def test_adapter_frames_into_vllm_follow_versions_and_equal_merged_weights(tmp_p
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
     }
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_vllm_child.py")), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=850)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
-    r = json.loads(lines[0][len("RESULT ") :])
+
+    def child(*args: str) -> dict:
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_vllm_child.py")), *args],
+                              env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
+        return json.loads(lines[0][len("RESULT ") :])
+
+    r = {**child(str(tmp_path)), **child(str(tmp_path), "merged")}
     assert r["kinds"] == ["anchor", "delta", "delta"]  # adapter-only frames: an anchor, then deltas
     # Each version is served under its own adapter and answers differently; the last one's
     # greedy tokens moved away from the base's.
