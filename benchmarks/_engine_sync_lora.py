@@ -110,7 +110,7 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
     by the engine as versioned adapters (``vllm_lora.load_adapter_version``: its worker stages
     and verifies each version, then ``/v1/load_lora_adapter``); per version: bytes, the pause,
     publish to live; greedy completions of each version, and what the engine lists at the end."""
-    from benchmarks.engine_sync import complete
+    from benchmarks.engine_sync import _post, complete
     from modal_rl.cluster.engines import get_engine_pool
     from modal_rl.run_key import run_key
     from modal_rl.weightsync.apply.engine_push import EnginePusher
@@ -134,13 +134,21 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
                 completions.append(complete(url, versions.name(source.version)))
         # The previous version is still resident and answers as it did (an async run's
         # requests in flight on it finish on it); the one before that was unloaded.
+        # (After a prefix-cache reset: a prompt whose first block is cached is computed in two
+        # parts, which moves its logprobs in the last digits on this CPU.)
+        _post(url + "/reset_prefix_cache")
         previous = complete(url, versions.name(len(trajectory) - 2))
         listed = sorted(m["id"] for m in _get(url + "/v1/models")["data"])
     finally:
         pool.stop()
     return {"rows": rows, "base": base, "completions": completions,
-            "previous_still_served": previous == completions[-2], "listed": listed,
+            "previous_still_served": previous["tokens"] == completions[-2]["tokens"],
+            "previous_max_logprob_diff": _max_diff(previous, completions[-2]), "listed": listed,
             "resident": {versions.name(v): i for v, i in versions.resident().items()}}  # fmt: skip
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
 
 
 def _get(url: str) -> dict:
@@ -198,7 +206,7 @@ def run_lora(quick: bool, out: Path) -> dict:
         adapter = adapter_path(model_dir, trajectory, logs / "lora-adapter")
         merged = merged_path(model_dir, trajectory, logs / "lora-merged")
     final = adapter["completions"][-1]
-    diff = max(abs(a - b) for a, b in zip(final["logprobs"], merged["final"]["logprobs"], strict=True))
+    diff = _max_diff(final, merged["final"])
     result = {
         "versions": versions, "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS), "lr": LR,
         "max_resident": MAX_RESIDENT,
@@ -217,6 +225,7 @@ def run_lora(quick: bool, out: Path) -> dict:
         "completions_changed": final != adapter["base"],
         "versions_distinct": len({tuple(c["logprobs"]) for c in adapter["completions"]}) == versions,
         "previous_still_served": adapter["previous_still_served"],
+        "previous_max_logprob_diff": adapter["previous_max_logprob_diff"],
         "resident": adapter["resident"], "listed": adapter["listed"],
         "fallback_params": 0,  # every version is one whole adapter load: nothing falls back
         "full_fallback_params": merged["fallback_params"],

@@ -249,13 +249,13 @@ class _ActorEngine:
         return iter([("model.layers.0.self_attn.q_proj.base_layer.weight", torch.ones(4, 4))]), None
 
 
-def _worker(backend: str, lora_rank: int):
+def _worker(backend: str, lora_rank: int, rollout: str = "modal_vllm"):
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
-    config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": backend}, "dtype": "bfloat16"},
-                               "model": {"lora_rank": lora_rank}})  # fmt: skip
+    config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": backend}, "dtype": "bfloat16",
+                                           "name": rollout}, "model": {"lora_rank": lora_rank}})  # fmt: skip
     return SimpleNamespace(
         config=config, checkpoint_engine=_CheckpointEngine(), actor=SimpleNamespace(engine=_ActorEngine())
     )
@@ -277,8 +277,10 @@ def test_a_modal_delta_lora_actor_sends_its_adapter_alone_in_the_rollout_dtype()
     assert steps == 3 and set(sent) == {peft_name(A), peft_name(B)}  # no base tensor
     assert all(t.dtype == torch.bfloat16 for t in sent.values())
     # verl's own path elsewhere: full fine-tuning, or a backend other than modal_delta.
-    for backend, rank in (("modal_delta", 0), ("nccl", 8)):
-        worker = _worker(backend, rank)
+    # verl's own vLLM rollout cannot load adapter versions: it keeps verl's path too.
+    for backend, rank, rollout in (("modal_delta", 0, "modal_vllm"), ("nccl", 8, "modal_vllm"),
+                                   ("modal_delta", 8, "vllm")):  # fmt: skip
+        worker = _worker(backend, rank, rollout)
         asyncio.run(update(worker, global_steps=4))
         assert [list(s) for s, _ in worker.checkpoint_engine.sent] == [
             ["model.layers.0.self_attn.q_proj.base_layer.weight"]

@@ -4,7 +4,8 @@ verl 0.9.1's checkpoint-engine path (``update_weights`` of the v1 actor worker w
 other than ``naive``) sends ``engine.get_per_tensor_param()``, which for a LoRA actor
 (``actor_rollout_ref.model.lora_rank > 0``, not ``lora.merge``) is the frozen *base* weights
 without the adapter: a disaggregated rollout never sees what was trained (verl #7495). When
-the backend is ``modal_delta`` and the actor trains LoRA, :func:`install` makes that call send
+the backend is ``modal_delta``, the rollout ``modal_vllm`` and the actor trains LoRA,
+:func:`install` makes that call send
 ``get_per_tensor_param(base_sync_done=True)`` instead -- verl's own adapter export, the one its
 colocated path uses -- filtered to the adapter tensors and cast to the rollout's dtype
 (``modal_rl.weightsync.apply.lora.adapter_state``). Anything else goes to verl's own code.
@@ -25,6 +26,7 @@ from typing import Any
 
 TARGET = "verl.workers.engine_workers"
 BACKEND = "modal_delta"
+ROLLOUT = "modal_vllm"  # the rollout whose engines load adapter versions (verl's own vllm does not)
 _MARK = "__verl_modal_lora__"
 
 
@@ -80,7 +82,8 @@ def _wrap() -> None:
     @functools.wraps(original)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
         backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
-        if backend != BACKEND or adapter_settings(self.config.model) is None:
+        adapter_engine = _get(self.config.rollout, "name") == ROLLOUT  # loads adapters by name
+        if backend != BACKEND or not adapter_engine or adapter_settings(self.config.model) is None:
             return await original(self, global_steps=global_steps, mode=mode)
         metrics = await self.checkpoint_engine.send_weights(_adapter_stream(self), global_steps=global_steps)
         metrics = dict(metrics or {})
