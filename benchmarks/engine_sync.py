@@ -252,12 +252,17 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         "moe": moe,
         "wall_s": time.perf_counter() - t_start,
     }
+    from benchmarks._engine_sync_lora import run_lora
+
+    payload["lora"] = run_lora(quick, out)  # adapter-only vs merged-weights sync (its own engines)
+    payload["wall_s"] = time.perf_counter() - t_start
     write_json(out, SUITE, payload)
     text = render(payload) + "\n" + render_moe(moe)
     (out / f"{SUITE}.md").write_text(text)
     plot(payload, out / f"{SUITE}.png")
     print(text)
     problems = [f"{c}: {d['problem']}" for c, d in {**cases, "moe": moe}.items() if d["problem"]]
+    problems += [f"lora: {payload['lora']['problem']}"] if payload["lora"].get("problem") else []
     if problems:
         raise RuntimeError("; ".join(problems))
     if not moe["params_identical"] or moe["fallback_params"]:
@@ -300,6 +305,10 @@ def render(payload: dict[str, Any]) -> str:
     summary = payload.get("summary")
     if summary:
         text += "\n" + render_summary(payload)
+    if payload.get("lora"):
+        from benchmarks._engine_sync_lora import render_lora
+
+        text += "\n" + render_lora(payload["lora"])
     return text
 
 

@@ -44,6 +44,9 @@ ALLOWED = {
         "CheckpointEngineManager.update_weights",
     ): "no per-sync metrics seam in verl",
     ("verl_modal/step_metrics.py", "Tracking.log"): "no extra-metrics seam in verl's tracker",
+    # verl's checkpoint-engine path sends a LoRA actor's base weights, never its adapter
+    # (verl #7495); no seam lets a checkpoint engine ask for the adapter.
+    ("verl_modal/lora.py", "cls.update_weights"): "no adapter seam in verl's checkpoint-engine sync",
     # Our own subclasses' names (not upstream classes): Ray shows these in its actor table.
     ("verl_modal/runner.py", "PoolTaskRunner.__qualname__"): "our subclass's name",
     ("verl_modal/runner.py", "PoolTaskRunner.__name__"): "our subclass's name",

@@ -4,6 +4,9 @@ The registration is deferred (see ``verl_modal._register``) until
 ``verl.checkpoint_engine.base`` — where ``CheckpointEngineRegistry`` lives — finishes
 loading, so ``import verl`` does not pay for Ray, tensordict and the rollout adapters.
 
+It also arms ``verl_modal.lora`` (a LoRA actor publishes its adapter alone through
+``modal_delta``) for when verl's actor worker module loads.
+
 Invariants:
 - registration happens at most once per process, after the base module executed;
 - a registration failure is logged at ERROR and recorded with verl's own
@@ -34,3 +37,12 @@ def _record(exc: Exception) -> None:
 register = loudly("checkpoint engine 'modal_delta'", _import_engine, _record)
 
 after_import(TARGET, register)
+
+
+def _install_lora() -> None:
+    from verl_modal import lora
+
+    lora.install()  # a LoRA actor sends its adapter alone through modal_delta (verl_modal.lora)
+
+
+loudly("LoRA adapter-only sync for modal_delta", _install_lora)()

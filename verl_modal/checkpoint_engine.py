@@ -89,6 +89,10 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         max_refusals: refused frames tolerated per sync (each one reconnects and asks again,
             which heals corruption on the wire) before the sync fails.
         codec_threads: encode/decode threads.
+        compare_merged: LoRA runs (the adapter alone is synced, ``verl_modal.lora``): also encode
+            the merged weights of each version, sent nowhere, and report their bytes
+            (``checkpoint_engine/merged_payload_mbytes``): a measurement, it costs a merge and
+            an encode per sync.
     """
 
     wire_format = "named_tensors"
@@ -107,6 +111,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         receive_timeout_s: float = 600.0,
         max_refusals: int = 2,
         codec_threads: int | None = None,
+        compare_merged: bool = False,
     ) -> None:
         if max_refusals < 0:
             raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
@@ -119,12 +124,14 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         self.receive_timeout_s = receive_timeout_s
         self.max_refusals = max_refusals
         self.config = CodecConfig(threads=codec_threads) if codec_threads else CodecConfig()
+        self.compare_merged = bool(compare_merged)  # LoRA runs: also measure merged weights (verl_modal.lora)
         self.rank: int | None = None
         self.endpoint: dict | None = None  # the master's {"host", "port", "version"} for this sync
         self.metrics: dict[str, float] = {}  # last sync's numbers, on either side
         self._server: FrameServer | None = None
         self._publisher: Publisher | None = None
         self._subscriber: Subscriber | None = None
+        self._shadow: Publisher | None = None  # measure(): a publisher whose frames go nowhere
 
     # -- topology ----------------------------------------------------------------------
     def _ensure_server(self) -> None:
@@ -217,6 +224,9 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         if self._subscriber is not None:
             self._subscriber.source.close()
             self._subscriber = None
+        if self._shadow is not None:
+            self._shadow.sink.close()
+            self._shadow = None
 
     # -- trainer side ------------------------------------------------------------------
     async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, float]:
@@ -253,6 +263,24 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         log.info("%s sent v=%d (%s, global_steps=%s) %.2f MiB in %.2fs", BACKEND, report.version,
                  report.kind, global_steps, report.bytes / (1 << 20), seconds)  # fmt: skip
         return dict(self.metrics)
+
+    def measure(self, weights, prefix: str) -> dict[str, float]:
+        """What ``weights`` would cost as this engine's next frame, encoded by a shadow
+        publisher of its own (the same codec, anchors and deltas; a frame server nobody
+        dials, so the frames go nowhere): ``checkpoint_engine/<prefix>payload_mbytes`` etc.
+        Every rank walks ``weights`` (producing them may be collective); the master encodes."""
+        if not self.is_master:
+            for _ in weights:
+                pass
+            return {}
+        if self._shadow is None:
+            self._shadow = Publisher(
+                FrameServer("127.0.0.1", 0), anchor_every=self.anchor_every, config=self.config
+            )
+        report = self._shadow.publish(weights)
+        p = METRIC_PREFIX + prefix
+        return {p + "payload_mbytes": report.bytes / (1 << 20), p + "raw_mbytes": report.raw_bytes / (1 << 20),
+                p + "anchor": 1.0 if report.kind == "anchor" else 0.0}  # fmt: skip
 
     # -- rollout side ------------------------------------------------------------------
     async def receive_weights(

@@ -37,13 +37,17 @@ starts its own vLLM; on ``modal``, the image's ``vllm serve``),
 ``weights_timeout_s`` (bound on one weight update), ``weights_expose`` (how the engine reaches
 the relay worker's frame server: ``local``, ``modal``, or ``auto`` = the engine backend),
 ``log_dir`` (local engines: where their logs go; default a temporary directory removed at the
-end), ``health_interval_s``, ``health_timeout_s`` (one 1-token generation), ``health_failures``
+end), ``lora_resident`` (LoRA runs: adapter versions an engine keeps loaded; at least the
+run's largest staleness + 1), ``health_interval_s``, ``health_timeout_s`` (one 1-token generation), ``health_failures``
 (failed checks in a row that make a live engine lost), ``retry_wait_s`` (how long a request
 whose engine died waits for the replacement before it is masked).
 
 Weights: a policy replica's engine loads ``modal_rl.weightsync.apply.vllm_extension`` and gets each
 update from a relay worker on the trainer cluster (``replica_weights``); the run's
 checkpoint engine must be ``modal_delta``. Reward and teacher replicas keep their weights.
+In a LoRA run (``model.lora_rank > 0``, not merged) the engine serves the model path's base
+with vLLM's LoRA on and each update is an adapter version, requested by name
+(``verl_modal.lora``, ``modal_rl.weightsync.apply.vllm_lora``).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ DEFAULTS = {
     "health_timeout_s": "60",
     "health_failures": "3",
     "retry_wait_s": "1800",
+    "lora_resident": "2",  # LoRA runs: adapter versions kept loaded (>= max staleness + 1)
 }
 VLLM_PORT = 8000
 
@@ -212,6 +217,26 @@ class ModalVLLMReplica(RolloutReplica):
     def served_name(self) -> str:
         return self.model_path  # what /v1/completions' "model" must name
 
+    @property
+    def lora(self) -> dict | None:
+        """A LoRA run's adapter settings for this replica's engine (None: full weights)."""
+        from verl_modal.lora import adapter_settings
+
+        return adapter_settings(self.model_config) if self.receives_weights else None
+
+    def lora_proxy_settings(self) -> dict | None:
+        lora = self.lora
+        if lora is None:
+            return None
+        from modal_rl.weightsync.apply.lora import DEFAULT_PREFIX, adapter_config
+
+        config = adapter_config(lora["rank"], lora["alpha"], lora["target_modules"], self.model_path)
+        return {
+            "prefix": DEFAULT_PREFIX,
+            "max_resident": int(self.settings["lora_resident"]),
+            "config": config,
+        }
+
     def engine_spec(self) -> EngineSpec:
         cmd = vllm_command(
             self.config,
@@ -220,8 +245,20 @@ class ModalVLLMReplica(RolloutReplica):
             self.settings["server"],
             bool(getattr(self.model_config, "trust_remote_code", False)),
         )
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
         if self.receives_weights:
             cmd += ["--worker-extension-cls", EXTENSION]
+            # Plain weights on a CPU engine, so versions are written in place (no effect on GPUs).
+            env[PLAIN_WEIGHTS_ENV] = "1"
+        if self.lora is not None:
+            from modal_rl.weightsync.apply.vllm_lora import RUNTIME_LORA_ENV, lora_server_args
+
+            # The base is never synced in a LoRA run: it is the model path's, so load it for real.
+            if "--load-format" in cmd:
+                cmd[cmd.index("--load-format") + 1] = "auto"
+            cmd += lora_server_args(int(self.settings["lora_resident"]), self.lora["rank"])
+            env.pop(PLAIN_WEIGHTS_ENV)
+            env.update(RUNTIME_LORA_ENV)
         return EngineSpec(
             command=cmd,
             count=1,
@@ -231,8 +268,7 @@ class ModalVLLMReplica(RolloutReplica):
             health_path="/health",
             generate=vllm_generate(self.served_name),  # healthy = answers a 1-token generation
             volumes=parse_volumes(self.settings["volumes"]),
-            # Plain weights on a CPU engine, so versions are written in place (no effect on GPUs).
-            env={"VLLM_SERVER_DEV_MODE": "1", **({PLAIN_WEIGHTS_ENV: "1"} if self.receives_weights else {})},
+            env=env,
             pip=extra_requirements("engine-receiver") if self.receives_weights else (),
             startup_timeout_s=float(self.settings["startup_timeout_s"]),
             name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",
@@ -278,6 +314,7 @@ class ModalVLLMReplica(RolloutReplica):
                 health=self.health_settings(),
                 retry_wait_s=float(self.settings["retry_wait_s"]),
                 weights_timeout_s=float(self.settings["weights_timeout_s"]),
+                lora=self.lora_proxy_settings(),
             )
         )
         self.servers = [proxy]

@@ -58,6 +58,7 @@ class VLLMHttpProxy:
         health: dict | None = None,
         retry_wait_s: float = 1800.0,
         weights_timeout_s: float = 600.0,
+        lora: dict | None = None,
     ):
         self.spec = EngineSpec.from_dict(spec)
         self.backend = backend
@@ -75,6 +76,9 @@ class VLLMHttpProxy:
         self.stats = {"requests": 0, "retried": 0, "masked": 0, "version_changed": 0}
         self.supervisor: EngineSupervisor | None = None
         self._session = None
+        # LoRA runs: {"prefix", "max_resident", "config"}; each engine's resident adapter versions
+        self.lora = dict(lora) if lora else None
+        self._adapters: dict[str, Any] = {}
 
     # -- the engine ---------------------------------------------------------------------------
 
@@ -83,6 +87,8 @@ class VLLMHttpProxy:
         from modal_rl.weightsync.apply.engine_push import load_version
 
         def load(url: str, source: WeightSource) -> dict:
+            if self.lora is not None:
+                return self._load_adapter(url, source)
             return load_version(url, source, key=self._key, pull_timeout_s=self.weights_timeout_s)
 
         pool = get_engine_pool(self.spec, self.backend, **self.pool_kwargs)
@@ -93,6 +99,27 @@ class VLLMHttpProxy:
         # Local engines' run id: the replica ends them by it if this actor is killed before close()
         # (a parent-death signal reaches the server process, not the engine cores it forked).
         return {"address": address, "log_dir": kept, "run_id": getattr(pool, "run_id", None)}
+
+    def _load_adapter(self, url: str, source: WeightSource) -> dict:
+        """A LoRA run's version: the engine stages it and loads it as adapter ``<prefix>-vN``
+        (``vllm_lora``); an engine seen for the first time (a replacement) starts empty."""
+        from modal_rl.weightsync.apply.lora import AdapterVersions
+        from modal_rl.weightsync.apply.lora_push import load_adapter_version
+
+        versions = self._adapters.get(url)
+        if versions is None:
+            versions = AdapterVersions(int(self.lora["max_resident"]), self.lora["prefix"])
+            self._adapters[url] = versions
+        return load_adapter_version(url, source, versions, self.lora["config"], key=self._key,
+                                    pull_timeout_s=self.weights_timeout_s)  # fmt: skip
+
+    def model_for(self, version: int | None) -> str:
+        """What ``/v1/completions`` names for an engine at ``version``: in a LoRA run that
+        version's adapter (so a request samples from the policy its engine holds), else the
+        served model."""
+        if self.lora is None or version is None:
+            return self.served_name
+        return f"{self.lora['prefix']}-v{int(version)}"
 
     async def load_weights(self, source: dict, global_steps: int | None = None) -> dict:
         """Make ``source`` (a ``WeightSource`` as a dict) the replica's version: every serving
@@ -192,7 +219,9 @@ class VLLMHttpProxy:
 
         async def send(lease):
             attempts.append(lease)
-            return await self._post_to(lease.url, "/v1/completions", body)
+            return await self._post_to(
+                lease.url, "/v1/completions", {**body, "model": self.model_for(lease.version)}
+            )
 
         transient = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
         try:

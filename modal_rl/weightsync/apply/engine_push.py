@@ -289,7 +289,9 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
         raise EnginePushError(f"{engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
     except OSError as exc:
         raise EnginePushError(f"{engine_url}{path}: {exc}") from exc
-    return json.loads(text) if text else None
+    if text.lstrip().startswith(("{", "[")):
+        return json.loads(text)
+    return text or None  # plain-text answers (vLLM's /v1/load_lora_adapter: "Success: ...")
 
 
 def local_vllm_spec(

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from modal_rl.weightsync.apply.vllm_inplace import allow_cpu_amx
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -32,14 +34,11 @@ def keep_plain_cpu_moe() -> bool:
     """Ask for AMX permission and keep vLLM's CPU MoE experts plain (see the module
     docstring). Returns whether it applied (only on vLLM's CPU platform). Must run before
     the model loads."""
-    import torch
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    init_amx = getattr(torch._C._cpu, "_init_amx", None)
-    if init_amx is not None:
-        init_amx()  # False where the CPU has no AMX: nothing to ask for
+    allow_cpu_amx()  # its kernels use AMX tiles (False where the CPU has none)
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     experts = cpu_moe.CPUUnquantizedExperts

