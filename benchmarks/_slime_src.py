@@ -17,7 +17,10 @@ torch.distributed is real: a one-rank gloo group. Pinned host buffers need an ac
 so slime takes its own pageable ``.cpu()`` fallback.
 
 Encodings: ``xor`` (slime's default) always; ``sparse`` when the checkout has it (the
-``patches/slime`` series applied).
+``patches/slime`` series applied). slime's apply takes ``sparse`` from SGLang's own
+``sglang.srt.weight_sync.delta_decoders``; SGLang is not installed here, so that module is the
+new file of the ``patches/sglang`` series, read out of the patch and registered under its
+name while a :class:`SlimeSource` is entered (an SGLang that already has it is used as is).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import numpy as np
 
 PACKAGE = "slime.backends.megatron_utils.update_weight"
+DECODERS_MODULE = "sglang.srt.weight_sync.delta_decoders"
 APPLY_PATCH = Path("docker/patch/latest/sglang-pull_weights.patch")
 CHECKSUM = "xxh3-128"  # slime's default
 
@@ -111,6 +115,24 @@ def load_apply_module(src: Path, workdir: Path) -> types.ModuleType:
     return module
 
 
+def load_sglang_decoders(workdir: Path) -> types.ModuleType:
+    """SGLang's delta decoders as ``patches/sglang`` adds them (the whole new file)."""
+    from patches import series_path
+    from patches.series import load
+    from slime_modal.upstream import DECODERS, extract_new_file
+
+    for patch in load(series_path("sglang")).patches:
+        text = patch.file.read_text()
+        if f"+++ b/{DECODERS}\n" in text:
+            target = workdir / "sglang_delta_decoders.py"
+            target.write_text(extract_new_file(text, DECODERS))
+            spec = importlib.util.spec_from_file_location(DECODERS_MODULE, target)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise SlimeSourceError(f"no patch of patches/sglang adds {DECODERS}")
+
+
 def _bytes(tensor) -> np.ndarray:
     import torch
 
@@ -141,6 +163,10 @@ class SlimeSource:
 
         self.workdir = Path(tempfile.mkdtemp(prefix="slime-src-"))
         self.apply = load_apply_module(self.src, self.workdir)
+        self._decoders_registered = False
+        if "sparse" in self.encodings and importlib.util.find_spec("sglang") is None:
+            sys.modules[DECODERS_MODULE] = load_sglang_decoders(self.workdir)
+            self._decoders_registered = True
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"file://{self.workdir / 'pg'}", rank=0, world_size=1)
         distributed_utils.init_gloo_group()
@@ -151,6 +177,8 @@ class SlimeSource:
         from slime.utils import distributed_utils
 
         distributed_utils.GLOO_GROUP = None
+        if self._decoders_registered:
+            sys.modules.pop(DECODERS_MODULE, None)
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -211,8 +239,8 @@ class SlimeSource:
 def with_slime(run_case, source: SlimeSource):
     """Wrap ``weight_sync.run_case`` so every delta case also carries slime's own numbers."""
 
-    def wrapped(name, base, new, codecs, repeats, anchor=False):
-        case = run_case(name, base, new, codecs, repeats, anchor=anchor)
+    def wrapped(name, base, new, codecs, repeats, anchor=False, **options):
+        case = run_case(name, base, new, codecs, repeats, anchor=anchor, **options)
         if not anchor:
             case["slime_src"] = source.measure(base, new, repeats)
         return case

@@ -1,16 +1,19 @@
 """A clean, committed copy of a series' base in a scratch directory.
 
 Sources, by what ``DIR`` is:
-- ``"sdist"`` (or nothing) with an ``sdist =`` base: the archive from the package index, by
-  ``pip download --no-binary :all: --no-deps``, cached in :func:`cache_dir`;
-- a ``.tar.gz`` file: that archive;
+- ``"sdist"``/``"wheel"`` (or nothing) with an ``sdist =`` base: the archive from the package
+  index, by ``pip download --no-binary :all: --no-deps``, cached in :func:`cache_dir`; with a
+  ``wheel =`` base: the wheel for this interpreter (``--only-binary :all:``), likewise;
+- a ``.tar.gz`` file: that archive; a ``.whl`` file: that wheel (a wheel base only);
 - a git checkout (or bare git dir): a clone at the base's ``commit`` (HEAD without one), so
   local edits and untracked files in ``DIR`` never reach the copy;
 - any other directory (an unpacked sdist): a copy, checked against ``version_file``.
 
 Invariants: the copy is a git repository with exactly one commit holding the base, so a
 patch's effect is ``git diff`` against it; ``DIR`` itself is never written; an archive whose
-digest differs from the series' ``sha256`` is refused.
+digest differs from the series' ``sha256`` is refused; a wheel's files land under the
+base's ``root`` (e.g. ``python/``, where SGLang's repository keeps its package), so a patch
+written against the upstream repository applies to the wheel's copy of the same files.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 from patches.series import Base
@@ -57,23 +61,27 @@ def git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def download_sdist(requirement: str, sha256: str | None = None) -> Path:
-    """The sdist archive for ``requirement`` (``name==version``), downloaded once into the cache."""
+def download_sdist(requirement: str, sha256: str | None = None, *, kind: str = "sdist") -> Path:
+    """The ``kind`` archive (``"sdist"`` or ``"wheel"``) for ``requirement`` (``name==version``),
+    downloaded once into the cache."""
     name, _, version = requirement.partition("==")
     if not version:
-        raise BaseError(f"sdist = {requirement!r} must pin a version (name==version)")
+        raise BaseError(f"{kind} = {requirement!r} must pin a version (name==version)")
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    stem = f"{name.replace('-', '_')}-{version}"
-    found = [p for p in folder.glob("*.tar.gz") if p.name.lower().startswith(stem.lower())]
+    stem = (
+        f"{name.replace('-', '_')}-{version}-" if kind == "wheel" else f"{name.replace('-', '_')}-{version}"
+    )
+    suffix, only = ("*.whl", "--only-binary") if kind == "wheel" else ("*.tar.gz", "--no-binary")
+    found = [p for p in folder.glob(suffix) if p.name.lower().startswith(stem.lower())]
     if not found:
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", only, ":all:"]
         argv += ["--quiet", "--disable-pip-version-check", "-d", str(folder), requirement]
         proc = subprocess.run(argv, capture_output=True, text=True)
-        found = [p for p in folder.glob("*.tar.gz") if p.name.lower().startswith(stem.lower())]
+        found = [p for p in folder.glob(suffix) if p.name.lower().startswith(stem.lower())]
         if proc.returncode != 0 or not found:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no archive"]
-            raise BaseError(f"could not download the {requirement} sdist from the package index: {tail[0]}")
+            raise BaseError(f"could not download the {requirement} {kind} from the package index: {tail[0]}")
     archive = found[0]
     if sha256 and sha256_of(archive) != sha256:
         raise BaseError(f"{archive} has sha256 {sha256_of(archive)}, the series expects {sha256}; delete it")
@@ -112,11 +120,18 @@ def _is_git(path: Path) -> bool:
 def prepare(base: Base, source: str | None, scratch: Path) -> Path:
     """A clean copy of ``base`` from ``source`` (see the module doc) under ``scratch``."""
     scratch.mkdir(parents=True, exist_ok=True)
-    if source in (None, "", "sdist"):
-        if not base.sdist:
+    if source in (None, "", "sdist", "wheel"):
+        if not base.archive:
             raise BaseError(f"{base.name}: give a DIR (a checkout of {base.git} at {base.commit})")
-        return _from_archive(base, download_sdist(base.sdist, base.sha256), scratch)
+        kind = "wheel" if base.wheel else "sdist"
+        return _from_archive(base, download_sdist(base.archive, base.sha256, kind=kind), scratch)
     path = Path(source).expanduser()
+    if path.is_file() and path.name.endswith(".whl"):
+        if not base.wheel:
+            raise BaseError(f"{path} is a wheel; {base.name} is not a wheel = base")
+        if base.sha256 and sha256_of(path) != base.sha256:
+            raise BaseError(f"{path} is not the wheel the series names (sha256 {base.sha256})")
+        return _from_archive(base, path, scratch)
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
         if base.sha256 and sha256_of(path) != base.sha256:
             raise BaseError(f"{path} is not the archive the series names (sha256 {base.sha256})")
@@ -145,10 +160,28 @@ def prepare(base: Base, source: str | None, scratch: Path) -> Path:
 
 
 def _from_archive(base: Base, archive: Path, scratch: Path) -> Path:
+    if archive.name.endswith(".whl"):
+        tree = scratch / "tree"
+        with zipfile.ZipFile(archive) as wheel:
+            _extract_wheel(wheel, tree / base.root if base.root else tree)
+        _check_version(base, tree, archive)
+        _commit_all(tree, f"base: {base.name} ({archive.name})")
+        return tree
     tree = _unpack(archive, scratch / "unpacked")
     _check_version(base, tree, archive)
     _commit_all(tree, f"base: {base.name} ({archive.name})")
     return tree
+
+
+def _extract_wheel(wheel: zipfile.ZipFile, into: Path) -> None:
+    """The wheel's files under ``into``; a member naming a path outside it is refused."""
+    into.mkdir(parents=True, exist_ok=True)
+    top = into.resolve()
+    for member in wheel.namelist():
+        target = (into / member).resolve()
+        if not target.is_relative_to(top):
+            raise BaseError(f"wheel member {member!r} points outside the tree; not unpacking it")
+    wheel.extractall(into)
 
 
 def _check_version(base: Base, tree: Path, origin: Path) -> None:

@@ -15,7 +15,8 @@ commands (the project's own pre-commit checks: license headers, test layout, lin
 on the patched tree, ``{py_files}`` standing for the ``.py`` files the series adds or
 changes; each must exit 0.
 
-Invariants: the tests run with ``cwd`` = the tree and the tree first on ``PYTHONPATH``, so
+Invariants: the tests run with ``cwd`` = the tree and the tree (after the base's
+``pythonpath`` folders in it) first on ``PYTHONPATH``, so
 the patched package shadows any installed copy; a patch that does not apply stops its series
 (later patches build on it); every deviation is a row whose ``ok`` is False.
 """
@@ -75,10 +76,18 @@ class Row:
         return not self.problems
 
 
-def run_tests(tree: Path, runner: str, files: list[str], env: dict[str, str], scratch: Path) -> Run:
+def run_tests(
+    tree: Path,
+    runner: str,
+    files: list[str],
+    env: dict[str, str],
+    scratch: Path,
+    pythonpath: tuple[str, ...] = (),
+) -> Run:
     """Run ``files`` in ``tree`` with ``runner``; never raises for failing tests."""
     full_env = {**os.environ, **env}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    first = [str(tree / folder) for folder in pythonpath] + [str(tree)]
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH", "")) if p)
     # Upstream tests' own temp files (multiprocessing's pymp-* dirs outlive a test that exits
     # hard, Ray's session dir) go into a short run dir of ours (socket paths under it must stay
     # short), removed when the run ends: never into the caller's temp dir.
@@ -150,7 +159,7 @@ def check_series(
             if patch.fix:
                 include = [arg for t in tests for arg in ("--include", t)]
                 bases.git(tree, "apply", *include, str(patch.file))
-                before = run_tests(tree, series.base.runner, tests, env, scratch)
+                before = run_tests(tree, series.base.runner, tests, env, scratch, series.base.pythonpath)
                 bases.git(tree, "reset", "-q", "--hard")
                 bases.git(tree, "clean", "-q", "-fdx")
                 row.before = ("FAIL " if before.rc != 0 else "pass ") + before.summary
@@ -167,7 +176,7 @@ def check_series(
                 row.problems.append(f"does not apply: {(am.stderr or am.stdout).strip()}")
                 row.seconds = time.monotonic() - started
                 break
-            after = run_tests(tree, series.base.runner, tests, env, scratch)
+            after = run_tests(tree, series.base.runner, tests, env, scratch, series.base.pythonpath)
             bases.git(tree, "clean", "-q", "-fdx")
             row.after = ("pass " if _passed(after) else "FAIL ") + after.summary
             if not _passed(after):
@@ -195,7 +204,7 @@ def _final(series: Series, tree: Path, env: dict[str, str], scratch: Path, full:
                 files.append(f)
     row = Row(series.framework, "series", f"all {len(series.patches)} patches: new + upstream tests")
     row.applies = True
-    run = run_tests(tree, series.base.runner, files, env, scratch)
+    run = run_tests(tree, series.base.runner, files, env, scratch, series.base.pythonpath)
     row.after = ("pass " if _passed(run) else "FAIL ") + run.summary
     row.seconds = run.seconds
     if not _passed(run):

@@ -5,9 +5,13 @@ The file format (shared by every framework; see ``patches/README.md``)::
     [base]
     name = "verl 0.9.1 sdist"          # what the patches apply to, for people
     sdist = "verl==0.9.1"              # a source distribution on the package index, or
+    wheel = "sglang==0.5.23"           # a wheel on the package index (its Python source), or
     git = "https://github.com/THUDM/slime"   # a git repository (a DIR must be given)
     commit = "624b824a8"               # with git: the commit the series applies to
-    sha256 = "..."                     # optional, with sdist: the archive's digest
+    sha256 = "..."                     # optional, with sdist or wheel: the archive's digest
+    root = "python"                    # optional, with wheel: the folder the wheel's files go
+                                       #   in, so patches use the upstream repository's paths
+    pythonpath = ["python"]            # optional: tree folders put first on PYTHONPATH for tests
     version_file = "verl/version/version"    # optional: a file in the tree that must hold
     version = "0.9.1"                  #   this text (checked on a DIR that is not git)
     runner = "pytest"                  # "pytest" (python -m pytest FILES) or "python" (python FILE)
@@ -27,7 +31,8 @@ The file format (shared by every framework; see ``patches/README.md``)::
 
 Invariants: every listed file exists next to the series; a patch's ``new_tests`` are among
 the files the patch adds or changes and its ``targets`` are exactly the other files it
-changes; ``runner`` is one of :data:`RUNNERS`. A violation is one :class:`SeriesError` line.
+changes; ``runner`` is one of :data:`RUNNERS`; a base has exactly one of ``sdist``,
+``wheel``, ``git``; ``root`` and ``pythonpath`` name folders inside the tree. A violation is one :class:`SeriesError` line.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class SeriesError(ValueError):
 class Base:
     name: str
     sdist: str | None = None
+    wheel: str | None = None
     git: str | None = None
     commit: str | None = None
     sha256: str | None = None
@@ -57,6 +63,13 @@ class Base:
     runner: str = "pytest"
     env: dict[str, str] = field(default_factory=dict)
     sanity: tuple[str, ...] = ()
+    root: str = ""
+    pythonpath: tuple[str, ...] = ()
+
+    @property
+    def archive(self) -> str | None:
+        """The ``name==version`` fetched from the package index (sdist or wheel), if any."""
+        return self.sdist or self.wheel
 
 
 @dataclass(frozen=True)
@@ -104,16 +117,22 @@ def load(path: Path) -> Series:
     raw = data.get("base")
     if not isinstance(raw, dict) or "name" not in raw:
         raise SeriesError(f"{path}: needs a [base] table with a name")
-    if "sanity" in raw:
-        raw = {**raw, "sanity": _strs(raw["sanity"], f"{path}: [base] sanity")}
+    for key in ("sanity", "pythonpath"):
+        if key in raw:
+            raw = {**raw, key: _strs(raw[key], f"{path}: [base] {key}")}
     base = Base(**{k: v for k, v in raw.items() if k in Base.__dataclass_fields__})
     unknown = set(raw) - set(Base.__dataclass_fields__)
     if unknown:
         raise SeriesError(f"{path}: unknown [base] keys {sorted(unknown)}")
     if base.runner not in RUNNERS:
         raise SeriesError(f"{path}: [base] runner must be one of {RUNNERS}, not {base.runner!r}")
-    if bool(base.sdist) == bool(base.git):
-        raise SeriesError(f"{path}: [base] needs exactly one of sdist = or git =")
+    if sum(bool(x) for x in (base.sdist, base.wheel, base.git)) != 1:
+        raise SeriesError(f"{path}: [base] needs exactly one of sdist =, wheel = or git =")
+    if base.root and not base.wheel:
+        raise SeriesError(f"{path}: [base] root = only goes with wheel =")
+    for folder in (base.root, *base.pythonpath):
+        if Path(folder).is_absolute() or ".." in Path(folder).parts:
+            raise SeriesError(f"{path}: [base] {folder!r} must be a folder inside the tree")
     patches = []
     for i, entry in enumerate(data.get("patch", [])):
         where = f"{path}: [[patch]] #{i + 1}"

@@ -9,7 +9,9 @@ engines') gets, on top of the registry image:
    slime's SGLang patch (now patched) adds ``sglang/srt/weight_sync/
    local_checkpoint.py`` as a whole new file, already installed in the image's SGLang from
    the unpatched patch; it is rewritten from the patched one (only that file: the series
-   changes nothing else in the SGLang patch).
+   changes nothing else in the SGLang patch). Next to it goes ``delta_decoders.py``, the
+   whole new file of the ``patches/sglang`` series (copied to :data:`SGLANG_REMOTE_DIR`):
+   SGLang's own decoders, which the patched apply takes ``sparse`` from.
 
 A build step that fails (the image's slime moved past the base and a patch no longer applies,
 or its SGLang lacks slime's pull_weights patch) fails the image build with git's or the
@@ -35,10 +37,13 @@ from typing import Any
 
 SERIES_DIR = Path(__file__).resolve().parents[1] / "patches" / "slime"
 REMOTE_DIR = "/opt/modal_rl/patches/slime"
+SGLANG_SERIES_DIR = SERIES_DIR.parent / "sglang"
+SGLANG_REMOTE_DIR = "/opt/modal_rl/patches/sglang"
 SGLANG_PATCH = "docker/patch/latest/sglang-pull_weights.patch"
 ENGINE_APPLY = "python/sglang/srt/weight_sync/local_checkpoint.py"
+DECODERS = "python/sglang/srt/weight_sync/delta_decoders.py"
 FLAG = "--no-slime-patches"
-ENCODING_FLAG = "--update-weight-delta-encoding"  # 'sparse' comes with patch 0002
+ENCODING_FLAG = "--update-weight-delta-encoding"  # 'sparse': slime's 0002 + SGLang's decoders
 
 
 class SeriesMissingError(RuntimeError):
@@ -62,17 +67,20 @@ def series(series_dir: Path = SERIES_DIR) -> tuple[dict[str, Any], list[dict[str
     return data["base"], list(data["patch"])
 
 
-def extract_engine_apply(patch_text: str) -> str:
-    """The whole new ``local_checkpoint.py`` that slime's SGLang patch adds. Self-contained
+def extract_new_file(patch_text: str, path: str) -> str:
+    """The whole file ``path`` that a patch adds (one ``@@ -0,0 +1,N @@`` hunk). Self-contained
     (it runs inside the image build as ``python3 -c``): stdlib only, no other names."""
-    marker = "+++ b/python/sglang/srt/weight_sync/local_checkpoint.py\n"
-    start = patch_text.index(marker)
-    end = patch_text.find("\ndiff --git ", start)
-    lines = patch_text[start : None if end < 0 else end].splitlines(keepends=True)
+    start = patch_text.index(f"+++ b/{path}\n")
+    lines = patch_text[start:].splitlines(keepends=True)
     header = re.match(r"@@ -0,0 \+1,(\d+) @@", lines[1])
-    if header is None or len(lines) - 2 != int(header.group(1)):
-        raise ValueError("the local_checkpoint.py hunk of slime's SGLang patch is malformed")
-    return "".join(line[1:] for line in lines[2:])
+    if header is None or not all(line.startswith("+") for line in lines[2 : 2 + int(header.group(1))]):
+        raise ValueError(f"the {path} hunk is not one whole new file")
+    return "".join(line[1:] for line in lines[2 : 2 + int(header.group(1))])
+
+
+def extract_engine_apply(patch_text: str) -> str:
+    """The whole new ``local_checkpoint.py`` that slime's SGLang patch adds."""
+    return extract_new_file(patch_text, ENGINE_APPLY)
 
 
 _REFRESH = """
@@ -83,23 +91,40 @@ target = os.path.join(spec.submodule_search_locations[0], "srt", "weight_sync", 
 if not os.path.isfile(target):
     sys.exit(f"{{target}} missing: the image's SGLang lacks slime's pull_weights patch")
 with open(os.path.join(sys.argv[1], {patch!r})) as f:
-    text = extract_engine_apply(f.read())
+    text = extract_new_file(f.read(), {apply!r})
 with open(target, "w") as f:
     f.write(text)
 print(f"refreshed {{target}} from the patched slime SGLang patch")
+for name in sorted(os.listdir(sys.argv[2])):
+    with open(os.path.join(sys.argv[2], name)) as f:
+        text = f.read()
+    if "+++ b/" + {decoders!r} + "\\n" in text:
+        decoders = os.path.join(os.path.dirname(target), os.path.basename({decoders!r}))
+        with open(decoders, "w") as f:
+            f.write(extract_new_file(text, {decoders!r}))
+        print(f"wrote {{decoders}} from {{name}}")
 """
 
 
-def build_commands(slime_path: str, patch_files: list[str], remote_dir: str = REMOTE_DIR) -> list[str]:
-    """The image's shell build steps after the patch files are at ``remote_dir``."""
+def build_commands(
+    slime_path: str,
+    patch_files: list[str],
+    remote_dir: str = REMOTE_DIR,
+    sglang_dir: str = SGLANG_REMOTE_DIR,
+) -> list[str]:
+    """The image's shell build steps after the patch files are at ``remote_dir`` (slime's)
+    and ``sglang_dir`` (the ``patches/sglang`` series')."""
     paths = " ".join(shlex.quote(f"{remote_dir}/{name}") for name in patch_files)
     identity = "-c user.name=modal-rl -c user.email=modal-rl@localhost"
-    refresh = _REFRESH.format(source=inspect.getsource(extract_engine_apply), patch=SGLANG_PATCH)
+    refresh = _REFRESH.format(
+        source=inspect.getsource(extract_new_file), patch=SGLANG_PATCH, apply=ENGINE_APPLY, decoders=DECODERS
+    )
     # One line: a Dockerfile RUN instruction ends at a newline.
     script = base64.b64encode(refresh.encode()).decode()
     return [
         f"cd {shlex.quote(slime_path)} && git {identity} am -3 --keep-non-patch {paths}",
-        f"python3 -c 'import base64; exec(base64.b64decode(\"{script}\"))' {shlex.quote(slime_path)}",
+        f"python3 -c 'import base64; exec(base64.b64decode(\"{script}\"))' "
+        f"{shlex.quote(slime_path)} {shlex.quote(sglang_dir)}",
     ]
 
 
@@ -108,6 +133,9 @@ def extend_image(image, slime_path: str, series_dir: Path = SERIES_DIR):
     _, patches = series(series_dir)
     files = [p["file"] for p in patches]
     image = image.add_local_dir(series_dir, REMOTE_DIR, copy=True, ignore=lambda p: p.suffix != ".patch")
+    image = image.add_local_dir(
+        SGLANG_SERIES_DIR, SGLANG_REMOTE_DIR, copy=True, ignore=lambda p: p.suffix != ".patch"
+    )
     return image.run_commands(*build_commands(slime_path, files))
 
 
@@ -144,7 +172,10 @@ def plan(args: argparse.Namespace, series_dir: Path = SERIES_DIR) -> dict[str, A
         "base": base["name"],
         "slime_path": args.slime_path,
         "patches": [{"file": p["file"], "title": p["title"]} for p in patches],
-        "image_steps": [f"copy {series_dir} -> {REMOTE_DIR}"]
+        "image_steps": [
+            f"copy {series_dir} -> {REMOTE_DIR}",
+            f"copy {SGLANG_SERIES_DIR} -> {SGLANG_REMOTE_DIR}",
+        ]
         + build_commands(args.slime_path, [p["file"] for p in patches]),
     }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from patches import base as bases
 from patches import check
 from patches.series import SeriesError, load
 
@@ -232,3 +233,63 @@ def test_sanity_commands_name_this_interpreters_tools():
     assert argv == [sys.executable, "-m", "ruff", "check", "a.py", "b.py"]
     assert check.sanity_argv("python x.py --d .", [])[:2] == [sys.executable, "x.py"]
     assert check.sanity_argv("git status", ["a.py"]) == ["git", "status"]
+
+
+def _wheel(tmp: Path) -> Path:
+    """A wheel of the buggy ``calc`` (as pip would download one; no upstream tests in it)."""
+    import zipfile
+
+    path = tmp / "calc-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("calc/__init__.py", "def add(a, b):\n    return a - b\n")
+        wheel.writestr("calc-1.0.dist-info/METADATA", "Name: calc\nVersion: 1.0\n")
+    return path
+
+
+def test_a_wheel_base_puts_its_files_under_root_and_its_tests_find_them(tmp_path):
+    # the patch is written against the upstream repository's layout: the package under python/
+    upstream = tmp_path / "upstream"
+    (upstream / "python" / "calc").mkdir(parents=True)
+    (upstream / "python" / "calc" / "__init__.py").write_text("def add(a, b):\n    return a - b\n")
+    _git(upstream, "init", "-q")
+    _git(upstream, "add", "-A")
+    _git(upstream, "commit", "-qm", "base")
+    folder = tmp_path / "patches" / "calc"
+    folder.mkdir(parents=True)
+    name = _patch(
+        upstream, folder, {"python/calc/__init__.py": FIXED, "test/test_add.py": TEST_ADD}, "[calc] fix: add"
+    )
+    wheel = _wheel(tmp_path)
+    lines = ["[base]", 'name = "calc 1.0 wheel"', 'wheel = "calc==1.0"', 'root = "python"']
+    lines += ['pythonpath = ["python"]', f'sha256 = "{bases.sha256_of(wheel)}"', ""]
+    lines += ["[[patch]]", f'file = "{name}"', 'title = "t"', "fix = true"]
+    lines += ['targets = ["python/calc/__init__.py"]', 'new_tests = ["test/test_add.py"]']
+    (folder / "series.toml").write_text("\n".join(lines) + "\n")
+    series = load(folder / "series.toml")
+    rows = check.check_series(series, str(wheel), log=lambda _m: None)
+    assert [r.ok for r in rows] == [True, True], [r.problems for r in rows]
+    assert rows[0].before.startswith("FAIL 0/1") and rows[0].after.startswith("pass 1/1")
+    # another wheel than the one the series names is refused, as is a wheel for a git base
+    other = tmp_path / "other" / wheel.name
+    other.parent.mkdir()
+    other.write_bytes(wheel.read_bytes() + b"\0")
+    rows = check.check_series(series, str(other), log=lambda _m: None)
+    assert rows[0].patch == "base" and "not the wheel the series names" in rows[0].problems[0]
+    entry = dict(
+        file=name, title="t", fix=True, targets=["python/calc/__init__.py"], new_tests=["test/test_add.py"]
+    )
+    rows = check.check_series(load(_series(folder, "HEAD", [entry])), str(wheel), log=lambda _m: None)
+    assert rows[0].patch == "base" and "is a wheel" in rows[0].problems[0]
+
+
+def test_wheel_only_keys_are_refused_elsewhere(calc):
+    _repo, commit, folder = calc
+    (folder / "p.patch").write_text("diff --git a/x b/x\n")
+    text = f'[base]\nname = "c"\ngit = "l"\ncommit = "{commit}"\nroot = "python"\n'
+    text += '[[patch]]\nfile = "p.patch"\ntitle = "t"\nfix = true\ntargets = []\nnew_tests = ["x"]\n'
+    (folder / "series.toml").write_text(text)
+    with pytest.raises(SeriesError, match="root = only goes with wheel ="):
+        load(folder / "series.toml")
+    (folder / "series.toml").write_text(text.replace('root = "python"', 'wheel = "c==1"'))
+    with pytest.raises(SeriesError, match="exactly one of sdist =, wheel = or git ="):
+        load(folder / "series.toml")

@@ -1,8 +1,9 @@
 """The slime patch series (``patches/slime``), measured on slime's own code.
 
 On a clean clone of slime at the series' base with every patch applied (``git am``), slime's
-real trainer encoder and the engine apply from its SGLang patch (``benchmarks/_slime_src``)
-run on bf16 snapshots of a real Adam run: ``sparse`` must round-trip bit-exactly and need
+real trainer encoder and the engine apply from its SGLang patch (``benchmarks/_slime_src``),
+which takes ``sparse`` from SGLang's delta decoders as ``patches/sglang`` adds them, run on
+bf16 snapshots of a real Adam run: ``sparse`` must round-trip bit-exactly and need
 at most 0.55x the bytes of slime's ``xor`` at 0.5-3% density, and its chunk bodies must be
 the chunk bodies of ``docs/weight-sync-format.md`` (our decoder reads them).
 

@@ -44,9 +44,10 @@ def test_modal_dry_run_plan_lists_the_series_applied_to_the_image():
     assert section["slime_path"] == L.SLIME_PATH
     steps = section["image_steps"]
     assert steps[0].endswith(f"-> {upstream.REMOTE_DIR}")
-    assert steps[1].startswith(f"cd {L.SLIME_PATH} && git ") and " am -3 " in steps[1]
-    assert all(f"{upstream.REMOTE_DIR}/{name}" in steps[1] for name in PATCH_FILES)
-    assert steps[2].startswith("python3 -c ")
+    assert steps[1].endswith(f"-> {upstream.SGLANG_REMOTE_DIR}")
+    assert steps[2].startswith(f"cd {L.SLIME_PATH} && git ") and " am -3 " in steps[2]
+    assert all(f"{upstream.REMOTE_DIR}/{name}" in steps[2] for name in PATCH_FILES)
+    assert steps[3].startswith("python3 -c ") and steps[3].endswith(upstream.SGLANG_REMOTE_DIR)
 
 
 def test_plan_says_when_the_series_is_not_applied():
@@ -88,8 +89,8 @@ def image_layers(image) -> list[tuple[str, object]]:
 def _assert_series_then_sources(layers, first: str):
     builds = [cmds for kind, cmds in layers if kind == "build"]
     assert builds[0][0] == f"FROM {first}"
-    copy, run = builds[-2:]
-    assert copy == ["FROM base", "COPY . /"]  # the series files (a context mount at REMOTE_DIR)
+    *copies, run = builds[-3:]
+    assert copies == [["FROM base", "COPY . /"]] * 2  # the slime and SGLang series files
     assert run[0] == "FROM base" and len(run) == 3 and all("\n" not in c for c in run)
     assert " am -3 " in run[1] and all(f"{upstream.REMOTE_DIR}/{name}" in run[1] for name in PATCH_FILES)
     assert run[2].startswith("RUN python3 -c 'import base64; exec(")
@@ -172,15 +173,21 @@ def base_checkout(tmp_path):
 
 def test_image_build_commands_apply_the_series_and_refresh_sglang(tmp_path, base_checkout):
     """The exact commands the image runs, against a slime clone and an SGLang stand-in that
-    holds the engine apply from the unpatched SGLang patch (what slime's image installs)."""
+    holds the engine apply from the unpatched SGLang patch (what slime's image installs): the
+    apply is rewritten from the patched one and SGLang's delta decoders are written beside it."""
     patch = (base_checkout / upstream.SGLANG_PATCH).read_text()
     installed = tmp_path / "site" / "sglang" / "srt" / "weight_sync" / "local_checkpoint.py"
     installed.parent.mkdir(parents=True)
     (tmp_path / "site" / "sglang" / "__init__.py").write_text("")
     installed.write_text(upstream.extract_engine_apply(patch))
-    assert "_sparse_apply" not in installed.read_text()
+    assert "_sglang_decoder" not in installed.read_text()
 
-    commands = upstream.build_commands(str(base_checkout), PATCH_FILES, remote_dir=str(upstream.SERIES_DIR))
+    commands = upstream.build_commands(
+        str(base_checkout),
+        PATCH_FILES,
+        remote_dir=str(upstream.SERIES_DIR),
+        sglang_dir=str(upstream.SGLANG_SERIES_DIR),
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     for command in commands:
         proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
@@ -194,7 +201,11 @@ def test_image_build_commands_apply_the_series_and_refresh_sglang(tmp_path, base
     assert log.stdout.splitlines()[: len(titles)] == titles[::-1]
     refreshed = installed.read_text()
     assert refreshed == upstream.extract_engine_apply((base_checkout / upstream.SGLANG_PATCH).read_text())
-    assert "_invalidate_applied_version" in refreshed and "_sparse_apply" in refreshed
+    assert "_invalidate_applied_version" in refreshed and "_sglang_decoder" in refreshed
+    (sglang_patch,) = upstream.SGLANG_SERIES_DIR.glob("*.patch")
+    decoders = (installed.parent / "delta_decoders.py").read_text()
+    assert decoders == upstream.extract_new_file(sglang_patch.read_text(), upstream.DECODERS)
+    assert "def get_decoder(" in decoders
 
 
 def test_refresh_fails_loud_without_slimes_sglang_patch(tmp_path, base_checkout):
