@@ -37,6 +37,7 @@ def lora_versions(model_dir: Path, versions: int, lr: float = LR, seed: int = 0)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from benchmarks._engine_sync_model import adam_steps
     from modal_rl.weightsync.apply.lora import adapter_state
 
     torch.manual_seed(seed)
@@ -44,23 +45,16 @@ def lora_versions(model_dir: Path, versions: int, lr: float = LR, seed: int = 0)
     model = get_peft_model(
         base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
     )
-    model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(versions):
-        tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=gen)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+
+    def snapshot(model) -> dict:
         # bf16 on the wire: the engine's LoRA dtype (the model's); see lora.adapter_state
         adapter, _ = adapter_state(
             ((n, p.detach().clone()) for n, p in model.named_parameters()), torch.bfloat16
         )
-        out.append({"adapter": adapter, "merged": merged_state(model)})
-    return out
+        return {"adapter": adapter, "merged": merged_state(model)}
+
+    return adam_steps(model, trainable, versions, lr, seed, snapshot, batch=(BATCH, SEQ))
 
 
 def merged_state(peft_model) -> dict:

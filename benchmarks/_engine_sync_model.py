@@ -85,18 +85,24 @@ def adam_versions(model_dir: Path, versions: int, lr: float = LR, seed: int = 0)
         raise ValueError(f"versions={versions}: need at least 1")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return adam_steps(model, model.parameters(), versions, lr, seed, bf16_snapshot)
+
+
+def adam_steps(model, params, versions: int, lr: float, seed: int, snapshot, batch=(BATCH, SEQ)) -> list:
+    """``snapshot(model)`` after each of ``versions`` Adam steps (on ``params``) of the causal
+    LM loss on random token batches of shape ``batch`` (the same batches for the same seed)."""
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    states = []
+    out = []
     for _ in range(versions):
-        tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=gen)
+        tokens = torch.randint(0, model.config.vocab_size, batch, generator=gen)
         loss = model(input_ids=tokens, labels=tokens).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        states.append(bf16_snapshot(model))
-    return states
+        out.append(snapshot(model))
+    return out
 
 
 def changed_fraction(old: State, new: State) -> float:

