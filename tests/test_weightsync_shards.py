@@ -126,11 +126,9 @@ def test_real_fsdp2_ranks_publish_their_local_shards_without_a_gather(tmp_path):
     import subprocess
     import sys
 
-    from modal_rl.cluster.ports import reserve
-
     versions = 3
     done = subprocess.run(
-        [sys.executable, "-m", "tests._fsdp_shard_child", str(tmp_path), str(reserve(1)[0]), str(versions)],
+        [sys.executable, "-m", "tests._fsdp_shard_child", str(tmp_path), str(versions)],
         capture_output=True,
         text=True,
         timeout=300,
