@@ -37,15 +37,10 @@ def _say(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def _tiled(state: dict, tiles: int):
-    for k in range(tiles):
-        for name, tensor in state.items():
-            yield f"tile{k}.{name}", tensor
-
-
 def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
     import torch
 
+    from benchmarks._weight_sync_data import tiled_state
     from modal_rl.weightsync import CodecConfig
     from modal_rl.weightsync.publisher import Publisher
     from modal_rl.weightsync.shards import dim0_pieces
@@ -69,7 +64,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
             continue
         version = int(arg)
         t0 = time.perf_counter()
-        report = publisher.publish(dim0_pieces(_tiled(states[version], tiles), rank, world), version)
+        report = publisher.publish(dim0_pieces(tiled_state(states[version], tiles)(), rank, world), version)
         shard = sum(t.numel() * t.element_size() for t in publisher.snapshot.values())
         _say(
             event="published",

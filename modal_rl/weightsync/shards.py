@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modal_rl.weightsync.codec.encode import CodecConfig
-from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
+from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.subscriber import Subscriber
 from modal_rl.weightsync.transport.base import FrameSource
 
@@ -85,11 +85,17 @@ def dim0_pieces(state: Iterable[tuple[str, Any]], rank: int, world: int) -> Iter
             if rank == 0:
                 yield piece_name(name, 0, shape), tensor
             continue
-        rows = -(-shape[0] // world)
-        lo, hi = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+        lo, hi = _dim0_rows(shape[0], rank, world)
         if lo < hi:
             row = math.prod(shape[1:])
             yield piece_name(name, lo * row, shape), tensor[lo:hi]
+
+
+def _dim0_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` rank ``rank`` of ``world`` holds under ``torch.chunk`` along
+    dim 0 (FSDP2's ``Shard(0)``): ceil(rows / world) each, the last ranks fewer or none."""
+    step = -(-rows // world)
+    return min(rank * step, rows), min((rank + 1) * step, rows)
 
 
 def dtensor_pieces(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -118,8 +124,7 @@ def dtensor_pieces(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]
             if coordinate == 0:
                 yield piece_name(name, 0, full), local
         elif isinstance(placement, Shard) and placement.dim == 0:
-            rows = -(-full[0] // mesh.size()) if full else 0
-            lo = min(coordinate * rows, full[0]) if full else 0
+            lo = _dim0_rows(full[0], coordinate, mesh.size())[0] if full else 0
             if local.numel() or (coordinate == 0 and not math.prod(full)):
                 yield piece_name(name, lo * math.prod(full[1:]), full), local
         else:
@@ -228,12 +233,6 @@ class ShardedReceiver:
         self.pause_s.append(time.monotonic() - t0)
         self.live_version = staged[0]
         return True
-
-    def stage_until(self, version: int, timeout: float) -> None:
-        if not self.run_until(version, timeout):
-            raise VersionNotReachedError(
-                f"version {version} not staged by every rank within {timeout}s (staged: {self.staged()}); live weights stay at {self.live_version}"
-            )
 
     def close(self) -> None:
         for sub in self.subscribers:
