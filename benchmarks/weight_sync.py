@@ -7,7 +7,8 @@ interleaved, and every decode is checked bit-exact against the new weights.
 
 Timing notes: each time is the best of several interleaved repeats (the machines are
 shared and noisy; the minimum is the least disturbed run of each codec). ``modal_rl``
-decode includes verifying every tensor's xxh3-128; the baselines verify nothing. The base checksums ``modal_rl`` puts in a delta come from the previous
+decode includes verifying every tensor (its ls128 sum, moved by the changes); the baselines
+verify nothing. The base checksums ``modal_rl`` puts in a delta come from the previous
 version's encode in a real publisher, so they are computed once outside the timed region.
 """
 

@@ -165,7 +165,7 @@ def run_mode(
             sizes.append(report.bytes)
             pauses += [e["activate_s"] for e in events]
         _wait(lambda: all(p.proc.poll() is not None for p in procs), 300, "receivers to write their weights")
-        # streamed: every activation is a verified one (each tensor's xxh3-128 matched)
+        # streamed: every activation is a verified one (each tensor's ls128 sum matched)
         exact = streamed or all(_same_file(p.out, states[last]) for p in procs)
         return {
             "sync_s": statistics.mean(per_version),

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modal_rl.weightsync import (
+    BaseMismatchError,
     ChecksumMismatchError,
     CodecConfig,
     LayoutMismatchError,
@@ -24,6 +25,8 @@ from modal_rl.weightsync import (
     frame_bytes,
 )
 from modal_rl.weightsync.codec.codings.chunks import DENSE, SPARSE, decode_chunk
+from modal_rl.weightsync.codec.differ import checksum_words
+from modal_rl.weightsync.codec.dtypes import words_of
 from tests.weightsync_helpers import DTYPES, clone_state, model_state, perturb, random_tensor, same_state
 
 SMALL = CodecConfig(chunk_elems=4096, threads=2)
@@ -46,7 +49,7 @@ shapes = st.lists(st.integers(0, 29), min_size=0, max_size=3).map(tuple)
     dtype=st.sampled_from(DTYPES),
     shapes=st.lists(shapes, min_size=1, max_size=4),
     density=st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]),
-    chunk_elems=st.sampled_from([7, 256, 4096]),
+    chunk_elems=st.sampled_from([8, 24, 256, 4096]),
     seed=st.integers(0, 2**16),
 )
 def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
@@ -62,7 +65,7 @@ def test_roundtrip_is_bit_exact(dtype, shapes, density, chunk_elems, seed):
     dtype=st.sampled_from(DTYPES),
     shapes=st.lists(shapes, min_size=1, max_size=4),
     density=st.sampled_from([0.0, 0.001, 0.05, 1.0]),
-    chunk_elems=st.sampled_from([7, 256, 4096]),
+    chunk_elems=st.sampled_from([8, 24, 256, 4096]),
     coding=st.sampled_from([0, 1, 2]),
     seed=st.integers(0, 2**16),
 )
@@ -83,11 +86,11 @@ def test_update_base_leaves_the_base_equal_to_new_and_the_frame_unchanged(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_word_chunks(dtype):
+def test_smallest_chunks(dtype):
     gen = torch.Generator().manual_seed(3)
     base = {"a": random_tensor((5, 3), dtype, gen), "b": random_tensor((), dtype, gen)}
     new = perturb(base, 0.5, seed=3)
-    chain, _ = roundtrip(base, new, CodecConfig(chunk_elems=1, threads=2))
+    chain, _ = roundtrip(base, new, CodecConfig(chunk_elems=8, threads=2))
     assert same_state(chain.state, new)
 
 
@@ -197,6 +200,8 @@ def test_numpy_arrays_are_accepted():
 def test_codec_config_is_validated():
     with pytest.raises(ValueError, match="chunk_elems"):
         CodecConfig(chunk_elems=0)
+    with pytest.raises(ValueError, match="never splits a checksum block"):
+        CodecConfig(chunk_elems=12)
     with pytest.raises(ValueError, match="threads"):
         CodecConfig(threads=0)
 
@@ -214,11 +219,17 @@ def test_device_apply_path_scatters_with_torch_and_rolls_back(monkeypatch, fmt):
     held = clone_state(base)
     apply_frame(held, io.BytesIO(delta), held_version=0, config=config, key=None)
     assert same_state(held, new)
-    # Applying it again: v1 finds the wrong base only through the tensor checksums, after
-    # the scatter, so the rollback must restore every word through the same torch path;
-    # v2 chunks are modelled on the held words and mostly fail to decode before that.
-    with pytest.raises(ChecksumMismatchError if fmt == 1 else WeightSyncError):
+    # Applying it again is refused up front: each group header names its base's sums.
+    with pytest.raises(BaseMismatchError):
         apply_frame(held, io.BytesIO(delta), held_version=0, config=config, key=None)
+    # A receiver that wrongly believes it holds the base: v1 finds out only from the sums its
+    # chunks moved, after the scatter, so the rollback must restore every word through the
+    # same torch path; v2 chunks are modelled on the held words and mostly fail to decode.
+    base_sums = {name: checksum_words(words_of(t)) for name, t in base.items()}
+    with pytest.raises(ChecksumMismatchError if fmt == 1 else WeightSyncError):
+        apply_frame(
+            held, io.BytesIO(delta), held_version=0, held_checksums=base_sums, config=config, key=None
+        )
     assert same_state(held, new)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,6 +25,7 @@ from modal_rl.weightsync import (
     encode_delta,
     frame_bytes,
 )
+from modal_rl.weightsync.codec.dtypes import words_of
 from tests.weightsync_helpers import clone_state, model_state, perturb, records, reseal, same_state
 
 CONFIG = CodecConfig(chunk_elems=2048, threads=2)
@@ -110,15 +112,36 @@ def test_delta_made_from_other_weights_is_refused_up_front():
 
 
 @pytest.mark.parametrize("fmt", [1, 2])
-def test_without_held_checksums_a_wrong_base_is_caught_by_the_tensor_checksums(fmt):
-    # v2 chunks are modelled on the held words: against other words most fail to decode
-    # (CorruptFrameError) before the tensor checksums would catch them.
+def test_without_held_checksums_a_wrong_base_is_refused_before_any_word_is_written(fmt):
+    # A caller that kept no sums has its held tensors summed in full first, and the version
+    # header's base digest refuses the delta before any chunk is decoded.
     config = CodecConfig(chunk_elems=2048, threads=2, coding=fmt)
     delta = frame_bytes(encode_delta(BASE, NEW, base_version=0, version=1, config=config))
     held = perturb(BASE, 0.01, seed=9)
     before = clone_state(held)
-    with pytest.raises(ChecksumMismatchError if fmt == 1 else (ChecksumMismatchError, CorruptFrameError)):
+    with pytest.raises(BaseMismatchError, match="other weights"):
         apply_frame(held, io.BytesIO(delta), held_version=0, config=config, key=None)
+    assert same_state(held, before)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_receiver_wrong_about_its_base_is_caught_by_the_moved_sums(fmt):
+    # Sums that claim the base while the held words differ in a few places the delta touches:
+    # v1 chunks apply, and the sums they moved differ from the S record's; v2 chunks are
+    # modelled on the held words and may fail to decode first. Either way nothing changes.
+    config = CodecConfig(chunk_elems=2048, threads=2, coding=fmt)
+    base_sums: dict[str, str] = {}
+    frame_bytes(encode_anchor(BASE, version=0, config=config, checksums_out=base_sums))
+    delta = frame_bytes(encode_delta(BASE, NEW, base_version=0, version=1, config=config))
+    held = clone_state(BASE)
+    name = next(iter(held))
+    moved = np.flatnonzero(words_of(NEW[name]) != words_of(BASE[name]))
+    words_of(held[name])[moved[: max(1, moved.size // 10)]] ^= 1  # damage where the delta writes
+    before = clone_state(held)
+    with pytest.raises(ChecksumMismatchError if fmt == 1 else (ChecksumMismatchError, CorruptFrameError)):
+        apply_frame(
+            held, io.BytesIO(delta), held_version=0, held_checksums=base_sums, config=config, key=None
+        )
     assert same_state(held, before)
 
 

@@ -104,3 +104,26 @@ def test_a_memory_transport_streams_records_into_the_decoder_as_they_are_sent():
     last_sent = max(j for j, (kind, _) in enumerate(hub.events) if kind == "sent")
     assert len(sent) > 4 and first_read < last_sent
     assert receiver.timings[-1].bytes == receiver.source.last_frame_bytes > 0
+
+
+def test_an_audit_finds_a_held_tensor_damaged_outside_the_deltas_and_the_receiver_heals_from_an_anchor():
+    # Deltas are verified by the sums their changes moved, which cannot see a word damaged
+    # where no delta writes; the timed full audit does, and the receiver then takes the
+    # anchor again instead of building on the damage.
+    hub = Hub()
+    publisher = Publisher(MemorySink(hub), anchor_every=None, config=CONFIG)
+    live: dict = {}
+    receiver = Subscriber(MemorySource(hub), copy_into(live), CONFIG, audit_every_s=None)
+    publisher.publish(state(0))
+    publisher.publish(state(1))
+    assert receiver.run_until(1, timeout=30)
+    assert receiver.audit() == [] and receiver.chain.version == 1  # healthy: nothing changes
+    receiver.chain.state["layer2.weight"].view(torch.int16)[7] ^= 1
+    assert receiver.audit() == ["layer2.weight"] and receiver.chain.version is None
+    assert "audit" in receiver.refused[-1]
+    activated_before = len(receiver.timings)
+    publisher.publish(state(2))
+    assert receiver.run_until(2, timeout=30)
+    assert same_state(live, state(2)) and same_state(receiver.chain.state, state(2))
+    # healed through the anchor, which was staged but not activated: live never went back
+    assert [t.version for t in receiver.timings[activated_before:]] in ([1, 2], [2])

@@ -3,7 +3,7 @@
 The trainer's rank 0 publishes each weight update as one verified frame — a compressed
 anchor now and then, lossless deltas against the previous version otherwise — on a
 ``FrameServer``; every rollout worker holds a ``Subscriber`` that rebuilds the frame into its
-staging state, checks every tensor against the sender's xxh3-128, and only then yields the
+staging state, checks every tensor against the sender's ls128 sum, and only then yields the
 tensors to verl's stock rollout adapter (``wire_format = "named_tensors"``).
 
 How verl drives it (``CheckpointEngineManager.update_weights``, every sync):

@@ -2,7 +2,10 @@
 
 Invariants:
 - ``state`` is bit-identical to the sender's tensors at ``version``: every tensor of every
-  accepted frame was checked against the sender's xxh3-128 of the new state.
+  accepted frame was checked against the sender's ls128 of the new state (``codec.linsum``:
+  anchors summed in full, deltas by the sums their changes moved). ``audit()`` sums the held
+  state in full and, if a tensor no longer matches its sum (damaged outside any delta's
+  reach), forgets the held version so that only an anchor is accepted next.
 - A refused frame (any ``WeightSyncError``) leaves ``state``, ``version`` and ``checksums``
   exactly as they were.
 - With a key (the default: the run's key from the environment), only frames signed with
@@ -138,10 +141,26 @@ class VersionChain:
                 f"delta {header.base_version}→{header.version} of epoch {describe(header.epoch)} does not "
                 f"apply to epoch {describe(self.epoch)}: a new epoch starts with its anchor"
             )
-        if not new_epoch and header.version <= self.version:
+        if not new_epoch and self.version is not None and header.version <= self.version:
             raise StaleVersionError(
                 f"frame for version {header.version} is not newer than held {self.version}"
             )
+
+    def audit(self) -> list[str]:
+        """Sum every held tensor in full against the sum the chain keeps for it (a pass over
+        the held state: what a delta's moved sums cannot see). Returns the tensors that do
+        not match; when there are any, the held version is forgotten (the next frame must be
+        an anchor), so a damaged state is never the base of another delta."""
+        from modal_rl.weightsync.codec.chunk_sums import held_sums
+
+        if self.version is None:
+            return []
+        actual = held_sums(self.state)
+        damaged = sorted(name for name, s in actual.items() if self.checksums.get(name) != s)
+        if damaged:
+            self.version, self.checksums = None, {}
+            self._frames.clear()
+        return damaged
 
     @property
     def position(self) -> tuple[int, int]:

@@ -28,7 +28,7 @@ class LayoutMismatchError(WeightSyncError):
 
 
 class ChecksumMismatchError(WeightSyncError):
-    """The rebuilt tensor's xxh3-128 differs from the checksum the sender recorded."""
+    """The rebuilt tensor's ls128 sum differs from the one the sender recorded."""
 
 
 class StaleVersionError(BaseMismatchError):

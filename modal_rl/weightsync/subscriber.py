@@ -9,7 +9,8 @@ Invariants:
 - the live weights change only inside ``activate(staged_state, version)``, and only to a
   version whose every tensor matched the publisher's checksum;
 - a refused frame (stale, out of order, wrong base, corrupt, truncated) changes neither the
-  live weights nor the staging state; the subscriber records the error, drops the
+  live weights nor the staging state; a staged state that an audit (every ``audit_every_s``,
+  a full sum between frames) finds damaged is replaced by the next anchor; the subscriber records the error, drops the
   connection and asks again for what it lacks (catch-up from the last anchor if needed);
 - after a restart the subscriber starts empty and catches up from the last anchor;
 - what it holds is ordered by ``(epoch, version)`` (``epoch``): a newer epoch's anchor
@@ -75,6 +76,10 @@ class Subscriber:
     floor_version: int | None = None  # never activate a version below it (see the invariants)
     floor_epoch: int | None = None  # ... of this epoch; without it, by version number alone
     target_epoch: int | None = None  # the epoch a signed pull names (``vllm_extension``)
+    # Deltas are verified by the sums their changes moved; every this many seconds the held
+    # state is also summed in full, between frames (``VersionChain.audit``). None: never.
+    audit_every_s: float | None = 600.0
+    last_audit: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.chain = VersionChain(self.config, retain=False, key=self.source.keys)
@@ -114,6 +119,23 @@ class Subscriber:
             "refused": len(self.refused),
         }
 
+    def audit(self) -> list[str]:
+        """Sum the staged state in full (``VersionChain.audit``); damaged tensors are logged
+        and counted as a refusal, and the next frame fetched is an anchor."""
+        self.last_audit = time.monotonic()
+        damaged = self.chain.audit()
+        if damaged:
+            # the catch-up from the anchor is staged, never activated below what is live
+            if self.live_version is not None and self.floor is None:
+                self.floor_epoch, self.floor_version = self.live_epoch, self.live_version
+            self.refused.append(f"audit: held tensors no longer match their sums: {damaged[:3]}")
+            log.error(
+                "weight-sync audit: held tensors %s no longer match their sums; asking for an anchor",
+                damaged[:3],
+            )
+            self.source.reset()
+        return damaged
+
     def _refuse(self, exc: WeightSyncError) -> None:
         self.refused.append(f"{type(exc).__name__}: {exc}")
         log.warning("weight-sync frame refused: %s", exc)
@@ -124,6 +146,8 @@ class Subscriber:
         frame (or the source's handshake, or its file) was refused (see ``refused``), or it
         was staged below the floor (not activated)."""
         t0 = time.monotonic()
+        if self.audit_every_s is not None and t0 - self.last_audit >= self.audit_every_s:
+            self.audit()
         # A source that hands records on as they arrive (TCP) is decoded while the rest of
         # the frame is on the wire; a store's frames come whole.
         streamed = self.source.streams

@@ -1,8 +1,11 @@
 """Apply a frame to a held state: deltas in place, anchors into fresh tensors.
 
 Invariant (the one that matters to a rollout engine): ``apply_frame`` either returns with
-every tensor at the frame's new version, each verified against its xxh3-128 checksum, or
-raises a ``WeightSyncError`` with the held state bit-identical to what it was before.
+every tensor at the frame's new version, each verified against the sender's ls128 sum
+(``linsum``), or raises a ``WeightSyncError`` with the held state bit-identical to what it
+was before. An anchor's tensors are summed in full; a delta's sums follow the change: the
+held tensor's sum (checked against the base sum the group header carries) moved by each
+applied chunk's changed words, compared with the group's ``S`` record.
 Deltas get there by rollback: every applied chunk is undone exactly (XOR again, or
 subtract what was added). Anchors never touch the held state; they
 build new tensors that the caller swaps in.
@@ -19,11 +22,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from modal_rl.weightsync.codec.chunk_sums import chunk_moves, held_sums
 from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
 from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
 from modal_rl.weightsync.codec.differ import TorchDiffer, checksum_words
 from modal_rl.weightsync.codec.dtypes import dtype_name, empty_like_spec, is_torch, words_of
 from modal_rl.weightsync.codec.encode import CodecConfig, shape_of
+from modal_rl.weightsync.codec.linsum import EMPTY as EMPTY_SUM
+from modal_rl.weightsync.codec.linsum import SUM_BLOCK_WORDS, add_sums
 from modal_rl.weightsync.codec.workers import shared_pool
 from modal_rl.weightsync.errors import (
     BaseMismatchError,
@@ -39,6 +45,7 @@ from modal_rl.weightsync.wire.frames import (
     TAG_CHUNK,
     TAG_END,
     TAG_GROUP,
+    TAG_SUMS,
     TAG_VERSION,
     EndRecord,
     GroupHeader,
@@ -47,6 +54,7 @@ from modal_rl.weightsync.wire.frames import (
     _loads,
     manifest_digest,
     read_records,
+    read_sums,
     state_digest,
     verify_records,
 )
@@ -66,7 +74,9 @@ class ApplyResult:
 
 
 class _GroupJob:
-    """One group's in-flight chunk applies and its verification."""
+    """One group's in-flight chunk applies and its verification. A delta group's ``moves``
+    (one int per tensor) collect how its applied chunks moved the tensors' sums; ``sent``
+    is its ``S`` record's sums once that arrived."""
 
     def __init__(self, header: GroupHeader, segments: list[tuple[int, Any]]) -> None:
         self.header = header
@@ -74,6 +84,9 @@ class _GroupJob:
         self.itemsize = ITEMSIZE[header.tensors[0].dtype]
         self.chunk_futures: list[Future] = []
         self.seen_chunks = 0
+        self.moves = [EMPTY_SUM] * len(header.tensors)
+        self.base_sums: list[str] = []  # a delta's: the held tensors' sums before it
+        self.sent: list[str] | None = None
 
 
 def _words(tensor: Any) -> Any:
@@ -150,8 +163,11 @@ class _Applier:
             if chunk.host_written:  # the host words it already holds go back
                 chunk.apply([(s, w) for s, w in job.segments if isinstance(w, np.ndarray)], undo=True)
             raise
+        moves = [] if is_anchor else chunk_moves(chunk, job.segments)
         with self.lock:
             self.changed += chunk.nchanged
+            for i, move in moves:
+                job.moves[i] = add_sums(job.moves[i], move)
             if not is_anchor:
                 # v2 chunks decode only against the words they replaced: keep them decoded
                 self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
@@ -191,11 +207,18 @@ class _Applier:
             raise TruncatedFrameError(
                 f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
             )
-        for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
-            actual = checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
-            if actual != th.checksum:
+        # a delta's group: the base sums (checked against the held ones) moved by the changes
+        sent = job.sent if job.sent is not None else [th.checksum for th in gh.tensors]
+        for k, (th, (_, words)) in enumerate(zip(gh.tensors, job.segments, strict=True)):
+            if job.sent is not None:
+                actual = add_sums(job.base_sums[k], job.moves[k])
+            else:
+                actual = (
+                    checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+                )
+            if actual != sent[k]:
                 raise ChecksumMismatchError(
-                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
+                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {sent[k][:12]}…"
                 )
         with self.lock:
             self.verify_s += time.perf_counter() - t0
@@ -236,8 +259,9 @@ def apply_frame(
 
     A delta is applied in place onto ``state`` (which must be at ``held_version``); an
     anchor is decoded into new tensors returned in ``ApplyResult.state`` and ``state`` is
-    not touched. ``held_checksums`` (name → xxh3-128 of the held tensors) lets a delta made
-    from other weights be refused up front, without hashing the held state. ``key``: the
+    not touched. ``held_checksums`` (name → ls128 of the held tensors, as the chain keeps
+    them) lets a delta made from other weights be refused up front and verified from its
+    changes alone; without them the held tensors are summed in full first. ``key``: the
     run key the frame must be signed with (default: ``MODAL_RL_RUN_KEY``), or ``None`` for
     an unsigned frame; every record is verified before it is used.
     """
@@ -254,8 +278,9 @@ def apply_frame(
         raise BaseMismatchError(
             f"delta {header.base_version}→{header.version} does not apply to held version {held_version}"
         )
-    known_base = not is_anchor and held_checksums is not None and set(held_checksums) == set(state)
-    if known_base and header.base_digest != state_digest(held_checksums):
+    if not is_anchor and (held_checksums is None or set(held_checksums) != set(state)):
+        held_checksums = held_sums(state)  # a full pass, only for a caller that kept no sums
+    if not is_anchor and header.base_digest != state_digest(held_checksums):
         raise BaseMismatchError(
             f"delta {header.base_version}→{header.version} was made from other weights than the held ones"
         )
@@ -263,7 +288,7 @@ def apply_frame(
     applier = _Applier(config)
     result = ApplyResult(header=header, checksums={})
     try:
-        _apply_records(records, header, state, target, applier, result)
+        _apply_records(records, header, state, target, applier, result, held_checksums)
     except BaseException:
         if not is_anchor:
             applier.rollback()
@@ -277,16 +302,21 @@ def apply_frame(
     return result
 
 
-def _apply_records(records, header, state, target, applier, result) -> None:
+def _apply_records(records, header, state, target, applier, result, base_sums) -> None:
     is_anchor = header.kind == "anchor"
     job: _GroupJob | None = None
     verifications: list[Future] = []
     bodies: list[bytes] = []
+    jobs: list[_GroupJob] = []  # a delta's, verified when its S record arrives
     for tag, body in records:
+        if tag in (TAG_GROUP, TAG_END) and job is not None and is_anchor:
+            verifications.append(applier.verify(job))
+        if tag in (TAG_GROUP, TAG_CHUNK) and jobs and jobs[-1].sent is not None:
+            raise CorruptFrameError("a record after the delta's sums record other than its end")
         if tag == TAG_GROUP:
-            if job is not None:
-                verifications.append(applier.verify(job))
             gh = GroupHeader.from_body(body)
+            if not is_anchor and gh.chunk_elems % SUM_BLOCK_WORDS:
+                raise CorruptFrameError(f"delta chunks of {gh.chunk_elems} words split checksum blocks")
             bodies.append(body)
             segments, offset = [], 0
             for th in gh.tensors:
@@ -299,15 +329,29 @@ def _apply_records(records, header, state, target, applier, result) -> None:
                 result.checksums[th.name] = th.checksum
             result.total_words += offset
             job = _GroupJob(gh, segments)
+            if not is_anchor:
+                job.base_sums = [base_sums[th.name] for th in gh.tensors]
+                jobs.append(job)
         elif tag == TAG_CHUNK:
             if job is None:
                 raise CorruptFrameError("chunk record before any group header")
             if job.seen_chunks >= job.header.nchunks:
                 raise CorruptFrameError(f"group of {job.header.tensors[0].name!r}: more chunks than declared")
             applier.submit_chunk(job, body, is_anchor)
+        elif tag == TAG_SUMS:
+            if is_anchor or not jobs or jobs[-1].sent is not None:
+                raise CorruptFrameError("a sums record out of place (one, after a delta's last chunk)")
+            sums = iter(read_sums(body, len(result.tensors)))
+            bodies.append(body)
+            for done in jobs:
+                done.sent = [next(sums) for _ in done.header.tensors]
+                result.checksums.update(
+                    (th.name, s) for th, s in zip(done.header.tensors, done.sent, strict=True)
+                )
+                verifications.append(applier.verify(done))
         elif tag == TAG_END:
-            if job is not None:
-                verifications.append(applier.verify(job))
+            if jobs and jobs[-1].sent is None:
+                raise CorruptFrameError("the delta ends without its sums record")
             _check_end(body, bodies, result, state, is_anchor)
             _raise_first(verifications)
             return

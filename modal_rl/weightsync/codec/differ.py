@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
-import xxhash
 
+from modal_rl.weightsync.codec import linsum
+from modal_rl.weightsync.codec.diffsum import diff_and_move
 from modal_rl.weightsync.codec.diffwords import diff_words
 from modal_rl.weightsync.codec.dtypes import WORD_DTYPES, dtype_name, is_torch, words_of
 from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
@@ -26,11 +27,21 @@ class Differ(Protocol):
         """(chunk-local int64 positions of changed words, their old words, their new words),
         all on the host."""
 
+    def diff_moved(
+        self, base: Any, new: Any, start: int, count: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        """``diff`` and how the changes move the new tensor's ls128 (``delta_sum`` of them, at
+        tensor positions ``start + positions``)."""
+
     def read(self, handle: Any, start: int, count: int) -> np.ndarray:
         """Host words of ``handle[start:start+count]``."""
 
     def checksum(self, handle: Any) -> str:
-        """xxh3-128 hex digest of the tensor's bytes."""
+        """The tensor's ls128 sum (``linsum``), hex."""
+
+    def delta_sum(self, handle: Any, positions: np.ndarray, old: np.ndarray) -> str:
+        """What moves the tensor's ls128 from before a change to after it: ``handle`` holds
+        the words after, ``positions`` (sorted, in the tensor) held ``old`` before."""
 
     def concat(self, handles: list[Any]) -> Any:
         """One handle holding the given handles' words back to back."""
@@ -43,7 +54,8 @@ class Differ(Protocol):
 
 
 def checksum_words(words: np.ndarray) -> str:
-    return xxhash.xxh3_128_hexdigest(words.view(np.uint8)) if words.size else xxhash.xxh3_128_hexdigest(b"")
+    """The ls128 sum of a host tensor's words (``linsum.full_sum``)."""
+    return linsum.full_sum(words)
 
 
 class NumpyDiffer:
@@ -56,11 +68,21 @@ class NumpyDiffer:
         # Only the changed words are gathered: no full-size residual array is ever written.
         return diff_words(base[start : start + count], new[start : start + count])
 
+    def diff_moved(self, base: np.ndarray, new: np.ndarray, start: int, count: int):
+        per = max(1, 8 // new.itemsize)
+        if start % per:  # not at a block boundary: the sum is moved after the diff
+            positions, old, words = self.diff(base, new, start, count)
+            return positions, old, words, linsum.delta_sum(new, positions + start, old)
+        return diff_and_move(base[start : start + count], new[start : start + count], start // per)
+
     def read(self, handle: np.ndarray, start: int, count: int) -> np.ndarray:
         return handle[start : start + count]
 
     def checksum(self, handle: np.ndarray) -> str:
         return checksum_words(handle)
+
+    def delta_sum(self, handle: np.ndarray, positions: np.ndarray, old: np.ndarray) -> str:
+        return linsum.delta_sum(handle, positions, old)
 
     def concat(self, handles: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(handles)
@@ -101,6 +123,10 @@ class TorchDiffer:
         host = [t.cpu().numpy() for t in (positions, b[positions], n[positions])]
         return host[0].astype(np.int64, copy=False), host[1].view(word), host[2].view(word)
 
+    def diff_moved(self, base: Any, new: Any, start: int, count: int):
+        positions, old, words = self.diff(base, new, start, count)
+        return positions, old, words, self.delta_sum(new, positions + start, old)
+
     def read(self, handle: Any, start: int, count: int) -> np.ndarray:
         return handle[start : start + count].cpu().numpy().view(WORD_DTYPES[handle.element_size()])
 
@@ -120,11 +146,28 @@ class TorchDiffer:
         dst[start : start + count].copy_(src[start : start + count])
 
     def checksum(self, handle: Any, copy_elems: int = 1 << 24) -> str:
-        # Hash on the host in slices so a device tensor never needs a full host copy at once.
-        h = xxhash.xxh3_128()
+        # Summed on the host in slices so a device tensor never needs a full host copy at
+        # once; ``copy_elems`` is a multiple of every block's word count.
+        total, per = linsum.EMPTY, max(1, 8 // handle.element_size())
         for start in range(0, handle.numel(), copy_elems):
-            h.update(self.read(handle, start, copy_elems).view(np.uint8))
-        return h.hexdigest()
+            part = linsum.full_sum(self.read(handle, start, copy_elems), start // per)
+            total = linsum.add_sums(total, part)
+        return total
+
+    def delta_sum(self, handle: Any, positions: np.ndarray, old: np.ndarray) -> str:
+        # Only the blocks that hold a change cross to the host.
+        import torch
+
+        if positions.size == 0:
+            return linsum.EMPTY
+        per, n = max(1, 8 // handle.element_size()), handle.numel()
+        blocks = np.unique(positions // per)
+        idx = (blocks[:, None] * per + np.arange(per)).reshape(-1)
+        inside = idx < n
+        gathered = handle[torch.from_numpy(np.minimum(idx, n - 1)).to(handle.device)].cpu().numpy()
+        words = np.where(inside, gathered, 0).astype(gathered.dtype).view(WORD_DTYPES[handle.element_size()])
+        compact = np.searchsorted(blocks, positions // per) * per + positions % per
+        return linsum.delta_sum(words, compact, old, block_ids=blocks)
 
 
 def default_differ(tensor: Any) -> Differ:

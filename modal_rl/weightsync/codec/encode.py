@@ -16,34 +16,39 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from modal_rl.weightsync.codec.codings.chunks import (
     MAX_CHUNK_ELEMS,
     ChunkSpec,
-    encode_delta_chunk,
-    encode_delta_chunk_v2,
-    encode_full_chunk,
 )
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts
 from modal_rl.weightsync.codec.differ import Differ, default_differ
-from modal_rl.weightsync.codec.diffwords import join_diffs
 from modal_rl.weightsync.codec.dtypes import dtype_name
+from modal_rl.weightsync.codec.encode_tasks import (
+    GroupSums,
+    Member,
+    anchor_group_record,
+    base_sum,
+    delta_chunk,
+    full_chunk,
+    group_record,
+    v2_available,
+)
+from modal_rl.weightsync.codec.linsum import EMPTY as EMPTY_SUM
+from modal_rl.weightsync.codec.linsum import SUM_BLOCK_WORDS
 from modal_rl.weightsync.codec.workers import shared_pool
 from modal_rl.weightsync.errors import LayoutMismatchError
 from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 from modal_rl.weightsync.wire.frames import (
     RECORD_HEADER,
     RECORD_TRAILER,
-    TAG_CHUNK,
     TAG_GROUP,
+    TAG_SUMS,
     EndRecord,
-    GroupHeader,
-    TensorHeader,
     VersionHeader,
     manifest_digest,
     record,
     state_digest,
+    sums_body,
 )
 
 # A state dict, or the (name, tensor) pairs of one as a framework streams them.
@@ -74,8 +79,11 @@ class CodecConfig:
     receiver_costs: DecodeCosts | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
-            raise ValueError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], got {self.chunk_elems}")
+        if not 1 <= self.chunk_elems <= MAX_CHUNK_ELEMS or self.chunk_elems % SUM_BLOCK_WORDS:
+            raise ValueError(
+                f"chunk_elems must be a multiple of {SUM_BLOCK_WORDS} in [{SUM_BLOCK_WORDS}, {MAX_CHUNK_ELEMS}] "
+                f"(a chunk never splits a checksum block), got {self.chunk_elems}"
+            )
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not -7 <= self.zstd_level <= 22:
@@ -151,17 +159,6 @@ class _OrderedPool:
         wait(self.pending)
 
 
-@dataclass
-class _Member:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    differ: Differ
-    new: Any
-    base: Any | None
-
-
 def _items(tensors: Tensors) -> Iterator[tuple[str, Any]]:
     return iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
 
@@ -170,13 +167,13 @@ def _groups(new: Tensors, base: Mapping[str, Any] | None, chunk_elems: int, diff
     """Yield runs of tensors to code as one word space (see ``GroupHeader``), streaming:
     a group is yielded as soon as the next tensor cannot join it. With an iterator of
     named tensors, layout is checked tensor by tensor; a mismatch aborts the frame."""
-    group: list[_Member] = []
+    group: list[Member] = []
     total = 0
     seen: set[str] = set()
     for name, tensor in _items(new):
         d = differ or default_differ(tensor)
         new_h = d.prepare(tensor)
-        m = _Member(name, dtype_name(tensor), shape_of(tensor), _numel(new_h), d, new_h, None)
+        m = Member(name, dtype_name(tensor), shape_of(tensor), _numel(new_h), d, new_h, None)
         if name in seen:
             raise LayoutMismatchError(f"tensor {name!r} given twice")
         seen.add(name)
@@ -208,15 +205,23 @@ def _encode(
     checksums_out: dict[str, str] | None,
     differ: Differ | None,
     update_base: bool = False,
+    base_sums: Mapping[str, str] | None = None,
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
-    v2 = config.coding == 2 and _v2_available()
-    group_bodies: list[bytes] = []
+    v2 = config.coding == 2 and v2_available()
+    group_bodies: list[bytes] = []  # G and S bodies, for the end record's manifest digest
     ntensors = 0
 
-    def emit(records: Iterator[bytes]) -> Iterator[bytes]:
-        for rec in records:
+    frame_sums: list[GroupSums] = []  # a delta's, group by group: its S record's sums
+
+    def emit(results: Iterator[Any]) -> Iterator[bytes]:
+        for result in results:
+            if isinstance(result, tuple):  # a delta chunk: its record and its sums' moves
+                group_sums, rec, moves = result
+                group_sums.add(moves)
+            else:
+                rec = result
             if rec[:1] == TAG_GROUP:
                 group_bodies.append(rec[RECORD_HEADER.size : -RECORD_TRAILER.size])
             yield rec
@@ -228,13 +233,25 @@ def _encode(
             specs = chunk_specs(total, config.chunk_elems)
             # The group record goes through the ordered pool like a chunk, so hashing the
             # members overlaps with the diffs of this group's chunks and of its neighbours.
-            yield from emit(pool.submit(_group_task, members, config.chunk_elems, len(specs), checksums_out))
+            if base is None:
+                task = (anchor_group_record, members, config.chunk_elems, len(specs), checksums_out)
+                yield from emit(pool.submit(*task))
+                for spec in specs:
+                    yield from emit(pool.submit(full_chunk, members, spec, config.zstd_level))
+                continue
+            sums = GroupSums([base_sum(m, base_sums) for m in members], members)
+            frame_sums.append(sums)
+            # a delta's manifest carries no sums (zeros, which zstd codes in a few bytes):
+            # the base's are in the version header's digest, the new ones follow in S
+            unsummed = [EMPTY_SUM] * len(members)
+            yield from emit(pool.submit(group_record, members, config.chunk_elems, len(specs), unsummed))
             for spec in specs:
-                if base is None:
-                    yield from emit(pool.submit(_full_chunk, members, spec, config.zstd_level))
-                else:
-                    yield from emit(pool.submit(_delta_chunk, members, spec, config, v2, update_base))
+                yield from emit(pool.submit(delta_chunk, sums, members, spec, config, v2, update_base))
         yield from emit(pool.drain())
+        if base is not None:  # every chunk is out, so every move is in
+            sums_record = record(TAG_SUMS, sums_body(s for g in frame_sums for s in g.finish(checksums_out)))
+            group_bodies.append(sums_record[RECORD_HEADER.size : -RECORD_TRAILER.size])
+            yield sums_record
         yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()
     finally:
         pool.close()
@@ -242,75 +259,6 @@ def _encode(
 
 def _numel(handle: Any) -> int:
     return int(handle.numel()) if callable(getattr(handle, "numel", None)) else int(handle.size)
-
-
-def _group_task(members: list[_Member], chunk_elems: int, nchunks: int, checksums_out) -> bytes:
-    tensors = []
-    for m in members:
-        checksum = m.differ.checksum(m.new)
-        if checksums_out is not None:
-            checksums_out[m.name] = checksum
-        tensors.append(TensorHeader(m.name, m.dtype, m.shape, checksum))
-    return record(TAG_GROUP, GroupHeader(tuple(tensors), chunk_elems, nchunks).body())
-
-
-def _space(members: list[_Member], attr: str) -> Any:
-    """The group's word space: the tensor itself, or its members' words concatenated
-    (several members only ever share one chunk, so this copy is bounded by chunk_elems)."""
-    if len(members) == 1:
-        return getattr(members[0], attr)
-    return members[0].differ.concat([getattr(m, attr) for m in members])
-
-
-def _v2_available() -> bool:
-    from modal_rl.weightsync.codec.codings import chunks_v2
-
-    return chunks_v2.available()
-
-
-def _pieces(members: list[_Member], spec: ChunkSpec) -> Iterator[tuple[_Member, int, int, int]]:
-    """The chunk's words member by member: (member, first word in it, count, chunk-local
-    start). A delta reads its members in place; no word space is concatenated."""
-    lo, hi, offset = spec.elem_start, spec.elem_start + spec.elem_count, 0
-    for m in members:
-        a, b = max(lo, offset), min(hi, offset + m.numel)
-        if a < b:
-            yield m, a - offset, b - a, a - lo
-        offset += m.numel
-
-
-def _delta_chunk(
-    members: list[_Member], spec: ChunkSpec, config: CodecConfig, v2: bool, update_base: bool
-) -> bytes:
-    """One delta chunk's record; with ``update_base``, the base's words of this chunk take the
-    new ones once it is coded (only this task ever touches them)."""
-    d, level = members[0].differ, config.zstd_level
-    pieces = list(_pieces(members, spec))
-    if v2 and ITEMSIZE[members[0].dtype] == 2:
-        # v2 models every held word of the chunk, so it reads the whole chunk on the host
-        # (a copy from the device for TorchDiffer), tensor by tensor
-        base_parts = [d.read(m.base, at, n).view(np.uint16) for m, at, n, _ in pieces]
-        new_parts = [d.read(m.new, at, n).view(np.uint16) for m, at, n, _ in pieces]
-        starts = [start for *_, start in pieces]
-        body = encode_delta_chunk_v2(
-            spec, base_parts, new_parts, starts, level, config.link_bytes_per_s, config.receiver_costs
-        )
-        if update_base:  # v2 read every word of the chunk anyway: one copy while it is hot
-            for m, at, n, _ in pieces:
-                d.copy(m.base, m.new, at, n)
-        return record(TAG_CHUNK, body)
-    diffs = [d.diff(m.base, m.new, at, n) for m, at, n, _ in pieces]
-    if update_base:  # only the changed words are written
-        for (m, at, _n, _), (pos, _old, new) in zip(pieces, diffs, strict=True):
-            d.write(m.base, at, pos, new)
-    positions, old_words, new_words = join_diffs(diffs, [start for *_, start in pieces])
-    dense_xor = config.coding == 0
-    return record(TAG_CHUNK, encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor))
-
-
-def _full_chunk(members: list[_Member], spec: ChunkSpec, level: int) -> bytes:
-    words = members[0].differ.read(_space(members, "new"), spec.elem_start, spec.elem_count)
-    return record(TAG_CHUNK, encode_full_chunk(spec, words, level))
 
 
 def encode_anchor(
@@ -367,7 +315,7 @@ def encode_delta(
         base_digest=state_digest(dict(base_checksums)),
         codec=config.wire_params(),
     )
-    return _encode(new, base, header, config, checksums_out, differ, update_base)
+    return _encode(new, base, header, config, checksums_out, differ, update_base, base_checksums)
 
 
 def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | None) -> dict[str, str]:

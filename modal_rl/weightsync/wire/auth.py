@@ -51,8 +51,8 @@ _ZERO_MAC = bytes(MAC_SIZE)
 _INDEX = struct.Struct("<I")
 _HEADER = struct.Struct("<cI")  # = frames.RECORD_HEADER (not imported: frames imports us)
 _XXH = struct.Struct("<Q")
-UNSIGNED_TAGS = frozenset(b"VGCE")
-SIGNED_TAGS = frozenset(b"vgce")
+UNSIGNED_TAGS = frozenset(b"VGCSE")
+SIGNED_TAGS = frozenset(b"vgcse")
 
 
 class _FromEnv:

@@ -17,7 +17,8 @@ from modal_rl.weightsync.wire.frames import GROUP_HEADER, MAX_RECORD_BYTES, RECO
 
 # Caps on one record before it is read from a file, so a planted file costs at most one
 # capped record: V and E are a few hundred bytes of JSON, G is 20 bytes and its zstd-coded
-# manifest entries, a chunk at most its words (8-byte words at most) and the coders' overhead.
+# manifest entries, S 16 bytes per tensor of its frame (capped like G), a chunk at most
+# its words (8-byte words at most) and the coders' overhead.
 SMALL_RECORD_BYTES = 1 << 20
 GROUP_RECORD_BYTES = 64 << 20
 
@@ -36,17 +37,22 @@ def read_frame_file(
     fd, st = open_regular(path, max_bytes)
     with open(fd, "rb", closefd=True) as f:
         verifier, buf = Verifier(keys), bytearray()
-        header, pos, chunks_left, chunk_cap = None, 0, 0, 0
+        header, pos, chunks_left, chunk_cap, summed = None, 0, 0, 0, False
         while True:
             head = f.read(RECORD_HEADER.size)
             if len(head) < RECORD_HEADER.size:
                 raise TruncatedFrameError(f"{path} ends before its end record")
             tag, length = RECORD_HEADER.unpack(head)
             kind = tag.upper()
-            allowed = (b"V",) if header is None else (b"C",) if chunks_left else (b"G", b"E")
+            if header is None or chunks_left:
+                allowed = (b"V",) if header is None else (b"C",)
+            else:  # a delta's S record follows its last chunk, and only E follows it
+                allowed = (b"E",) if summed else (b"G", b"S") if header.kind == "delta" else (b"G", b"E")
             if kind not in allowed:
                 raise CorruptFrameError(f"{path}: record {tag!r} where {b'/'.join(allowed).decode()} belongs")
-            cap = {b"C": chunk_cap, b"G": GROUP_RECORD_BYTES}.get(kind, SMALL_RECORD_BYTES)
+            cap = {b"C": chunk_cap, b"G": GROUP_RECORD_BYTES, b"S": GROUP_RECORD_BYTES}.get(
+                kind, SMALL_RECORD_BYTES
+            )
             total = RECORD_HEADER.size + length + trailer_size(tag)
             if length > cap or pos + total > st.st_size:
                 where = "over its cap" if length > cap else "past the end of the file"
@@ -66,6 +72,8 @@ def read_frame_file(
                 chunks_left, chunk_cap = _group_chunks(body)
             elif kind == b"C":
                 chunks_left -= 1
+            elif kind == b"S":
+                summed = True
             pos += total
             if kind == b"E":
                 break

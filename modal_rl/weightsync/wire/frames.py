@@ -13,10 +13,14 @@ frames, a keyless reader only unsigned ones. The records of one version, in orde
   base_version, digest of the base's tensor checksums, codec parameters, and the publishing
   ``run`` and ``epoch``: see ``epoch``; signed like every record, so they cannot be altered);
 - per group of tensors, a ``G`` group header (the manifest of its tensors: name, dtype,
-  shape, xxh3-128 of the new state; chunking), followed by its ``nchunks`` ``C`` chunk
-  records (see ``streams``) over the group's concatenated words;
-- ``E`` end: JSON with the tensor count and the xxh3-128 of all ``G`` bodies in order, so a
-  dropped, duplicated or reordered group is refused.
+  shape and a checksum -- ``codec.linsum``'s ls128 of the new state in an anchor, of the
+  base in a delta; chunking), followed by its ``nchunks`` ``C`` chunk records (see
+  ``streams``) over the group's concatenated words;
+- in a delta, one ``S`` record after the last chunk: the ls128 of every tensor at the new
+  version, in manifest order, which the sender moved from the base's by the changed words
+  alone (so it can only follow the chunks);
+- ``E`` end: JSON with the tensor count and the xxh3-128 of all ``G`` bodies and the ``S``
+  body in order, so a dropped, duplicated or reordered group is refused.
 
 The full specification is ``docs/weight-sync-format.md``.
 """
@@ -37,16 +41,21 @@ from modal_rl.weightsync.wire.auth import FrameKeys, Verifier, trailer_size
 from modal_rl.weightsync.wire.dtype_codes import DTYPE_BY_CODE, DTYPE_CODES, ITEMSIZE
 
 MAGIC = b"MRLW"
-FORMAT_VERSION = 2
-# Format 1 had no run or epoch: its frames cannot be ordered across trainer restarts, so a
-# format-2 reader refuses them by name (re-encode or re-publish them).
-FORMAT_HISTORY = {1: "before frames named their run and epoch"}
+FORMAT_VERSION = 3
+# Format 1 had no run or epoch: its frames cannot be ordered across trainer restarts; format
+# 2 checked tensors by an xxh3-128 of every word. A reader refuses both by name (re-encode
+# or re-publish them).
+FORMAT_HISTORY = {
+    1: "before frames named their run and epoch",
+    2: "before checksums followed the change (ls128, S records)",
+}
 MAX_EPOCH = (1 << 64) - 1
 RECORD_HEADER = struct.Struct("<cI")
 RECORD_TRAILER = struct.Struct("<Q")
 MAX_RECORD_BYTES = 1 << 31
-TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_END = b"V", b"G", b"C", b"E"
-ALL_TAGS = (b"V", b"G", b"C", b"E", b"v", b"g", b"c", b"e")
+TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_SUMS, TAG_END = b"V", b"G", b"C", b"S", b"E"
+ALL_TAGS = (b"V", b"G", b"C", b"S", b"E", b"v", b"g", b"c", b"s", b"e")
+SUM_BYTES = 16  # one tensor's ls128
 
 
 def record(tag: bytes, body: bytes | memoryview) -> bytes:
@@ -108,7 +117,8 @@ class VersionHeader:
 
 @dataclass(frozen=True)
 class TensorHeader:
-    """One tensor's manifest entry: its layout and the xxh3-128 of its new state."""
+    """One tensor's manifest entry: its layout and its ls128 (anchor: of the new state; delta:
+    of the base, the new one follows its chunks in the group's ``S`` record)."""
 
     name: str
     dtype: str
@@ -199,6 +209,19 @@ class GroupHeader:
         return header
 
 
+def sums_body(sums: Iterable[str]) -> bytes:
+    """An ``S`` record's body: a delta's new tensor sums in manifest order."""
+    return b"".join(bytes.fromhex(s) for s in sums)
+
+
+def read_sums(body: bytes | memoryview, ntensors: int) -> list[str]:
+    """The sums of an ``S`` body for a frame of ``ntensors``; ``CorruptFrameError`` otherwise."""
+    if len(body) != SUM_BYTES * ntensors:
+        raise CorruptFrameError(f"sums record of {len(body)} bytes for a frame of {ntensors} tensors")
+    raw = bytes(body)
+    return [raw[i : i + SUM_BYTES].hex() for i in range(0, len(raw), SUM_BYTES)]
+
+
 @dataclass(frozen=True)
 class EndRecord:
     tensors: int
@@ -212,7 +235,7 @@ def stamp(records: Iterable[bytes], run: str, epoch: int) -> Iterator[bytes]:
     """One frame's unsigned records (as the codec writes them) with the version header
     rewritten to name ``run`` and ``epoch``. Signing happens after (the sink), so the MAC
     chain covers the stamped header. The end record's manifest digest covers only the
-    group headers, so it stays valid."""
+    group headers and sums records, so it stays valid."""
     it = iter(records)
     first = next(it, None)
     if first is None:

@@ -155,8 +155,9 @@ def encode_delta_chunk_v2(
     level: int,
     link_bytes_per_s: float | None = None,
     costs=None,
-) -> bytes:
-    """Body of a delta chunk of 2-byte words from the chunk's base and new words, given as
+) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """(body, chunk-local positions of the changed words, their old words) of a delta chunk
+    of 2-byte words from the chunk's base and new words, given as
     parts (its tensors' words, ``part_starts`` chunk-local): the v2 coding, or the v1
     body where that is smaller (v1 is coded in full only where a sample says it may be).
     With ``link_bytes_per_s`` (each receiver's share of the link) the choice is by time
@@ -174,16 +175,17 @@ def encode_delta_chunk_v2(
     if body is not None and not chunks_v2.v1_may_be_smaller(
         len(body), positions, old, new_w, lambda p, o, n: encode_delta_chunk(chunk, p, o, n, level)
     ):
-        return body
+        return body, positions, old
     v1 = encode_delta_chunk(chunk, positions, old, new_w, level)
     # A v2 chunk costs the receiver a pass over every word; v1 touches only the changes.
     # So v2 must save a byte per V2_WORDS_PER_BYTE words (a chunk that barely changed, such
     # as an embedding whose rows saw no token, stays v1 at a cost of a few bytes).
     saving = len(v1) - len(body) if body is not None else 0
-    return body if saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE else v1
+    v2_wins = saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE
+    return (body if v2_wins else v1), positions, old
 
 
-def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float, costs) -> bytes:
+def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float, costs):
     """The coding whose wire + decode time is smaller on this link (``chunks_v2.v2_pays``).
     v1 first: where even the best case of v2 (``V2_BEST_SHARE`` of v1's bytes) would not
     pay for its pass, v2 is not coded at all, which saves the encoder that pass too."""
@@ -197,7 +199,7 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
     k = int(positions.size)
     best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)
     if k == 0 or not chunks_v2.v2_pays(len(v1), best_v2, chunk.elem_count, k, link_bytes_per_s, costs):
-        return v1
+        return v1, positions, old
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
@@ -206,7 +208,7 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
     pays = body is not None and chunks_v2.v2_pays(
         len(v1), len(body), chunk.elem_count, k, link_bytes_per_s, costs
     )
-    return body if pays else v1
+    return (body if pays else v1), positions, old
 
 
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
