@@ -186,3 +186,53 @@ def test_real_fsdp2_ranks_sync_bit_identically_through_verl_shard_export(tmp_pat
         bad = (tmp_path / f"bad{r}.txt").read_text()
         assert bad.startswith("ShardedExportError: w: placements (Shard(dim=1),)"), bad
         assert "sharded=false" in bad and bad.endswith("sent=None")
+
+
+class _ShardingActor:
+    """A training engine exporting its shards (rank 0 of 1); its gathering export must not run."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def get_per_tensor_param_shard(self, **_):
+        return rank_export(self.state, 0, 1), None
+
+    def get_per_tensor_param(self, **_):
+        raise AssertionError("the sharded path gathered")
+
+
+def test_the_actor_worker_hands_a_sharded_engine_the_training_engine():
+    """verl_modal.lora's ``update_weights`` wrapper: a sharded ``modal_delta`` engine gets
+    ``self.actor.engine`` (verl itself does that only for ``delta_sharded``)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from verl.workers import engine_workers
+
+    from verl_modal import lora
+
+    lora.install()
+    update = engine_workers.ActorRolloutRefWorker.update_weights
+
+    def worker(lora_rank: int) -> SimpleNamespace:
+        config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": "modal_delta"}, "name": "vllm"},
+                                   "model": {"lora_rank": lora_rank}})  # fmt: skip
+        engine = ModalDeltaCheckpointEngine(0, is_master=True, sharded=True)
+        return SimpleNamespace(
+            config=config,
+            checkpoint_engine=engine,
+            actor=SimpleNamespace(engine=_ShardingActor(model_state(5))),
+        )
+
+    full = worker(0)
+    try:
+        metrics = asyncio.run(update(full, global_steps=7))
+        assert metrics["checkpoint_engine/version"] == 7 and metrics["checkpoint_engine/anchor"] == 1
+        assert sum(t.numel() for t in full.checkpoint_engine._publisher.snapshot.values()) == sum(
+            t.numel() for t in model_state(5).values()
+        )
+    finally:
+        full.checkpoint_engine.close()
+    adapter = worker(8)
+    with pytest.raises(ShardedExportError, match="LoRA adapter run.*sharded=false"):
+        asyncio.run(update(adapter, global_steps=1))
