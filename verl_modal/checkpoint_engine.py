@@ -128,6 +128,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         self.is_master = bool(is_master)
         self.trainer = is_master is not None  # verl passes is_master to the actor's engines only
         self.sharded = bool(sharded)
+        self.wants_training_engine = self.sharded  # verl with patches/verl/0009 reads it
         self.anchor_every = anchor_every or None
         self.recovery_every = recovery_every or None
         self.bind_host, self.port, self.advertise_host = bind_host, port, advertise_host
