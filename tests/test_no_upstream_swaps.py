@@ -45,8 +45,10 @@ ALLOWED = {
     ): "no per-sync metrics seam in verl",
     ("verl_modal/step_metrics.py", "Tracking.log"): "no extra-metrics seam in verl's tracker",
     # verl's checkpoint-engine path sends a LoRA actor's base weights, never its adapter
-    # (verl #7495); no seam lets a checkpoint engine ask for the adapter.
-    ("verl_modal/lora.py", "cls.update_weights"): "no adapter seam in verl's checkpoint-engine sync",
+    # (verl #7495); no seam lets a checkpoint engine ask for the adapter. The same wrapper
+    # hands a sharded modal_delta engine the training engine (verl does that for the backend
+    # "delta_sharded" only; seam proposed in patches/verl/0009).
+    ("verl_modal/lora.py", "cls.update_weights"): "no adapter or training-engine seam in verl's sync",
     # Our own subclasses' names (not upstream classes): Ray shows these in its actor table.
     ("verl_modal/runner.py", "PoolTaskRunner.__qualname__"): "our subclass's name",
     ("verl_modal/runner.py", "PoolTaskRunner.__name__"): "our subclass's name",
@@ -58,6 +60,7 @@ ALLOWED = {
     ("verl_modal/cpu/tiny.py", "tok.decoder"): "a tokenizer object we build",
     ("verl_modal/pools.py", "placed.ranks"): "our dataclass",
     ("verl_modal/sample_mask.py", "out.response_mask"): "the masked sample's own field",
+    ("verl_modal/sharded.py", "sub.source"): "our subscriber's connection, moved to a rank's new address",
     ("slime_modal/__main__.py", "args.volume"): "our parsed arguments",
     ("slime_modal/engine_job.py", "sys.argv"): "our engine job's own argv",
     ("slime_modal/engines.py", "supervisor.paused"): "our supervisor",

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_verl_series_file_is_consistent():
     series = load(series_path("verl"))
-    assert [p.label for p in series.patches] == [f"{i:04d}" for i in range(1, 9)]
+    assert [p.label for p in series.patches] == [f"{i:04d}" for i in range(1, 10)]
     assert all(p.fix for p in series.patches)
     # CPU unit tests, or repository scans with verl's sanity checks (sanity.yml runs those)
     assert all(
@@ -61,6 +61,7 @@ def test_every_verl_patch_applies_and_flips_its_test(tmp_path):
         "0006",
         "0007",
         "0008",
+        "0009",
     ]
     for row in patches:
         assert row["applies"] and row["ok"], row

@@ -5,7 +5,8 @@ The registration is deferred (see ``verl_modal._register``) until
 loading, so ``import verl`` does not pay for Ray, tensordict and the rollout adapters.
 
 It also arms ``verl_modal.lora`` (a LoRA actor publishes its adapter alone through
-``modal_delta``) for when verl's actor worker module loads.
+``modal_delta``; a ``sharded`` one publishes each rank's shard) for when verl's actor worker
+module loads.
 
 Invariants:
 - registration happens at most once per process, after the base module executed;
@@ -42,7 +43,7 @@ after_import(TARGET, register)
 def _install_lora() -> None:
     from verl_modal import lora
 
-    lora.install()  # a LoRA actor sends its adapter alone through modal_delta (verl_modal.lora)
+    lora.install()  # LoRA adapters alone, sharded publishing without a gather (verl_modal.lora)
 
 
-loudly("LoRA adapter-only sync for modal_delta", _install_lora)()
+loudly("LoRA adapter-only and sharded sync for modal_delta", _install_lora)()

@@ -33,7 +33,10 @@ Invariants:
   every process of a run): the frame server admits only receivers that prove it (and proves
   it back), every record carries a MAC checked before it is staged; a process without the
   key fails with the fix (``MissingRunKeyError``). The traffic stays on the cluster's
-  private network, so it is not encrypted (see docs/weight-sync.md).
+  private network, so it is not encrypted (see docs/weight-sync.md);
+- ``sharded=True``: every actor rank runs its own keyed frame server and publishes only the
+  parameters it holds (verl's shard export, no gather); every rollout worker reads all of
+  them and yields a version only when every rank staged it (``verl_modal.sharded``).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
 
     Args:
         bucket_size: verl's bucket size; unused (frames are streamed record by record).
-        is_master: trainer rank 0, the one that publishes.
+        is_master: trainer rank 0, the one that publishes. verl passes it (True or False)
+            to the trainer's engines only; None marks a rollout worker's engine.
         anchor_every: a full anchor on the wire every K versions (the rest are deltas); 0
             or None: only the first of each epoch.
         recovery_every: a recovery anchor (kept for receivers that catch up, not sent to
@@ -93,6 +97,10 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             the merged weights of each version, sent nowhere, and report their bytes
             (``checkpoint_engine/merged_payload_mbytes``): a measurement, it costs a merge and
             an encode per sync.
+        sharded: every actor rank publishes its own shard of the weights, from verl's shard
+            export (``get_per_tensor_param_shard``), and nothing is gathered; rollout workers
+            put the ranks' pieces back together (``verl_modal.sharded``). Dim-0 (FSDP2
+            ``Shard(0)``) layouts only; another placement fails naming the parameter.
     """
 
     wire_format = "named_tensors"
@@ -100,7 +108,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
     def __init__(
         self,
         bucket_size: int = 0,
-        is_master: bool = False,
+        is_master: bool | None = None,
         *,
         anchor_every: int | None = 16,
         recovery_every: int | None = None,
@@ -112,11 +120,15 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         max_refusals: int = 2,
         codec_threads: int | None = None,
         compare_merged: bool = False,
+        sharded: bool = False,
     ) -> None:
         if max_refusals < 0:
             raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
         self.bucket_size = bucket_size
-        self.is_master = is_master
+        self.is_master = bool(is_master)
+        self.trainer = is_master is not None  # verl passes is_master to the actor's engines only
+        self.sharded = bool(sharded)
+        self.wants_training_engine = self.sharded  # verl with patches/verl/0009 reads it
         self.anchor_every = anchor_every or None
         self.recovery_every = recovery_every or None
         self.bind_host, self.port, self.advertise_host = bind_host, port, advertise_host
@@ -132,6 +144,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         self._publisher: Publisher | None = None
         self._subscriber: Subscriber | None = None
         self._shadow: Publisher | None = None  # measure(): a publisher whose frames go nowhere
+        self._pull = None  # sharded receivers: a verl_modal.sharded.ShardedPull over every actor rank
 
     # -- topology ----------------------------------------------------------------------
     def _ensure_server(self) -> None:
@@ -154,20 +167,20 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         return self.bind_host
 
     def prepare(self) -> dict[str, Any]:
-        """Master: start the frame server once and announce where it is and which version this
-        sync publishes. Everyone else: nothing to announce."""
-        if not self.is_master:
+        """Master (every actor rank when sharded): start the frame server once and announce
+        where it is and which version this sync publishes. Everyone else: nothing."""
+        sharded = self.sharded and self.trainer
+        if not (self.is_master or sharded):
             return {"endpoint": None}
         self._ensure_server()
         last = self._publisher.version
-        return {
-            "endpoint": {
-                "host": self._advertised(),
-                "port": int(self._server.address[1]),
-                "version": 0 if last is None else last + 1,
-                "epoch": self._publisher.epoch,
-            }
+        endpoint = {
+            "host": self._advertised(),
+            "port": int(self._server.address[1]),
+            "version": 0 if last is None else last + 1,
+            "epoch": self._publisher.epoch,
         }
+        return {"endpoint": {**endpoint, "sharded": True} if sharded else endpoint}
 
     @classmethod
     def build_topology(
@@ -181,6 +194,10 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
                 f"got {len(metadata)}"
             )
         endpoint = _endpoint(metadata[0]) if metadata else None
+        if endpoint is not None and endpoint.get("sharded"):
+            from verl_modal import sharded
+
+            return sharded.topology(BACKEND, actor_wg_world_size, rollout_world_size, metadata)
         if endpoint is None:
             raise ValueError(
                 f"{BACKEND}: actor rank 0 must be the master (its prepare() announced no endpoint)"
@@ -204,6 +221,16 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         """Receivers (rank >= 1) connect to the master once and keep the connection and their
         staged state across syncs."""
         self.rank, self.endpoint = rank, endpoint
+        if endpoint.get("sharded"):
+            from verl_modal import sharded
+
+            if rank < 1:
+                self._publisher = sharded.shared_epoch_publisher(self, endpoint) or self._publisher
+            elif self._pull is None or not self._pull.connect(endpoint):
+                if self._pull is not None:
+                    self._pull.close()
+                self._pull = sharded.ShardedPull(endpoint, self.config)
+            return
         if rank < 1:
             return
         addr = (endpoint["host"], int(endpoint["port"]))
@@ -227,11 +254,22 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         if self._shadow is not None:
             self._shadow.sink.close()
             self._shadow = None
+        if self._pull is not None:
+            self._pull.close()
+            self._pull = None
 
     # -- trainer side ------------------------------------------------------------------
     async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, float]:
-        """Publish one version from ``weights`` ((name, tensor) pairs, sync or async).
+        """Publish one version from ``weights`` ((name, tensor) pairs, sync or async; with
+        ``sharded``, verl's training engine, whose local shards this rank publishes).
         Returns verl metrics (the manager merges the actor workers' return values)."""
+        if self.sharded:
+            from verl_modal.sharded import check_layout, local_pieces
+
+            self._ensure_server()
+            if self._publisher.version is None and hasattr(weights, "get_per_tensor_param_shard"):
+                check_layout(weights)  # placements are fixed for a run: the first sync checks them
+            return self._publish(local_pieces(weights), global_steps)
         if not self.is_master:
             # Producing each tensor may be collective over the actor group: walk it anyway.
             if hasattr(weights, "__aiter__"):
@@ -242,15 +280,17 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
                     pass
             return {}
         self._ensure_server()
+        if hasattr(weights, "__aiter__"):
+            pairs = _synced(weights, asyncio.get_running_loop())
+            return await asyncio.to_thread(self._publish, pairs, global_steps)
+        # In the caller's thread: the generator may run collectives bound to this thread.
+        return self._publish(weights, global_steps)
+
+    def _publish(self, pairs, global_steps: int | None) -> dict[str, float]:
         floor = self._publisher.next_version if self.endpoint is None else self.endpoint["version"]
         expected = _target(floor, global_steps)
-        pairs = _synced(weights, asyncio.get_running_loop()) if hasattr(weights, "__aiter__") else weights
         t0 = time.perf_counter()
-        if hasattr(weights, "__aiter__"):
-            report = await asyncio.to_thread(self._publisher.publish, pairs, expected)
-        else:
-            # In the caller's thread: the generator may run collectives bound to this thread.
-            report = self._publisher.publish(pairs, expected)
+        report = self._publisher.publish(pairs, expected)
         seconds = time.perf_counter() - t0
         self.metrics = {
             f"{METRIC_PREFIX}version": float(report.version),
@@ -290,6 +330,11 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         the next one), then yield every tensor of it. Network reads and decoding run in a
         thread so the worker's event loop stays responsive. Yielded tensors are the staged
         state itself: read them, do not modify them."""
+        if self._pull is not None:
+            await asyncio.to_thread(self._stage_shards, global_steps)
+            for name, tensor in self._pull.tensors():
+                yield name, tensor
+            return
         if self._subscriber is None:
             raise ModalDeltaSyncError(
                 f"{BACKEND}: receive_weights before init_process_group (no master endpoint)"
@@ -319,6 +364,15 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             f"{METRIC_PREFIX}refused": float(len(sub.refused) - refused_before),
         }
         return sub.chain.state
+
+    def _stage_shards(self, global_steps: int | None) -> None:
+        target = _target(self.endpoint["version"], global_steps) if self.endpoint else 0
+        epoch = self.endpoint.get("epoch") if self.endpoint else None
+        try:
+            numbers = self._pull.stage(target, epoch, self.receive_timeout_s, self.max_refusals)
+        except WeightSyncError as exc:  # refusals, the deadline, pieces that do not tile
+            raise ModalDeltaSyncError(f"{BACKEND}: {exc}") from exc
+        self.metrics = {METRIC_PREFIX + k: v for k, v in numbers.items()}
 
 
 def _target(floor: int, global_steps: int | None) -> int:

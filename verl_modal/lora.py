@@ -1,4 +1,5 @@
-"""LoRA runs with ``modal_delta``: the trainer publishes the adapter alone.
+"""The actor's ``update_weights`` for ``modal_delta``: LoRA runs publish the adapter alone,
+``sharded`` runs hand the checkpoint engine the training engine (no gather).
 
 verl 0.9.1's checkpoint-engine path (``update_weights`` of the v1 actor worker with a backend
 other than ``naive``) sends ``engine.get_per_tensor_param()``, which for a LoRA actor
@@ -8,7 +9,13 @@ the backend is ``modal_delta``, the rollout ``modal_vllm`` and the actor trains 
 :func:`install` makes that call send
 ``get_per_tensor_param(base_sync_done=True)`` instead -- verl's own adapter export, the one its
 colocated path uses -- filtered to the adapter tensors and cast to the rollout's dtype
-(``modal_rl.weightsync.apply.lora.adapter_state``). Anything else goes to verl's own code.
+(``modal_rl.weightsync.apply.lora.adapter_state``).
+
+``sharded: true`` (``verl_modal.sharded``): verl 0.9.1 hands a checkpoint engine the training
+engine only when the backend is literally ``delta_sharded``, and ``get_per_tensor_param()``'s
+all-gathered stream otherwise; for a sharded ``modal_delta`` engine the same wrapper calls
+``send_weights(self.actor.engine, ...)`` instead (the seam verl lacks is
+``patches/verl/0009``). Anything else goes to verl's own code.
 
 On the rollout side a ``modal_vllm`` replica serves the base model from the model path with
 vLLM's LoRA on and loads each version as a versioned adapter (``replica``, ``replica_proxy``,
@@ -16,7 +23,7 @@ vLLM's LoRA on and loads each version as a versioned adapter (``replica``, ``rep
 
 Invariants: the wrap is applied once per process, after ``verl.workers.engine_workers``
 loads (the ``modal_delta`` plugin's import hook); the original always runs when the run is
-not a ``modal_delta`` LoRA run; the wrapper keeps verl's dispatch attributes (``wraps``).
+neither a ``modal_delta`` LoRA run nor a sharded ``modal_delta`` run; the wrapper keeps verl's dispatch attributes (``wraps``).
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ def _wrap() -> None:
     @functools.wraps(original)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
         backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+        if backend == BACKEND and getattr(self.checkpoint_engine, "sharded", False):
+            from verl_modal.sharded import send_shards
+
+            return await send_shards(self, global_steps, adapter_settings(self.config.model) is not None)
         adapter_engine = _get(self.config.rollout, "name") == ROLLOUT  # loads adapters by name
         if backend != BACKEND or not adapter_engine or adapter_settings(self.config.model) is None:
             return await original(self, global_steps=global_steps, mode=mode)
@@ -106,4 +117,4 @@ def install() -> None:
     """Wrap the actor worker's ``update_weights`` once ``engine_workers`` loads (idempotent)."""
     from verl_modal._register import after_import, loudly
 
-    after_import(TARGET, loudly("LoRA adapter-only sync for modal_delta", _wrap))
+    after_import(TARGET, loudly("LoRA adapter-only and sharded sync for modal_delta", _wrap))

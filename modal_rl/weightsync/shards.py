@@ -29,7 +29,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,9 +206,14 @@ class ShardedReceiver:
     def staged(self) -> list[int | None]:
         return [s.chain.version for s in self.subscribers]
 
-    def run_until(self, version: int, timeout: float) -> bool:
-        """Stage ``version`` (or a newer one) from every rank, then activate the newest version
-        all ranks hold. False if that did not happen within ``timeout``.
+    def run_until(
+        self, version: int, timeout: float, epoch: int | None = None, max_refusals: int | None = None
+    ) -> bool:
+        """Stage ``version`` (or a newer one; of ``epoch`` when given) from every rank, then
+        activate the newest version all ranks hold. False if that did not happen within
+        ``timeout``; with ``max_refusals``, a rank that refuses more frames than that or
+        misses the deadline raises ``VersionNotReachedError`` instead (``Subscriber.stage_until``).
+        Either way nothing is activated.
 
         Every rank's stream is read at once, one thread each: a stream left unread while
         another rank's frame decodes would fill its server's buffer and be dropped (and a
@@ -217,10 +222,7 @@ class ShardedReceiver:
         target = version
         while True:
             remaining = max(0.0, deadline - time.monotonic())
-            subs = self.subscribers
-            done = list(
-                self._pool.map(Subscriber.run_until, subs, [target] * len(subs), [remaining] * len(subs))
-            )
+            done = self._each(target, remaining, epoch, max_refusals)
             if not all(done):
                 return False
             staged = self.staged()
@@ -233,6 +235,20 @@ class ShardedReceiver:
         self.pause_s.append(time.monotonic() - t0)
         self.live_version = staged[0]
         return True
+
+    def _each(self, target: int, timeout: float, epoch: int | None, max_refusals: int | None) -> list[bool]:
+        """Every rank's subscriber towards ``target``, one thread each; returns when all are
+        done (no thread is left polling a subscriber) and raises the first failure."""
+
+        def step(sub: Subscriber) -> bool:
+            if max_refusals is None:
+                return sub.run_until(target, timeout, epoch)
+            sub.stage_until(target, timeout, max_refusals, epoch)
+            return True
+
+        futures = [self._pool.submit(step, s) for s in self.subscribers]
+        wait(futures)
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         for sub in self.subscribers:
