@@ -1,6 +1,6 @@
 """Load the codec's compiled kernels before the first frame needs them.
 
-The v2 chunk coding, the diff and the sparse scatter are numba kernels (``cache=True``): the first
+The v2 chunk coding, the diff, the sparse scatter and the checksums (``linsum``) are numba kernels (``cache=True``): the first
 call in a process imports numba, loads (or compiles) each kernel for the argument types
 it sees, and starts the worker pool. On a fresh receiver that cost 0.5–0.6 s and landed on
 its first delta (the steady deltas take 0.05–0.07 s on the same host). ``start_warm_up``
@@ -38,7 +38,10 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             from modal_rl.weightsync.codec.workers import shared_pool
 
             shared_pool(threads)
+        from modal_rl.weightsync.codec import linsum
+        from modal_rl.weightsync.codec.chunk_sums import _host_move
         from modal_rl.weightsync.codec.codings import chunks_v2
+        from modal_rl.weightsync.codec.diffsum import diff_and_move
         from modal_rl.weightsync.codec.diffwords import diff_words
         from modal_rl.weightsync.codec.scatter import scatter
 
@@ -48,6 +51,13 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             held = np.zeros(8, dtype)
             scatter(held, np.arange(0, 8, 2, dtype=np.int64), 0, np.ones(4, dtype), "add")
             diff_words(held, held + dtype(1))  # the publisher's diff (and a relay's)
+            # the checksums: full, the publisher's fused diff, a receiver's moves (both ops)
+            changed = np.arange(0, 8, 2, dtype=np.int64)
+            linsum.full_sum(held)
+            linsum.delta_sum(held, changed, held[changed])
+            diff_and_move(held, held + dtype(1), 0)
+            for xor in (True, False):
+                _host_move(held, changed, 0, np.ones(4, dtype), xor)
         if not chunks_v2.available():
             return False
         base = (rng.integers(0x3A00, 0x3F00, words, dtype=np.int64)).astype(np.uint16)
