@@ -54,7 +54,7 @@ from modal_rl.weightsync.wire.frames import (
     _loads,
     manifest_digest,
     read_records,
-    read_sums,
+    read_sums_digest,
     state_digest,
     verify_records,
 )
@@ -74,9 +74,8 @@ class ApplyResult:
 
 
 class _GroupJob:
-    """One group's in-flight chunk applies and its verification. A delta group's ``moves``
-    (one int per tensor) collect how its applied chunks moved the tensors' sums; ``sent``
-    is its ``S`` record's sums once that arrived."""
+    """One group's in-flight chunk applies and its verification. A delta group's ``moves`` add
+    up its chunks' moves of the sums; ``new_sums``: its tensors' once every chunk is applied."""
 
     def __init__(self, header: GroupHeader, segments: list[tuple[int, Any]]) -> None:
         self.header = header
@@ -86,7 +85,7 @@ class _GroupJob:
         self.seen_chunks = 0
         self.moves = [EMPTY_SUM] * len(header.tensors)
         self.base_sums: list[str] = []  # a delta's: the held tensors' sums before it
-        self.sent: list[str] | None = None
+        self.new_sums: list[str] = []
 
 
 def _words(tensor: Any) -> Any:
@@ -207,18 +206,13 @@ class _Applier:
             raise TruncatedFrameError(
                 f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
             )
-        # a delta's group: the base sums (checked against the held ones) moved by the changes
-        sent = job.sent if job.sent is not None else [th.checksum for th in gh.tensors]
-        for k, (th, (_, words)) in enumerate(zip(gh.tensors, job.segments, strict=True)):
-            if job.sent is not None:
-                actual = add_sums(job.base_sums[k], job.moves[k])
-            else:
-                actual = (
-                    checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
-                )
-            if actual != sent[k]:
+        if job.base_sums:  # a delta's group: the held sums moved by the changes, checked at the end
+            job.new_sums = [add_sums(b, m) for b, m in zip(job.base_sums, job.moves, strict=True)]
+        for th, (_, words) in zip(gh.tensors, job.segments, strict=True) if not job.base_sums else ():
+            actual = checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+            if actual != th.checksum:
                 raise ChecksumMismatchError(
-                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {sent[k][:12]}…"
+                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
                 )
         with self.lock:
             self.verify_s += time.perf_counter() - t0
@@ -308,10 +302,11 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
     verifications: list[Future] = []
     bodies: list[bytes] = []
     jobs: list[_GroupJob] = []  # a delta's, verified when its S record arrives
+    sent_digest: str | None = None  # the S record's
     for tag, body in records:
         if tag in (TAG_GROUP, TAG_END) and job is not None and is_anchor:
             verifications.append(applier.verify(job))
-        if tag in (TAG_GROUP, TAG_CHUNK) and jobs and jobs[-1].sent is not None:
+        if tag in (TAG_GROUP, TAG_CHUNK) and sent_digest is not None:
             raise CorruptFrameError("a record after the delta's sums record other than its end")
         if tag == TAG_GROUP:
             gh = GroupHeader.from_body(body)
@@ -339,21 +334,18 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
                 raise CorruptFrameError(f"group of {job.header.tensors[0].name!r}: more chunks than declared")
             applier.submit_chunk(job, body, is_anchor)
         elif tag == TAG_SUMS:
-            if is_anchor or not jobs or jobs[-1].sent is not None:
+            if is_anchor or not jobs or sent_digest is not None:
                 raise CorruptFrameError("a sums record out of place (one, after a delta's last chunk)")
-            sums = iter(read_sums(body, len(result.tensors)))
+            sent_digest = read_sums_digest(body)
             bodies.append(body)
-            for done in jobs:
-                done.sent = [next(sums) for _ in done.header.tensors]
-                result.checksums.update(
-                    (th.name, s) for th, s in zip(done.header.tensors, done.sent, strict=True)
-                )
-                verifications.append(applier.verify(done))
+            verifications += [applier.verify(done) for done in jobs]
         elif tag == TAG_END:
-            if jobs and jobs[-1].sent is None:
+            if jobs and sent_digest is None:
                 raise CorruptFrameError("the delta ends without its sums record")
             _check_end(body, bodies, result, state, is_anchor)
             _raise_first(verifications)
+            if jobs:
+                _check_moved_sums(jobs, sent_digest, result)
             return
         else:
             raise CorruptFrameError("a second version header inside one frame")
@@ -372,6 +364,16 @@ def _check_tensor(th: TensorHeader, state, is_anchor: bool, result: ApplyResult)
         raise LayoutMismatchError(
             f"tensor {th.name!r}: delta is {th.dtype}{list(th.shape)}, held is {dtype_name(held)}{list(shape_of(held))}"
         )
+
+
+def _check_moved_sums(jobs: list[_GroupJob], sent_digest: str, result: ApplyResult) -> None:
+    """Every tensor's held sum moved by its chunks must digest to what the sender moved."""
+    moved = {th.name: s for job in jobs for th, s in zip(job.header.tensors, job.new_sums, strict=True)}
+    if state_digest(moved) != sent_digest:
+        raise ChecksumMismatchError(
+            "the rebuilt tensors' sums differ from the sender's (a held word differed from the base)"
+        )
+    result.checksums.update(moved)
 
 
 def _check_end(body: bytes, bodies: list[bytes], result: ApplyResult, state, is_anchor: bool) -> None:

@@ -249,7 +249,8 @@ def _encode(
                 yield from emit(pool.submit(delta_chunk, sums, members, spec, config, v2, update_base))
         yield from emit(pool.drain())
         if base is not None:  # every chunk is out, so every move is in
-            sums_record = record(TAG_SUMS, sums_body(s for g in frame_sums for s in g.finish(checksums_out)))
+            new_sums = {name: s for g in frame_sums for name, s in g.finish(checksums_out)}
+            sums_record = record(TAG_SUMS, sums_body(new_sums))
             group_bodies.append(sums_record[RECORD_HEADER.size : -RECORD_TRAILER.size])
             yield sums_record
         yield EndRecord(ntensors, manifest_digest(group_bodies)).to_record()

@@ -70,10 +70,12 @@ class GroupSums:
         for i, move in moves:
             self.new[i] = add_sums(self.new[i], move)
 
-    def finish(self, checksums_out: dict[str, str] | None) -> list[str]:
+    def finish(self, checksums_out: dict[str, str] | None) -> list[tuple[str, str]]:
+        """(name, new sum) of every member, also written into ``checksums_out``."""
+        named = [(m.name, s) for m, s in zip(self.members, self.new, strict=True)]
         if checksums_out is not None:
-            checksums_out.update((m.name, s) for m, s in zip(self.members, self.new, strict=True))
-        return self.new
+            checksums_out.update(named)
+        return named
 
 
 def word_space(members: list[Member], attr: str) -> Any:

@@ -17,8 +17,8 @@ from modal_rl.weightsync.wire.frames import GROUP_HEADER, MAX_RECORD_BYTES, RECO
 
 # Caps on one record before it is read from a file, so a planted file costs at most one
 # capped record: V and E are a few hundred bytes of JSON, G is 20 bytes and its zstd-coded
-# manifest entries, S 16 bytes per tensor of its frame (capped like G), a chunk at most
-# its words (8-byte words at most) and the coders' overhead.
+# manifest entries, S 16 bytes, a chunk at most its words (8-byte words at most) and the
+# coders' overhead.
 SMALL_RECORD_BYTES = 1 << 20
 GROUP_RECORD_BYTES = 64 << 20
 
@@ -50,9 +50,7 @@ def read_frame_file(
                 allowed = (b"E",) if summed else (b"G", b"S") if header.kind == "delta" else (b"G", b"E")
             if kind not in allowed:
                 raise CorruptFrameError(f"{path}: record {tag!r} where {b'/'.join(allowed).decode()} belongs")
-            cap = {b"C": chunk_cap, b"G": GROUP_RECORD_BYTES, b"S": GROUP_RECORD_BYTES}.get(
-                kind, SMALL_RECORD_BYTES
-            )
+            cap = {b"C": chunk_cap, b"G": GROUP_RECORD_BYTES}.get(kind, SMALL_RECORD_BYTES)
             total = RECORD_HEADER.size + length + trailer_size(tag)
             if length > cap or pos + total > st.st_size:
                 where = "over its cap" if length > cap else "past the end of the file"

@@ -16,8 +16,8 @@ frames, a keyless reader only unsigned ones. The records of one version, in orde
   shape and a checksum -- ``codec.linsum``'s ls128 of the new state in an anchor, of the
   base in a delta; chunking), followed by its ``nchunks`` ``C`` chunk records (see
   ``streams``) over the group's concatenated words;
-- in a delta, one ``S`` record after the last chunk: the ls128 of every tensor at the new
-  version, in manifest order, which the sender moved from the base's by the changed words
+- in a delta, one ``S`` record after the last chunk: the ``state_digest`` of every tensor's
+  ls128 at the new version, which the sender moved from the base's by the changed words
   alone (so it can only follow the chunks);
 - ``E`` end: JSON with the tensor count and the xxh3-128 of all ``G`` bodies and the ``S``
   body in order, so a dropped, duplicated or reordered group is refused.
@@ -55,7 +55,7 @@ RECORD_TRAILER = struct.Struct("<Q")
 MAX_RECORD_BYTES = 1 << 31
 TAG_VERSION, TAG_GROUP, TAG_CHUNK, TAG_SUMS, TAG_END = b"V", b"G", b"C", b"S", b"E"
 ALL_TAGS = (b"V", b"G", b"C", b"S", b"E", b"v", b"g", b"c", b"s", b"e")
-SUM_BYTES = 16  # one tensor's ls128
+SUM_BYTES = 16  # one ls128, and the digest of many
 
 
 def record(tag: bytes, body: bytes | memoryview) -> bytes:
@@ -209,17 +209,17 @@ class GroupHeader:
         return header
 
 
-def sums_body(sums: Iterable[str]) -> bytes:
-    """An ``S`` record's body: a delta's new tensor sums in manifest order."""
-    return b"".join(bytes.fromhex(s) for s in sums)
+def sums_body(sums: dict[str, str]) -> bytes:
+    """An ``S`` record's body: the ``state_digest`` of a delta's new tensor sums (16 bytes,
+    whatever the tensor count: a sharded publisher's many pieces cost no more)."""
+    return bytes.fromhex(state_digest(sums))
 
 
-def read_sums(body: bytes | memoryview, ntensors: int) -> list[str]:
-    """The sums of an ``S`` body for a frame of ``ntensors``; ``CorruptFrameError`` otherwise."""
-    if len(body) != SUM_BYTES * ntensors:
-        raise CorruptFrameError(f"sums record of {len(body)} bytes for a frame of {ntensors} tensors")
-    raw = bytes(body)
-    return [raw[i : i + SUM_BYTES].hex() for i in range(0, len(raw), SUM_BYTES)]
+def read_sums_digest(body: bytes | memoryview) -> str:
+    """The digest an ``S`` body carries; ``CorruptFrameError`` unless it is 16 bytes."""
+    if len(body) != SUM_BYTES:
+        raise CorruptFrameError(f"sums record of {len(body)} bytes (a delta's carries {SUM_BYTES})")
+    return bytes(body).hex()
 
 
 @dataclass(frozen=True)
