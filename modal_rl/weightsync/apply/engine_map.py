@@ -24,10 +24,14 @@ Learning is done group by group (``layer_group``: one transformer layer's tensor
 rest): only the parameters of the group being loaded get a shadow (int32 where the group's
 tensor ids and positions fit in 31 bits, else int64); every other parameter is swapped for a
 view of one uninitialised scratch buffer (on the CPU its pages are not resident until
-written), so what the loader writes outside the group costs nothing and changes nothing. Extra memory is the largest group's shadow, not the model's; every tensor
-is still loaded once. Tensors that landed nowhere (a layer whose parameters are named unlike
-its checkpoint tensors) get one more pass, into the parameters nothing fed yet (for such a
-model, its extra memory is theirs).
+written), so what the loader writes outside the group costs nothing and changes nothing.
+Shadows are carved from one buffer sized for the largest group, and index tensors are
+written into buffers reused once the loader let go of them (``engine_map_buffers``): fresh
+pages cost more than the writes. Every tensor is still loaded once. Extra memory is the
+largest group's shadow plus the index tensors the loader holds at once (for a group that is
+one tensor -- an untied embedding -- twice its shadow), not the model's. Tensors that landed
+nowhere (a layer whose parameters are named unlike its checkpoint tensors) get one more
+pass, into the parameters nothing fed yet (for such a model, its extra memory is theirs).
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modal_rl.weightsync.codec.jit import Kernel
+from modal_rl.weightsync.apply.engine_map_buffers import IndexBuffers, ShadowArena
+from modal_rl.weightsync.apply.engine_map_runs import UNPLACED, run_breaks
 
 TAG_SHIFT = 40  # int64 shadows: positions below 2**40 (a 1 T-element tensor); tensor ids above
 _LAYER = re.compile(r"^((?:.*?\.)?(?:layers|h|blocks|layer)\.\d+\.)")
-UNPLACED = -1
 WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 Load = Callable[[Any, Iterator[tuple[str, Any]]], Any]
@@ -163,8 +167,11 @@ def learn_map(
         by_group.setdefault(layer_group(pname) if grouped else "", []).append(pname)
     failed: set[str] = set()
     passes = [(members, by_group[g]) for g, members in groups.items() if by_group.get(g)]
+    arena = ShadowArena()
+    for device, nbytes in _largest_shadows(passes, params, state).items():
+        arena.reserve(device, nbytes)  # once: no pass grows it
     for members, owned in passes:
-        failed |= _learn_pass(emap, model, state, members, owned, load)
+        failed |= _learn_pass(emap, model, state, members, owned, load, arena)
     # tensors that landed nowhere (their layer's parameters are named otherwise): one pass
     # over them into the parameters nothing fed yet
     orphans = [n for n in names if n not in emap.placements and n not in failed]
@@ -172,12 +179,17 @@ def learn_map(
     unfed = [p for p in params if p not in fed]
     if grouped and orphans and unfed:
         passes.append((orphans, unfed))
-        failed |= _learn_pass(emap, model, state, orphans, unfed, load)
+        failed |= _learn_pass(emap, model, state, orphans, unfed, load, arena)
+    del arena
     emap.failed = failed
+    feeds: dict[str, list[str]] = {}
+    for n, ps in emap.placements.items():
+        for pname in dict.fromkeys(x.param for x in ps):
+            feeds.setdefault(pname, []).append(n)
     for pname, p in params.items():
         if pname in emap.fallback:
             continue
-        fed = [n for n, ps in emap.placements.items() if any(x.param == pname for x in ps)]
+        fed = feeds.get(pname, [])
         if failed and not fed:
             emap.fallback[pname] = f"its loader refused the index tensor ({', '.join(sorted(failed))[:120]})"
         elif fed and not p.is_contiguous():
@@ -195,14 +207,35 @@ def learn_map(
     return emap
 
 
+def _largest_shadows(passes: list[tuple[list[str], list[str]]], params: dict, state: dict) -> dict:
+    """Per device, the most shadow bytes one of ``passes`` needs."""
+    most: dict[Any, int] = {}
+    for members, owned in passes:
+        itemsize = _Tags.for_tensors(members, state).dtype.itemsize
+        need: dict[Any, int] = {}
+        for pname in owned:
+            p = params[pname]
+            need[p.device] = need.get(p.device, 0) + p.numel() * itemsize
+        for device, nbytes in need.items():
+            most[device] = max(most.get(device, 0), nbytes)
+    return most
+
+
 def _learn_pass(
-    emap: EngineMap, model: Any, state: dict, members: list[str], owned: list[str], load: Load
+    emap: EngineMap,
+    model: Any,
+    state: dict,
+    members: list[str],
+    owned: list[str],
+    load: Load,
+    arena: ShadowArena,
 ) -> set[str]:
     """Load ``members``' index tensors with shadows for the ``owned`` parameters only (every
     other parameter storage-less); record placements. Returns the tensors the loader refused."""
     import torch
 
     tags = _Tags.for_tensors(members, state)
+    fresh = arena.shadows({pname: emap.params[pname] for pname in owned}, tags.dtype, UNPLACED)
     saved = {pname: p.data for pname, p in emap.params.items()}
     grads = {pname: p.requires_grad for pname, p in emap.params.items()}
     own = set(owned)
@@ -218,10 +251,11 @@ def _learn_pass(
         for pname, p in emap.params.items():
             p.requires_grad_(False)  # an integer shadow cannot require gradients
             if pname in own:
-                p.data = torch.full(tuple(p.shape), UNPLACED, dtype=tags.dtype, device=p.device)
+                p.data = fresh[pname]
             else:
                 p.data = scratch[p.device][: p.numel()].view(tuple(p.shape))
-        failed = _load_indices(model, state, tags, load)
+        # index buffers live for the pass only: what a pass holds is gone before the next
+        failed = _load_indices(model, state, tags, load, IndexBuffers())
         shadows = {pname: emap.params[pname].data for pname in owned}
     finally:
         for pname, p in emap.params.items():
@@ -232,27 +266,32 @@ def _learn_pass(
     return failed
 
 
-def _index_tensors(state: dict[str, Any], tags: _Tags, only: Iterable[str]) -> Iterator[tuple[str, Any]]:
-    import torch
-
+def _index_tensors(
+    state: dict[str, Any], tags: _Tags, only: Iterable[str], indices: IndexBuffers
+) -> Iterator[tuple[str, Any]]:
+    ids = {name: i + 1 for i, name in enumerate(tags.names)}
     for name in only:
         t = state[name]
-        tag = (tags.names.index(name) + 1) << tags.shift
-        yield name, torch.arange(tag, tag + t.numel(), dtype=tags.dtype).reshape(t.shape)
+        tag = ids[name] << tags.shift
+        index = indices.arange(tag, t.numel(), tags.dtype).view(t.shape)
+        yield name, index
+        del index  # ours no longer holds its buffer: free for the next tensor once the loader's is gone
 
 
-def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load) -> set[str]:
+def _load_indices(
+    model: Any, state: dict[str, Any], tags: _Tags, load: Load, indices: IndexBuffers
+) -> set[str]:
     """Load every index tensor of the pass; if the loader refuses the batch, one by one.
     Returns the checkpoint names whose load raised."""
     try:
-        load(model, _index_tensors(state, tags, tags.names))
+        load(model, _index_tensors(state, tags, tags.names, indices))
         return set()
     except Exception:  # noqa: BLE001 -- which tensor? ask one at a time below
         pass
     failed = set()
     for name in tags.names:
         try:
-            load(model, _index_tensors(state, tags, [name]))
+            load(model, _index_tensors(state, tags, [name], indices))
         except Exception:  # noqa: BLE001 -- this tensor's parameters fall back
             failed.add(name)
     return failed
@@ -268,7 +307,7 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
     n = int(flat.numel())
     if n == 0:
         return
-    breaks = _run_breaks(flat, max(64, n // 64))
+    breaks = run_breaks(flat, max(64, n // 64))
     if breaks is not None:
         bounds = [0, *(b + 1 for b in breaks), n]
         mask = (1 << tags.shift) - 1
@@ -304,40 +343,6 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
         src, dst = src[order], dst[order]
         emap._all_targets.setdefault(name, set()).add(pname)
         emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
-
-
-def _breaks_loop(flat: Any, out: Any) -> int:
-    """Where runs end: ``i`` such that ``flat[i + 1]`` does not continue ``flat[i]`` (the next
-    checkpoint position, or unplaced after unplaced). Fills ``out``; -1 when it is too small."""
-    k = 0
-    for i in range(flat.shape[0] - 1):
-        a, b = flat[i], flat[i + 1]
-        if (a >= 0 and b == a + 1) or (a == -1 and b == -1):
-            continue
-        if k == out.shape[0]:
-            return -1
-        out[k] = i
-        k += 1
-    return k
-
-
-RUN_BREAKS = Kernel(_breaks_loop)  # numba on first use (``codec.jit``)
-
-
-def _run_breaks(flat: Any, cap: int) -> list[int] | None:
-    """The run ends of ``flat`` (see ``_breaks_loop``), or None when there are ``cap`` or more."""
-    import numpy as np
-    import torch
-
-    kernel = RUN_BREAKS.get()
-    if kernel is not None:
-        out = np.empty(cap, dtype=np.int64)
-        k = kernel(flat.numpy(), out)
-        return None if k < 0 else out[:k].tolist()
-    head, tail = flat[:-1], flat[1:]  # without numba: the same in a few torch passes
-    goes_on = ((tail - head == 1) & (head >= 0)) | ((tail == UNPLACED) & (head == UNPLACED))
-    breaks = torch.nonzero(~goes_on).reshape(-1)
-    return None if breaks.numel() >= cap else breaks.tolist()
 
 
 def _compact(pname: str, src: Any, dst: Any) -> Placement:
