@@ -7,18 +7,19 @@ page by page as they are first written, which costs more than the writing itself
 - :class:`ShadowArena`: one buffer per device, as large as the largest pass's shadows,
   carved into each pass's shadows and refilled with ``UNPLACED`` before the pass (only the
   bytes the pass uses);
-- :class:`IndexBuffers`: index tensors are written into buffers kept between tensors; a
-  buffer is handed out again only once nothing but this pool references its storage (the
-  loader, or a view it kept, holds a reference otherwise), so a loader that holds tensors
-  back (grouping by module, a layer-wise reload) gets distinct memory for each.
+- :class:`Iota`: the index values, written once and kept; every index tensor of every pass
+  is a view of them (a pass numbers its tensors from the start, one apart), so a loader that
+  holds tensors back (grouping by module, a layer-wise reload) still sees each one's own.
 
-Invariant: a buffer is reused only when no tensor outside this module shares its storage;
-without a storage use count (another torch), every index tensor gets fresh memory.
+Invariant: index values are written once per learning and only read afterwards; a loader
+that wrote into the tensors it was given is caught (``Iota.intact``) and learning stops.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX
 
 
 class ShadowArena:
@@ -57,33 +58,28 @@ class ShadowArena:
         return out
 
 
-class IndexBuffers:
-    """CPU buffers for index tensors, each handed out again once the loader let go of it."""
+class Iota:
+    """``FIRST_INDEX + j`` at ``j``, written once per dtype and kept: every pass's index
+    tensors are views of it (``engine_map._Tags``), so no pass writes index values again.
+    Loaders only read what they load; ``intact`` checks they did."""
 
     def __init__(self) -> None:
+        self._values: dict[Any, Any] = {}
+
+    def values(self, n: int, dtype: Any) -> Any:
         import torch
 
-        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
-        self._bufs: list[tuple[Any, int]] = []  # (buffer, its use count when idle)
+        held = self._values.get(dtype)
+        if held is None or held.numel() < n:
+            self._values.pop(dtype, None)  # let the smaller one go before taking the larger
+            held = self._values[dtype] = torch.arange(FIRST_INDEX, FIRST_INDEX + n, dtype=dtype)
+        return held
 
-    def _count(self, buf: Any) -> int:
-        return self._use_count(buf.untyped_storage()._cdata)
-
-    def arange(self, start: int, n: int, dtype: Any) -> Any:
-        """``torch.arange(start, start + n, dtype=dtype)``, in a reused buffer where one is free."""
-        import torch
-
-        if self._use_count is None:
-            return torch.arange(start, start + n, dtype=dtype)
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        free = [(b, idle) for b, idle in self._bufs if self._count(b) == idle]
-        fits = [b for b, _ in free if b.numel() >= nbytes]
-        if fits:
-            buf = min(fits, key=lambda b: b.numel())
-        else:
-            # idle buffers too small for this tensor go: the new one serves what they served
-            small = {id(b) for b, _ in free}
-            self._bufs = [(b, idle) for b, idle in self._bufs if id(b) not in small]
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            self._bufs.append((buf, self._count(buf)))
-        return torch.arange(start, start + n, dtype=dtype, out=buf[:nbytes].view(dtype))
+    def intact(self, starts: list[int], ends: list[int], dtype: Any) -> bool:
+        """Whether each tensor's first and last index value is still what was written."""
+        held = self._values[dtype]
+        return all(
+            int(held[a]) == FIRST_INDEX + a and int(held[b - 1]) == FIRST_INDEX + b - 1
+            for a, b in zip(starts, ends, strict=True)
+            if b > a
+        )

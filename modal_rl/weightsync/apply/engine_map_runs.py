@@ -1,7 +1,7 @@
 """The run reader of the engine map: where a learnt shadow's runs end.
 
 A shadow (``engine_map``) holds, per engine element, the checkpoint word that landed there:
-``tag << shift | position``, or ``UNPLACED``. Engines place checkpoint tensors as a few
+its index value (``FIRST_INDEX`` and up), or ``UNPLACED``. Engines place checkpoint tensors as a few
 contiguous runs per parameter, so the reader looks for run ends; a block of the shadow that
 is one run -- the usual case -- is checked with one branch-free OR (numba, ``codec.jit``).
 
@@ -17,6 +17,7 @@ from typing import Any
 from modal_rl.weightsync.codec.jit import Kernel
 
 UNPLACED = -1
+FIRST_INDEX = 1 << 24  # index values start here: smaller constants written by a loader are pads
 
 
 def _breaks_loop(flat: Any, out: Any) -> int:
