@@ -212,10 +212,12 @@ def learn_map(
                 f"engine dtype {p.dtype} differs from the checkpoint's (a cast, not a placement)"
             )
     _drop_fallback(emap)
-    emap.learning = {
+    tags = [_Tags.for_tensors(m, state) for m, _ in passes]
+    emap.learning = {  # the largest group's shadow; the index values kept (the largest group's)
         "passes": len(passes),
-        "largest_group_bytes": max((sum(params[p].numel() * _Tags.for_tensors(m, state).dtype.itemsize for p in o) for m, o in passes), default=0),
-        "int32_passes": sum(_Tags.for_tensors(m, state).dtype == torch.int32 for m, _ in passes),
+        "largest_group_bytes": max((sum(params[p].numel() * t.dtype.itemsize for p in o) for t, (_, o) in zip(tags, passes, strict=True)), default=0),
+        "index_bytes": max(((t.end - FIRST_INDEX) * t.dtype.itemsize for t in tags), default=0),
+        "int32_passes": sum(t.dtype == torch.int32 for t in tags),
     }  # fmt: skip
     return emap
 
