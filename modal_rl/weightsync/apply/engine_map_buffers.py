@@ -11,8 +11,10 @@ page by page as they are first written, which costs more than the writing itself
   is a view of them (a pass numbers its tensors from the start, one apart), so a loader that
   holds tensors back (grouping by module, a layer-wise reload) still sees each one's own.
 
-Invariant: index values are written once per learning and only read afterwards; a loader
-that wrote into the tensors it was given is caught (``Iota.intact``) and learning stops.
+Invariant: index values are written once per learning and only read afterwards. A loader
+that writes into the tensors it is given would corrupt later passes: after each pass the
+first and last value of each of its tensors are checked (``Iota.intact``: a scaled, shifted
+or refilled tensor is caught; a write to its middle alone is not) and learning stops.
 """
 
 from __future__ import annotations
