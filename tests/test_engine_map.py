@@ -266,3 +266,25 @@ def test_learning_layer_by_layer_gives_the_same_map_with_one_layers_shadow(stack
     assert set(grouped.fallback) == {f"model.{stack}.{i}.scale" for i in range(3)}  # the cast: reloaded
     for (n, p), (_, q) in zip(live.named_parameters(), want.named_parameters(), strict=True):
         assert n in grouped.fallback or torch.equal(p, q), n
+
+
+def test_index_tensors_are_views_of_values_written_once():
+    """Every pass's index tensors are views of one set of index values, written once: a
+    loader that holds every tensor back until it has them all (a layer-wise reload) learns
+    the map of one that copies each as it comes; a loader that writes into what it was given
+    stops learning with a clear error instead of corrupting the next pass's map."""
+    state = layered_checkpoint(5)
+    streaming = learn_map(Layered("layers"), state)
+    held = learn_map(Layered("layers"), state, lambda m, w: m.load_weights(list(w)))
+    at_once = learn_map(Layered("layers"), state, lambda m, w: m.load_weights(list(w)), grouped=False)
+    assert streaming.placements and _same_maps(held, streaming) and _same_maps(at_once, streaming)
+
+    def scaling(model, weights):
+        model.load_weights((n, w.mul_(1)) if n.endswith("up.weight") else (n, w) for n, w in weights)
+
+    def shifting(model, weights):
+        model.load_weights((n, w.add_(1)) if n.endswith("up.weight") else (n, w) for n, w in weights)
+
+    assert _same_maps(learn_map(Layered("layers"), state, scaling), streaming)  # wrote, changed nothing
+    with pytest.raises(RuntimeError, match="wrote into the index tensors"):
+        learn_map(Layered("layers"), state, shifting)

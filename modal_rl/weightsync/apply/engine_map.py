@@ -3,9 +3,10 @@
 An engine does not store the checkpoint's tensors as they are: it fuses q/k/v and gate/up
 projections, keeps only its tensor-parallel shard, ties embeddings, may transpose. Rather
 than re-implement each model's layout, :func:`learn_map` asks the model's own
-``load_weights`` once: every parameter's storage is swapped for an int64 shadow filled with
--1, and every checkpoint tensor is replaced by an index tensor whose element ``k`` of tensor
-``i`` holds ``(i + 1) << TAG_SHIFT | k``. Whatever the loader does -- slicing, fusing,
+``load_weights`` once: every parameter's storage is swapped for an integer shadow filled
+with -1, and every checkpoint tensor is replaced by an index tensor whose element ``k`` of
+tensor ``i`` holds ``bases[i] + k`` (``_Tags``: tensors numbered one after another, one
+apart, from ``FIRST_INDEX``). Whatever the loader does -- slicing, fusing,
 sharding, transposing, copying one tensor into two parameters -- the shadow then records, for
 each engine element, which checkpoint element landed there. The real storage is put back.
 
@@ -22,26 +23,31 @@ Invariants:
 
 Learning is done group by group (``layer_group``: one transformer layer's tensors, then the
 rest): only the parameters of the group being loaded get a shadow (int32 where the group's
-tensor ids and positions fit in 31 bits, else int64); every other parameter is swapped for a
-view of one uninitialised scratch buffer (on the CPU its pages are not resident until
-written), so what the loader writes outside the group costs nothing and changes nothing. Extra memory is the largest group's shadow, not the model's; every tensor
-is still loaded once. Tensors that landed nowhere (a layer whose parameters are named unlike
-its checkpoint tensors) get one more pass, into the parameters nothing fed yet (for such a
-model, its extra memory is theirs).
+index values fit in 31 bits, else int64); every other parameter is swapped for a view of one
+uninitialised scratch buffer (on the CPU its pages are not resident until written), so what
+the loader writes outside the group costs nothing and changes nothing. Every tensor is
+loaded once. Fresh pages cost more than the writes into them, so the memory is allocated
+once (``engine_map_buffers``): shadows are carved from one buffer sized for the largest
+group, and the index values are written once, for the largest group; each group's index
+tensors are views of them. Extra memory is therefore the largest group's shadow plus its
+index values (for this ``FIRST_INDEX`` numbering, as many words as the group's checkpoint
+elements), not the model's. Tensors that landed nowhere (a layer whose parameters are named
+unlike its checkpoint tensors) get one more pass, into the parameters nothing fed yet (for
+such a model, its extra memory is theirs).
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modal_rl.weightsync.codec.jit import Kernel
+from modal_rl.weightsync.apply.engine_map_buffers import Iota, ShadowArena
+from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX, UNPLACED, run_breaks
 
-TAG_SHIFT = 40  # int64 shadows: positions below 2**40 (a 1 T-element tensor); tensor ids above
 _LAYER = re.compile(r"^((?:.*?\.)?(?:layers|h|blocks|layer)\.\d+\.)")
-UNPLACED = -1
 WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 Load = Callable[[Any, Iterator[tuple[str, Any]]], Any]
@@ -125,21 +131,32 @@ def layer_group(name: str) -> str:
 
 @dataclass(frozen=True)
 class _Tags:
-    """How a pass writes (tensor id, position) into one shadow word."""
+    """How a pass numbers checkpoint elements: element ``k`` of the pass's tensor ``i`` is
+    ``bases[i] + k``. Tensors are one apart (no run continues from one into the next) and
+    start at ``FIRST_INDEX`` (a constant a loader writes, a pad, is no index)."""
 
-    names: list[str]  # the pass's tensors; id = index + 1
-    shift: int
+    names: list[str]  # the pass's tensors
+    bases: list[int]
+    end: int  # one past the last index (the last tensor's gap)
     dtype: Any
 
     @classmethod
     def for_tensors(cls, names: list[str], state: dict[str, Any]) -> _Tags:
         import torch
 
-        id_bits = max(1, len(names) + 1).bit_length()
-        largest = max((state[n].numel() for n in names), default=0)
-        if largest < 1 << (31 - id_bits):
-            return cls(names, 31 - id_bits, torch.int32)
-        return cls(names, TAG_SHIFT, torch.int64)
+        bases, at = [], FIRST_INDEX
+        for n in names:
+            bases.append(at)
+            at += state[n].numel() + 1
+        return cls(names, bases, at, torch.int32 if at < 1 << 31 else torch.int64)
+
+    def find(self, value: int) -> tuple[str, int] | None:
+        """The tensor and position ``value`` indexes (the position may run past the tensor:
+        the loader changed the value), or None for no index of this pass."""
+        if not FIRST_INDEX <= value < self.end:
+            return None
+        i = bisect.bisect_right(self.bases, value) - 1
+        return self.names[i], value - self.bases[i]
 
 
 def learn_map(
@@ -163,8 +180,11 @@ def learn_map(
         by_group.setdefault(layer_group(pname) if grouped else "", []).append(pname)
     failed: set[str] = set()
     passes = [(members, by_group[g]) for g, members in groups.items() if by_group.get(g)]
+    arena, iota = ShadowArena(), Iota()
+    for device, nbytes in _largest_shadows(passes, params, state).items():
+        arena.reserve(device, nbytes)  # once: no pass grows it
     for members, owned in passes:
-        failed |= _learn_pass(emap, model, state, members, owned, load)
+        failed |= _learn_pass(emap, model, state, members, owned, load, arena, iota)
     # tensors that landed nowhere (their layer's parameters are named otherwise): one pass
     # over them into the parameters nothing fed yet
     orphans = [n for n in names if n not in emap.placements and n not in failed]
@@ -172,12 +192,17 @@ def learn_map(
     unfed = [p for p in params if p not in fed]
     if grouped and orphans and unfed:
         passes.append((orphans, unfed))
-        failed |= _learn_pass(emap, model, state, orphans, unfed, load)
+        failed |= _learn_pass(emap, model, state, orphans, unfed, load, arena, iota)
+    del arena, iota
     emap.failed = failed
+    feeds: dict[str, list[str]] = {}
+    for n, ps in emap.placements.items():
+        for pname in dict.fromkeys(x.param for x in ps):
+            feeds.setdefault(pname, []).append(n)
     for pname, p in params.items():
         if pname in emap.fallback:
             continue
-        fed = [n for n, ps in emap.placements.items() if any(x.param == pname for x in ps)]
+        fed = feeds.get(pname, [])
         if failed and not fed:
             emap.fallback[pname] = f"its loader refused the index tensor ({', '.join(sorted(failed))[:120]})"
         elif fed and not p.is_contiguous():
@@ -187,22 +212,46 @@ def learn_map(
                 f"engine dtype {p.dtype} differs from the checkpoint's (a cast, not a placement)"
             )
     _drop_fallback(emap)
-    emap.learning = {
+    tags = [_Tags.for_tensors(m, state) for m, _ in passes]
+    emap.learning = {  # the largest group's shadow; the index values kept (the largest group's)
         "passes": len(passes),
-        "largest_group_bytes": max((sum(params[p].numel() * _Tags.for_tensors(m, state).dtype.itemsize for p in o) for m, o in passes), default=0),
-        "int32_passes": sum(_Tags.for_tensors(m, state).dtype == torch.int32 for m, _ in passes),
+        "largest_group_bytes": max((sum(params[p].numel() * t.dtype.itemsize for p in o) for t, (_, o) in zip(tags, passes, strict=True)), default=0),
+        "index_bytes": max(((t.end - FIRST_INDEX) * t.dtype.itemsize for t in tags), default=0),
+        "int32_passes": sum(t.dtype == torch.int32 for t in tags),
     }  # fmt: skip
     return emap
 
 
+def _largest_shadows(passes: list[tuple[list[str], list[str]]], params: dict, state: dict) -> dict:
+    """Per device, the most shadow bytes one of ``passes`` needs."""
+    most: dict[Any, int] = {}
+    for members, owned in passes:
+        itemsize = _Tags.for_tensors(members, state).dtype.itemsize
+        need: dict[Any, int] = {}
+        for pname in owned:
+            p = params[pname]
+            need[p.device] = need.get(p.device, 0) + p.numel() * itemsize
+        for device, nbytes in need.items():
+            most[device] = max(most.get(device, 0), nbytes)
+    return most
+
+
 def _learn_pass(
-    emap: EngineMap, model: Any, state: dict, members: list[str], owned: list[str], load: Load
+    emap: EngineMap,
+    model: Any,
+    state: dict,
+    members: list[str],
+    owned: list[str],
+    load: Load,
+    arena: ShadowArena,
+    iota: Iota,
 ) -> set[str]:
     """Load ``members``' index tensors with shadows for the ``owned`` parameters only (every
     other parameter storage-less); record placements. Returns the tensors the loader refused."""
     import torch
 
     tags = _Tags.for_tensors(members, state)
+    fresh = arena.shadows({pname: emap.params[pname] for pname in owned}, tags.dtype, UNPLACED)
     saved = {pname: p.data for pname, p in emap.params.items()}
     grads = {pname: p.requires_grad for pname, p in emap.params.items()}
     own = set(owned)
@@ -218,41 +267,48 @@ def _learn_pass(
         for pname, p in emap.params.items():
             p.requires_grad_(False)  # an integer shadow cannot require gradients
             if pname in own:
-                p.data = torch.full(tuple(p.shape), UNPLACED, dtype=tags.dtype, device=p.device)
+                p.data = fresh[pname]
             else:
                 p.data = scratch[p.device][: p.numel()].view(tuple(p.shape))
-        failed = _load_indices(model, state, tags, load)
+        failed = _load_indices(model, state, tags, load, iota)
         shadows = {pname: emap.params[pname].data for pname in owned}
     finally:
         for pname, p in emap.params.items():
             p.data = saved[pname]
             p.requires_grad_(grads[pname])
+    starts = [b - FIRST_INDEX for b in tags.bases]
+    if not iota.intact(
+        starts, [a + state[n].numel() for a, n in zip(starts, tags.names, strict=True)], tags.dtype
+    ):
+        raise RuntimeError("the engine's loader wrote into the index tensors it was given: the engine map cannot be learned")  # fmt: skip
     for pname, shadow in shadows.items():
         _read_shadow(emap, pname, shadow, tags, state)
     return failed
 
 
-def _index_tensors(state: dict[str, Any], tags: _Tags, only: Iterable[str]) -> Iterator[tuple[str, Any]]:
-    import torch
-
+def _index_tensors(
+    state: dict[str, Any], tags: _Tags, only: Iterable[str], iota: Iota
+) -> Iterator[tuple[str, Any]]:
+    values = iota.values(tags.end - FIRST_INDEX, tags.dtype)  # values[j] == FIRST_INDEX + j
+    where = dict(zip(tags.names, tags.bases, strict=True))
     for name in only:
         t = state[name]
-        tag = (tags.names.index(name) + 1) << tags.shift
-        yield name, torch.arange(tag, tag + t.numel(), dtype=tags.dtype).reshape(t.shape)
+        start = where[name] - FIRST_INDEX
+        yield name, values[start : start + t.numel()].view(t.shape)
 
 
-def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load) -> set[str]:
+def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load, iota: Iota) -> set[str]:
     """Load every index tensor of the pass; if the loader refuses the batch, one by one.
     Returns the checkpoint names whose load raised."""
     try:
-        load(model, _index_tensors(state, tags, tags.names))
+        load(model, _index_tensors(state, tags, tags.names, iota))
         return set()
     except Exception:  # noqa: BLE001 -- which tensor? ask one at a time below
         pass
     failed = set()
     for name in tags.names:
         try:
-            load(model, _index_tensors(state, tags, [name]))
+            load(model, _index_tensors(state, tags, [name], iota))
         except Exception:  # noqa: BLE001 -- this tensor's parameters fall back
             failed.add(name)
     return failed
@@ -268,16 +324,14 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
     n = int(flat.numel())
     if n == 0:
         return
-    breaks = _run_breaks(flat, max(64, n // 64))
+    breaks = run_breaks(flat, max(64, n // 64))
     if breaks is not None:
         bounds = [0, *(b + 1 for b in breaks), n]
-        mask = (1 << tags.shift) - 1
         for a, b in zip(bounds, bounds[1:], strict=False):
-            value = int(flat[a])
-            tag, pos = value >> tags.shift, value & mask
-            if not 1 <= tag <= len(tags.names):
+            hit = tags.find(int(flat[a]))
+            if hit is None:
                 continue  # unplaced, or a constant the loader wrote (a pad)
-            name = tags.names[tag - 1]
+            name, pos = hit
             if pos + (b - a) > state[name].numel():
                 emap.fallback[pname] = (
                     f"index values from {name!r} were changed by the loader (not a placement)"
@@ -286,13 +340,14 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
             emap._all_targets.setdefault(name, set()).add(pname)
             emap.placements.setdefault(name, []).append(Placement(pname, start=pos, offset=a, length=b - a))
         return
-    tag = flat >> tags.shift
-    placed = (tag >= 1) & (tag <= len(tags.names))
+    placed = (flat >= FIRST_INDEX) & (flat < tags.end)
     dst_all = torch.nonzero(placed).reshape(-1)
     if dst_all.numel() == 0:
         return
-    tids = tag[dst_all].to(torch.int64) - 1
-    pos = (flat[dst_all] & ((1 << tags.shift) - 1)).to(torch.int64)
+    values = flat[dst_all].to(torch.int64)
+    bases = torch.tensor(tags.bases, dtype=torch.int64)
+    tids = torch.bucketize(values, bases, right=True) - 1
+    pos = values - bases[tids]
     for tid in torch.unique(tids).tolist():
         name = tags.names[tid]
         sel = tids == tid
@@ -304,40 +359,6 @@ def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: d
         src, dst = src[order], dst[order]
         emap._all_targets.setdefault(name, set()).add(pname)
         emap.placements.setdefault(name, []).append(_compact(pname, src, dst))
-
-
-def _breaks_loop(flat: Any, out: Any) -> int:
-    """Where runs end: ``i`` such that ``flat[i + 1]`` does not continue ``flat[i]`` (the next
-    checkpoint position, or unplaced after unplaced). Fills ``out``; -1 when it is too small."""
-    k = 0
-    for i in range(flat.shape[0] - 1):
-        a, b = flat[i], flat[i + 1]
-        if (a >= 0 and b == a + 1) or (a == -1 and b == -1):
-            continue
-        if k == out.shape[0]:
-            return -1
-        out[k] = i
-        k += 1
-    return k
-
-
-RUN_BREAKS = Kernel(_breaks_loop)  # numba on first use (``codec.jit``)
-
-
-def _run_breaks(flat: Any, cap: int) -> list[int] | None:
-    """The run ends of ``flat`` (see ``_breaks_loop``), or None when there are ``cap`` or more."""
-    import numpy as np
-    import torch
-
-    kernel = RUN_BREAKS.get()
-    if kernel is not None:
-        out = np.empty(cap, dtype=np.int64)
-        k = kernel(flat.numpy(), out)
-        return None if k < 0 else out[:k].tolist()
-    head, tail = flat[:-1], flat[1:]  # without numba: the same in a few torch passes
-    goes_on = ((tail - head == 1) & (head >= 0)) | ((tail == UNPLACED) & (head == UNPLACED))
-    breaks = torch.nonzero(~goes_on).reshape(-1)
-    return None if breaks.numel() >= cap else breaks.tolist()
 
 
 def _compact(pname: str, src: Any, dst: Any) -> Placement:
