@@ -13,8 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from modal_rl.weightsync.codec import linsum
-from modal_rl.weightsync.codec.diffsum import diff_and_move
-from modal_rl.weightsync.codec.diffwords import diff_words
+from modal_rl.weightsync.codec.diffwords import diff_and_move, diff_words
 from modal_rl.weightsync.codec.dtypes import WORD_DTYPES, dtype_name, is_torch, words_of
 from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 

@@ -84,11 +84,16 @@ def _block(words, b, per, shift):
     return v
 
 
-def _delta_kernel(words, blocks, logper, shift, positions, old, block_ids):
-    """Sum of g(b, new) - g(b, old) over the blocks holding ``positions`` (sorted): ``words``
-    hold the new words (``blocks``: their whole 8-byte blocks as uint64); ``old`` the words
-    at ``positions`` before. ``block_ids``: the true block number of each block of a compact
-    ``words`` (empty: ``words`` is the whole tensor)."""
+OLD_GIVEN, OLD_XOR, OLD_SUB = 0, 1, 2  # how ``values`` give a changed word's old value
+
+
+def _delta_kernel(words, blocks, logper, shift, positions, offset, values, mode, block_ids):
+    """Sum of g(b, new) - g(b, old) over the blocks holding ``positions - offset`` (sorted):
+    ``words`` hold the new words (``blocks``: their whole 8-byte blocks as uint64). The old
+    word at ``positions[i] - offset`` is ``values[i]`` (``OLD_GIVEN``), or the new word with
+    the residual ``values[i]`` undone (``OLD_XOR``: ``new ^ r``; ``OLD_SUB``: ``new - r``: a
+    receiver's chunk just applied). ``block_ids``: the true block number of each block of a
+    compact ``words`` (empty: ``words`` is the whole tensor)."""
     a = np.uint64(0)
     c = np.uint64(0)
     per = 1 << logper
@@ -96,12 +101,18 @@ def _delta_kernel(words, blocks, logper, shift, positions, old, block_ids):
     i = 0
     n = positions.size
     while i < n:
-        b = positions[i] >> logper
+        b = (positions[i] - offset) >> logper
         new = blocks[b] if b < blocks.size else _blk(words, b, per, shift)
         prev = new
-        while i < n and (positions[i] >> logper) == b:
-            s = np.uint64((positions[i] & (per - 1)) * shift)
-            prev = (prev & ~(mask << s)) | (np.uint64(old[i]) << s)
+        while i < n and ((positions[i] - offset) >> logper) == b:
+            p = positions[i] - offset
+            s = np.uint64((p & (per - 1)) * shift)
+            v = np.uint64(values[i])
+            if mode == 1:
+                v = np.uint64(words[p]) ^ v
+            elif mode == 2:
+                v = (np.uint64(words[p]) - v) & mask
+            prev = (prev & ~(mask << s)) | (v << s)
             i += 1
         bb = np.uint64(block_ids[b]) if block_ids.size else np.uint64(b)
         a += _m1(new ^ (bb * P1 + S1)) - _m1(prev ^ (bb * P1 + S1))
@@ -169,7 +180,8 @@ def delta_sum(words: np.ndarray, positions: np.ndarray, old: np.ndarray, block_i
     if kernels is not None:
         blocks = _split(words)[0]
         old = old.astype(words.dtype, copy=False)
-        return _hex(*kernels[1](words, blocks, per.bit_length() - 1, shift, positions, old, ids))
+        logper = per.bit_length() - 1
+        return _hex(*kernels[1](words, blocks, logper, shift, positions, 0, old, OLD_GIVEN, ids))
     blocks = np.unique(positions // per)
     idx = blocks[:, None] * per + np.arange(per)
     padded = np.concatenate([words, np.zeros(per, words.dtype)])
@@ -191,6 +203,24 @@ def _numpy_g(ids: np.ndarray, values: np.ndarray) -> tuple[np.uint64, np.uint64]
         a = _mix1(values ^ (ids * P1 + S1))
         c = _mix2(values + ((ids * P2) ^ S2))
     return a.sum(dtype=np.uint64), c.sum(dtype=np.uint64)
+
+
+def moved_by_residuals(
+    words: np.ndarray, positions: np.ndarray, offset: int, residuals: np.ndarray, xor: bool
+):
+    """``delta_sum`` of words a chunk just wrote, at ``positions - offset`` (sorted), whose old
+    values are the new ones with ``residuals`` undone (XOR, or subtract); None without numba
+    (the caller then undoes them itself and calls ``delta_sum``)."""
+    kernels = _compiled()
+    if kernels is None:
+        return None
+    per = max(1, 8 // words.itemsize)
+    blocks, shift = _split(words)[0], 8 * words.itemsize
+    values, mode = residuals.view(words.dtype), OLD_XOR if xor else OLD_SUB
+    none = np.empty(0, np.int64)
+    return _hex(
+        *kernels[1](words, blocks, per.bit_length() - 1, shift, positions, offset, values, mode, none)
+    )
 
 
 def add_sums(a: str, b: str) -> str:

@@ -39,10 +39,8 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
 
             shared_pool(threads)
         from modal_rl.weightsync.codec import linsum
-        from modal_rl.weightsync.codec.chunk_sums import _host_move
         from modal_rl.weightsync.codec.codings import chunks_v2
-        from modal_rl.weightsync.codec.diffsum import diff_and_move
-        from modal_rl.weightsync.codec.diffwords import diff_words
+        from modal_rl.weightsync.codec.diffwords import diff_and_move, diff_words
         from modal_rl.weightsync.codec.scatter import scatter
 
         words = 1 << 14
@@ -57,7 +55,7 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             linsum.delta_sum(held, changed, held[changed])
             diff_and_move(held, held + dtype(1), 0)
             for xor in (True, False):
-                _host_move(held, changed, 0, np.ones(4, dtype), xor)
+                linsum.moved_by_residuals(held, changed, 0, np.ones(4, dtype), xor)
         if not chunks_v2.available():
             return False
         base = (rng.integers(0x3A00, 0x3F00, words, dtype=np.int64)).astype(np.uint16)
