@@ -31,7 +31,7 @@ from typing import Any
 
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
-from modal_rl.weightsync.shards import PieceMap, ShardedReceiver, ShardLayoutError, piece_name
+from modal_rl.weightsync.shards import PieceMap, ShardedReceiver, ShardLayoutError, assembled, piece_name
 
 FIX = "set rollout.checkpoint_engine.engine_kwargs.modal_delta.sharded=false"
 
@@ -231,19 +231,11 @@ class ShardedPull:
 
     def tensors(self) -> Iterable[tuple[str, Any]]:
         """The full tensors of the version the last ``stage`` activated (nothing after a failed
-        one), one at a time: a tensor held by one rank is a view of its staged piece, the
-        others are put together as they are yielded. Read them before the next ``stage``."""
-        import torch
-
+        one), one at a time (``shards.assembled``). Read them before the next ``stage``."""
         if self.active is None:
             return
         pieces, layout, _version = self.active
-        for name, parts in pieces.items():
-            shape, _dtype = layout[name]
-            if len(parts) == 1:
-                yield name, parts[0][1].reshape(shape)
-            else:
-                yield name, torch.cat([p.reshape(-1) for _start, p in parts]).view(shape)
+        yield from assembled(pieces, layout)
 
     def close(self) -> None:
         self.receiver.close()

@@ -165,6 +165,20 @@ def tile(states: Sequence[dict[str, Any]]) -> tuple[PieceMap, dict[str, tuple[tu
     return pieces, layout
 
 
+def assembled(pieces: PieceMap, layout: dict) -> Iterator[tuple[str, Any]]:
+    """The full tensors of tiled ``pieces``, one at a time, for a loader that takes named
+    tensors: a tensor held whole by one rank is a view of its piece, the others are put
+    together as they are yielded (so at most one assembled tensor exists at a time)."""
+    import torch
+
+    for name, parts in pieces.items():
+        shape, _dtype = layout[name]
+        if len(parts) == 1:
+            yield name, parts[0][1].reshape(shape)
+        else:
+            yield name, torch.cat([p.reshape(-1) for _start, p in parts]).view(shape)
+
+
 def assemble_into(live: dict[str, Any]) -> Callable[[PieceMap, dict, int], None]:
     """An activation that writes every piece into ``live``'s full tensors in place (made on
     the first call), as an engine's loader would."""

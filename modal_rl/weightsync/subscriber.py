@@ -9,9 +9,10 @@ Invariants:
 - the live weights change only inside ``activate(staged_state, version)``, and only to a
   version whose every tensor matched the publisher's checksum;
 - a refused frame (stale, out of order, wrong base, corrupt, truncated) changes neither the
-  live weights nor the staging state; a staged state that an audit (every ``audit_every_s``,
-  a full sum between frames) finds damaged is replaced by the next anchor; the subscriber records the error, drops the
-  connection and asks again for what it lacks (catch-up from the last anchor if needed);
+  live weights nor the staging state; the subscriber records the error, drops the
+  connection and asks again for what it lacks (catch-up from the last anchor if needed); a
+  staged state that an audit (every ``audit_every_s``, a full sum between frames) finds
+  damaged is replaced the same way, from the next anchor;
 - after a restart the subscriber starts empty and catches up from the last anchor;
 - what it holds is ordered by ``(epoch, version)`` (``epoch``): a newer epoch's anchor
   replaces it whatever the version, an older epoch's frames are refused; ``status()`` says

@@ -2,9 +2,9 @@
 
 A receiver verifies a delta without reading its held words in full: each chunk, once
 applied, reports per tensor the move that takes the tensor's sum before the chunk to its
-sum after (``linsum.add_sums``), computed from the chunk's changed positions, the words now there and the words that
-were there (undone from the chunk's own residuals: ``new ^ r`` for XOR codings, ``new - r``
-for the subtracting ones). Cost: the chunk's changes, not its words.
+sum after (``linsum.add_sums``), computed from the chunk's changed positions, the words now
+there and the words that were there (undone from the chunk's own residuals: ``new ^ r`` for
+XOR codings, ``new - r`` for the subtracting ones). Cost: the chunk's changes, not its words.
 
 Invariant: for a chunk applied to ``segments``, adding each move to the tensor's sum before
 gives ``linsum.full_sum`` of the tensor after.
@@ -19,7 +19,7 @@ import numpy as np
 
 from modal_rl.weightsync.codec import linsum
 from modal_rl.weightsync.codec.codings.chunks import DecodedChunk
-from modal_rl.weightsync.codec.differ import NumpyDiffer, TorchDiffer, checksum_words
+from modal_rl.weightsync.codec.differ import NumpyDiffer, TorchDiffer, sum_of
 from modal_rl.weightsync.codec.dtypes import WORD_DTYPES, is_torch, words_of
 from modal_rl.weightsync.wire.chunk_header import UNCHANGED, XOR_DENSE, XOR_SPARSE
 
@@ -65,11 +65,7 @@ def held_sums(state: Mapping[str, Any]) -> dict[str, str]:
     sums = {}
     for name, tensor in state.items():
         on_device = is_torch(tensor) and tensor.device.type != "cpu"
-        sums[name] = (
-            TorchDiffer().checksum(TorchDiffer().prepare(tensor))
-            if on_device
-            else checksum_words(words_of(tensor))
-        )
+        sums[name] = sum_of(TorchDiffer().prepare(tensor) if on_device else words_of(tensor))
     return sums
 
 

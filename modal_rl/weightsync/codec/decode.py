@@ -4,11 +4,10 @@ Invariant (the one that matters to a rollout engine): ``apply_frame`` either ret
 every tensor at the frame's new version, each verified against the sender's ls128 sum
 (``linsum``), or raises a ``WeightSyncError`` with the held state bit-identical to what it
 was before. An anchor's tensors are summed in full; a delta's sums follow the change: the
-held tensor's sum (checked against the base sum the group header carries) moved by each
-applied chunk's changed words, compared with the group's ``S`` record.
-Deltas get there by rollback: every applied chunk is undone exactly (XOR again, or
-subtract what was added). Anchors never touch the held state; they
-build new tensors that the caller swaps in.
+held sums (checked against the version header's base digest) moved by each applied chunk's
+changed words, whose digest must equal the frame's ``S`` record. Deltas get there by
+rollback: every applied chunk is undone exactly (XOR again, or subtract what was added).
+Anchors never touch the held state; they build new tensors that the caller swaps in.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import numpy as np
 from modal_rl.weightsync.codec.chunk_sums import chunk_moves, held_sums
 from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
 from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
-from modal_rl.weightsync.codec.differ import TorchDiffer, checksum_words
+from modal_rl.weightsync.codec.differ import TorchDiffer, sum_of
 from modal_rl.weightsync.codec.dtypes import dtype_name, empty_like_spec, is_torch, words_of
 from modal_rl.weightsync.codec.encode import CodecConfig, shape_of
 from modal_rl.weightsync.codec.linsum import EMPTY as EMPTY_SUM
@@ -208,12 +207,13 @@ class _Applier:
             )
         if job.base_sums:  # a delta's group: the held sums moved by the changes, checked at the end
             job.new_sums = [add_sums(b, m) for b, m in zip(job.base_sums, job.moves, strict=True)]
-        for th, (_, words) in zip(gh.tensors, job.segments, strict=True) if not job.base_sums else ():
-            actual = checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
-            if actual != th.checksum:
-                raise ChecksumMismatchError(
-                    f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
-                )
+        else:  # an anchor's: every tensor summed in full
+            for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
+                actual = sum_of(words)
+                if actual != th.checksum:
+                    raise ChecksumMismatchError(
+                        f"tensor {th.name!r}: rebuilt checksum {actual[:12]}… != sent {th.checksum[:12]}…"
+                    )
         with self.lock:
             self.verify_s += time.perf_counter() - t0
 

@@ -57,6 +57,12 @@ def checksum_words(words: np.ndarray) -> str:
     return linsum.full_sum(words)
 
 
+def sum_of(words: Any) -> str:
+    """The ls128 sum of a tensor's words: host numpy words, or a device tensor's torch integer
+    view (``TorchDiffer.prepare``), summed on the host in slices."""
+    return checksum_words(words) if isinstance(words, np.ndarray) else TorchDiffer().checksum(words)
+
+
 class NumpyDiffer:
     """CPU diff on shared-memory numpy views; numpy's XOR and nonzero release the GIL."""
 

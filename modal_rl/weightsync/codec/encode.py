@@ -27,7 +27,6 @@ from modal_rl.weightsync.codec.encode_tasks import (
     GroupSums,
     Member,
     anchor_group_record,
-    base_sum,
     delta_chunk,
     full_chunk,
     group_record,
@@ -239,7 +238,7 @@ def _encode(
                 for spec in specs:
                     yield from emit(pool.submit(full_chunk, members, spec, config.zstd_level))
                 continue
-            sums = GroupSums([base_sum(m, base_sums) for m in members], members)
+            sums = GroupSums([base_sums[m.name] for m in members], members)
             frame_sums.append(sums)
             # a delta's manifest carries no sums (zeros, which zstd codes in a few bytes):
             # the base's are in the version header's digest, the new ones follow in S

@@ -7,7 +7,7 @@ ls128 sums (``linsum``), which the encoder adds up in frame order for the ``S`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +48,6 @@ def anchor_group_record(members: list[Member], chunk_elems: int, nchunks: int, c
 def group_record(members: list[Member], chunk_elems: int, nchunks: int, sums: list[str]) -> bytes:
     tensors = tuple(TensorHeader(m.name, m.dtype, m.shape, s) for m, s in zip(members, sums, strict=True))
     return record(TAG_GROUP, GroupHeader(tensors, chunk_elems, nchunks).body())
-
-
-def base_sum(m: Member, base_sums: Mapping[str, str] | None) -> str:
-    """The base's sum of a member: the publisher's (kept from the version before) or, when it
-    has none, summed here in full."""
-    known = base_sums.get(m.name) if base_sums is not None else None
-    return known if known is not None else m.differ.checksum(m.base)
 
 
 class GroupSums:

@@ -108,9 +108,9 @@ def _delta_kernel(words, blocks, logper, shift, positions, offset, values, mode,
             p = positions[i] - offset
             s = np.uint64((p & (per - 1)) * shift)
             v = np.uint64(values[i])
-            if mode == 1:
+            if mode == OLD_XOR:
                 v = np.uint64(words[p]) ^ v
-            elif mode == 2:
+            elif mode == OLD_SUB:
                 v = (np.uint64(words[p]) - v) & mask
             prev = (prev & ~(mask << s)) | (v << s)
             i += 1
@@ -141,9 +141,9 @@ def _hex(a, c) -> str:
     return f"{int(a):016x}{int(c):016x}"
 
 
-def _split(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """(the whole 8-byte blocks as uint64, the last partial block as uint64 (zero-padded;
-    empty when there is none), the partial block's number)."""
+def _split(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the whole 8-byte blocks as uint64, the last partial block as uint64: zero-padded,
+    empty when there is none)."""
     per = max(1, 8 // words.itemsize)
     head = words.size - words.size % per
     blocks = words[:head].view(np.uint64) if head else np.empty(0, np.uint64)
@@ -151,14 +151,14 @@ def _split(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     tail = np.zeros(1 if rest.size else 0, np.uint64)
     for j, w in enumerate(rest.tolist()):
         tail[0] |= np.uint64(w) << np.uint64(j * 8 * words.itemsize)
-    return blocks, tail, head // per
+    return blocks, tail
 
 
 def full_sum(words: np.ndarray, first_block: int = 0) -> str:
     """The ls128 sum of a flat, contiguous array of unsigned words (hex). ``first_block``:
     the array is a slice of a larger tensor starting at that 8-byte block (its sum is then
     that slice's share, to add to the other slices' with ``add_sums``)."""
-    blocks, tail, _ = _split(words)
+    blocks, tail = _split(words)
     kernels = _compiled()
     if kernels is not None:
         a, c = kernels[0](blocks, tail, tail.size, first_block)
@@ -169,19 +169,15 @@ def full_sum(words: np.ndarray, first_block: int = 0) -> str:
 
 
 def delta_sum(words: np.ndarray, positions: np.ndarray, old: np.ndarray, block_ids=None) -> str:
-    """What takes the sum of the words before the change to the sum after it (``add_sums``): ``words``
-    (flat, after the change), ``positions`` (sorted int64) and ``old`` (the words there
-    before). ``block_ids``: for a compact ``words`` of gathered blocks, their block numbers."""
+    """What takes the sum of the words before the change to the sum after it (``add_sums``):
+    ``words`` (flat, after the change), ``positions`` (sorted int64) and ``old`` (the words
+    there before). ``block_ids``: for a compact ``words`` of gathered blocks, their numbers."""
     if positions.size == 0:
         return EMPTY
     per, shift = max(1, 8 // words.itemsize), 8 * words.itemsize
     ids = np.empty(0, np.int64) if block_ids is None else np.asarray(block_ids, np.int64)
-    kernels = _compiled()
-    if kernels is not None:
-        blocks = _split(words)[0]
-        old = old.astype(words.dtype, copy=False)
-        logper = per.bit_length() - 1
-        return _hex(*kernels[1](words, blocks, logper, shift, positions, 0, old, OLD_GIVEN, ids))
+    if _compiled() is not None:
+        return _delta(words, positions, 0, old.astype(words.dtype, copy=False), OLD_GIVEN, ids)
     blocks = np.unique(positions // per)
     idx = blocks[:, None] * per + np.arange(per)
     padded = np.concatenate([words, np.zeros(per, words.dtype)])
@@ -211,16 +207,17 @@ def moved_by_residuals(
     """``delta_sum`` of words a chunk just wrote, at ``positions - offset`` (sorted), whose old
     values are the new ones with ``residuals`` undone (XOR, or subtract); None without numba
     (the caller then undoes them itself and calls ``delta_sum``)."""
-    kernels = _compiled()
-    if kernels is None:
+    if _compiled() is None:
         return None
-    per = max(1, 8 // words.itemsize)
-    blocks, shift = _split(words)[0], 8 * words.itemsize
-    values, mode = residuals.view(words.dtype), OLD_XOR if xor else OLD_SUB
-    none = np.empty(0, np.int64)
-    return _hex(
-        *kernels[1](words, blocks, per.bit_length() - 1, shift, positions, offset, values, mode, none)
-    )
+    mode = OLD_XOR if xor else OLD_SUB
+    return _delta(words, positions, offset, residuals.view(words.dtype), mode, np.empty(0, np.int64))
+
+
+def _delta(words, positions, offset: int, values, mode: int, block_ids) -> str:
+    """The compiled delta kernel's sum over ``words`` (see ``_delta_kernel``), as hex."""
+    logper, shift = max(1, 8 // words.itemsize).bit_length() - 1, 8 * words.itemsize
+    kernel = _compiled()[1]
+    return _hex(*kernel(words, _split(words)[0], logper, shift, positions, offset, values, mode, block_ids))
 
 
 def add_sums(a: str, b: str) -> str:

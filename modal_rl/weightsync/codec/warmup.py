@@ -1,9 +1,10 @@
 """Load the codec's compiled kernels before the first frame needs them.
 
-The v2 chunk coding, the diff, the sparse scatter and the checksums (``linsum``) are numba kernels (``cache=True``): the first
-call in a process imports numba, loads (or compiles) each kernel for the argument types
-it sees, and starts the worker pool. On a fresh receiver that cost 0.5–0.6 s and landed on
-its first delta (the steady deltas take 0.05–0.07 s on the same host). ``start_warm_up``
+The v2 chunk coding, the diff, the sparse scatter and the checksums (``linsum``) are numba
+kernels (``cache=True``): the first call in a process imports numba, loads (or compiles) each
+kernel for the argument types it sees, and starts the worker pool. On a fresh receiver that
+cost 0.5–0.6 s and landed on its first delta (the steady deltas take 0.05–0.07 s on the same
+host). ``start_warm_up``
 pays it on a background thread when a ``Subscriber`` or ``Publisher`` is made — while the
 receiver connects and its anchor is on the wire, before an engine replacement takes
 traffic — by coding and decoding one small synthetic chunk through the same functions,
