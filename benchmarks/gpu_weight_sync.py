@@ -22,6 +22,17 @@ import torch
 
 from modal_rl.weightsync import CodecConfig, TorchDiffer, apply_frame, frame_bytes
 from modal_rl.weightsync.codec.encode import encode_delta
+from modal_rl.weightsync.transport.base import FrameSink
+
+
+class _CountingSink(FrameSink):
+    """Frames go nowhere; their size is counted (the publisher's own cost, no transport)."""
+
+    def send(self, header, records) -> int:
+        return sum(len(r) for r in records)
+
+    def close(self) -> None:
+        pass
 
 
 def sync(device: str) -> None:
@@ -132,36 +143,40 @@ def main() -> None:
         )
     frame = frames[2]
 
-    # The sharded device path (weight-sync-scale's ranks on GPUs): one rank's dim-0 shard,
-    # its snapshot resident on the device, diffed and updated in place (update_base: only
-    # changed words are written, only they and their positions cross to the host).
+    # The sharded path (weight-sync-scale's ranks on GPUs), as the product runs it: rank 0's
+    # dim-0 shard through a real Publisher, its snapshot either on the device (diffed there,
+    # only changed words and positions cross to the host) or in pinned host memory (the
+    # shard copied device->host every version, diffed by the CPU kernels). One anchor first
+    # (untimed), then the timed delta; the snapshot must end equal to the new shard.
+    from modal_rl.weightsync.publisher import Publisher
     from modal_rl.weightsync.shards import dim0_pieces
 
     for world in (2, 4):
+        shard_base = dict(dim0_pieces(base.items(), 0, world))
         shard_new = dict(dim0_pieces(new.items(), 0, world))
-        snapshot = {k: v.clone() for k, v in dim0_pieces(base.items(), 0, world)}
-        shard_bytes = sum(t.numel() * 2 for t in snapshot.values())
-        config = CodecConfig(threads=args.threads, coding=1)
-        shard_s, _ = timed(
-            dev,
-            lambda config=config, snapshot=snapshot, shard_new=shard_new: frame_bytes(
-                encode_delta(
-                    snapshot,
-                    shard_new,
-                    base_version=0,
-                    version=1,
-                    config=config,
-                    differ=differ,
-                    update_base=True,
-                )
-            ),
-        )
-        rows.append(
-            (f"rank 0 of {world}: shard delta, snapshot on device", shard_s, shard_bytes / shard_s / 1e9)
-        )
-        exact = exact and all(
-            torch.equal(snapshot[k].view(torch.int16), shard_new[k].view(torch.int16)) for k in snapshot
-        )
+        shard_bytes = sum(t.numel() * 2 for t in shard_new.values())
+        for place in ("device", "host"):
+            publisher = Publisher(
+                _CountingSink(),
+                anchor_every=None,
+                config=CodecConfig(threads=args.threads, coding=1),
+                run="gpu-check",
+                snapshot_on=place,
+                audit_every_s=None,
+            )
+            publisher.publish(shard_base)
+            shard_s, _ = timed(
+                dev, lambda publisher=publisher, shard_new=shard_new: publisher.publish(shard_new)
+            )
+            label = (
+                f"rank 0 of {world}: publish, snapshot {'on device' if place == 'device' else 'pinned host'}"
+            )
+            rows.append((label, shard_s, shard_bytes / shard_s / 1e9))
+            exact = exact and all(
+                torch.equal(publisher.snapshot[k].view(torch.int16).to(dev), shard_new[k].view(torch.int16))
+                for k in shard_new
+            )
+            del publisher
 
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
     print(

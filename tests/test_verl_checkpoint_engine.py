@@ -111,9 +111,11 @@ class Cluster:
             e.close()
 
 
-def test_trajectory_is_bit_identical_every_version_with_verl_metrics():
+@pytest.mark.parametrize("snapshot_on", ["host", "device"])
+def test_trajectory_is_bit_identical_every_version_with_verl_metrics(snapshot_on):
     states = trajectory(6)
-    cluster = Cluster(n_rollout=2, anchor_every=3)
+    cluster = Cluster(n_rollout=2, anchor_every=3, snapshot_on=snapshot_on)
+    assert cluster.actors[0].snapshot_on == snapshot_on
     try:
         for step, state in enumerate(states):  # verl syncs global_steps 0 (before training), 1, 2, ...
             metrics, outcomes = cluster.sync(state, step)
@@ -127,6 +129,11 @@ def test_trajectory_is_bit_identical_every_version_with_verl_metrics():
             assert metrics["checkpoint_engine/send_s"] > 0
             if not is_anchor:  # ~2% of bf16 words changed: the delta is far smaller than the state
                 assert metrics["checkpoint_engine/compression_ratio"] > 5, metrics
+        publisher = cluster.actors[0]._publisher
+        assert (publisher.snapshot_on, type(publisher._differ).__name__) == (
+            snapshot_on,
+            {"host": "NoneType", "device": "TorchDiffer"}[snapshot_on],
+        )
         print("last delta metrics:", metrics)
     finally:
         cluster.close()
@@ -220,6 +227,13 @@ def test_corrupt_frame_is_refused_and_the_receiver_keeps_its_weights():
         assert bits(rollout.live["embed.weight"]) == bits(states[1]["embed.weight"])
     finally:
         cluster.close()
+
+
+def test_snapshot_on_is_checked_when_the_engine_is_made():
+    with pytest.raises(
+        ValueError, match=r"modal_delta.snapshot_on must be one of \('host', 'device'\), got 'gpu'"
+    ):
+        registry().new("modal_delta", bucket_size=1 << 20, is_master=True, snapshot_on="gpu")
 
 
 def test_topology_rejects_a_missing_master():

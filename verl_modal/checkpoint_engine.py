@@ -52,7 +52,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import VersionNotReachedError, WeightSyncError
-from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.publisher import SNAPSHOT_PLACES, Publisher
 from modal_rl.weightsync.subscriber import Subscriber, tcp_subscriber
 from modal_rl.weightsync.transport.base import gbps
 from modal_rl.weightsync.transport.tcp import FrameServer
@@ -101,6 +101,9 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             export (``get_per_tensor_param_shard``), and nothing is gathered; rollout workers
             put the ranks' pieces back together (``verl_modal.sharded``). Dim-0 (FSDP2
             ``Shard(0)``) layouts only; another placement fails naming the parameter.
+        snapshot_on: where a publishing rank keeps its snapshot: ``host`` (pinned memory for GPU
+            weights, diffed on the CPU) or ``device`` (beside the weights, diffed there: only
+            changed words cross to the host); see ``modal_rl.weightsync.publisher``.
     """
 
     wire_format = "named_tensors"
@@ -121,9 +124,13 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         codec_threads: int | None = None,
         compare_merged: bool = False,
         sharded: bool = False,
+        snapshot_on: str = "host",
     ) -> None:
         if max_refusals < 0:
             raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
+        if snapshot_on not in SNAPSHOT_PLACES:
+            raise ValueError(f"modal_delta.snapshot_on must be one of {SNAPSHOT_PLACES}, got {snapshot_on!r}")
+        self.snapshot_on = snapshot_on
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.trainer = is_master is not None  # verl passes is_master to the actor's engines only
@@ -155,6 +162,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
                 anchor_every=self.anchor_every,
                 recovery_every=self.recovery_every,
                 config=self.config,
+                snapshot_on=self.snapshot_on,
             )
 
     def _advertised(self) -> str:

@@ -143,6 +143,7 @@ def shared_epoch_publisher(engine: Any, endpoint: dict) -> Publisher | None:
         recovery_every=engine.recovery_every,
         config=engine.config,
         epoch=epoch,
+        snapshot_on=engine.snapshot_on,
     )
 
 

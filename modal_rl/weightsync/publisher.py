@@ -1,12 +1,21 @@
 """Publisher: the trainer's side of weight sync.
 
 Invariants:
-- ``snapshot`` holds, bit for bit, the last version published (on the host; in pinned
-  memory when the trainer's tensors are on CUDA, so device→host copies are fast). It is
-  the publisher's one copy of the state: an anchor copies into its buffers, a delta diffs
-  the trainer's CPU tensors against it where they lie and writes only the changed words
-  into it (``encode_delta(update_base=True)``), so a version costs no second host copy and
-  no whole-state memcpy. CUDA tensors are still copied to a pinned host buffer first;
+- ``snapshot`` holds, bit for bit, the last version published. It is the publisher's one
+  copy of the state: an anchor copies into its buffers, a delta diffs the trainer's tensors
+  against it and writes only the changed words into it (``encode_delta(update_base=True)``),
+  so a version costs no second copy and no whole-state memcpy. Where it lives is
+  ``snapshot_on``:
+  ``"host"`` (default): host memory, diffed by the compiled CPU kernels; a CUDA tensor is
+  copied to a pinned host buffer first (a device→host copy of the state per version);
+  ``"device"``: beside the trainer's tensors (a GPU's memory for CUDA tensors), diffed there
+  by torch (``TorchDiffer``): only changed positions and words cross to the host. It costs a
+  copy of the shard in device memory instead of host memory;
+- ``checksums`` are the snapshot's ls128 sums, moved by every delta's changed words. An
+  *audit* (``audit()``, run off the publish path every ``audit_every_s`` on a thread of its
+  own, between publishes) sums the snapshot in full: a word damaged where no delta writes
+  would make every receiver refuse every delta until the next anchor, so a mismatch makes
+  the next publish an anchor, which rewrites the whole snapshot from the trainer's tensors;
 - every frame names the run (``run``) and this publisher's ``epoch`` (drawn when it is made:
   one trainer start = one epoch; a store may raise it to stay above the previous holder's,
   see ``epoch``); a sink that keeps a lease (stores) grants it when the publisher is made,
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from modal_rl.weightsync.codec.differ import Differ, TorchDiffer
 from modal_rl.weightsync.codec.dtypes import words_of
 from modal_rl.weightsync.codec.encode import CodecConfig, Tensors, encode_anchor, encode_delta
 from modal_rl.weightsync.transport.base import FrameSink
@@ -48,6 +59,8 @@ from modal_rl.weightsync.wire.epoch import new_epoch
 from modal_rl.weightsync.wire.frames import VersionHeader, stamp
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_PLACES = ("host", "device")
 
 
 @dataclass
@@ -72,10 +85,16 @@ class Publisher:
         run: str | None = None,
         epoch: int | None = None,
         start_version: int = 0,
+        snapshot_on: str = "host",
+        audit_every_s: float | None = 600.0,
     ) -> None:
         for name, value in (("anchor_every", anchor_every), ("recovery_every", recovery_every)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {value}")
+        if snapshot_on not in SNAPSHOT_PLACES:
+            raise ValueError(f"snapshot_on must be one of {SNAPSHOT_PLACES}, got {snapshot_on!r}")
+        if audit_every_s is not None and audit_every_s <= 0:
+            raise ValueError(f"audit_every_s must be > 0 (or None: never), got {audit_every_s}")
         self.sink = sink
         self.anchor_every = anchor_every
         self.recovery_every = recovery_every
@@ -91,19 +110,48 @@ class Publisher:
         self._since_anchor = 0
         self._since_recovery = 0
         self._force_anchor = True
-        # host staging for device tensors (a delta of CPU tensors needs none)
+        self.snapshot_on = snapshot_on
+        # torch on the tensors' device for a device snapshot; else the codec picks per tensor
+        self._differ: Differ | None = TorchDiffer() if snapshot_on == "device" else None
+        # host staging for device tensors under a host snapshot (CPU tensors need none)
         self._device_staging: dict[str, Any] = {}
+        self.audit_every_s = audit_every_s
+        self.last_audit = time.monotonic()
+        self.audit_damaged: list[str] = []  # what the last audit found (empty: all matched)
+        self._lock = threading.Lock()  # a publish and an audit never overlap
+        self._audit_thread: threading.Thread | None = None
         from modal_rl.weightsync.codec.warmup import start_warm_up
 
         start_warm_up(self.config.threads)  # the encoder's kernels load before the first delta
 
-    def _to_host(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
-        """Copy into a host buffer owned by the publisher (the caller may reuse its tensor):
-        ``buffers[name]`` when it fits, else a new one."""
+    def _keep(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
+        """Copy into a buffer owned by the publisher (the caller may reuse its tensor), where
+        ``snapshot_on`` says: ``buffers[name]`` when it fits, else a new one."""
         import torch
 
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
+        if self.snapshot_on == "host":
+            return self._to_host(name, tensor, buffers)
+        out = buffers.get(name)
+        if (
+            out is None
+            or out.shape != tensor.shape
+            or out.dtype != tensor.dtype
+            or out.device != tensor.device
+        ):
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        if tensor.device.type == "cpu":
+            np.copyto(words_of(out), words_of(tensor.detach()))  # see _to_host
+        else:
+            out.copy_(tensor.detach())
+        return out
+
+    def _to_host(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
+        """Copy ``tensor`` into a host buffer: ``buffers[name]`` when it fits, else a new one
+        (pinned for a CUDA tensor)."""
+        import torch
+
         pin = tensor.device.type == "cuda"
         out = buffers.get(name)
         if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.is_pinned() != pin:
@@ -118,13 +166,14 @@ class Publisher:
         return out
 
     def _delta_input(self, name: str, tensor: Any) -> Any:
-        """What a delta diffs against the snapshot: a CPU tensor as it lies (read only),
-        a device tensor's copy in host staging."""
+        """What a delta diffs against the snapshot: a tensor as it lies (read only) where the
+        snapshot is beside it, a device tensor's copy in host staging under a host snapshot."""
         import torch
 
         if not isinstance(tensor, torch.Tensor):
-            return tensor  # an array: read as it lies
-        if tensor.device.type != "cpu":
+            # an array: read as it lies (as a tensor for torch's diff)
+            return torch.from_numpy(np.asarray(tensor)) if self._differ is not None else tensor
+        if tensor.device.type != "cpu" and self.snapshot_on == "host":
             self._device_staging[name] = self._to_host(name, tensor, self._device_staging)
             return self._device_staging[name]
         return tensor.detach()
@@ -146,7 +195,14 @@ class Publisher:
         return self.start_version if self.version is None else self.version + 1
 
     def publish(self, tensors: Tensors, version: int | None = None) -> PublishReport:
-        """Publish one version: a state dict, or an iterator of ``(name, tensor)`` pairs."""
+        """Publish one version: a state dict, or an iterator of ``(name, tensor)`` pairs.
+        Waits for an audit still running; starts one after it when one is due."""
+        with self._lock:
+            report = self._publish(tensors, version)
+        self._audit_if_due()
+        return report
+
+    def _publish(self, tensors: Tensors, version: int | None) -> PublishReport:
         if version is None:
             version = self.next_version
         if self.version is not None and version <= self.version:
@@ -159,7 +215,7 @@ class Publisher:
         def anchor_items() -> Iterator[tuple[str, Any]]:
             # into the snapshot's own buffers: the publisher never holds two copies
             for name, tensor in items:
-                staged[name] = self._to_host(name, tensor, self.snapshot)
+                staged[name] = self._keep(name, tensor, self.snapshot)
                 yield name, staged[name]
 
         def delta_items() -> Iterator[tuple[str, Any]]:
@@ -170,7 +226,9 @@ class Publisher:
         t0 = time.perf_counter()
         config = self._config_for_link()
         if anchor:
-            records = encode_anchor(anchor_items(), version=version, config=config, checksums_out=sums)
+            records = encode_anchor(
+                anchor_items(), version=version, config=config, checksums_out=sums, differ=self._differ
+            )
             header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
         else:
             records = encode_delta(
@@ -181,6 +239,7 @@ class Publisher:
                 config=config,
                 base_checksums=self.checksums,
                 checksums_out=sums,
+                differ=self._differ,
                 update_base=True,
             )
             header = VersionHeader("delta", version, self.version, run=self.run, epoch=self.epoch)
@@ -210,7 +269,9 @@ class Publisher:
         from modal_rl.weightsync.errors import LeaseLostError
 
         header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
-        records = encode_anchor(self.snapshot.items(), version=version, config=self.config)
+        records = encode_anchor(
+            self.snapshot.items(), version=version, config=self.config, differ=self._differ
+        )
         try:
             size = self.sink.send_recovery(header, stamp(records, self.run, self.epoch))
         except LeaseLostError:
@@ -220,3 +281,43 @@ class Publisher:
             return 0
         self._since_recovery = 0
         return size
+
+    def audit(self) -> list[str]:
+        """Sum the snapshot in full against the sums the deltas moved (what they cannot see:
+        a word damaged where no delta wrote). Returns the tensors that do not match; when there
+        are any, the next publish is an anchor, which rewrites the snapshot."""
+        from modal_rl.weightsync.codec.chunk_sums import held_sums
+
+        with self._lock:
+            self.last_audit = time.monotonic()
+            if self.version is None or self._force_anchor:
+                return []  # nothing whole to check: the next publish rewrites it anyway
+            actual = held_sums(self.snapshot)
+            damaged = sorted(name for name, s in actual.items() if self.checksums.get(name) != s)
+            self.audit_damaged = damaged
+            if damaged:
+                self._force_anchor = True
+                log.warning(
+                    "weight-sync audit: the publisher's snapshot no longer matches its sums in %d "
+                    "tensors (%s); the next version goes out as an anchor",
+                    len(damaged),
+                    ", ".join(damaged[:3]),
+                )
+            return damaged
+
+    def _audit_if_due(self) -> None:
+        """Start an audit on a thread of its own (the trainer goes on; the next publish waits
+        for it) when ``audit_every_s`` has passed since the last one."""
+        every = self.audit_every_s
+        if every is None or time.monotonic() - self.last_audit < every:
+            return
+        if self._audit_thread is not None and self._audit_thread.is_alive():
+            return
+        self.last_audit = time.monotonic()
+        self._audit_thread = threading.Thread(target=self.audit, name="weight-sync-audit", daemon=True)
+        self._audit_thread.start()
+
+    def wait_audit(self, timeout: float | None = None) -> None:
+        """Wait for an audit started by ``publish`` (tests, shutdown)."""
+        if self._audit_thread is not None:
+            self._audit_thread.join(timeout)
