@@ -13,7 +13,9 @@
     (checked after its peak memory is reported: the check loads one small state).
 
 Memory is reported as peak RSS (``VmHWM``) and the baseline before the weight-sync
-objects were made, so ``peak - baseline`` is what weight sync holds.
+objects were made, so ``peak - baseline`` is what weight sync holds; ``fixed_gb`` is what
+it holds before any version (the codec's compiled kernels and libraries, loaded by the
+warm-up, and the server): a cost that does not grow with the state.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
 
     from benchmarks._weight_sync_data import tiled_state
     from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.codec.warmup import wait_warm
     from modal_rl.weightsync.publisher import Publisher
     from modal_rl.weightsync.shards import dim0_pieces
     from modal_rl.weightsync.transport.base import TokenBucket
@@ -50,8 +53,12 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
     states = {int(p.stem[1:]): torch.load(p) for p in sorted(traj.glob("v*.pt"))}
     baseline = _rss_gb()
     server = FrameServer(keep_anchors=0)
-    publisher = Publisher(server, anchor_every=None, config=CodecConfig(threads=2), epoch=0x5CA1E)
-    _say(event="ready", rank=rank, port=server.address[1], baseline_gb=baseline)
+    publisher = Publisher(
+        server, anchor_every=None, config=CodecConfig(threads=2), epoch=0x5CA1E, audit_every_s=None
+    )
+    wait_warm(300)
+    fixed = _rss_gb("VmRSS") - baseline
+    _say(event="ready", rank=rank, port=server.address[1], baseline_gb=baseline, fixed_gb=fixed)
     for line in sys.stdin:
         cmd, arg = line.split()
         if cmd == "receivers":  # wait until that many receivers are admitted
@@ -83,13 +90,15 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
     import torch
 
     from modal_rl.weightsync import CodecConfig
+    from modal_rl.weightsync.codec.warmup import wait_warm
     from modal_rl.weightsync.shards import ShardedReceiver, parse_piece
     from modal_rl.weightsync.transport.tcp import TcpSource
 
     baseline = _rss_gb()
     sources = [TcpSource(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs.split(",")]
     receiver = ShardedReceiver(sources, lambda _pieces, _layout, _version: None, CodecConfig(threads=2))
-    _say(event="ready", baseline_gb=baseline)
+    wait_warm(300)
+    _say(event="ready", baseline_gb=baseline, fixed_gb=_rss_gb("VmRSS") - baseline)
     for version in range(versions + 1):
         if not receiver.run_until(version, timeout=900):
             _say(event="failed", version=version, staged=receiver.staged())

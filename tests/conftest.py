@@ -20,6 +20,9 @@ import tempfile
 
 import pytest
 
+# Session fixtures shared across test files (one real run each).
+pytest_plugins = ["tests.verl_runs"]
+
 # New entries that are not leftovers of a test, with the reason.
 TMP_ALLOWED = {
     "pytest-of-*": "pytest's own tmp_path root (it keeps the last 3 runs by design)",

@@ -1,9 +1,12 @@
-"""One real 3-step verl GRPO run on this CPU (the main job's command, with
-``trainer.logger=[console,tensorboard]``) and what it leaves for a person to look at: the
-``modal_rl/`` numbers in verl's tensorboard event files for every step, and the run report
-(numbers equal to metrics.jsonl, rendered with every plot in headless Chromium).
+"""What a real verl run leaves for a person to look at: for the main job (3 GRPO steps on
+this CPU, ``trainer.logger=[console,tensorboard]``), the ``modal_rl/`` numbers in verl's
+tensorboard event files for every step and the run report (numbers equal to metrics.jsonl,
+rendered with every plot in headless Chromium); for the sandboxed run, its sandbox pool per
+step, drawn.
 
-Needs the stack from ``scripts/install_verl_cpu.sh``; one run (~3 min here) serves every test.
+Needs the stack from ``scripts/install_verl_cpu.sh``; the runs are the session's
+(``tests/verl_runs.py``), shared with tests/test_verl_cpu_run.py and
+tests/test_verl_sandbox_cpu_run.py.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import pytest
 
 from tests.test_report_browser import check_rendered
 from tests.test_report_page import _Cells
-from tests.test_verl_cpu_run import run_launcher
+from tests.verl_runs import MAIN_STEPS as STEPS
+from tests.verl_runs import SANDBOXED_STEPS
 
-STEPS = 3
 # Every step of a local run logs these, whichever parts it uses (zero included).
 EVERY_STEP = [f"modal_rl/weight_sync/{k}" for k in ("syncs", "anchors", "deltas", "sent_mib", "raw_mib",
               "seconds", "engine_pause_s", "refused_frames")] + [
@@ -26,18 +29,9 @@ EVERY_STEP = [f"modal_rl/weight_sync/{k}" for k in ("syncs", "anchors", "deltas"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("verl-report")
-    ours: list[str] = []
-    code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp / "tiny"), "--log-dir", str(tmp / "logs"), "--",
-         f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,tensorboard]"],
-        timeout=1400,
-        terminal=ours,
-    )  # fmt: skip
-    assert code == 0, "\n".join(ours[-30:]) + "\n--- verl's log ---\n" + log[-4000:]
-    (run_dir,) = (tmp / "logs").iterdir()
-    return run_dir, ours
+def run(main_job):
+    """The main job's run (tests/verl_runs.py: scripts/main.sh's command, once a session)."""
+    return main_job.run_dir, main_job.ours
 
 
 def _logged(run_dir: Path) -> dict[int, dict]:
@@ -91,23 +85,19 @@ def test_the_runs_report_equals_its_metrics_and_renders_in_chromium(run, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_a_sandboxed_run_logs_its_pool_per_step_and_draws_it(tmp_path):
+def test_a_sandboxed_run_logs_its_pool_per_step_and_draws_it(sandboxed_job, tmp_path):
     # --tiny-task code: every sample is scored in bubblewrap sandboxes by the modal_sandbox
     # reward manager, whose snapshots reach the TaskRunner through the run's parts folder.
-    code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--tiny-task", "code", "--log-dir",
-         str(tmp_path / "logs"), "--", "trainer.total_training_steps=2"],
-        timeout=1400,
-    )  # fmt: skip
-    assert code == 0, log[-4000:]
-    (run_dir,) = (tmp_path / "logs").iterdir()
+    run_dir = sandboxed_job.run_dir
     logged = _logged(run_dir)
-    assert sorted(logged) == [1, 2]
+    assert sorted(logged) == list(range(1, SANDBOXED_STEPS + 1))
     for step, data in logged.items():
         # batch 4 prompts x 2 samples, each scored once; no sandbox failed, none masked
         assert data["modal_rl/sandbox/samples"] == 8, (step, data)
         assert data["modal_rl/sandbox/errors"] == 0 and data["modal_rl/masked/samples"] == 0
         assert data["modal_rl/sandbox/pool_live"] >= 1 and data["modal_rl/sandbox/pool_target"] >= 1
         assert 0 < data["modal_rl/sandbox/create_p50_s"] <= data["modal_rl/sandbox/create_p99_s"]
-    dom = check_rendered(run_dir / "report.html", tmp_path, steps=2, plots=4)  # + the sandbox pool
+    dom = check_rendered(
+        run_dir / "report.html", tmp_path, steps=SANDBOXED_STEPS, plots=4
+    )  # + the sandbox pool
     assert "Sandbox pool" in dom

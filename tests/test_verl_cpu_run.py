@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.verl_runs import MAIN_STEPS
 from verl_modal.cpu.patches import RELOAD_LOG_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,38 +85,31 @@ def run_launcher(
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_one_grpo_step_with_weight_sync(tmp_path):
-    # The main job's entry (scripts/main.sh runs the same command with 3 steps).
-    ours: list[str] = []
-    code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--log-dir", str(tmp_path / "logs"), "--",
-         "trainer.total_training_steps=1"],
-        timeout=1400,
-        terminal=ours,
-    )  # fmt: skip
-    # The launcher's own lines name the cause (a killed engine, OOM); verl's log tail shows where.
-    assert code == 0, "\n".join(ours[-30:]) + "\n--- verl's log, last lines ---\n" + log[-4000:]
-    check_our_output(ours, tmp_path / "logs", steps=1)
+def test_main_job_runs_grpo_steps_with_weight_sync(main_job):
+    # The main job's command (scripts/main.sh), run once for the session (tests/verl_runs.py).
+    log, steps = main_job.log, MAIN_STEPS
+    check_our_output(main_job.ours, main_job.logs_dir, steps=steps)
     assert "[verl_modal] TaskRunner on verl platform 'cpu', node 127.0.0.1;" in log
 
     metrics = parse_metrics(log)
-    assert list(metrics) == [1], log[-6000:]
-    step = metrics[1]
-    assert step["training/global_step"] == "1"
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "timing_s/update_weights"):
-        assert key in step, key
-    # The reward ran on real rollouts; whether a 4-prompt batch of a random model has any
-    # non-zero GRPO advantage is chance (vLLM sampling), so only its range is checked.
-    assert 0.0 <= float(step["critic/score/mean"]) <= 2.0
-    assert math.isfinite(float(step["actor/grad_norm"]))
+    assert list(metrics) == list(range(1, steps + 1)), log[-6000:]
+    for n, step in metrics.items():
+        assert step["training/global_step"] == str(n)
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "timing_s/update_weights"):
+            assert key in step, (n, key)
+        # The reward ran on real rollouts; whether a 4-prompt batch of a random model has any
+        # non-zero GRPO advantage is chance (vLLM sampling), so only its range is checked.
+        assert 0.0 <= float(step["critic/score/mean"]) <= 2.0
+        assert math.isfinite(float(step["actor/grad_norm"]))
+        # Rollout and actor agree on the sampled tokens only if every sync landed.
+        assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99, n
+        assert float(step["training/rollout_probs_diff_max"]) < 0.01, n
 
-    # Weight sync, twice: vLLM starts from dummy (random) weights, so the actor's weights reach
-    # it only through verl's update path (our layer-wise reload), once before the step and
-    # once after the update. Rollout and actor agree on the sampled tokens only if it landed.
+    # Weight sync before the first step and after every update: vLLM starts from dummy (random)
+    # weights, so the actor's weights reach it only through verl's update path (our layer-wise
+    # reload).
     reloads = [line for line in log.splitlines() if RELOAD_LOG_PREFIX in line]
-    assert len(reloads) >= 2, reloads
-    assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99
-    assert float(step["training/rollout_probs_diff_max"]) < 0.01
+    assert len(reloads) >= steps + 1, reloads
 
 
 # Expected on a CPU run, silenced where they are raised (verl_modal/cpu/quiet.py).
