@@ -4,8 +4,9 @@ The encoder's diff reads every held word of both versions, so at model scale it 
 largest per-word cost of a delta (1 G words for a 2 GB bf16 state). numpy needed four
 passes (a 64-bit block compare into a mask, its nonzero, the candidates' word compare,
 two gathers); this numba kernel (``nogil``: the codec's threads diff chunks in parallel)
-tests eight 64-bit blocks at a time and looks inside a changed group only, writing
-position, old and new word as it goes. Measured on the real Adam trajectory's bf16 words
+tests eight 64-bit blocks at a time and looks inside a changed group's changed blocks only,
+writing position, old and new word as it goes (branch-free inside a block: 15% less time at
+the trajectory's density than a branch per word). Measured on the real Adam trajectory's bf16 words
 (one thread, 4 Mi-word chunks, out of cache): 0.47 ns a word against numpy's 1.12 on the
 layers (1.1% changed), 0.13 against 0.26 on the embeddings (0.02% changed).
 
@@ -60,19 +61,21 @@ def _diff_kernel(b, n, b64, n64, per, first_block, summed, pos, old, new):
         for t in range(GROUP):
             acc |= b64[g + t] ^ n64[g + t]
         if acc:
-            if summed:
-                for t in range(GROUP):
-                    x, y = b64[g + t], n64[g + t]
-                    if x != y:
+            for t in range(GROUP):
+                x, y = b64[g + t], n64[g + t]
+                if x != y:
+                    if summed:
                         bb = np.uint64(first_block + g + t)
                         a += _m1(y ^ (bb * P1 + S1)) - _m1(x ^ (bb * P1 + S1))
                         c += _m2(y + ((bb * P2) ^ S2)) - _m2(x + ((bb * P2) ^ S2))
-            for j in range(g * per, (g + GROUP) * per):
-                if b[j] != n[j]:
-                    pos[k] = j
-                    old[k] = b[j]
-                    new[k] = n[j]
-                    k += 1
+                    # only a changed block's words, written always and kept when they differ:
+                    # no branch to mispredict (k <= j, so the write stays inside the buffers)
+                    for j in range((g + t) * per, (g + t + 1) * per):
+                        u, v = b[j], n[j]
+                        pos[k] = j
+                        old[k] = u
+                        new[k] = v
+                        k += u != v
     for j in range(whole * per, b.size):  # the words after the last whole group
         if b[j] != n[j]:
             pos[k] = j
