@@ -70,8 +70,9 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
             server.limiter = TokenBucket(float(arg))
             continue
         version = int(arg)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         report = publisher.publish(dim0_pieces(tiled_state(states[version], tiles)(), rank, world), version)
+        cpu = time.process_time() - cpu0  # every thread of the process: the codec's work
         shard = sum(t.numel() * t.element_size() for t in publisher.snapshot.values())
         _say(
             event="published",
@@ -82,6 +83,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
             bytes=report.bytes,
             shard_gb=shard / 1e9,
             peak_rss_gb=_rss_gb(),
+            cpu_s=cpu,
         )
     server.close()
 
@@ -100,6 +102,7 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
     wait_warm(300)
     _say(event="ready", baseline_gb=baseline, fixed_gb=_rss_gb("VmRSS") - baseline)
     for version in range(versions + 1):
+        cpu0 = time.process_time()
         if not receiver.run_until(version, timeout=900):
             _say(event="failed", version=version, staged=receiver.staged())
             return
@@ -114,6 +117,7 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
             apply_s=receiver.pause_s[-1],
             held_gb=held / 1e9,
             peak_rss_gb=_rss_gb(),
+            cpu_s=time.process_time() - cpu0,  # fetch, decode, verify, apply: every thread
         )
     expected = torch.load(traj / f"v{versions}.pt")
     exact = True

@@ -169,6 +169,7 @@ def run_scenario(
                 "stages": {
                     key: statistics.mean(m["stages"][key] for m in ms[1:] or ms) for key in ms[0]["stages"]
                 },
+                "cpu": {key: statistics.mean(m["cpu"][key] for m in ms[1:] or ms) for key in ms[0]["cpu"]},
             }
         )
     return rows
@@ -188,7 +189,12 @@ def _version(
     wire = nbytes * receivers * 8 / (link * 1e9) if link else 0.0
     stages = {"encode_s": max(e["seconds"] for e in pubs), "wire_s": wire}
     stages |= {k: worst[k] for k in ("decode_s", "verify_s", "apply_s")}
-    return {"seconds": max(at for at, _ in acts) - t0, "bytes": nbytes, "stages": stages}
+    # CPU seconds of the version's work (all threads): every rank's and the busiest receiver's
+    cpu = {
+        "publishers_cpu_s": sum(e["cpu_s"] for e in pubs),
+        "receiver_cpu_s": max(e["cpu_s"] for _, e in acts),
+    }
+    return {"seconds": max(at for at, _ in acts) - t0, "bytes": nbytes, "stages": stages, "cpu": cpu}
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
@@ -252,8 +258,8 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
     table = markdown_table(
         ["state GB", "ranks", "receivers", "link Gbps", "first delta s", "steady delta s", "bound s",
          "steady/bound", "first/steady", "bytes delta", "bytes vs 1 rank", "encode s", "wire s",
-         "decode s", "verify s", "apply s", "shard GB", "publisher extra GB", "extra/shard",
-         "publisher fixed GB", "(extra-fixed)/shard", "receiver peak GB", "held GB", "peak/held",
+         "decode s", "verify s", "apply s", "ranks CPU s", "receiver CPU s", "shard GB",
+         "publisher extra GB", "extra/shard", "publisher fixed GB", "(extra-fixed)/shard", "receiver peak GB", "held GB", "peak/held",
          "receiver fixed GB", "(peak-fixed)/held", "read GB/s", "bit-exact"],
         [
             [f"{r['state_gb']:.3g}", r["ranks"], r["receivers"], r["link_gbps"], r["first_delta_s"],
@@ -261,7 +267,7 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
              r["first_delta_s"] / r["steady_delta_s"], f"{r['bytes_delta']:,.0f}",
              r["bytes_vs_one_rank"] if r["bytes_vs_one_rank"] is not None else "-",
              *(r["stages"][k] for k in ("encode_s", "wire_s", "decode_s", "verify_s", "apply_s")),
-             r["shard_gb"], r["publisher_extra_gb"], r["publisher_extra_gb"] / r["shard_gb"],
+             r["cpu"]["publishers_cpu_s"], r["cpu"]["receiver_cpu_s"], r["shard_gb"], r["publisher_extra_gb"], r["publisher_extra_gb"] / r["shard_gb"],
              r["publisher_fixed_gb"], (r["publisher_extra_gb"] - r["publisher_fixed_gb"]) / r["shard_gb"],
              r["peak_rss_receiver_gb"], r["held_gb"], r["peak_rss_receiver_gb"] / r["held_gb"],
              r["receiver_fixed_gb"], (r["peak_rss_receiver_gb"] - r["receiver_fixed_gb"]) / r["held_gb"],
@@ -273,7 +279,8 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
     return (
         f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "
         f"reading the previous and the new state once at the measured read bandwidth + the wire "
-        f"time of the delta's bytes. Memory: peak RSS minus the process's baseline "
+        f"time of the delta's bytes. `CPU s`: the version's CPU time, every thread (all ranks together; "
+        f"the busiest receiver), on this host's {os.cpu_count()} cores. Memory: peak RSS minus the process's baseline "
         f"(publisher), peak RSS (receiver, interpreter included); `fixed` is what the process held "
         f"before its first version (compiled codec kernels, libraries; the receiver's interpreter "
         f"and torch too), which does not grow with the state.\n\n{table}\n\n"

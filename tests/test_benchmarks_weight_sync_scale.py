@@ -42,6 +42,8 @@ def test_a_tiny_sharded_run_is_bit_exact_and_reports_every_field(tmp_path, monke
         assert row["bytes_delta"] > 0 and row["steady_delta_s"] > 0
         assert row["shard_gb"] < row["held_gb"]  # a rank holds its half, the receiver all of it
         assert set(row["stages"]) == {"encode_s", "wire_s", "decode_s", "verify_s", "apply_s"}
+        assert set(row["cpu"]) == {"publishers_cpu_s", "receiver_cpu_s"}
+        assert row["cpu"]["publishers_cpu_s"] > 0 and row["cpu"]["receiver_cpu_s"] > 0
         # the fixed part (held before any version) is a part of the peak, on both sides
         assert 0 < row["publisher_fixed_gb"] <= row["publisher_extra_gb"]
         assert 0 < row["receiver_fixed_gb"] <= row["peak_rss_receiver_gb"]
