@@ -6,11 +6,17 @@
     ``publish V`` line on stdin, its dim-0 shard of version V (``dim0_pieces``) through its
     own frame server (``keep_anchors=0``), unthrottled until a ``rate BYTES_PER_S`` line sets
     its share of the receivers' link. Prints one JSON line per event.
+``python -m benchmarks._scale_procs rank RANK WORLD TRAJ_DIR TILES gloo:PORT:SIZE``
+    The same over a ``torch.distributed`` gloo group of SIZE processes on 127.0.0.1 (the
+    ranks first, then the receivers): a ``CollectiveSink`` per rank, one group per rank
+    (itself and every receiver); no rate limit (a collective runs at its fabric's pace).
 ``python -m benchmarks._scale_procs receive ADDRS VERSIONS TRAJ_DIR TILES``
     A ``ShardedReceiver`` over every rank's server (comma-separated host:port) that keeps no
     live copy (what it holds is what it serves); prints one JSON line per activated version
     and, at the end, whether every piece equals the trajectory's last version bit for bit
     (checked after its peak memory is reported: the check loads one small state).
+    ``ADDRS`` = ``gloo:PORT:SIZE:RANKS:ME``: a ``CollectiveSource`` per rank instead, as member
+    ``ME`` of the group.
 
 Memory is reported as peak RSS (``VmHWM``) and the baseline before the weight-sync
 objects were made, so ``peak - baseline`` is what weight sync holds; ``fixed_gb`` is what
@@ -39,7 +45,27 @@ def _say(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
+def _collective_groups(port: str, size: str, ranks: int, me: int) -> list:
+    """Join the gloo group on 127.0.0.1; one subgroup per publishing rank (it and every
+    receiver), made in the same order by every member."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=me,
+        world_size=int(size),
+        timeout=timedelta(seconds=900),
+    )
+    receivers = list(range(ranks, int(size)))
+    return [dist.new_group([r, *receivers]) for r in range(ranks)]
+
+
+def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "tcp") -> None:
     import torch
 
     from benchmarks._weight_sync_data import tiled_state
@@ -52,22 +78,30 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int) -> None:
 
     states = {int(p.stem[1:]): torch.load(p) for p in sorted(traj.glob("v*.pt"))}
     baseline = _rss_gb()
-    server = FrameServer(keep_anchors=0)
+    if transport.startswith("gloo:"):
+        from modal_rl.weightsync.transport.collective import CollectiveSink
+
+        _, port, size = transport.split(":")
+        server = CollectiveSink(_collective_groups(port, size, world, rank)[rank], src=rank)
+    else:
+        server = FrameServer(keep_anchors=0)
     publisher = Publisher(
         server, anchor_every=None, config=CodecConfig(threads=2), epoch=0x5CA1E, audit_every_s=None
     )
     wait_warm(300)
     fixed = _rss_gb("VmRSS") - baseline
-    _say(event="ready", rank=rank, port=server.address[1], baseline_gb=baseline, fixed_gb=fixed)
+    port = server.address[1] if isinstance(server, FrameServer) else None
+    _say(event="ready", rank=rank, port=port, baseline_gb=baseline, fixed_gb=fixed)
     for line in sys.stdin:
         cmd, arg = line.split()
-        if cmd == "receivers":  # wait until that many receivers are admitted
-            while server.receivers < int(arg):
+        if cmd == "receivers":  # wait until that many receivers are admitted (a group: all are)
+            while port is not None and server.receivers < int(arg):
                 time.sleep(0.01)
             _say(event="admitted", rank=rank)
             continue
         if cmd == "rate":  # the link changes between versions: the bucket is swapped whole
-            server.limiter = TokenBucket(float(arg))
+            if port is not None:
+                server.limiter = TokenBucket(float(arg))
             continue
         version = int(arg)
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -97,7 +131,14 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
     from modal_rl.weightsync.transport.tcp import TcpSource
 
     baseline = _rss_gb()
-    sources = [TcpSource(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs.split(",")]
+    if addrs.startswith("gloo:"):
+        from modal_rl.weightsync.transport.collective import CollectiveSource
+
+        _, port, size, ranks, me = addrs.split(":")
+        groups = _collective_groups(port, size, int(ranks), int(me))
+        sources = [CollectiveSource(group, src=r) for r, group in enumerate(groups)]
+    else:
+        sources = [TcpSource(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs.split(",")]
     receiver = ShardedReceiver(sources, lambda _pieces, _layout, _version: None, CodecConfig(threads=2))
     wait_warm(300)
     _say(event="ready", baseline_gb=baseline, fixed_gb=_rss_gb("VmRSS") - baseline)
@@ -127,6 +168,9 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
             source = expected[p.name.split(".", 1)[1]].reshape(-1)[p.start : p.start + piece.numel()]
             exact &= torch.equal(source.view(torch.uint8), piece.reshape(-1).view(torch.uint8))
     _say(event="checked", bit_exact=bool(exact), tiles=tiles)
+    if addrs.startswith("gloo:"):  # a group member stays until its publishers close (collective)
+        for source in sources:
+            source.closed.wait(600)
     receiver.close()
 
 
@@ -137,6 +181,6 @@ if __name__ == "__main__":
 
         main(Path(sys.argv[2]))
     elif role == "rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:7])
     else:
         receive_main(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))

@@ -105,25 +105,41 @@ def read_bandwidth_bytes_per_s(gb: float = 0.5, threads: int = 2) -> float:
 
 
 def run_scenario(
-    traj: Path, state_gb: float, tiles: int, ranks: int, receivers: int, links: list[float], per_link: int
+    traj: Path,
+    state_gb: float,
+    tiles: int,
+    ranks: int,
+    receivers: int,
+    links: list[float | None],
+    per_link: int,
+    transport: str = "tcp",
 ) -> list[dict[str, Any]]:
     """One set of rank and receiver processes: an anchor (unthrottled), then ``per_link``
-    deltas at each link in turn; one row per link. The first link's first delta is the
-    first of fresh processes (``cold_first``); later links' first deltas are warm."""
-    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles)]) for r in range(ranks)]
+    deltas at each link in turn (None: unthrottled); one row per link. The first link's first
+    delta is the first of fresh processes (``cold_first``); later links' first deltas are
+    warm. ``transport``: ``tcp`` (a frame server per rank) or ``gloo`` (one torch.distributed
+    group on 127.0.0.1, ``transport.collective``; it has no rate limit)."""
+    gloo = f"gloo:{_free_port()}:{ranks + receivers}" if transport == "gloo" else None
+    via = [gloo] if gloo else []
+    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), *via]) for r in range(ranks)]
     rxs: list[_Proc] = []
     versions = len(links) * per_link
     try:
+        if gloo:  # the group forms once every member joined: start the receivers first
+            rxs = [_Proc(["receive", f"{gloo}:{ranks}:{ranks + i}", str(versions), str(traj), str(tiles)])
+                   for i in range(receivers)]  # fmt: skip
         ready = [p.wait_for("ready")[1] for p in procs]
-        addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
-        rxs = [_Proc(["receive", addrs, str(versions), str(traj), str(tiles)]) for _ in range(receivers)]
+        if not gloo:
+            addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
+            rxs = [_Proc(["receive", addrs, str(versions), str(traj), str(tiles)]) for _ in range(receivers)]
         for p in procs:
             p.send(f"receivers {receivers}")
             p.wait_for("admitted")
         measured = [_version(procs, rxs, 0, None, receivers)]
         for k, link in enumerate(links):
-            for p in procs:
-                p.send(f"rate {link * 1e9 / 8 / ranks}")
+            if link is not None:
+                for p in procs:
+                    p.send(f"rate {link * 1e9 / 8 / ranks}")
             for v in range(1 + k * per_link, 1 + (k + 1) * per_link):
                 measured.append(_version(procs, rxs, v, link, receivers))
         checks = [r.wait_for("checked")[1] for r in rxs]
@@ -195,6 +211,14 @@ def _version(
         "receiver_cpu_s": max(e["cpu_s"] for _, e in acts),
     }
     return {"seconds": max(at for at, _ in acts) - t0, "bytes": nbytes, "stages": stages, "cpu": cpu}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
