@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks._weight_sync_data import adam_trajectory, tiled_size
+from benchmarks._weight_sync_data import tiled_size
 from benchmarks.report import markdown_table, progress, write_json
-from benchmarks.weight_sync_scale import run_scenario
+from benchmarks.weight_sync_scale import run_scenario, write_trajectory
 
 SUITE = "weight-sync-collective"
 RECEIVERS = 2
@@ -34,15 +34,11 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     versions = 3 if quick else 6
     target_gb = 0.5 if quick else 2.0
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    states = adam_trajectory(1e-6, list(range(versions + 1)))
     rows = []
     with tempfile.TemporaryDirectory(prefix="mrl-collective-", dir=out) as workdir:
         traj = Path(workdir)
-        for v, state in states.items():
-            torch.save(state, traj / f"v{v}.pt")
-        small_gb = sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
-        tiles = tiled_size(states[0], target_gb)
-        del states
+        small_gb = write_trajectory(traj, versions)
+        tiles = tiled_size(torch.load(traj / "v0.pt"), target_gb)
         for transport in progress(["tcp", "gloo"], total=2, desc=SUITE):
             (row,) = run_scenario(traj, tiles * small_gb, tiles, 1, RECEIVERS, [None], versions, transport)
             rows.append({"transport": transport, **row})

@@ -221,22 +221,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def write_trajectory(folder: Path, versions: int) -> float:
+    """The real trajectory's versions 0..``versions`` as ``folder/v{n}.pt`` (what the rank and
+    receiver processes tile); returns one version's size in GB."""
+    import torch
+
+    states = adam_trajectory(1e-6, list(range(versions + 1)))
+    for v, state in states.items():
+        torch.save(state, folder / f"v{v}.pt")
+    return sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
+
+
 def run(quick: bool, out: Path) -> dict[str, Any]:
     import torch
 
     per_link = 3 if quick else 4
     links = [1.0, 10.0, 25.0]
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    states = adam_trajectory(1e-6, list(range(len(links) * per_link + 1)))
     big_gb = 4.0 if quick else 6.0
     plan = [(big_gb, ranks, 1) for ranks in (1, 2, 4)] + [(1.0, 4, 4)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="mrl-scale-", dir=out) as workdir:
         traj = Path(workdir)
-        for v, state in states.items():
-            torch.save(state, traj / f"v{v}.pt")
-        small_gb = sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
-        del states
+        small_gb = write_trajectory(traj, len(links) * per_link)
         for state_gb, ranks, receivers in progress(plan, total=len(plan), desc=SUITE):
             tiles = tiled_size(torch.load(traj / "v0.pt"), state_gb)
             bandwidth = read_bandwidth_bytes_per_s()  # measured beside each process set: the host is shared

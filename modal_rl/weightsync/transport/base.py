@@ -10,6 +10,7 @@ them — the subscriber's ``VersionChain`` verifies every frame.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -104,6 +105,30 @@ class FrameSource(abc.ABC):
 
     def reset(self) -> None:  # noqa: B027 (an optional hook: a no-op where nothing reconnects)
         """Drop any connection; the next call asks again for what the receiver lacks."""
+
+
+def joined_frame(
+    source: FrameSource,
+    have_version: int | None,
+    timeout: float | None,
+    epoch: int | None,
+    floor: Floor | None,
+) -> bytes | None:
+    """``next_frame`` of a streaming source: the next frame's records joined once its end
+    arrived; a frame cut off on the way is asked for again within what is left of
+    ``timeout``. None when no frame began in time."""
+    from modal_rl.weightsync.errors import FrameInterruptedError
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        records = source.next_records(have_version, left, epoch, floor)
+        if records is None:
+            return None
+        try:
+            return b"".join(raw for _, raw in records)
+        except FrameInterruptedError:
+            continue
 
 
 class TokenBucket(ratelimit.TokenBucket):

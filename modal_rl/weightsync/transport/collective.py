@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from modal_rl.weightsync.errors import FrameInterruptedError, WeightSyncError
-from modal_rl.weightsync.transport.base import Floor, FrameSink, FrameSource
+from modal_rl.weightsync.transport.base import Floor, FrameSink, FrameSource, joined_frame
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys, sign_records
 from modal_rl.weightsync.wire.frames import (
     MAX_RECORD_BYTES,
@@ -213,14 +213,7 @@ class CollectiveSource(FrameSource):
 
     # -- the subscriber's side ------------------------------------------------------------
     def next_frame(self, have_version, timeout=None, epoch=None, floor=None) -> bytes | None:
-        while True:
-            records = self.next_records(have_version, timeout, epoch, floor)
-            if records is None:
-                return None
-            try:
-                return b"".join(raw for _, raw in records)
-            except FrameInterruptedError:
-                continue
+        return joined_frame(self, have_version, timeout, epoch, floor)
 
     def next_records(
         self,

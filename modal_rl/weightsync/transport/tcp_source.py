@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 from modal_rl.weightsync.codec.decode_costs import measured as measured_costs
 from modal_rl.weightsync.errors import FrameInterruptedError, HandshakeError
-from modal_rl.weightsync.transport.base import Floor, FrameSource
+from modal_rl.weightsync.transport.base import Floor, FrameSource, joined_frame
 from modal_rl.weightsync.wire.auth import (
     FROM_ENV,
     check_server_hello,
@@ -233,16 +233,7 @@ class TcpSource(FrameSource):
         floor: Floor | None = None,
     ) -> bytes | None:
         """The next whole frame, or None when none started within ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            records = self.next_records(have_version, left, epoch)
-            if records is None:
-                return None
-            try:
-                return b"".join(raw for _, raw in records)
-            except FrameInterruptedError:  # cut off: ask again, within what is left of the wait
-                continue
+        return joined_frame(self, have_version, timeout, epoch, floor)
 
     def next_records(
         self,
