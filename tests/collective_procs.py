@@ -21,7 +21,7 @@ import torch.distributed as dist
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport.collective import RECORD, CollectiveSink, CollectiveSource
+from modal_rl.weightsync.transport.collective import CollectiveSink, CollectiveSource
 from tests.weightsync_helpers import model_state, perturb, same_state
 
 VERSIONS = 7
@@ -37,16 +37,17 @@ def trajectory() -> list[dict[str, torch.Tensor]]:
 
 
 class DamagingSink(CollectiveSink):
-    """Flips one byte of the first chunk record broadcast while ``damage`` is set (after
-    signing: what a bad link or a bad member could do to the bytes)."""
+    """Flips one byte of the first chunk record sent while ``damage`` is set (after signing:
+    what a bad link or a bad member could do to the bytes)."""
 
     damage = False
 
-    def _broadcast(self, kind: int, payload: bytes = b"") -> None:
-        if self.damage and kind == RECORD and payload[:1].upper() == b"C":
-            payload = payload[:40] + bytes([payload[40] ^ 1]) + payload[41:]
-            self.damage = False
-        super()._broadcast(kind, payload)
+    def _signed(self, records):
+        for rec in super()._signed(records):
+            if self.damage and rec[:1].upper() == b"C":
+                rec = rec[:40] + bytes([rec[40] ^ 1]) + rec[41:]
+                self.damage = False
+            yield rec
 
 
 def cut_short(state: dict[str, torch.Tensor]):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
-from modal_rl.weightsync.transport.collective import MAX_HEADER_BYTES, _peek_header, _usable
+from modal_rl.weightsync.transport.collective import MAX_HEADER_BYTES, _peek_header, _split, _usable
 from modal_rl.weightsync.wire.frames import VersionHeader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +42,13 @@ def test_a_source_skips_exactly_the_frames_a_frame_server_would_not_send():
     record = anchor.to_record()
     assert _peek_header(record) == anchor
     assert _peek_header(record[:20]) is None and _peek_header(b"V" + bytes(MAX_HEADER_BYTES)) is None
+
+
+def test_a_block_splits_into_its_whole_records_or_not_at_all():
+    records = [VersionHeader("anchor", v, None, epoch=7).to_record() for v in range(3)]
+    assert _split(b"".join(records)) == records
+    assert _split(b"".join(records)[:-1]) is None  # the last record runs past the block
+    assert _split(b"".join(records) + b"V") is None  # a header cut short
 
 
 @pytest.mark.slow  # four processes that each import torch
