@@ -4,7 +4,7 @@ session under MODAL_RL_TMP_CHECK=fail. Run as a real pytest subprocess on a priv
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +24,10 @@ def test_leftovers_skips_what_is_allowed():
 def _session(tmp_path: Path, body: str, mode: str) -> subprocess.CompletedProcess:
     project = tmp_path / "proj"
     project.mkdir(parents=True)
-    shutil.copy(HERE / "conftest.py", project / "conftest.py")
+    # the suite's session checks as they are, without the shared run fixtures it loads
+    # (tests/verl_runs.py: not importable from this throwaway project, and not the check)
+    conftest = (HERE / "conftest.py").read_text()
+    (project / "conftest.py").write_text(re.sub(r"^pytest_plugins = .*$", "", conftest, flags=re.M))
     (project / "test_it.py").write_text(body)
     private = tmp_path / "tmp"
     private.mkdir()
