@@ -245,7 +245,7 @@ def _read_shadow(
 ) -> None:
     """Record the placements ``shadow`` holds. Engines place checkpoint tensors as a few
     contiguous runs per parameter (fused q/k/v, a TP shard), so runs are found in a few
-    linear passes (or given: ``runs``, as ``engine_map_runs.combined_runs`` finds them); a
+    linear passes (or given: ``runs``, as ``engine_map_combine.combined_runs`` finds them); a
     parameter with many runs (a transpose) takes the general, sorting path."""
     import torch
 

@@ -7,22 +7,26 @@ A probe stands in for a checkpoint tensor in the engine's own ``load_weights``
   ``bases[i] + k`` (``Numbering``: tensors one apart, from ``FIRST_INDEX``), one pass, as
   many words as the group's checkpoint elements;
 - **broadcast** (the default): a tensor of shape ``(d0, ..., dn-1)`` is ``R = d0 * ... *
-  d(n-2)`` rows of ``C = d(n-1)`` columns (a 1-D tensor: one row; 0-D: one element). Pass "rows" feeds each row's id (``row_bases[i] + r``, rows numbered across the
-  group's tensors, one apart, from ``FIRST_INDEX``) expanded along the columns; pass "cols"
-  feeds ``row_end + c`` expanded along the rows. Both are stride-0 views of a few written
-  words (``Iota``): the probes cost R + C words per tensor, not R * C.
+  d(n-2)`` rows of ``C = d(n-1)`` columns (a 1-D tensor: one row; 0-D: one element). Pass
+  "rows" feeds each row's id (``row_bases[i] + r``: rows numbered across the group's
+  tensors, one apart, from ``FIRST_INDEX``) expanded along the columns; pass "cols" feeds
+  each column's number (``col_bases[i] + c``: numbered after the rows, tensors one apart,
+  so a column says its tensor too) expanded along the rows. Both are stride-0 views of a
+  few written words (``Iota``): the probes cost R + C words per tensor, not R * C.
 
-Between the passes each shadow's row ids are kept as runs of equal words (``row_runs``: a
-placed row is ``C`` equal words, a sharded, fused or copied layout keeps that), so the same
-shadow memory takes the column pass; a shadow whose row ids do not compress (a transposing
-loader: a new row at every element) is kept whole (``dense_rows_params``, its bytes in
-``rows_bytes``). ``combine`` then writes, per element, ``bases[i] + r * C + c`` -- exactly the
-word the materialised pass leaves -- so both kinds read back into the same map.
+Between the passes each shadow's row ids are kept as runs of equal words
+(``engine_map_combine.row_runs``: a placed row is ``C`` equal words, and a sharded, fused or
+copied layout keeps that), so the same shadow memory takes the column pass; a shadow whose
+row ids do not compress (a transposing loader: a new row at every element) is kept whole
+(``dense_rows_params``, its bytes in ``rows_bytes``). ``combined_runs`` then reads, per
+element, ``bases[i] + r * C + c`` -- exactly the word the materialised pass leaves -- so both
+kinds read back into the same map.
 
 Invariants:
 - the pass is the loader's, twice: an element that is a row of tensor ``i`` after pass "rows"
-  must hold a column of ``i`` after pass "cols", an element that is not (unplaced, a pad)
-  must hold the same word; otherwise its parameter falls back (``mismatched``) with why;
+  must hold a column of the same ``i`` after pass "cols", an element that is not (unplaced,
+  a pad) must hold the same word; otherwise its parameter falls back (``mismatched``) with
+  why;
 - a loader that refuses a broadcast probe (a ``.view`` that needs contiguous memory, a write
   into it) is not an error: the group is learned again with materialised probes
   (``materialised_groups``); a tensor refused by those too is ``failed``;
@@ -39,7 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from modal_rl.weightsync.apply.engine_map_buffers import Iota, ShadowArena
-from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX, UNPLACED, combined_runs, row_runs, run_cap
+from modal_rl.weightsync.apply.engine_map_combine import Disagreement, combined_runs, row_runs
+from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX, UNPLACED, run_cap
 
 Load = Callable[[Any, Iterator[tuple[str, Any]]], Any]
 Read = Callable[[str, Any, "Numbering", Any], None]
@@ -59,33 +64,38 @@ class Numbering:
     """How a pass numbers checkpoint elements. Materialised: element ``k`` of tensor ``i`` is
     ``bases[i] + k``; tensors one apart (no run continues from one into the next), from
     ``FIRST_INDEX`` (a constant a loader writes, a pad, is no index). Broadcast: row ``r`` of
-    tensor ``i`` is ``row_bases[i] + r``, column ``c`` is ``row_end + c``."""
+    tensor ``i`` is ``row_bases[i] + r``, column ``c`` is ``col_bases[i] + c``."""
 
     names: list[str]
     bases: list[int]
     end: int  # one past the last index (the last tensor's gap)
     row_bases: list[int]
     rows: list[int]
+    col_bases: list[int]
     cols: list[int]
-    row_end: int
+    row_end: int  # one past the last row id; column numbers follow, tensors one apart
+    col_end: int
     dtype: Any
 
     @classmethod
     def for_tensors(cls, names: list[str], state: dict[str, Any]) -> Numbering:
         import torch
 
-        bases, at, row_bases, rows, cols, row_at = [], FIRST_INDEX, [], [], [], FIRST_INDEX
+        bases, at, row_bases, rows, cols = [], FIRST_INDEX, [], [], []
         for n in names:
             bases.append(at)
             at += state[n].numel() + 1
             r, c = grid(tuple(state[n].shape))
-            row_bases.append(row_at)
+            row_bases.append(row_bases[-1] + rows[-1] + 1 if rows else FIRST_INDEX)
             rows.append(r)
             cols.append(c)
-            row_at += r + 1
-        top = max(at, row_at + max(cols, default=0))
-        dtype = torch.int32 if top < 1 << 31 else torch.int64
-        return cls(names, bases, at, row_bases, rows, cols, row_at, dtype)
+        row_end = row_bases[-1] + rows[-1] + 1 if rows else FIRST_INDEX
+        col_bases, col_at = [], row_end
+        for c in cols:
+            col_bases.append(col_at)
+            col_at += c + 1
+        dtype = torch.int32 if max(at, col_at) < 1 << 31 else torch.int64
+        return cls(names, bases, at, row_bases, rows, col_bases, cols, row_end, col_at, dtype)
 
     def find(self, value: int) -> tuple[str, int] | None:
         """The tensor and position ``value`` indexes (the position may run past the tensor:
@@ -96,7 +106,7 @@ class Numbering:
         return self.names[i], value - self.bases[i]
 
     def arrays(self) -> Any:
-        """The numbering as int64 numpy arrays, for ``engine_map_runs.combine``."""
+        """The numbering as int64 numpy arrays, for ``engine_map_combine``."""
         import types
 
         import numpy as np
@@ -104,14 +114,12 @@ class Numbering:
         a = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return types.SimpleNamespace(
             row_bases=a(self.row_bases), row_counts=a(self.rows), widths=a(self.cols),
-            base_array=a(self.bases), row_end=self.row_end,
+            base_array=a(self.bases), col_bases=a(self.col_bases), row_end=self.row_end,
         )  # fmt: skip
 
     def values_needed(self, broadcast: bool) -> int:
         """How many ``Iota`` words the pass's probes are views of."""
-        if broadcast:
-            return self.row_end - FIRST_INDEX + max(self.cols, default=0)
-        return self.end - FIRST_INDEX
+        return (self.col_end if broadcast else self.end) - FIRST_INDEX
 
 
 def index_probes(state: dict, num: Numbering, only: Iterable[str], iota: Iota) -> Iterator[tuple[str, Any]]:
@@ -133,10 +141,9 @@ def row_probes(state: dict, num: Numbering, iota: Iota) -> Iterator[tuple[str, A
 
 def col_probes(state: dict, num: Numbering, iota: Iota) -> Iterator[tuple[str, Any]]:
     values = iota.values(num.values_needed(True), num.dtype)
-    at = num.row_end - FIRST_INDEX
-    for name, cols in zip(num.names, num.cols, strict=True):
+    for name, base, cols in zip(num.names, num.col_bases, num.cols, strict=True):
         shape = tuple(state[name].shape)
-        cols_of = values[at : at + cols]
+        cols_of = values[base - FIRST_INDEX : base - FIRST_INDEX + cols]
         yield name, cols_of.view(*(1,) * (len(shape) - 1), cols).expand(shape) if shape else cols_of.view(())
 
 
@@ -231,19 +238,22 @@ def learn_pass(
         for pname, p in params.items():
             p.data = saved[pname]
             p.requires_grad_(grads[pname])
+    grid = num.arrays()
     for pname, shadow in shadows.items():
         flat = shadow.reshape(-1).cpu()
         runs = None
         if pname in rows:
-            kind, at, runs = combined_runs(flat, *rows.pop(pname), num.arrays(), run_cap(flat.numel()))
-            clock.lap("combine_s")
-            if kind:
+            try:
+                runs = combined_runs(flat, *rows.pop(pname), grid, run_cap(flat.numel()))
+            except Disagreement as e:
                 result.mismatched[pname] = (
-                    f"element {at} was placed by one of its two probe passes only (a loader that is not deterministic)"
-                    if kind == 1
-                    else "index values were changed by the loader (not a placement)"
+                    "index values were changed by the loader (not a placement)"
+                    if e.changed
+                    else f"its two probe passes place element {e.element} differently (a loader that is not deterministic)"
                 )
                 continue
+            finally:
+                clock.lap("combine_s")
         read(pname, flat, num, runs)
         clock.lap("read_s")
     return result
@@ -301,7 +311,7 @@ def _check_intact(iota: Iota, num: Numbering, state: dict, kind: str) -> None:
         starts = [b - FIRST_INDEX for b in num.row_bases]
         ends = [a + r for a, r in zip(starts, num.rows, strict=True)]
     else:
-        at = num.row_end - FIRST_INDEX
-        starts, ends = [at] * len(num.cols), [at + c for c in num.cols]
+        starts = [b - FIRST_INDEX for b in num.col_bases]
+        ends = [a + c for a, c in zip(starts, num.cols, strict=True)]
     if not iota.intact(starts, ends, num.dtype):
         raise RuntimeError("the engine's loader wrote into the index tensors it was given: the engine map cannot be learned")  # fmt: skip
