@@ -9,7 +9,11 @@ by its subscriber's codec warm-up) and then times learning the engine map layer 
 (``probes="indices"``: ``same_map_both_probes`` says the two maps are equal), then all at
 once, each preceded
 by a reset of the process's peak RSS (``/proc/self/clear_refs`` 5), so each learning's
-extra memory is its own peak above what the process held when it began. Prints one JSON line.
+extra memory is its own peak above what the process held when it began. Per learning:
+``learn_s``, ``extra_gb``, ``largest_group_gb`` (the largest group's shadow), ``index_gb``
+(probe values materialised), ``rows_gb`` (the row pass kept for the column pass),
+``materialised_groups``, ``dense_rows_params`` and ``timings`` (``EngineMap.timings``: fill,
+each pass's load, compress, combine, read). Prints one JSON line.
 """
 
 from __future__ import annotations
