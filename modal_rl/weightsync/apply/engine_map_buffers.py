@@ -1,20 +1,23 @@
 """The memory the engine map is learned in, allocated once and reused pass after pass.
 
-Learning writes a shadow for every parameter of a group and an index tensor for every
-checkpoint tensor of the group (``engine_map``). Fresh allocations of that size are mapped
-page by page as they are first written, which costs more than the writing itself; so:
+Learning writes a shadow for every parameter of a group and a probe for every checkpoint
+tensor of the group (``engine_map_probes``). Fresh allocations of that size are mapped page
+by page as they are first written, which costs more than the writing itself; so:
 
 - :class:`ShadowArena`: one buffer per device, as large as the largest pass's shadows,
   carved into each pass's shadows and refilled with ``UNPLACED`` before the pass (only the
   bytes the pass uses);
-- :class:`Iota`: the index values, written once and kept; every index tensor of every pass
-  is a view of them (a pass numbers its tensors from the start, one apart), so a loader that
-  holds tensors back (grouping by module, a layer-wise reload) still sees each one's own.
+- :class:`Iota`: the probe values, written once and kept; every probe of every pass is a
+  view of them (materialised index values, or the row ids and column numbers that broadcast
+  probes expand), so a loader that holds tensors back (grouping by module, a layer-wise
+  reload) still sees each one's own.
 
-Invariant: index values are written once per learning and only read afterwards. A loader
+Invariant: probe values are written once per learning and only read afterwards. A loader
 that writes into the tensors it is given would corrupt later passes: after each pass the
-first and last value of each of its tensors are checked (``Iota.intact``: a scaled, shifted
-or refilled tensor is caught; a write to its middle alone is not) and learning stops.
+first and last value of each of its probes' values are checked (``Iota.intact``: a scaled,
+shifted or refilled tensor is caught; a write to its middle alone is not) and learning stops
+(an in-place write into a broadcast probe raises in torch: that group is learned again with
+materialised probes, and checked as before).
 """
 
 from __future__ import annotations

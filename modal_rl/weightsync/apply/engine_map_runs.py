@@ -7,7 +7,7 @@ is one run -- the usual case -- is checked with one branch-free OR (numba, ``cod
 
 Invariant: the breaks returned are exactly the ``i`` where ``flat[i + 1]`` neither continues
 ``flat[i]`` (``flat[i] >= 0`` and ``flat[i + 1] == flat[i] + 1``) nor is unplaced after unplaced,
-with or without numba.
+with or without numba (``engine_map_combine`` finds the same breaks for broadcast probes).
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def _breaks_loop(flat: Any, out: Any) -> int:
 
 
 RUN_BREAKS = Kernel(_breaks_loop)  # numba on first use (``codec.jit``)
+
+
+def run_cap(n: int) -> int:
+    """The most run breaks a shadow of ``n`` elements is read as runs with (more: element by
+    element, ``engine_map._read_shadow``)."""
+    return max(64, n // 64)
 
 
 def run_breaks(flat: Any, cap: int) -> list[int] | None:
