@@ -109,6 +109,7 @@ def test_verl_new_tests_have_a_license_header_and_live_under_a_module(framework)
 def test_verl_main_series_is_the_form_to_send():
     series = load(series_path("verl-main"))
     assert series.base.commit.startswith("1dda039b9")
+    assert [p.label for p in series.patches] == [f"{i:04d}" for i in range(1, 8)]
     assert all(p.fix for p in series.patches)
     sanity = " ".join(series.base.sanity)
     for script in (
