@@ -15,10 +15,21 @@ commands (the project's own pre-commit checks: license headers, test layout, lin
 on the patched tree, ``{py_files}`` standing for the ``.py`` files the series adds or
 changes; each must exit 0.
 
+Shared runs (pytest runner): patch N's ``after`` and patch N+1's ``before`` need the same
+tree (patches 1..N committed; N+1's test files are only added), so they are one pytest
+process, and the last patch's ``after`` is part of the series run. Start-up (imports of
+torch, vLLM, the trainer stack) is most of a run's time, so this halves the runs. Each
+verdict is still taken from its own test files alone: the junit report (``xunit1``) names
+each case's file, and ``--continue-on-collection-errors`` keeps a collection error (a
+``before`` naming code that is not there yet) that file's failure instead of stopping the
+run. What two patches' files share is the interpreter, as in the series run.
+
 Invariants: the tests run with ``cwd`` = the tree and the tree (after the base's
 ``pythonpath`` folders in it) first on ``PYTHONPATH``, so
 the patched package shadows any installed copy; a patch that does not apply stops its series
-(later patches build on it); every deviation is a row whose ``ok`` is False.
+(later patches build on it); every deviation is a row whose ``ok`` is False. A row's
+``seconds`` is the time of the runs that prove its ``before`` (shared with the previous
+patch's ``after``) and of applying it; the series row holds the last patch's ``after``.
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ from patches import base as bases
 from patches.series import Series
 
 RUN_TIMEOUT_S = 1800
+# Each case names its file (xunit1), and a file that fails to import is that file's error
+# instead of interrupting the run: what lets one run carry two patches' verdicts.
+PYTEST_REPORT = ("-o", "junit_family=xunit1", "--continue-on-collection-errors")
+_OUTCOMES = {"failure": "fail", "error": "fail", "skipped": "skip"}
 
 
 @dataclass
@@ -50,6 +65,16 @@ class Run:
     skipped: int = 0
     seconds: float = 0.0
     tail: str = ""
+    # (test file as the junit report names it, "pass" | "fail" | "skip") per case (pytest)
+    cases: list[tuple[str, str]] = field(default_factory=list)
+
+    def count(self, cases: list[tuple[str, str]]) -> Run:
+        """Take ``cases`` as this run's cases and counts."""
+        self.cases = cases
+        self.tests = len(cases)
+        self.failures = sum(o == "fail" for _f, o in cases)
+        self.skipped = sum(o == "skip" for _f, o in cases)
+        return self
 
     @property
     def summary(self) -> str:
@@ -103,22 +128,60 @@ def _run_in(tree: Path, runner: str, files: list[str], full_env: dict[str, str],
     started = time.monotonic()
     if runner == "pytest":
         xml = scratch / f"junit-{time.monotonic_ns()}.xml"
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
-        proc = _run(argv, tree, full_env)
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_REPORT]
+        proc = _run([*argv, f"--junitxml={xml}", *files], tree, full_env)
         result = Run(proc.returncode, seconds=time.monotonic() - started, tail=_tail(proc))
-        if xml.is_file():
-            root = ET.parse(xml).getroot()
-            for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
-                result.tests += int(suite.get("tests", 0))
-                result.failures += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-                result.skipped += int(suite.get("skipped", 0))
-        return result
+        return result.count(_junit_cases(xml) if xml.is_file() else [])
     rc, tails = 0, []
     for file in files:
         proc = _run([sys.executable, file], tree, full_env)
         rc = rc or proc.returncode
         tails.append(f"{file}: rc={proc.returncode}\n{_tail(proc)}")
     return Run(rc, seconds=time.monotonic() - started, tail="\n".join(tails))
+
+
+def _junit_cases(xml: Path) -> list[tuple[str, str]]:
+    """(file, outcome) per test case of a junit report; a collection error is a failing case."""
+    cases = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        marks = [_OUTCOMES[c.tag] for c in case if c.tag in _OUTCOMES]
+        cases.append((case.get("file") or "", "fail" if "fail" in marks else marks[0] if marks else "pass"))
+    return cases
+
+
+def run_groups(
+    tree: Path,
+    runner: str,
+    groups: list[list[str]],
+    env: dict[str, str],
+    scratch: Path,
+    pythonpath: tuple[str, ...] = (),
+) -> list[Run]:
+    """One run per group of test files, as if each were run alone; with pytest, one process
+    runs them all and each group's result counts only its own files' cases."""
+    if runner != "pytest" or len(groups) < 2:
+        return [run_tests(tree, runner, files, env, scratch, pythonpath) for files in groups]
+    union = list(dict.fromkeys(f for files in groups for f in files))
+    run = run_tests(tree, runner, union, env, scratch, pythonpath)
+    owners = {case_file: _owner(case_file, union) for case_file, _o in run.cases}
+    return [_part(run, files, owners) for files in groups]
+
+
+def _owner(case_file: str, files: list[str]) -> str | None:
+    """The listed file a junit case belongs to (its path may be relative to another rootdir)."""
+    if case_file in files:
+        return case_file
+    matches = [f for f in files if case_file and (f.endswith("/" + case_file) or case_file.endswith("/" + f))]
+    return max(matches, key=len) if matches else None
+
+
+def _part(run: Run, files: list[str], owners: dict[str, str | None]) -> Run:
+    """``run`` as seen by ``files``: their cases, plus any failing case no listed file owns."""
+    cases = [(f, o) for f, o in run.cases if owners[f] in files or (owners[f] is None and o == "fail")]
+    part = Run(run.rc, seconds=run.seconds, tail=run.tail).count(cases)
+    if run.rc in (0, 1):  # pytest: all passed / some test failed (or a file failed to import)
+        part.rc = 1 if part.failures else (0 if part.tests else 5)  # 5: pytest's "no tests ran"
+    return part
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -144,6 +207,7 @@ def check_series(
     scratch = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=f"patches-{series.framework}-"))
     rows: list[Row] = []
     env = {k: str(v) for k, v in series.base.env.items()}
+    runner, pythonpath = series.base.runner, series.base.pythonpath
     try:
         try:
             tree = bases.prepare(series.base, source, scratch)
@@ -151,6 +215,7 @@ def check_series(
             return [Row(series.framework, "base", series.base.name, problems=[str(exc)])]
         log(f"[patches] {series.framework}: base {series.base.name} at {tree}")
         base_rev = bases.git(tree, "rev-parse", "HEAD").stdout.strip()
+        pending: tuple[Row, list[str]] | None = None  # the last applied patch, its 'after' not run yet
         for patch in series.patches:
             row = Row(series.framework, patch.file.name, patch.title)
             rows.append(row)
@@ -159,32 +224,29 @@ def check_series(
             if patch.fix:
                 include = [arg for t in tests for arg in ("--include", t)]
                 bases.git(tree, "apply", *include, str(patch.file))
-                before = run_tests(tree, series.base.runner, tests, env, scratch, series.base.pythonpath)
+                runs = run_groups(
+                    tree, runner, [*([pending[1]] if pending else []), tests], env, scratch, pythonpath
+                )
                 bases.git(tree, "reset", "-q", "--hard")
                 bases.git(tree, "clean", "-q", "-fdx")
-                row.before = ("FAIL " if before.rc != 0 else "pass ") + before.summary
-                if before.tests and before.skipped == before.tests:
-                    row.problems.append(
-                        f"new tests were all skipped before the fix (nothing proven):\n{before.tail}"
-                    )
-                elif before.rc == 0:
-                    row.problems.append(f"new tests did not fail before the fix:\n{before.tail}")
+                if pending:
+                    _record_after(*pending, runs[0], log)
+                _record_before(row, runs[-1])
+            elif pending:
+                (after,) = run_groups(tree, runner, [pending[1]], env, scratch, pythonpath)
+                bases.git(tree, "clean", "-q", "-fdx")
+                _record_after(*pending, after, log)
+            pending = None
             am = bases.git(tree, "am", "-q", "--keep-non-patch", str(patch.file), check=False)
             row.applies = am.returncode == 0
+            row.seconds = time.monotonic() - started
             if not row.applies:
                 bases.git(tree, "am", "--abort", check=False)
                 row.problems.append(f"does not apply: {(am.stderr or am.stdout).strip()}")
-                row.seconds = time.monotonic() - started
                 break
-            after = run_tests(tree, series.base.runner, tests, env, scratch, series.base.pythonpath)
-            bases.git(tree, "clean", "-q", "-fdx")
-            row.after = ("pass " if _passed(after) else "FAIL ") + after.summary
-            if not _passed(after):
-                row.problems.append(f"new tests fail after the patch:\n{after.tail}")
-            row.seconds = time.monotonic() - started
-            log(f"[patches] {patch.file.name}: before {row.before}; after {row.after}")
+            pending = (row, tests)
         if len(rows) == len(series.patches) and all(r.applies for r in rows):
-            rows.append(_final(series, tree, env, scratch, full))
+            rows.append(_final(series, tree, env, scratch, full, pending, log))
             if series.base.sanity:
                 rows.append(run_sanity(series, tree, base_rev))
         return rows
@@ -195,8 +257,32 @@ def check_series(
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _final(series: Series, tree: Path, env: dict[str, str], scratch: Path, full: bool) -> Row:
-    """All new tests and the listed upstream tests on the fully patched tree."""
+def _record_before(row: Row, before: Run) -> None:
+    row.before = ("FAIL " if before.rc != 0 else "pass ") + before.summary
+    if before.tests and before.skipped == before.tests:
+        row.problems.append(f"new tests were all skipped before the fix (nothing proven):\n{before.tail}")
+    elif before.rc == 0:
+        row.problems.append(f"new tests did not fail before the fix:\n{before.tail}")
+
+
+def _record_after(row: Row, tests: list[str], after: Run, log) -> None:
+    row.after = ("pass " if _passed(after) else "FAIL ") + after.summary
+    if not _passed(after):
+        row.problems.append(f"new tests fail after the patch ({', '.join(tests)}):\n{after.tail}")
+    log(f"[patches] {row.patch}: before {row.before}; after {row.after}")
+
+
+def _final(
+    series: Series,
+    tree: Path,
+    env: dict[str, str],
+    scratch: Path,
+    full: bool,
+    pending: tuple[Row, list[str]] | None,
+    log,
+) -> Row:
+    """All new tests and the listed upstream tests on the fully patched tree; the same run
+    gives the last patch its 'after'."""
     files: list[str] = []
     for patch in series.patches:
         for f in (*patch.new_tests, *patch.upstream_tests, *(patch.upstream_tests_full if full else ())):
@@ -204,7 +290,11 @@ def _final(series: Series, tree: Path, env: dict[str, str], scratch: Path, full:
                 files.append(f)
     row = Row(series.framework, "series", f"all {len(series.patches)} patches: new + upstream tests")
     row.applies = True
-    run = run_tests(tree, series.base.runner, files, env, scratch, series.base.pythonpath)
+    groups = [*([pending[1]] if pending else []), files]
+    runs = run_groups(tree, series.base.runner, groups, env, scratch, series.base.pythonpath)
+    if pending:
+        _record_after(*pending, runs[0], log)
+    run = runs[-1]
     row.after = ("pass " if _passed(run) else "FAIL ") + run.summary
     row.seconds = run.seconds
     if not _passed(run):

@@ -293,3 +293,82 @@ def test_wheel_only_keys_are_refused_elsewhere(calc):
     (folder / "series.toml").write_text(text.replace('root = "python"', 'wheel = "c==1"'))
     with pytest.raises(SeriesError, match="exactly one of sdist =, wheel = or git ="):
         load(folder / "series.toml")
+
+
+def _stack(repo: Path, out: Path, commits: list[tuple[dict[str, str], str]]) -> list[str]:
+    """Commit each ``(files, message)`` on the one before, as format-patches in ``out``; HEAD is reset."""
+    names = []
+    for files, message in commits:
+        for name, text in files.items():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text(text)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-qm", message)
+        names.append(Path(_git(repo, "format-patch", "-1", "-o", str(out)).strip().splitlines()[-1]).name)
+    _git(repo, "reset", "-q", "--hard", f"HEAD~{len(commits)}")
+    return names
+
+
+TEST_MUL = "from calc import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n"
+WITH_MUL = FIXED + "\n\ndef mul(a, b):\n    return a * b\n"
+
+
+def _two_fixes(
+    calc, monkeypatch, first: str, first_test: str, second_test: str = TEST_MUL
+) -> tuple[list[check.Row], int]:
+    """0001 (calc/__init__.py = ``first``, test ``first_test``), then 0002 adds ``mul``; the
+    rows, and how many test runs the check started."""
+    repo, commit, folder = calc
+    names = _stack(
+        repo,
+        folder,
+        [
+            ({"calc/__init__.py": first, "tests/test_a_on_cpu.py": first_test}, "fix: add"),
+            ({"calc/__init__.py": WITH_MUL, "tests/test_m_on_cpu.py": second_test}, "feat: mul"),
+        ],
+    )
+    entries = [
+        dict(file=n, title="t", fix=True, targets=["calc/__init__.py"], new_tests=[t])
+        for n, t in zip(names, ["tests/test_a_on_cpu.py", "tests/test_m_on_cpu.py"], strict=True)
+    ]
+    started = []
+    real = check.run_tests
+    monkeypatch.setattr(check, "run_tests", lambda *a, **k: started.append(a[2]) or real(*a, **k))
+    return _run(_series(folder, commit, entries), repo), len(started)
+
+
+def test_one_run_gives_a_patch_its_after_and_the_next_its_before(calc, monkeypatch):
+    """0001's after and 0002's before share a process (0002's test cannot even be imported yet:
+    a collection error, which must not stop 0001's test); the last after shares the series run."""
+    rows, runs = _two_fixes(calc, monkeypatch, FIXED, TEST_ADD)
+    assert [r.ok for r in rows] == [True, True, True], [r.problems for r in rows]
+    assert rows[0].before.startswith("FAIL 0/1") and rows[0].after == "pass 1/1 pass"
+    assert rows[1].before.startswith("FAIL 0/1") and rows[1].after == "pass 1/1 pass"
+    assert rows[2].after == "pass 2/2 pass"
+    assert runs == 3  # before 0001; after 0001 + before 0002; after 0002 + series (was 5)
+
+
+def test_a_shared_run_keeps_each_patchs_verdict_its_own(calc, monkeypatch):
+    # 0001 does not fix add: its after fails, in the run where 0002's before fails as it should
+    rows, _runs = _two_fixes(calc, monkeypatch, "def add(a, b):\n    return a - b + 0\n", TEST_ADD)
+    assert rows[0].after.startswith("FAIL 0/1") and "fail after the patch" in rows[0].problems[0]
+    assert rows[1].ok and rows[1].before.startswith("FAIL 0/1"), rows[1]
+    # 0002's test passes before its patch: only 0002 is the deviation, 0001's after still passes
+    trivial = "def test_nothing():\n    assert True\n"
+    rows, _runs = _two_fixes(calc, monkeypatch, FIXED, TEST_ADD, second_test=trivial)
+    assert rows[0].ok and rows[0].after == "pass 1/1 pass", rows[0]
+    assert not rows[1].ok and "did not fail before" in rows[1].problems[0]
+
+
+def test_a_case_is_counted_for_its_own_file_only():
+    run = check.Run(1).count([("tests/a.py", "pass"), ("b.py", "fail"), ("", "skip"), ("", "fail")])
+    owners = {f: check._owner(f, ["tests/a.py", "x/b.py"]) for f, _o in run.cases}
+    assert owners == {"tests/a.py": "tests/a.py", "b.py": "x/b.py", "": None}
+    a = check._part(run, ["tests/a.py"], owners)
+    assert (a.tests, a.failures, a.rc) == (2, 1, 1)  # its pass, and the failure no file owns
+    b = check._part(run, ["x/b.py"], owners)
+    assert (b.tests, b.failures, b.rc) == (2, 2, 1)
+    passing = check.Run(0).count([("tests/a.py", "pass")])
+    assert check._part(passing, ["x/b.py"], {"tests/a.py": "tests/a.py"}).rc == 5  # nothing of its own ran
+    crashed = check.Run(-9).count([("tests/a.py", "pass")])
+    assert check._part(crashed, ["tests/a.py"], {"tests/a.py": "tests/a.py"}).rc == -9
