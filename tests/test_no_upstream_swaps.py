@@ -47,7 +47,7 @@ ALLOWED = {
     # verl's checkpoint-engine path sends a LoRA actor's base weights, never its adapter
     # (verl #7495); no seam lets a checkpoint engine ask for the adapter. The same wrapper
     # hands a sharded modal_delta engine the training engine (verl does that for the backend
-    # "delta_sharded" only; seam proposed in patches/verl/0009).
+    # "delta_sharded" only; seam proposed in patches/verl/0009, verl-main/0007).
     ("verl_modal/lora.py", "cls.update_weights"): "no adapter or training-engine seam in verl's sync",
     # Our own subclasses' names (not upstream classes): Ray shows these in its actor table.
     ("verl_modal/runner.py", "PoolTaskRunner.__qualname__"): "our subclass's name",
