@@ -124,45 +124,34 @@ class Publisher:
 
         start_warm_up(self.config.threads)  # the encoder's kernels load before the first delta
 
-    def _keep(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
-        """Copy into a buffer owned by the publisher (the caller may reuse its tensor), where
-        ``snapshot_on`` says: ``buffers[name]`` when it fits, else a new one."""
+    def _keep(self, name: str, tensor: Any, buffers: dict[str, Any], on_host: bool) -> Any:
+        """Copy into a buffer owned by the publisher (the caller may reuse its tensor):
+        ``buffers[name]`` when it fits, else a new one, on the host (pinned for a CUDA tensor)
+        or, with ``on_host=False``, beside the tensor."""
         import torch
 
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
-        if self.snapshot_on == "host":
-            return self._to_host(name, tensor, buffers)
+        device = torch.device("cpu") if on_host else tensor.device
+        pin = on_host and tensor.device.type == "cuda"
         out = buffers.get(name)
         if (
             out is None
             or out.shape != tensor.shape
             or out.dtype != tensor.dtype
-            or out.device != tensor.device
+            or out.device != device
+            or (device.type == "cpu" and out.is_pinned() != pin)
         ):
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        if tensor.device.type == "cpu":
-            np.copyto(words_of(out), words_of(tensor.detach()))  # see _to_host
-        else:
-            out.copy_(tensor.detach())
-        return out
-
-    def _to_host(self, name: str, tensor: Any, buffers: dict[str, Any]) -> Any:
-        """Copy ``tensor`` into a host buffer: ``buffers[name]`` when it fits, else a new one
-        (pinned for a CUDA tensor)."""
-        import torch
-
-        pin = tensor.device.type == "cuda"
-        out = buffers.get(name)
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.is_pinned() != pin:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
         if pin:
             out.copy_(tensor.detach(), non_blocking=True)
             torch.cuda.current_stream(tensor.device).synchronize()
-        else:
+        elif device.type == "cpu":
             # A plain memcpy: torch's CPU copy fans out to its OpenMP pool, whose spinning
             # threads measured 5x slower publishes on a busy 2-core host.
             np.copyto(words_of(out), words_of(tensor.detach()))
+        else:
+            out.copy_(tensor.detach())
         return out
 
     def _delta_input(self, name: str, tensor: Any) -> Any:
@@ -174,7 +163,7 @@ class Publisher:
             # an array: read as it lies (as a tensor for torch's diff)
             return torch.from_numpy(np.asarray(tensor)) if self._differ is not None else tensor
         if tensor.device.type != "cpu" and self.snapshot_on == "host":
-            self._device_staging[name] = self._to_host(name, tensor, self._device_staging)
+            self._device_staging[name] = self._keep(name, tensor, self._device_staging, on_host=True)
             return self._device_staging[name]
         return tensor.detach()
 
@@ -215,7 +204,7 @@ class Publisher:
         def anchor_items() -> Iterator[tuple[str, Any]]:
             # into the snapshot's own buffers: the publisher never holds two copies
             for name, tensor in items:
-                staged[name] = self._keep(name, tensor, self.snapshot)
+                staged[name] = self._keep(name, tensor, self.snapshot, self.snapshot_on == "host")
                 yield name, staged[name]
 
         def delta_items() -> Iterator[tuple[str, Any]]:
