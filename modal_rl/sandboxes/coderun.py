@@ -49,6 +49,7 @@ class Tests:
     cases: list[tuple[str, str]] = field(default_factory=list)
     code: str | None = None
     entry_point: str | None = None
+    prelude: str | None = None  # trusted code the tests build on (see testrun.payload)
 
 
 def parse_tests(tests: Any) -> Tests:
@@ -61,10 +62,15 @@ def parse_tests(tests: Any) -> Tests:
     if isinstance(tests, dict) and ("assert" in tests or "test" in tests):
         code = tests.get("assert", tests.get("test"))
         entry = tests.get("entry_point")
+        prelude = tests.get("prelude")
         if not isinstance(code, str) or not (entry is None or isinstance(entry, str)):
             raise ValueError("test code must be a string, and 'entry_point' a function name")
+        if not (prelude is None or isinstance(prelude, str)):
+            raise ValueError("'prelude' must be Python source (the dataset's trusted helpers)")
         testrun.check_test_code(code)
-        return Tests(code=code, entry_point=entry)
+        if prelude:
+            testrun.check_test_code(prelude)
+        return Tests(code=code, entry_point=entry, prelude=prelude or None)
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         if len(tests["inputs"]) != len(tests["outputs"]):
             raise ValueError("test cases: 'inputs' and 'outputs' differ in length")
@@ -125,7 +131,9 @@ async def score_code(
 async def _run_test_code(sb: Any, code: str, spec: Tests, timeout_s: float) -> CodeScore:
     """One exec: the trusted runner, the program and the tests on its stdin (no file)."""
     try:
-        stdin = testrun.payload(code, spec.code, spec.entry_point, testrun.deadline_for(timeout_s))
+        stdin = testrun.payload(
+            code, spec.code, spec.entry_point, testrun.deadline_for(timeout_s), prelude=spec.prelude
+        )
     except UnicodeEncodeError:
         return CodeScore(0, 1, [{"ok": False, "why": "the program is not valid text"}], execs=0)
     r = await sb.exec(testrun.local_runner_argv(), timeout_s=timeout_s, stdin=stdin)

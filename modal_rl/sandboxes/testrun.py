@@ -48,10 +48,14 @@ def runner_source() -> str:
 RUNNER_SOURCE = runner_source()
 
 
-def payload(program: str, tests: str, entry_point: str | None, deadline_s: float) -> bytes:
-    """The runner's stdin: the program first (read alone, before the fork), then the tests."""
+def payload(
+    program: str, tests: str, entry_point: str | None, deadline_s: float, prelude: str | None = None
+) -> bytes:
+    """The runner's stdin: the program first (read alone, before the fork), then the tests.
+    ``prelude`` is the dataset's trusted code the tests build on (a prompt's helpers, starter
+    classes): it runs in the tests' namespace first, and the program never shadows its names."""
     code = program.encode("utf-8", "surrogatepass")
-    spec = {"tests": tests, "entry_point": entry_point, "deadline_s": deadline_s}
+    spec = {"tests": tests, "entry_point": entry_point, "deadline_s": deadline_s, "prelude": prelude}
     return len(code).to_bytes(4, "big") + code + json.dumps(spec).encode()
 
 
