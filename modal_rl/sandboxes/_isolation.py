@@ -155,8 +155,9 @@ def _enter(workdir, keep):
     os.dup2(2, 1)
 
 
-def start(source, keep_fd, close_fds=()):
-    """Fork the isolated program process serving ``source``; returns (pid, runner's socket).
+def start(source, keep_fd, close_fds=(), prelude=None):
+    """Fork the isolated program process serving ``source`` (after the dataset's ``prelude``);
+    returns (pid, runner's socket).
     ``keep_fd`` is the stderr the program may write to; ``close_fds`` are closed at once."""
     ours, theirs = socket.socketpair()
     status_r, status_w = os.pipe()
@@ -176,7 +177,7 @@ def start(source, keep_fd, close_fds=()):
                 from modal_rl.sandboxes import _program
             except ImportError:
                 import _program
-            _program.serve(theirs, source)
+            _program.serve(theirs, source, prelude)
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.write(status_w, f"error: {exc}"[:1000].encode())

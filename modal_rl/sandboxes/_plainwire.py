@@ -1,103 +1,229 @@
-"""Plain data between the test runner and the program: the only thing that crosses (stdlib only).
+"""Values between the test runner and the program, with Python's meaning (stdlib only).
 
 Shipped into the sandbox as source (``testrun.runner_source``) and imported by the host's tests.
-A value is exact ``None/bool/int/float/complex/str/bytes`` or a ``list/tuple/set/frozenset/dict``
-of values, or a *reference* (``Ref``) to an object that stays on the side that owns it (a
-program's instance travels as its number, never as itself). One message is a 4-byte length and
-that many bytes of a single value.
+One message is a 4-byte length and that many bytes of a single value. A value is:
+- exact ``None/bool/int/float/complex/str/bytes/bytearray`` (ints of any size, as two's-complement
+  bytes: no digit limit, linear to encode and decode), or a ``list/tuple/set/frozenset/dict`` of
+  values;
+- a stdlib value type (``KINDS``: ``Counter``, ``OrderedDict``, ``defaultdict`` of a builtin
+  factory, ``deque``, ``datetime``/``date``/``time``/``timedelta``/``timezone``, ``Decimal``,
+  ``Fraction``, ``range``, namedtuples, an iterator drained to its items), rebuilt on the other
+  side as the same type;
+- an *object by value* (``Obj``): an instance of a class the receiver knows by name (the test's
+  own ``ListNode``/``TreeNode``...), sent as its class name and attributes and rebuilt there as
+  that side's class of the same name; objects are numbered, so shared nodes and cycles keep
+  their shape, and an object the receiver sent comes back as *the same object*, updated in place;
+- a *reference* (``Ref``) to an object that stays on the side that owns it: ``h`` for the
+  program's objects (with a kind the runner uses to decide which protocol it may speak to it),
+  ``H`` for the runner's (a test's callback).
 
 Invariants (the decoder faces the program's bytes, and the program controls them):
 - ``decode`` never recurses and never raises anything but ``WireError``; its work is O(input):
-  every length is checked against what is left of the input before it is read, nesting is at
-  most ``MAX_DEPTH``, values at most ``MAX_ITEMS``, ints at most ``MAX_INT_DIGITS`` digits;
+  every length is checked against what is left before it is read, values are at most
+  ``MAX_ITEMS``, names at most ``MAX_NAME`` bytes; nesting costs a list entry, not a C frame, so
+  a 100k-node linked list is a value like any other;
 - a set, frozenset or dict is refused if more than ``MAX_SAME_HASH`` of its keys share one hash
   (values built to collide would make building it quadratic), or a key is unhashable;
+- hashing and rebuilding use only the receiver's classes: a stdlib type's constructor, or the
+  receiver's class of that name (``cls.__new__`` and ``__dict__``, never ``__init__``);
 - ``encode`` takes exact types only (a subclass of ``int`` is not an ``int``: it travels as a
-  reference, so nothing the program defines takes part in a comparison on the other side), is
-  iterative, and refuses a value deeper, larger or longer than the same limits.
+  reference, so nothing one side defines takes part in a comparison on the other), is
+  iterative, and refuses a value larger than the same limits.
 """
 
+import collections
+import datetime
+import decimal
+import fractions
 import struct
 
-MAX_MESSAGE = 8 << 20
-MAX_DEPTH = 64
-MAX_ITEMS = 200_000
-MAX_INT_DIGITS = 4300
+MAX_MESSAGE = 64 << 20
+MAX_ITEMS = 4_000_000
+MAX_NAME = 256
 MAX_SAME_HASH = 8
 _LEN = struct.Struct(">I")
 _F64 = struct.Struct(">d")
 _C128 = struct.Struct(">dd")
 _SEQ_TAGS = {list: b"l", tuple: b"t", set: b"S", frozenset: b"Z"}
 _SEQ_TYPES = {b"l": list, b"t": tuple, b"S": set, b"Z": frozenset}
+_FACTORIES = {"int": int, "list": list, "set": set, "dict": dict, "str": str, "float": float, "tuple": tuple}
+_FACTORY_NAMES = {v: k for k, v in _FACTORIES.items()}
+_FACTORY_NAMES[None] = "None"
 
 
 class WireError(Exception):
-    """Bytes that are not one bounded plain value, or a value that cannot be sent."""
+    """Bytes that are not one bounded value, or a value that cannot be sent."""
 
 
 class Ref:
-    """An object that stays on its owner's side, named by number (and, for messages, type name)."""
+    """An object that stays on its owner's side, named by number; ``kind`` says what it is (the
+    owner's claim, used only to choose which requests the other side sends); ``runner``: the
+    runner owns it (tag ``H``), else the program (tag ``h``)."""
 
-    __slots__ = ("num",)
+    __slots__ = ("num", "kind", "runner")
 
-    def __init__(self, num):
-        self.num = num
+    def __init__(self, num, kind="", runner=False):
+        self.num, self.kind, self.runner = num, kind, runner
+
+
+def _int_bytes(v):
+    return v.to_bytes((v.bit_length() + 8) // 8, "big", signed=True)
+
+
+def _namedtuple_fields(v):
+    fields = getattr(type(v), "_fields", None)
+    return fields if type(fields) is tuple and all(type(f) is str for f in fields) else None
+
+
+def _stdlib_kind(v, t):
+    """(kind, members) for a stdlib value type, else None."""
+    if t is collections.Counter or t is collections.OrderedDict:
+        return t.__name__, _flat_items(v)
+    if t is collections.defaultdict:
+        factory = _FACTORY_NAMES.get(v.default_factory)
+        return (f"defaultdict:{factory}", _flat_items(v)) if factory else None
+    if t is collections.deque:
+        return f"deque:{'' if v.maxlen is None else v.maxlen}", list(v)
+    if t is datetime.datetime:
+        parts = [v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, v.fold]
+        return "datetime", parts + [_tz_offset(v.tzinfo)]
+    if t is datetime.date:
+        return "date", [v.year, v.month, v.day]
+    if t is datetime.time:
+        return "time", [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz_offset(v.tzinfo)]
+    if t is datetime.timedelta:
+        return "timedelta", [v.days, v.seconds, v.microseconds]
+    if t is datetime.timezone:
+        return "timezone", [_tz_offset(v)]
+    if t is decimal.Decimal:
+        return "Decimal", [str(v)]
+    if t is fractions.Fraction:
+        return "Fraction", [v.numerator, v.denominator]
+    if t is range:
+        return "range", [v.start, v.stop, v.step]
+    if issubclass(t, tuple) and _namedtuple_fields(v) is not None and t.__name__.isidentifier():
+        return f"namedtuple:{t.__name__}", [list(_namedtuple_fields(v)), *tuple.__iter__(v)]
+    return None
+
+
+def _flat_items(v):
+    return [x for pair in dict.items(v) for x in pair]
+
+
+def _tz_offset(tz):
+    if tz is None:
+        return None
+    if type(tz) is not datetime.timezone:
+        raise WireError("only fixed-offset time zones cross")
+    off = tz.utcoffset(None)
+    return [off.days, off.seconds, off.microseconds]
+
+
+class Encoder:
+    """Encodes values for one side. ``by_value(obj) -> class name | None`` says which instances
+    travel as objects by value; ``ref_of(obj) -> Ref | None`` names one that stays here;
+    ``origin_of(obj) -> int`` gives an object received by value the number it came with (it
+    then goes back as that object, updated)."""
+
+    def __init__(self, by_value=None, ref_of=None, origin_of=None):
+        self.by_value, self.ref_of, self.origin_of = by_value, ref_of, origin_of
+        self.sent = []  # objects sent by value, in order: their numbers in this message are 1..n
+
+    def encode(self, value):
+        self.sent = []
+        out = []
+        stack = [value]
+        items = size = 0
+        seen = {}
+        while stack:
+            v = stack.pop()
+            items += 1
+            if items > MAX_ITEMS or size > MAX_MESSAGE:
+                raise WireError("value too large to send")
+            piece = self._piece(v, stack, seen)
+            out.append(piece)
+            size += len(piece)
+        data = b"".join(out)
+        if len(data) > MAX_MESSAGE:
+            raise WireError("value too large to send")
+        return data
+
+    def _piece(self, v, stack, seen):
+        t = type(v)
+        if v is None:
+            return b"N"
+        if t is bool:
+            return b"T" if v else b"F"
+        if t is int:
+            raw = _int_bytes(v)
+            return b"i" + _LEN.pack(len(raw)) + raw
+        if t is float:
+            return b"f" + _F64.pack(v)
+        if t is complex:
+            return b"c" + _C128.pack(v.real, v.imag)
+        if t is str:
+            data = v.encode("utf-8", "surrogatepass")
+            return b"s" + _LEN.pack(len(data)) + data
+        if t is bytes or t is bytearray:
+            return (b"b" if t is bytes else b"B") + _LEN.pack(len(v)) + bytes(v)
+        if t in _SEQ_TAGS:
+            members = list(v) if t is not list else v
+            stack.extend(reversed(members))
+            return _SEQ_TAGS[t] + _LEN.pack(len(members))
+        if t is dict:
+            pairs = list(dict.items(v))
+            for k, val in reversed(pairs):
+                stack.append(val)
+                stack.append(k)
+            return b"d" + _LEN.pack(len(pairs))
+        if t is Ref:
+            return _ref_piece(v)
+        kind = _stdlib_kind(v, t)
+        if kind is not None:
+            name, members = kind
+            stack.extend(reversed(members))
+            return b"x" + _name(name) + _LEN.pack(len(members))
+        if id(v) in seen:
+            return b"r" + _LEN.pack(seen[id(v)])
+        cls_name = self.by_value(v) if self.by_value is not None else None
+        if cls_name is not None:
+            attrs = _attrs_of(v)
+            self.sent.append(v)
+            seen[id(v)] = len(self.sent)
+            origin = (self.origin_of(v) or 0) if self.origin_of is not None else 0
+            for k, val in reversed(attrs):
+                stack.append(val)
+                stack.append(k)
+            return b"o" + _name(cls_name) + _LEN.pack(origin) + _LEN.pack(len(attrs))
+        ref = self.ref_of(v) if self.ref_of is not None else None
+        if ref is None:
+            raise WireError(f"a {t.__name__} cannot be sent")
+        return _ref_piece(ref)
+
+
+def _ref_piece(ref):
+    return (b"H" if ref.runner else b"h") + _LEN.pack(ref.num) + _name(ref.kind)
+
+
+def _name(text):
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_NAME:
+        raise WireError("name too long to send")
+    return bytes([len(data)]) + data
+
+
+def _attrs_of(v):
+    attrs = getattr(v, "__dict__", None)
+    pairs = [(k, val) for k, val in attrs.items() if type(k) is str] if type(attrs) is dict else []
+    for slot in getattr(type(v), "__slots__", ()) if not pairs else ():
+        if type(slot) is str and hasattr(v, slot):
+            pairs.append((slot, getattr(v, slot)))
+    return pairs
 
 
 def encode(value, ref_of=None):
-    """``value`` as bytes. ``ref_of(obj) -> int | None`` names an object that is not plain data
-    (None: refuse it). Raises ``WireError`` past the limits."""
-    out = []
-    stack = [(value, 0)]
-    items = 0
-    size = 0
-    while stack:
-        v, depth = stack.pop()
-        items += 1
-        if items > MAX_ITEMS or depth > MAX_DEPTH or size > MAX_MESSAGE:
-            raise WireError("value too large or too deep to send")
-        t = type(v)
-        if v is None:
-            piece = b"N"
-        elif t is bool:
-            piece = b"T" if v else b"F"
-        elif t is int:
-            digits = int.__repr__(v).encode()
-            if len(digits) > MAX_INT_DIGITS + 1:
-                raise WireError("int too large to send")
-            piece = b"i" + _LEN.pack(len(digits)) + digits
-        elif t is float:
-            piece = b"f" + _F64.pack(v)
-        elif t is complex:
-            piece = b"c" + _C128.pack(v.real, v.imag)
-        elif t is str:
-            data = v.encode("utf-8", "surrogatepass")
-            piece = b"s" + _LEN.pack(len(data)) + data
-        elif t is bytes:
-            piece = b"b" + _LEN.pack(len(v)) + v
-        elif t in _SEQ_TAGS:
-            members = list(v)
-            piece = _SEQ_TAGS[t] + _LEN.pack(len(members))
-            stack.extend((m, depth + 1) for m in reversed(members))
-        elif t is dict:
-            pairs = list(dict.items(v))
-            piece = b"d" + _LEN.pack(len(pairs))
-            for k, val in reversed(pairs):
-                stack.append((val, depth + 1))
-                stack.append((k, depth + 1))
-        elif t is Ref:
-            piece = b"h" + _LEN.pack(v.num)
-        else:
-            num = ref_of(v) if ref_of is not None else None
-            if num is None:
-                raise WireError(f"a {t.__name__} is not plain data")
-            piece = b"h" + _LEN.pack(num)
-        out.append(piece)
-        size += len(piece)
-    data = b"".join(out)
-    if len(data) > MAX_MESSAGE:
-        raise WireError("value too large to send")
-    return data
+    """``value`` as bytes; ``ref_of(obj) -> Ref | None`` names what is not a value."""
+    return Encoder(ref_of=ref_of).encode(value)
 
 
 def _checked_hashes(members):
@@ -106,7 +232,7 @@ def _checked_hashes(members):
     for m in members:
         try:
             h = hash(m)
-        except TypeError:
+        except Exception:
             raise WireError("unhashable member of a set or dict key") from None
         # Hashes are ints below 2**61 in magnitude: distinct ones never collide in this dict.
         n = counts.get(h, 0) + 1
@@ -115,113 +241,245 @@ def _checked_hashes(members):
         counts[h] = n
 
 
-def _build(tag, members):
+def _pairs(members):
+    keys = members[0::2]
+    _checked_hashes(keys)
+    return list(zip(keys, members[1::2], strict=False))
+
+
+def _tz(spec):
+    if spec is None:
+        return None
+    if type(spec) is not list or len(spec) != 3:
+        raise WireError("malformed time zone")
+    return datetime.timezone(datetime.timedelta(*spec))
+
+
+def _namedtuple(name, fields, cache):
+    key = (name, tuple(fields))
+    if key not in cache:
+        if len(fields) > 255 or not all(type(f) is str for f in fields):
+            raise WireError("malformed namedtuple")
+        cache[key] = collections.namedtuple(name, fields)
+    return cache[key]
+
+
+def _build_kind(name, members, classes, cache):
+    """The stdlib value ``name`` from its decoded ``members`` (constructor errors: WireError)."""
+    head, _, arg = name.partition(":")
+    try:
+        if head in ("Counter", "OrderedDict"):
+            return getattr(collections, head)(dict(_pairs(members)))
+        if head == "defaultdict":
+            if arg not in _FACTORIES and arg != "None":
+                raise WireError("defaultdict factory not allowed")
+            return collections.defaultdict(_FACTORIES.get(arg), _pairs(members))
+        if head == "deque":
+            return collections.deque(members, int(arg) if arg else None)
+        if head == "datetime" and len(members) == 9:
+            *parts, fold, tz = members
+            return datetime.datetime(*parts, tzinfo=_tz(tz), fold=fold)
+        if head == "date":
+            return datetime.date(*members)
+        if head == "time" and len(members) == 6:
+            *parts, fold, tz = members
+            return datetime.time(*parts, tzinfo=_tz(tz), fold=fold)
+        if head == "timedelta":
+            return datetime.timedelta(*members)
+        if head == "timezone" and len(members) == 1:
+            return _tz(members[0])
+        if head == "Decimal" and len(members) == 1 and type(members[0]) is str:
+            return decimal.Decimal(members[0])
+        if head == "Fraction" and len(members) == 2 and all(type(m) is int for m in members):
+            return fractions.Fraction(*members)
+        if head == "range" and all(type(m) is int for m in members):
+            return range(*members)
+        if head == "iter":
+            return iter(members)
+        if head == "namedtuple" and members and type(members[0]) is list:
+            cls = classes.get(arg)
+            fields = members[0]
+            if not (isinstance(cls, type) and getattr(cls, "_fields", None) == tuple(fields)):
+                cls = _namedtuple(arg, fields, cache)
+            return cls(*members[1:])
+    except WireError:
+        raise
+    except Exception as exc:  # a constructor refusing the program's arguments
+        raise WireError(f"malformed {head}: {type(exc).__name__}") from None
+    raise WireError(f"unknown value kind {head!r}")
+
+
+def _build(tag, members, classes, cache):
     if tag == b"d":
-        keys = members[0::2]
-        _checked_hashes(keys)
-        return dict(zip(keys, members[1::2], strict=False))
+        return dict(_pairs(members))
     if tag in (b"S", b"Z"):
         _checked_hashes(members)
     return _SEQ_TYPES[tag](members)
 
 
-def decode(data, make_ref=Ref):
-    """The one value in ``data`` (bytes). ``make_ref(num)`` builds a reference's local stand-in."""
-    n = len(data)
-    if n > MAX_MESSAGE:
-        raise WireError("message too large")
-    pos = 0
-    items = 0
-    stack = []  # [tag, members still to read, members]
-    result = None
-    done = False
-    view = memoryview(data)
-    while not done:
-        if pos >= n:
-            raise WireError("message ends inside a value")
-        items += 1
-        if items > MAX_ITEMS:
-            raise WireError("too many values")
-        tag = data[pos : pos + 1]
-        pos += 1
-        value = None
-        opened = False
-        if tag == b"N":
-            value = None
-        elif tag == b"T" or tag == b"F":
-            value = tag == b"T"
-        elif tag in (b"i", b"s", b"b", b"l", b"t", b"S", b"Z", b"d", b"h"):
-            if pos + 4 > n:
-                raise WireError("message ends inside a length")
-            (count,) = _LEN.unpack_from(data, pos)
-            pos += 4
-            if tag == b"h":
-                value = make_ref(count)
-            elif tag in (b"i", b"s", b"b"):
-                if count > n - pos:
-                    raise WireError("length past the end of the message")
-                raw = view[pos : pos + count]
-                pos += count
-                if tag == b"i":
-                    if count > MAX_INT_DIGITS + 1 or not _is_int_text(raw):
-                        raise WireError("malformed int")
-                    value = int(bytes(raw))
-                elif tag == b"s":
-                    try:
-                        value = bytes(raw).decode("utf-8", "surrogatepass")
-                    except UnicodeDecodeError:
-                        raise WireError("malformed str") from None
+class Decoder:
+    """Decodes one side's values. ``classes`` maps a class name to the class an object by value
+    is rebuilt as (``new_class(name)`` makes one where the name is unknown, or refuses it);
+    ``make_ref(Ref)`` builds a reference's stand-in; ``origins`` are the objects this side sent
+    in the message being answered (an object coming back with number k is ``origins[k-1]``)."""
+
+    def __init__(self, classes=None, new_class=None, make_ref=None, origins=()):
+        self.classes = classes if classes is not None else {}
+        self.new_class, self.make_ref, self.origins = new_class, make_ref, origins
+        self.received = []  # (object, origin) of each object by value, in order
+        self._nt_cache = {}
+
+    def _object(self, name, origin):
+        if 0 < origin <= len(self.origins):
+            obj = self.origins[origin - 1]
+            return obj
+        cls = self.classes.get(name)
+        if not isinstance(cls, type) and self.new_class is not None:
+            cls = self.new_class(name)
+        if not isinstance(cls, type):
+            raise WireError(f"no class {name!r} to rebuild an object as")
+        try:
+            return cls.__new__(cls)
+        except Exception:
+            raise WireError(f"class {name!r} cannot be rebuilt") from None
+
+    def decode(self, data):
+        n = len(data)
+        if n > MAX_MESSAGE:
+            raise WireError("message too large")
+        pos = items = 0
+        stack = []  # [tag, members still to read, members, extra]
+        view = memoryview(data)
+        while True:
+            if pos >= n:
+                raise WireError("message ends inside a value")
+            items += 1
+            if items > MAX_ITEMS:
+                raise WireError("too many values")
+            tag = data[pos : pos + 1]
+            pos += 1
+            opened = None  # [tag, count, members, extra] of a container opened here
+            if tag == b"N":
+                value = None
+            elif tag == b"T" or tag == b"F":
+                value = tag == b"T"
+            elif tag == b"f":
+                if pos + 8 > n:
+                    raise WireError("message ends inside a float")
+                (value,) = _F64.unpack_from(data, pos)
+                pos += 8
+            elif tag == b"c":
+                if pos + 16 > n:
+                    raise WireError("message ends inside a complex")
+                value = complex(*_C128.unpack_from(data, pos))
+                pos += 16
+            elif tag == b"h" or tag == b"H":
+                num, pos = _read_len(data, pos, n)
+                kind, pos = _read_name(data, pos, n)
+                ref = Ref(num, kind, runner=tag == b"H")
+                value = self.make_ref(ref) if self.make_ref is not None else ref
+            elif tag == b"x":
+                name, pos = _read_name(data, pos, n)
+                count, pos = _read_len(data, pos, n)
+                opened = [tag, count, [], name]
+            elif tag == b"o":
+                name, pos = _read_name(data, pos, n)
+                origin, pos = _read_len(data, pos, n)
+                count, pos = _read_len(data, pos, n)
+                obj = self._object(name, origin)
+                self.received.append((obj, origin))
+                opened = [tag, count * 2, [], obj]
+            elif tag in (b"i", b"s", b"b", b"B", b"l", b"t", b"S", b"Z", b"d", b"r"):
+                count, pos = _read_len(data, pos, n)
+                if tag in (b"i", b"s", b"b", b"B"):
+                    if count > n - pos:
+                        raise WireError("length past the end of the message")
+                    raw = view[pos : pos + count]
+                    pos += count
+                    value = _scalar(tag, raw)
+                elif tag == b"r":
+                    if not 0 < count <= len(self.received):
+                        raise WireError("reference to an object not yet sent")
+                    value = self.received[count - 1][0]
                 else:
-                    value = bytes(raw)
+                    opened = [tag, count * 2 if tag == b"d" else count, [], None]
             else:
-                members = count * 2 if tag == b"d" else count
-                if members > n - pos:  # every member takes at least one byte
+                raise WireError("unknown tag")
+            if opened is not None:
+                if opened[1] > n - pos:  # every member takes at least one byte
                     raise WireError("count past the end of the message")
-                if len(stack) >= MAX_DEPTH:
-                    raise WireError("value nested too deeply")
-                stack.append([tag, members, []])
-                opened = True
-        elif tag == b"f":
-            if pos + 8 > n:
-                raise WireError("message ends inside a float")
-            (value,) = _F64.unpack_from(data, pos)
-            pos += 8
-        elif tag == b"c":
-            if pos + 16 > n:
-                raise WireError("message ends inside a complex")
-            value = complex(*_C128.unpack_from(data, pos))
-            pos += 16
-        else:
-            raise WireError("unknown tag")
-        if opened and stack[-1][1] > 0:
-            continue
-        if opened:  # an empty container is complete at once
-            top = stack.pop()
-            value = _build(top[0], top[2])
-        while True:  # hand the finished value to its container, closing those it completes
-            if not stack:
-                result, done = value, True
-                break
-            top = stack[-1]
-            top[2].append(value)
-            top[1] -= 1
-            if top[1] > 0:
-                break
-            stack.pop()
-            value = _build(top[0], top[2])
-    if pos != n:
-        raise WireError("bytes after the value")
-    return result
+                if opened[1] > 0:
+                    stack.append(opened)
+                    continue
+                value = self._close(opened)
+            while True:  # hand the finished value to its container, closing those it completes
+                if not stack:
+                    if pos != n:
+                        raise WireError("bytes after the value")
+                    return value
+                top = stack[-1]
+                top[2].append(value)
+                top[1] -= 1
+                if top[1] > 0:
+                    break
+                stack.pop()
+                value = self._close(top)
+
+    def _close(self, top):
+        tag, _, members, extra = top
+        if tag == b"x":
+            return _build_kind(extra, members, self.classes, self._nt_cache)
+        if tag == b"o":
+            attrs = members[0::2]
+            if not all(type(k) is str for k in attrs):
+                raise WireError("malformed object attributes")
+            state = dict(zip(attrs, members[1::2], strict=False))
+            try:
+                d = object.__getattribute__(extra, "__dict__")
+                d.clear()
+                d.update(state)
+            except (AttributeError, TypeError):
+                for k, v in state.items():
+                    try:
+                        object.__setattr__(extra, k, v)
+                    except Exception:
+                        raise WireError("object attributes cannot be set") from None
+            return extra
+        return _build(tag, members, self.classes, self._nt_cache)
 
 
-def _is_int_text(raw):
-    body = raw[1:] if len(raw) > 0 and raw[0] == 0x2D else raw  # a leading '-'
-    return len(body) > 0 and all(0x30 <= c <= 0x39 for c in body)
+def _read_len(data, pos, n):
+    if pos + 4 > n:
+        raise WireError("message ends inside a length")
+    return _LEN.unpack_from(data, pos)[0], pos + 4
 
 
-def send_message(sock, value, ref_of=None):
-    data = encode(value, ref_of)
-    sock.sendall(_LEN.pack(len(data)) + data)
+def _read_name(data, pos, n):
+    if pos >= n:
+        raise WireError("message ends inside a name")
+    size = data[pos]
+    if pos + 1 + size > n:
+        raise WireError("message ends inside a name")
+    try:
+        return bytes(data[pos + 1 : pos + 1 + size]).decode("utf-8", "surrogatepass"), pos + 1 + size
+    except UnicodeDecodeError:
+        raise WireError("malformed name") from None
+
+
+def _scalar(tag, raw):
+    if tag == b"i":
+        return int.from_bytes(raw, "big", signed=True)
+    if tag == b"s":
+        try:
+            return bytes(raw).decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise WireError("malformed str") from None
+    return bytes(raw) if tag == b"b" else bytearray(raw)
+
+
+def decode(data, make_ref=None):
+    """The one value in ``data``; references become ``make_ref(Ref)`` (default: the Ref)."""
+    return Decoder(make_ref=make_ref).decode(data)
 
 
 def recv_exact(sock, count):
@@ -236,7 +494,12 @@ def recv_exact(sock, count):
     return b"".join(parts)
 
 
-def recv_message(sock, make_ref=Ref):
+def send_message(sock, value, ref_of=None):
+    data = encode(value, ref_of)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_message(sock, make_ref=None):
     (size,) = _LEN.unpack(recv_exact(sock, 4))
     if size > MAX_MESSAGE:
         raise WireError("message too large")

@@ -4,16 +4,17 @@ module (stdlib only; ``testrun.runner_source`` ships it into the sandbox as one 
 Order of events, and why:
 1. the runner makes itself non-dumpable, keeps a private copy of its stdout for the report and
    points fd 1 at stderr (whatever a test or pytest prints can never reach the report);
-2. it reads *only the program* from stdin (exact lengths, no read-ahead buffer), then forks the
-   program process (``_isolation.start``): nothing of the tests is in memory when it forks;
-3. only then it reads the tests, builds module ``solution`` out of remote stand-ins (every call
-   an RPC, arguments and results plain data: ``_plainwire``) and runs the tests in their own form
+2. it reads *only the program and the dataset's prelude* from stdin (exact lengths, no
+   read-ahead buffer), then forks the program process (``_isolation.start``): nothing of the
+   tests is in memory when it forks;
+3. only then it reads the tests, builds module ``solution`` out of remote stand-ins
+   (``_handles``; values cross by value, ``_plainwire``) and runs the tests in their own form
    (``_testforms``): exec'd script, real ``unittest``, real ``pytest``;
-4. it writes one line per test unit and a closing line to the private stdout (``testrun`` on the
-   host parses them with bounds).
-Nothing of the program's objects runs here: an object comes back as a ``RemoteObject`` whose
-equality is identity and whose methods are RPCs; an exception comes back as a fresh instance of
-the nearest builtin exception class, made here from its name and a truncated message.
+4. it writes one line per test unit as soon as the unit is decided, and a closing line, to the
+   private stdout (``testrun`` on the host parses them with bounds; a run cut short keeps every
+   unit it decided).
+Nothing of the program's objects runs here: an object comes back as a stand-in whose every use
+is a request, and the program's answers are values rebuilt with the runner's own classes.
 """
 
 import builtins
@@ -22,20 +23,22 @@ import json
 import os
 import sys
 import time
+import warnings
 
 try:  # on the host (tests); in the sandbox the runner script provides the modules
-    from modal_rl.sandboxes import _isolation, _testforms
+    from modal_rl.sandboxes import _handles, _isolation, _testforms
     from modal_rl.sandboxes import _plainwire as wire
 except ImportError:
+    import _handles
     import _isolation
     import _plainwire as wire
     import _testforms
 
 UNIT, NOTE, DONE, INFRA = "MODAL_RL_UNIT", "MODAL_RL_NOTE", "MODAL_RL_DONE", "MODAL_RL_INFRA"
-_EXCEPTIONS = {
-    name: cls for name, cls in vars(builtins).items() if isinstance(cls, type) and issubclass(cls, Exception)
-}
+TOTAL, DECIDES, BAD = "MODAL_RL_TOTAL", "MODAL_RL_DECIDES", "MODAL_RL_BADTESTS"
 _WHY_CHARS = 300
+_FORWARD_LIMIT = 4 << 20  # bytes of the program's prints the runner passes on to the test
+_STANDINS = (_handles.RemoteObject, _handles.Opaque, _handles.RemoteCallable, _handles.RemoteIterator)
 
 
 def clip(text, limit=_WHY_CHARS):
@@ -52,177 +55,221 @@ class Channel:
 
     def __init__(self, sock, stop, deadline):
         self.sock, self._stop, self.deadline, self.gone = sock, stop, deadline, None
-        self.refs = 0  # references in the last answer (only a construction may return one)
-
-    def _ref(self, num):
-        self.refs += 1
-        return RemoteObject(self, num)
+        self.handles = _handles.Handles(self, ())
+        self.class_lookup = lambda name: None  # the test's class of a name (objects by value)
+        self.value_class_names = set()
+        self.own, self.own_num = {}, {}  # the runner's objects the program holds (callbacks)
+        self.decides = 0  # comparisons and truth values the program's own methods decided
+        self.forwarded = 0
 
     def stop(self, why):
         if self.gone is None:
             self.gone = why
             self._stop()
 
-    def receive(self):
+    def _ref_of(self, obj):
+        if isinstance(obj, _STANDINS):
+            return wire.Ref(
+                object.__getattribute__(obj, "_mrl")[1]
+                if isinstance(obj, _handles.RemoteObject)
+                else obj._num
+            )
+        num = self.own_num.get(id(obj))
+        if num is None:
+            num = len(self.own) + 1
+            self.own[num], self.own_num[id(obj)] = obj, num
+        return wire.Ref(num, "call" if callable(obj) else "obj", runner=True)
+
+    def _by_value(self, obj):
+        cls = type(obj)
+        name = cls.__name__
+        if name in self.value_class_names and self.class_lookup(name) is cls:
+            return name
+        return None
+
+    def _decoder(self, trusted, origins):
+        def make_ref(ref):
+            if ref.runner:
+                if ref.num not in self.own:
+                    raise wire.WireError("reference to an unknown runner object")
+                return self.own[ref.num]
+            return self.handles.make(ref, trusted)
+
+        classes = _Classes(self)
+        return wire.Decoder(classes, None, make_ref, origins)
+
+    def send(self, value):
+        encoder = wire.Encoder(self._by_value, self._ref_of)
+        data = encoder.encode(value)
+        self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
+        self.sock.sendall(wire._LEN.pack(len(data)) + data)
+        return encoder.sent
+
+    def receive(self, trusted=False, origins=()):
         self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
         try:
-            self.refs = 0
-            return wire.recv_message(self.sock, self._ref)
+            (size,) = wire._LEN.unpack(wire.recv_exact(self.sock, 4))
+            if size > wire.MAX_MESSAGE:
+                raise wire.WireError("message too large")
+            return self._decoder(trusted, origins).decode(wire.recv_exact(self.sock, size))
         except TimeoutError:
             self.stop("the program did not answer before the time limit")
         except (wire.WireError, OSError) as exc:
             self.stop(f"the program's channel failed: {clip(exc, 120)}")
         raise ProgramGone(self.gone)
 
-    def ask(self, request):
+    def ask(self, request, trusted=False):
+        """Send ``request``; answer the program's own requests until its reply comes."""
         if self.gone is not None:
             raise ProgramGone(self.gone)
         try:
-            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
-            wire.send_message(self.sock, request, lambda v: v.num if type(v) is RemoteObject else None)
+            sent = self.send(request)
         except wire.WireError as exc:
-            raise TypeError(f"only plain data can be passed to the program: {exc}") from None
+            raise TypeError(f"this value cannot be passed to the program: {exc}") from None
         except OSError as exc:
             self.stop(f"the program's channel failed: {clip(exc, 120)}")
             raise ProgramGone(self.gone) from None
         try:
-            reply = self.receive()
+            while True:
+                reply = self.receive(trusted, sent)
+                if type(reply) is not tuple or not reply or type(reply[0]) is not str:
+                    break
+                if reply[0] in ("ok", "err", "stop"):
+                    return reply
+                if not self._serve(reply):
+                    break
         except BaseException:  # interrupted mid-answer (the time limit): the stream is unusable
             self.stop("the call was interrupted")
             raise
-        if type(reply) is not tuple or not reply or reply[0] not in ("ok", "method", "err"):
+        self.stop("the program answered out of protocol")
+        raise ProgramGone(self.gone)
+
+    def _serve(self, message):
+        """The program's request or notice while a call runs; False if it is out of protocol."""
+        kind = message[0]
+        if kind == "write" and len(message) == 3 and type(message[2]) is str:
+            if self.forwarded < _FORWARD_LIMIT:
+                self.forwarded += len(message[2])
+                (sys.stderr if message[1] == "stderr" else sys.stdout).write(message[2])
+            return True
+        if kind == "warn" and len(message) == 4 and all(type(m) is str for m in message[1:]):
+            cls = self.handles.exception_type(message[1], message[2])
+            warnings.warn(message[3], cls if issubclass(cls, Warning) else UserWarning, stacklevel=2)
+            return True
+        if kind == "input" and len(message) == 2:
+            return self._reply(lambda: builtins.input(str(message[1])))
+        if kind == "stdin" and len(message) == 3 and message[1] in ("read", "readline", "readlines"):
+            args = message[2] if type(message[2]) is list else []
+            return self._reply(lambda: getattr(sys.stdin, message[1])(*args))
+        if kind == "rcall" and len(message) == 5:
+            _, target, attr, args, kwargs = message
+            if type(args) is not list or type(kwargs) is not dict:
+                return False
+            fn = target if attr is None else getattr(target, attr)
+            return self._reply(lambda: fn(*args, **kwargs))
+        return False
+
+    def _reply(self, work):
+        try:
+            answer = ("ok", work(), None, None)
+        except _testforms.Deadline:
+            raise
+        except BaseException as exc:
+            answer = ("err", type(exc).__name__, _base_name(type(exc)), clip(exc, 65536), None)
+        try:
+            self.send(answer)
+        except wire.WireError as exc:
+            self.send(
+                ("err", "TypeError", "TypeError", f"this value cannot be passed to the program: {exc}", None)
+            )
+        return True
+
+    def _checked(self, reply, want=None):
+        if reply[0] == "err":
+            raise self.handles.error(reply)
+        if reply[0] == "stop":
+            raise StopIteration(reply[1] if len(reply) > 1 else None)
+        if len(reply) != 4:
             self.stop("the program answered out of protocol")
             raise ProgramGone(self.gone)
-        if reply[0] == "err":
-            name = reply[1] if len(reply) == 3 and type(reply[1]) is str else "Exception"
-            message = reply[2] if len(reply) == 3 and type(reply[2]) is str else ""
-            cls = _EXCEPTIONS.get(name, RuntimeError)
-            raise cls(f"(from the program) {clip(message)}")
-        return reply
+        if want is not None and type(reply[1]) is not want:
+            raise TypeError(
+                f"the program answered a {type(reply[1]).__name__} where a {want.__name__} belongs"
+            )
+        return reply[1]
+
+    def call(self, target, attr, args, kwargs, trusted=False):
+        """Call the program's ``target`` (a top-level name or an object's number)."""
+        args, kwargs = list(args), dict(kwargs)
+        ref = target if type(target) is str else wire.Ref(target)
+        reply = self.ask(("call", ref, attr, args, kwargs), trusted=trusted)
+        result = self._checked(reply)
+        _write_back(args, reply[2])
+        _write_back_kw(kwargs, reply[3])
+        return result
+
+    def op(self, num, op, args, trusted=True, decides=False, want=None):
+        if decides:
+            self.decides += 1
+        reply = self.ask(("op", wire.Ref(num), op, list(args)), trusted=trusted)
+        return self._checked(reply, want)
+
+    def attribute(self, num, name):
+        """An attribute of a named object: a value, or a method (called as one more request)."""
+        value = self.op(num, "getattr", [name])
+        return value
+
+    def get(self, name, trusted=False):
+        reply = self.ask(("get", name), trusted=trusted)
+        return self._checked(reply)
 
 
-def _write_back(args, writeback):
-    """The program's new contents of the mutable arguments it was passed (copied back in place)."""
-    if type(writeback) is not list:
+class _Classes:
+    """The test's classes by name, for objects by value (looked up when one arrives)."""
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def get(self, name, default=None):
+        if name not in self._channel.value_class_names:
+            return default
+        cls = self._channel.class_lookup(name)
+        return cls if isinstance(cls, type) else default
+
+
+def _base_name(cls):
+    for base in cls.__mro__:
+        if base.__module__ == "builtins":
+            return base.__name__
+    return "Exception"
+
+
+_REPLACEABLE = (list, dict, set, bytearray)
+
+
+def _replace(arg, new):
+    if type(arg) is not type(new) or type(arg) not in _REPLACEABLE or arg is new:
         return
-    for arg, new in zip(args, writeback, strict=False):
-        if type(arg) is not type(new) or type(arg) not in (list, dict, set):
-            continue
-        arg.clear()
-        arg.update(new) if type(arg) is not list else arg.extend(new)
+    arg.clear()
+    if type(arg) is dict or type(arg) is set:
+        arg.update(new)
+    else:
+        arg.extend(new)
 
 
-def _call(channel, obj, attr, args, kwargs, construct=False):
-    """One call into the program. Only constructing one of its classes (``construct``) returns an
-    object of the program's (a ``RemoteObject``); every other call must answer plain data, so a
-    function cannot hand the test an object that answers the test's questions itself."""
-    args = list(args)
-    reply = channel.ask(("call", obj, attr, args, dict(kwargs)))
-    if reply[0] != "ok" or len(reply) != 3:
-        channel.stop("the program answered out of protocol")
-        raise ProgramGone(channel.gone)
-    result = reply[1]
-    if channel.refs and not (construct and channel.refs == 1 and type(result) is RemoteObject):
-        raise TypeError("the program returned an object where plain data was expected")
-    _write_back(args, reply[2])
-    return result
+def _write_back(args, new):
+    """The program's new contents of the mutable arguments it was passed, copied back in place
+    (objects by value were updated in place as the answer was decoded)."""
+    if type(new) is list:
+        for arg, value in zip(args, new, strict=False):
+            _replace(arg, value)
 
 
-class RemoteFunction:
-    """A top-level callable (function or class) of the program."""
-
-    def __init__(self, channel, name, is_class=False):
-        self._channel, self.__name__, self.__qualname__ = channel, name, name
-        self._is_class = is_class
-
-    def __call__(self, *args, **kwargs):
-        return _call(self._channel, self.__name__, None, args, kwargs, construct=self._is_class)
-
-    def __repr__(self):
-        return f"<remote {self.__name__}>"
-
-
-class RemoteObject:
-    """An object that lives in the program. Equality and hashing are identity (the program's own
-    ``__eq__`` never decides a comparison); attributes, calls and a few builtins are RPCs."""
-
-    def __init__(self, channel, num):
-        object.__setattr__(self, "_channel", channel)
-        object.__setattr__(self, "_num", num)
-
-    @property
-    def num(self):
-        return self._num
-
-    def _op(self, op, *args):
-        reply = self._channel.ask(("op", wire.Ref(self._num), op, list(args)))
-        if reply[0] != "ok" or len(reply) != 3 or self._channel.refs:
-            raise TypeError(f"the program's {op}() did not answer plain data")
-        return reply[1]
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        reply = self._channel.ask(("getattr", wire.Ref(self._num), name))
-        if reply[0] == "method":
-            return lambda *a, **k: _call(self._channel, wire.Ref(self._num), name, a, k)
-        if len(reply) != 3 or self._channel.refs:
-            raise TypeError(f"the program's attribute {name!r} is not plain data")
-        return reply[1]
-
-    def __len__(self):
-        n = self._op("len")
-        if type(n) is not int or n < 0:
-            raise TypeError("the program's len() is not a non-negative int")
-        return n
-
-    def __bool__(self):
-        b = self._op("bool")
-        if type(b) is not bool:
-            raise TypeError("the program's bool() is not a bool")
-        return b
-
-    def __str__(self):
-        s = self._op("str")
-        if type(s) is not str:
-            raise TypeError("the program's str() is not a str")
-        return s
-
-    def __iter__(self):
-        items = self._op("list")
-        if type(items) is not list:
-            raise TypeError("the program's object cannot be iterated")
-        return iter(items)
-
-    def __getitem__(self, key):
-        return self._op("getitem", key)
-
-    def __contains__(self, item):
-        return self._op("contains", item) is True
-
-    def __repr__(self):
-        return f"<remote object #{self._num}>"
-
-
-def build_module(channel, names):
-    """Module ``solution``: the program's names as remote stand-ins and plain values."""
-    import types
-
-    module = types.ModuleType("solution")
-    public = []
-    for entry in names if type(names) is list else []:
-        if type(entry) is not tuple or len(entry) != 3 or type(entry[0]) is not str:
-            continue
-        name, kind, value = entry
-        if kind in ("func", "class"):
-            setattr(module, name, RemoteFunction(channel, name, is_class=kind == "class"))
-        elif kind == "value":
-            setattr(module, name, value)
-        else:
-            continue
-        public.append(name)
-    module.__all__ = [n for n in public if not n.startswith("_")]
-    return module
+def _write_back_kw(kwargs, new):
+    if type(new) is dict:
+        for key, value in new.items():
+            if key in kwargs:
+                _replace(kwargs[key], value)
 
 
 def _read_exact(count):
@@ -250,17 +297,96 @@ def _line(fd, *fields):
         data = data[os.write(fd, data) :]
 
 
+class _Report:
+    """Unit lines on the runner's private stdout, each written as soon as it is decided."""
+
+    def __init__(self, fd):
+        self.fd, self.units = fd, 0
+
+    def emit(self, name, ok, why):
+        self.units += 1
+        _line(self.fd, UNIT, "1" if ok else "0", clip(name, 200), clip(why))
+
+    def total(self, n):
+        _line(self.fd, TOTAL, str(n))
+
+
+def bind(channel, spec, names):
+    """Module ``solution`` and the names the test sees (``_testforms.declared_names``)."""
+    import ast
+
+    tree = ast.parse(spec["tests"])
+    prelude_tree = ast.parse(spec.get("prelude") or "")
+    entry = spec.get("entry_point")
+    program_names = (
+        [(n, k) for n, k in names if type(n) is str and type(k) is str] if type(names) is list else []
+    )
+    declared = _testforms.declared_names(tree, prelude_tree, program_names, entry)
+    channel.value_class_names = _testforms.value_class_names(tree, prelude_tree)
+    channel.handles.exported = _testforms.class_names(declared)
+    channel.send(("setup", sorted(channel.value_class_names)))
+    kinds = dict(program_names)
+    module = _testforms.SolutionModule("solution")
+    module.__file__ = "solution.py"
+
+    def standin(name):
+        kind = kinds.get(name)
+        if kind is None:
+            raise AttributeError(f"module 'solution' has no attribute {name!r}")
+        if kind.startswith("exc:"):
+            return channel.handles.exception_type(name, kind[4:])
+        if kind == "class" and name in channel.handles.exported:
+            return channel.get(name, trusted=True)
+        if kind in ("func", "class"):
+            return _Function(channel, name)
+        return channel.get(name)
+
+    bound = {}
+    for name in declared:
+        bound[name] = standin(name)
+        setattr(module, name, bound[name])
+    module.__all__ = sorted(n for n, k in declared.items() if k != "value")
+    module.__dict__["_mrl_get"] = standin
+    if entry and entry in bound:
+        bound["candidate"] = bound[entry]
+    module.__dict__["_mrl_sealed"] = True
+    return module, bound
+
+
+def _find_class(spaces, name):
+    test_module = sys.modules.get("test_task")
+    for space in [*spaces, vars(test_module) if test_module else {}]:
+        cls = space.get(name)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+class _Function:
+    """A top-level function of the program, called by name; what it returns is a value, or an
+    object the test can use only as far as the test names its class (``_handles``)."""
+
+    def __init__(self, channel, name):
+        self._channel, self.__name__, self.__qualname__ = channel, name, name
+
+    def __call__(self, *args, **kwargs):
+        return self._channel.call(self.__name__, None, args, kwargs)
+
+    def __repr__(self):
+        return f"<program function {self.__name__}>"
+
+
 def main():
     _isolation.make_undumpable()
-    report = os.dup(1)
+    report = _Report(os.dup(1))
     os.dup2(2, 1)  # every print of a test or of pytest goes to stderr, never to the report
-    size = int.from_bytes(_read_exact(4), "big")
-    source = _read_exact(size).decode("utf-8", "surrogatepass")
+    source = _read_exact(int.from_bytes(_read_exact(4), "big")).decode("utf-8", "surrogatepass")
+    prelude = _read_exact(int.from_bytes(_read_exact(4), "big")).decode("utf-8", "surrogatepass")
     started = time.monotonic()
     try:
-        pid, sock = _isolation.start(source, keep_fd=2, close_fds=(report,))
+        pid, sock = _isolation.start(source, keep_fd=2, close_fds=(report.fd,), prelude=prelude or None)
     except _isolation.IsolationError as exc:
-        _line(report, INFRA, clip(exc))
+        _line(report.fd, INFRA, clip(exc))
         os._exit(0)
     spec = json.loads(_read_rest())
     deadline = started + float(spec["deadline_s"])
@@ -269,29 +395,42 @@ def main():
         hello = channel.receive()
     except ProgramGone:
         hello = None  # it died or hung while loading
-    units = []
     try:
         if type(hello) is tuple and hello[:1] == ("ready",) and len(hello) == 2:
-            module = build_module(channel, hello[1])
+            module, bound = bind(channel, spec, hello[1])
             sys.modules["solution"] = module
-            units = _testforms.run(spec, module, deadline, channel)
+            spaces = []
+            channel.class_lookup = lambda name: _find_class(spaces, name)
+            result = _testforms.run(spec, bound, deadline, report.emit, report.total, spaces)
+            if module.__dict__.get("_mrl_patched"):
+                raise _testforms.BadTests(
+                    f"the tests patch the program's {module.__dict__['_mrl_patched']!r} through module "
+                    "'solution', which the program never sees: patch what the program calls instead"
+                )
+            del result
         else:
             why = "the program did not load"
             if type(hello) is tuple and len(hello) == 3 and hello[0] == "load_error":
                 why = f"the program did not load: {clip(hello[1], 60)}: {clip(hello[2])}"
-            _line(report, NOTE, why)
-            units = _testforms.failed_units(spec, "the program did not load")
+            _line(report.fd, NOTE, why)
+            for name, ok, unit_why in _testforms.failed_units(spec, "the program did not load"):
+                report.emit(name, ok, unit_why)
     except _testforms.TestFormUnavailable as exc:
-        _line(report, INFRA, clip(exc))
+        _line(report.fd, INFRA, clip(exc))
+        os._exit(0)
+    except _testforms.BadTests as exc:
+        _line(report.fd, BAD, clip(exc))
         os._exit(0)
     finally:
         _testforms.disarm()
         channel.stop("the tests are done")
         with contextlib.suppress(OSError):
             sock.close()
-    for name, ok, why in units:
-        _line(report, UNIT, "1" if ok else "0", clip(name, 200), clip(why))
-    _line(report, DONE, str(len(units)))
+    if report.units == 0:
+        _line(report.fd, BAD, "the test code has no checks: no assert, test function or test case ran")
+        os._exit(0)
+    _line(report.fd, DECIDES, str(channel.decides))
+    _line(report.fd, DONE, str(report.units))
     os._exit(0)
 
 

@@ -94,6 +94,7 @@ class CodeScore:
     total: int
     details: list[dict] = field(default_factory=list)
     execs: int = 0  # programs run in the sandbox
+    program_decides: int = 0  # verdicts that rested on the program's own methods (docs/sandboxes.md)
 
     @property
     def all_passed(self) -> bool:
@@ -138,12 +139,13 @@ async def _run_test_code(sb: Any, code: str, spec: Tests, timeout_s: float) -> C
         return CodeScore(0, 1, [{"ok": False, "why": "the program is not valid text"}], execs=0)
     r = await sb.exec(testrun.local_runner_argv(), timeout_s=timeout_s, stdin=stdin)
     report = testrun.parse_report(r.stdout)  # InfraUnavailable (a SandboxError) propagates
-    if not report.complete:
-        why = "no report: the test run was killed or hung" + (" (timed out)" if r.timed_out else "")
-        return CodeScore(0, max(1, len(report.units)), [{"ok": False, "why": why}], execs=1)
+    if report.bad:
+        raise ValueError(report.bad)
     details = [{"test": name, "ok": ok, **({"why": why} if why else {})} for name, ok, why in report.units]
+    passed, total = report.counted()
+    if not report.complete:
+        why = "the test run was killed or hung before it finished" + (" (timed out)" if r.timed_out else "")
+        details.append({"ok": False, "why": why})
     if report.note and details:
         details[0]["note"] = report.note
-    if not details:
-        raise ValueError("the test code has no checks: no assert, test function or test case ran")
-    return CodeScore(sum(ok for _, ok, _ in report.units), len(details), details, execs=1)
+    return CodeScore(passed, total, details, execs=1, program_decides=report.decides)

@@ -22,12 +22,13 @@ from pathlib import Path
 from modal_rl.sandboxes.errors import SandboxError
 
 _HERE = Path(__file__).parent
-_PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_runner")
+_PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_handles", "_runner")
 MAX_UNITS = 10_000
 # pytest and what it imports, bound read-only into local sandboxes (the program never sees it).
 TESTKIT_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
 TESTKIT_DIR = "/opt/modal-rl/testkit"
 UNIT, NOTE, DONE, INFRA = "MODAL_RL_UNIT", "MODAL_RL_NOTE", "MODAL_RL_DONE", "MODAL_RL_INFRA"
+TOTAL, DECIDES, BAD = "MODAL_RL_TOTAL", "MODAL_RL_DECIDES", "MODAL_RL_BADTESTS"
 
 
 class InfraUnavailable(SandboxError):
@@ -55,8 +56,10 @@ def payload(
     ``prelude`` is the dataset's trusted code the tests build on (a prompt's helpers, starter
     classes): it runs in the tests' namespace first, and the program never shadows its names."""
     code = program.encode("utf-8", "surrogatepass")
+    helpers = (prelude or "").encode("utf-8", "surrogatepass")
     spec = {"tests": tests, "entry_point": entry_point, "deadline_s": deadline_s, "prelude": prelude}
-    return len(code).to_bytes(4, "big") + code + json.dumps(spec).encode()
+    head = len(code).to_bytes(4, "big") + code + len(helpers).to_bytes(4, "big") + helpers
+    return head + json.dumps(spec).encode()
 
 
 def check_test_code(tests: str) -> None:
@@ -90,28 +93,49 @@ class Report:
     units: list[tuple[str, bool, str]] = field(default_factory=list)
     note: str | None = None  # why every unit failed, once (the program did not load)
     complete: bool = False  # the closing line came and matched the units
+    total: int | None = None  # units the tests define, when the runner knew them before running
+    decides: int = 0  # comparisons and truth values the program's own methods decided
+    bad: str | None = None  # the tests cannot judge a program: why (the sample is masked)
+
+    def counted(self) -> tuple[int, int]:
+        """(passed, total): a run cut short keeps every unit it decided; the rest fail."""
+        passed = sum(ok for _, ok, _ in self.units)
+        total = len(self.units) if self.complete else max(len(self.units), self.total or 0, 1)
+        return passed, total
 
 
 def parse_report(stdout: str) -> Report:
     """The runner's report in ``stdout`` (its own stream; bounded by the exec's output cap).
-    Raises ``InfraUnavailable`` for the runner's infrastructure line; anything malformed
-    leaves ``complete`` False, which scores as a failed run."""
+    Units are written as they are decided, so a report without its closing line (the runner
+    was killed) still holds the units decided before. Raises ``InfraUnavailable`` for the
+    runner's infrastructure line; a malformed line ends the report where it stands."""
     report = Report()
     for line in stdout.split("\n"):
         tag, _, rest = line.partition("\t")
         if tag == UNIT:
             fields = rest.split("\t", 2)
             if len(fields) != 3 or fields[0] not in ("0", "1") or len(report.units) >= MAX_UNITS:
-                return Report()
+                return report
             report.units.append((fields[1][:200], fields[0] == "1", fields[2][:300]))
+        elif tag == TOTAL and report.total is None and _small_int(rest):
+            report.total = int(rest)
+        elif tag == DECIDES and _small_int(rest):
+            report.decides = int(rest)
         elif tag == NOTE and report.note is None:
             report.note = rest[:300]
+        elif tag == BAD:
+            report.bad = rest[:300] or "the tests cannot judge a program"
+            return report
         elif tag == INFRA:
             raise InfraUnavailable(f"the test runner cannot run here: {rest[:300]}")
         elif tag == DONE:
-            report.complete = rest.isdigit() and len(rest) < 7 and int(rest) == len(report.units)
-            return report if report.complete else Report()
-    return Report()
+            report.complete = _small_int(rest) and int(rest) == len(report.units)
+            return report
+    return report
+
+
+def _small_int(text: str) -> bool:
+    return text.isdigit() and len(text) < 8
 
 
 def local_runner_argv() -> list[str]:
