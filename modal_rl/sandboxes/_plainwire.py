@@ -20,8 +20,9 @@ One message is a 4-byte length and that many bytes of a single value. A value is
 Invariants (the decoder faces the program's bytes, and the program controls them):
 - ``decode`` never recurses and never raises anything but ``WireError``; its work is O(input):
   every length is checked against what is left before it is read, values are at most
-  ``MAX_ITEMS``, names at most ``MAX_NAME`` bytes; nesting costs a list entry, not a C frame, so
-  a 100k-node linked list is a value like any other;
+  ``MAX_ITEMS``, names at most ``MAX_NAME`` bytes, containers nest at most ``MAX_DEPTH`` deep
+  (hashing and comparing a value recurse in C through its containers); objects by value do not
+  count towards the depth (they hash by identity), so a 100k-node linked list is a value;
 - a set, frozenset or dict is refused if more than ``MAX_SAME_HASH`` of its keys share one hash
   (values built to collide would make building it quadratic), or a key is unhashable;
 - hashing and rebuilding use only the receiver's classes: a stdlib type's constructor, or the
@@ -40,6 +41,7 @@ import struct
 MAX_MESSAGE = 64 << 20
 MAX_ITEMS = 4_000_000
 MAX_NAME = 256
+MAX_DEPTH = 5000  # containers inside containers (C-level hash and repr recurse through them)
 MAX_SAME_HASH = 8
 _LEN = struct.Struct(">I")
 _F64 = struct.Struct(">d")
@@ -242,6 +244,8 @@ def _checked_hashes(members):
 
 
 def _pairs(members):
+    if len(members) % 2:
+        raise WireError("a mapping's items do not pair up")
     keys = members[0::2]
     _checked_hashes(keys)
     return list(zip(keys, members[1::2], strict=False))
@@ -347,7 +351,7 @@ class Decoder:
         n = len(data)
         if n > MAX_MESSAGE:
             raise WireError("message too large")
-        pos = items = 0
+        pos = items = depth = 0
         stack = []  # [tag, members still to read, members, extra]
         view = memoryview(data)
         while True:
@@ -409,6 +413,10 @@ class Decoder:
                 if opened[1] > n - pos:  # every member takes at least one byte
                     raise WireError("count past the end of the message")
                 if opened[1] > 0:
+                    if tag != b"o":
+                        depth += 1
+                        if depth > MAX_DEPTH:
+                            raise WireError("value nested too deeply")
                     stack.append(opened)
                     continue
                 value = self._close(opened)
@@ -423,6 +431,8 @@ class Decoder:
                 if top[1] > 0:
                     break
                 stack.pop()
+                if top[0] != b"o":
+                    depth -= 1
                 value = self._close(top)
 
     def _close(self, top):

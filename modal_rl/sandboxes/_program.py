@@ -184,7 +184,7 @@ class Program:
         except BaseException as exc:
             reply = _error(exc)
         try:
-            self.send(reply, origins.get if origins else None)
+            self.send(reply, (lambda obj: origins.get(id(obj), 0)) if origins else None)
         except (wire.WireError, RecursionError, MemoryError) as exc:
             self.send(("err", "ValueError", "ValueError", f"result cannot cross: {exc}", None))
 
