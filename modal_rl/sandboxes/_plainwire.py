@@ -44,6 +44,7 @@ MAX_NAME = 256
 MAX_DEPTH = 5000  # containers inside containers (C-level hash and repr recurse through them)
 MAX_SAME_HASH = 8
 _LEN = struct.Struct(">I")
+_I32 = struct.Struct(">i")
 _F64 = struct.Struct(">d")
 _C128 = struct.Struct(">dd")
 _SEQ_TAGS = {list: b"l", tuple: b"t", set: b"S", frozenset: b"Z"}
@@ -142,7 +143,13 @@ class Encoder:
             items += 1
             if items > MAX_ITEMS or size > MAX_MESSAGE:
                 raise WireError("value too large to send")
-            piece = self._piece(v, stack, seen)
+            t = type(v)
+            if t is int and -0x80000000 <= v <= 0x7FFFFFFF:  # the common case, in 5 bytes
+                piece = b"j" + _I32.pack(v)
+            elif t is str and len(v) < 256 and v.isascii():
+                piece = b"a" + bytes([len(v)]) + v.encode()
+            else:
+                piece = self._piece(v, stack, seen)
             out.append(piece)
             size += len(piece)
         data = b"".join(out)
@@ -363,7 +370,21 @@ class Decoder:
             tag = data[pos : pos + 1]
             pos += 1
             opened = None  # [tag, count, members, extra] of a container opened here
-            if tag == b"N":
+            if tag == b"j":
+                if pos + 4 > n:
+                    raise WireError("message ends inside an int")
+                (value,) = _I32.unpack_from(data, pos)
+                pos += 4
+            elif tag == b"a":
+                if pos >= n or pos + 1 + data[pos] > n:
+                    raise WireError("message ends inside a str")
+                end = pos + 1 + data[pos]
+                raw = data[pos + 1 : end]
+                if not raw.isascii():
+                    raise WireError("malformed str")
+                value = raw.decode()
+                pos = end
+            elif tag == b"N":
                 value = None
             elif tag == b"T" or tag == b"F":
                 value = tag == b"T"
@@ -502,6 +523,35 @@ def recv_exact(sock, count):
         parts.append(chunk)
         count -= len(chunk)
     return b"".join(parts)
+
+
+class Reader:
+    """Messages from a socket, read in large pieces (one ``recv`` usually holds a whole small
+    message: one system call per message, not two); lengths are checked before the body is."""
+
+    def __init__(self, sock):
+        self.sock, self.buf = sock, b""
+
+    def _fill(self, need):
+        parts, have = [self.buf], len(self.buf)
+        while have < need:
+            chunk = self.sock.recv(max(1 << 16, min(need - have, 1 << 22)))
+            if not chunk:
+                raise WireError("the other side closed the channel")
+            parts.append(chunk)
+            have += len(chunk)
+        self.buf = b"".join(parts)
+
+    def message(self):
+        if len(self.buf) < 4:
+            self._fill(4)
+        (size,) = _LEN.unpack_from(self.buf, 0)
+        if size > MAX_MESSAGE:
+            raise WireError("message too large")
+        if len(self.buf) < 4 + size:
+            self._fill(4 + size)
+        data, self.buf = self.buf[4 : 4 + size], self.buf[4 + size :]
+        return data
 
 
 def send_message(sock, value, ref_of=None):

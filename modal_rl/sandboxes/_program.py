@@ -89,6 +89,7 @@ class Program:
         self.synthetic = {}
         self.out = []
         self.out_size = 0
+        self.reader = wire.Reader(sock)
 
     # references -----------------------------------------------------------------------------
     def ref_of(self, obj):
@@ -113,10 +114,6 @@ class Program:
     def by_value(self, obj):
         name = type(obj).__name__
         return name if name in self.value_classes else None
-
-    def classes(self):
-        found = {n: v for n, v in vars(self.module).items() if isinstance(v, type)}
-        return {**self.synthetic, **found}
 
     def new_class(self, name):
         if name not in self.value_classes:
@@ -143,11 +140,9 @@ class Program:
         self.sock.sendall(wire._LEN.pack(len(data)) + data)
 
     def receive(self):
-        (size,) = wire._LEN.unpack(wire.recv_exact(self.sock, 4))
-        if size > wire.MAX_MESSAGE:
-            raise wire.WireError("message too large")
-        decoder = wire.Decoder(self.classes(), self.new_class, self.make_ref)
-        return decoder.decode(wire.recv_exact(self.sock, size)), decoder
+        data = self.reader.message()
+        decoder = wire.Decoder(_Classes(self), self.new_class, self.make_ref)
+        return decoder.decode(data), decoder
 
     def write(self, stream, text):
         self.out.append((stream, text))
@@ -296,6 +291,19 @@ def _rebuilt_error(message):
     if not (isinstance(cls, type) and issubclass(cls, BaseException)):
         cls = Exception
     return cls(message[3] if len(message) > 3 else "")
+
+
+class _Classes:
+    """The program's classes by name, looked up only when an object by value arrives."""
+
+    def __init__(self, program):
+        self._program = program
+
+    def get(self, name, default=None):
+        found = vars(self._program.module).get(name)
+        if isinstance(found, type):
+            return found
+        return self._program.synthetic.get(name, default)
 
 
 class RunnerObject:
