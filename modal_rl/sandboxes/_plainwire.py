@@ -104,9 +104,42 @@ def _stdlib_kind(v, t):
         return "Fraction", [v.numerator, v.denominator]
     if t is range:
         return "range", [v.start, v.stop, v.step]
+    if t.__module__ == "numpy":
+        return _numpy_kind(v)
     if issubclass(t, tuple) and _namedtuple_fields(v) is not None and t.__name__.isidentifier():
         return f"namedtuple:{t.__name__}", [list(_namedtuple_fields(v)), *tuple.__iter__(v)]
     return None
+
+
+def _numpy_kind(v):
+    """A numpy scalar as the Python scalar it holds; a numeric array as dtype, shape and bytes."""
+    shape = getattr(v, "shape", None)
+    if shape == () and hasattr(v, "item"):
+        return "scalar", [v.item()]
+    dtype = getattr(v, "dtype", None)
+    if type(shape) is tuple and dtype is not None and dtype.kind in "biufc":
+        return "ndarray", [dtype.str, list(shape), v.tobytes(order="C")]
+    if type(shape) is tuple and hasattr(v, "tolist"):
+        return "ndarray-list", [v.tolist()]
+    return None
+
+
+def _ndarray(members, as_list):
+    try:
+        import numpy
+    except ImportError:
+        raise WireError("an array arrived and numpy is not here") from None
+    if as_list:
+        return numpy.array(members[0], dtype=object if members[0] != [] else None)
+    dtype_str, shape, raw = members
+    dtype = numpy.dtype(dtype_str)
+    if (
+        dtype.kind not in "biufc"
+        or type(raw) is not bytes
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise WireError("malformed array")
+    return numpy.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
 def _flat_items(v):
@@ -307,6 +340,10 @@ def _build_kind(name, members, classes, cache):
             return range(*members)
         if head == "iter":
             return iter(members)
+        if head == "scalar" and len(members) == 1:
+            return members[0]
+        if head in ("ndarray", "ndarray-list") and len(members) == (3 if head == "ndarray" else 1):
+            return _ndarray(members, head == "ndarray-list")
         if head == "namedtuple" and members and type(members[0]) is list:
             cls = classes.get(arg)
             fields = members[0]

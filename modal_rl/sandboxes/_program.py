@@ -56,6 +56,11 @@ OPS = {
     "setattr": setattr,
     "delattr": delattr,
     "call": lambda obj, *args: obj(*args),
+    "methods": lambda cls: sorted(
+        n
+        for n in dir(cls)
+        if not n.startswith("__") and isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)
+    ),
 }
 BINARY = ("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod")
 BINARY += ("pow", "matmul", "and", "or", "xor", "lshift", "rshift")

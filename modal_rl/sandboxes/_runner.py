@@ -383,8 +383,19 @@ class _Function:
         return f"<program function {self.__name__}>"
 
 
+def _package_paths():
+    """The packages the tests may import, read-only, after the standard library: the sandbox's
+    test kit (local sandboxes) and the interpreter's own site-packages (an image's)."""
+    import sysconfig
+
+    for path in (_testforms.TESTKIT, sysconfig.get_path("purelib"), sysconfig.get_path("platlib")):
+        if path and os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+
+
 def main():
     _isolation.make_undumpable()
+    _package_paths()
     report = _Report(os.dup(1))
     os.dup2(2, 1)  # every print of a test or of pytest goes to stderr, never to the report
     source = _read_exact(int.from_bytes(_read_exact(4), "big")).decode("utf-8", "surrogatepass")

@@ -134,11 +134,31 @@ def _from_solution(node):
     return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "solution"
 
 
+def _doctest_names(text):
+    """Names the doctest examples in a string use (``doctest.testmod()`` runs them)."""
+    import doctest
+
+    names = set()
+    try:
+        examples = doctest.DocTestParser().get_examples(text)
+    except ValueError:
+        return names
+    for example in examples:
+        try:
+            names |= _used(ast.parse(example.source))
+        except SyntaxError:
+            continue
+    return names
+
+
 def _used(tree):
-    """Names the tests use: loaded names, names imported from ``solution``, ``solution.x``."""
+    """Names the tests use: loaded names (in doctest examples too), names imported from
+    ``solution``, ``solution.x``."""
     used = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        if isinstance(node, ast.Constant) and type(node.value) is str and ">>>" in node.value:
+            used |= _doctest_names(node.value)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             used.add(node.id)
         elif _from_solution(node):
             used.update(a.name for a in node.names)
@@ -234,7 +254,10 @@ def _missing_package(exc, stmt):
 
 
 def _run_script(tree, prelude, bound, entry, emit, set_total, spaces):
-    ns = {"__name__": "__main__", "__builtins__": builtins}
+    main = types.ModuleType("__main__")  # the test is __main__ (doctest.testmod() finds it there)
+    sys.modules["__main__"] = main
+    ns = main.__dict__
+    ns["__builtins__"] = builtins
     spaces.append(ns)
     if prelude:
         exec(compile(prelude, "<prelude>", "exec"), ns)
@@ -341,8 +364,6 @@ def _run_pytest(source, prelude, bound, emit, set_total, spaces):
     import tempfile
 
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    if os.path.isdir(TESTKIT) and TESTKIT not in sys.path:
-        sys.path.append(TESTKIT)
     try:
         import pytest
     except ImportError:

@@ -24,8 +24,10 @@ from modal_rl.sandboxes.errors import SandboxError
 _HERE = Path(__file__).parent
 _PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_handles", "_runner")
 MAX_UNITS = 10_000
-# pytest and what it imports, bound read-only into local sandboxes (the program never sees it).
-TESTKIT_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
+# pytest and what it imports, and numpy (tests in EvalPlus's shape compare with it), bound
+# read-only into local sandboxes; the runner puts them on its path before it starts the program,
+# so the program can import them too (reading a package is no way to the runner).
+TESTKIT_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py", "numpy")
 TESTKIT_DIR = "/opt/modal-rl/testkit"
 UNIT, NOTE, DONE, INFRA = "MODAL_RL_UNIT", "MODAL_RL_NOTE", "MODAL_RL_DONE", "MODAL_RL_INFRA"
 TOTAL, DECIDES, BAD = "MODAL_RL_TOTAL", "MODAL_RL_DECIDES", "MODAL_RL_BADTESTS"
@@ -80,6 +82,9 @@ def _testkit_binds() -> tuple[str, ...]:
         origin = Path(spec.origin)
         src = origin.parent if origin.name == "__init__.py" else origin
         args += ["--ro-bind", str(src), f"{TESTKIT_DIR}/{src.name}"]
+        libs = src.parent / f"{src.name}.libs"  # a wheel's bundled shared libraries, found beside it
+        if libs.is_dir():
+            args += ["--ro-bind", str(libs), f"{TESTKIT_DIR}/{libs.name}"]
     return tuple(args)
 
 
