@@ -103,6 +103,11 @@ FUNCTIONAL_LIST = {
 _MEAN = "def mean(xs):\n    return sum(xs) / len(xs)\n"
 _MEAN_PART = "def mean(xs):\n    return xs[0] / 1\n"
 
+# Wrong programs that try the call path and the output bound: each deserves 0.0.
+_ALWAYS_EQUAL = "class E:\n    def __eq__(self, other):\n        return True\n\n\n"
+_SHADOW = "_modal_rl_same = lambda *a: True\n_modal_rl_eq = _modal_rl_same\n\n\n"
+_PADDED = "s = input()\nprint(s[::-1])\nprint(' ' * 10_000_000)\n"
+
 # name: (tests, program, all-or-nothing score, partial-credit score)
 DATASET_FORMATS: dict[str, tuple[dict, str, float, float]] = {
     "apps_record_right": (APPS_RECORD, _SUM, 1.0, 1.0),
@@ -139,4 +144,18 @@ DATASET_FORMATS: dict[str, tuple[dict, str, float, float]] = {
     "functional_list_right": (FUNCTIONAL_LIST, _MEAN, 1.0, 1.0),
     "functional_list_wrong": (FUNCTIONAL_LIST, "def mean(xs):\n    return 0\n", 0.0, 0.0),
     "functional_list_partly": (FUNCTIONAL_LIST, _MEAN_PART, 0.0, 1 / 3),
+    "apps_calls_always_equal": (
+        APPS_CALLS,
+        _ALWAYS_EQUAL + "def count_vowels(s):\n    return E()\n",
+        0.0,
+        0.0,
+    ),
+    "apps_calls_shadow_helpers": (APPS_CALLS, _SHADOW + "def count_vowels(s):\n    return -1\n", 0.0, 0.0),
+    "taco_leetcode_always_equal": (
+        TACO_LEETCODE,
+        _ALWAYS_EQUAL + "class Solution:\n    def maxProfit(self, prices):\n        return E()\n",
+        0.0,
+        0.0,
+    ),
+    "lcb_stdin_padded_past_the_bound": (LCB_STDIN, _PADDED, 0.0, 0.0),
 }

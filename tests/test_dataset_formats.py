@@ -65,6 +65,63 @@ def test_every_dataset_shape_scores_what_it_deserves(partial):
     assert not wrong, wrong
 
 
+@needs_bwrap
+def test_both_frameworks_score_the_dataset_shapes_alike():
+    """verl's ``compute_score`` and slime's ``batched_reward_func``, with partial credit, the
+    label as each framework's dataset carries it (JSON text)."""
+    from types import SimpleNamespace
+
+    from modal_rl.sandboxes.shared import close_shared_pools
+    from slime_modal.config import close_rollout_pools
+    from slime_modal.reward import batched_reward_func
+    from verl_modal.reward import compute_score
+
+    items = list(DATASET_FORMATS.values())
+
+    async def verl():
+        try:
+            outs = await asyncio.gather(
+                *(
+                    compute_score(
+                        "code",
+                        response(p),
+                        json.dumps(t),
+                        {},
+                        exec_timeout_s=TIMEOUT_S,
+                        partial=True,
+                        backend="local",
+                        max_live=4,
+                    )
+                    for t, p, _, _ in items
+                )
+            )
+        finally:
+            await close_shared_pools()
+        return [o["score"] for o in outs]
+
+    async def slime():
+        args = SimpleNamespace(modal_rl_reward={"timeout_s": TIMEOUT_S, "partial": True})
+        samples = [
+            SimpleNamespace(
+                index=i, response=response(p), label=json.dumps(t), metadata={}, remove_sample=False
+            )
+            for i, (t, p, _, _) in enumerate(items)
+        ]
+        try:
+            out = await batched_reward_func(args, samples)
+        finally:
+            await close_rollout_pools()
+        assert not any(s.remove_sample for s in samples)
+        return out
+
+    want = [part for _, _, _, part in items]
+    got_verl = asyncio.run(verl())
+    got_slime = asyncio.run(slime())
+    no_processes_left()
+    assert all(map(math.isclose, got_verl, want)), list(zip(DATASET_FORMATS, got_verl, want, strict=True))
+    assert got_slime == got_verl
+
+
 def test_list_of_lines_are_joined_as_lines():
     spec = parse_tests(LINES)
     assert spec.cases[0] == ("2\n3 4\n5 6\n", "7\n11\n")
