@@ -1,7 +1,10 @@
 """In-sandbox agent for ``LocalProvider``: stdlib only, run as ``python3 -I -S -c <this file>``.
 
 Protocol: one JSON object per line on stdin (requests) and stdout (responses), matched by
-``id``. Ops: ``ping``, ``exec``, ``write``, ``read``. Byte payloads are base64.
+``id``. Ops: ``ping``, ``exec``, ``write``, ``read``. Byte payloads are base64. An exec's
+output is bounded here, where it is read: the first ``stdout_limit`` bytes of stdout (default
+``output_cap``; ``stdout_truncated`` says there was more), the last ``stderr_tail`` bytes of
+stderr (default: its first ``output_cap`` bytes), so no answer outgrows what the host asked for.
 
 Invariants:
 - every command runs in a user and PID namespace of its own, below the agent (``_isolate``):
@@ -175,13 +178,30 @@ def _isolate(cpu):
         os._exit(1)
 
 
-def _drain(stream, buf):
+def _drain_head(stream, buf, cap, over):
+    """Keep the first ``cap`` bytes; read (and drop) the rest, so the command never blocks on a
+    full pipe; ``over`` is set when there was more."""
     while True:
         chunk = stream.read(65536)
         if not chunk:
             return
-        if len(buf[0]) < OUT_CAP:
-            buf[0] += chunk[: OUT_CAP - len(buf[0])]
+        room = cap - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        if len(chunk) > room:
+            over.set()
+
+
+def _drain_tail(stream, buf, keep, over):
+    """Keep the last ``keep`` bytes: memory stays within 2x ``keep`` + one read."""
+    while True:
+        chunk = stream.read(65536)
+        if not chunk:
+            del buf[: max(0, len(buf) - keep)]
+            return
+        buf += chunk
+        if len(buf) > 2 * keep:
+            del buf[: len(buf) - keep]
 
 
 def _feed(pipe, data):
@@ -224,10 +244,16 @@ def do_exec(req):
                 "stderr": base64.b64encode(msg.encode()).decode(),
                 "timed_out": False,
             }
-        outs = [b""], [b""]
+        outs, over = (bytearray(), bytearray()), threading.Event()
+        out_cap = OUT_CAP if req.get("stdout_limit") is None else int(req["stdout_limit"])
+        err_tail = req.get("stderr_tail")
         readers = [
-            threading.Thread(target=_drain, args=(s, b), daemon=True)
-            for s, b in zip((p.stdout, p.stderr), outs, strict=True)
+            threading.Thread(target=_drain_head, args=(p.stdout, outs[0], out_cap, over), daemon=True),
+            threading.Thread(
+                target=_drain_head if err_tail is None else _drain_tail,
+                args=(p.stderr, outs[1], OUT_CAP if err_tail is None else int(err_tail), threading.Event()),
+                daemon=True,
+            ),
         ]
         for r in readers:
             r.start()
@@ -246,12 +272,13 @@ def do_exec(req):
         _wait_group_gone(p.pid)
         for r in readers:
             r.join(timeout=0.5)  # a setsid'ed grandchild may hold the pipe; do not wait for it
-        err = outs[1][0]
+        err = bytes(outs[1])
         if _limit_hit.is_set():
             err += b"\n[sandbox] process limit exceeded: all processes killed\n"
         return {
             "rc": rc,
-            "stdout": base64.b64encode(outs[0][0]).decode(),
+            "stdout": base64.b64encode(bytes(outs[0])).decode(),
+            "stdout_truncated": over.is_set(),
             "stderr": base64.b64encode(err).decode(),
             "timed_out": timed_out,
             "duration_s": time.monotonic() - t0,

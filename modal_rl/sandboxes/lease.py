@@ -40,8 +40,18 @@ class Sandbox:
         stdin: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        stdout_limit_bytes: int | None = None,
+        stderr_tail_bytes: int | None = None,
     ) -> ExecResult:
-        return await self._live().exec(argv, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd)
+        return await self._live().exec(
+            argv,
+            timeout_s=timeout_s,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            stdout_limit_bytes=stdout_limit_bytes,
+            stderr_tail_bytes=stderr_tail_bytes,
+        )
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         await self._live().write_file(path, data)

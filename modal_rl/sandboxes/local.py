@@ -38,7 +38,7 @@ from modal_rl.sandboxes import localnet, registry
 from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError, TransientProviderError
 from modal_rl.sandboxes.hostroot import host_root_args
-from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
+from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv, check_output_bounds
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 from modal_rl.sandboxes.testrun import testkit_binds
 
@@ -339,10 +339,14 @@ class LocalSandbox(SandboxHandle):
         stdin: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        stdout_limit_bytes: int | None = None,
+        stderr_tail_bytes: int | None = None,
     ) -> ExecResult:
         check_argv(argv)
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"exec timeout_s must be a positive number, got {timeout_s!r}")
+        check_output_bounds(stdout_limit_bytes, stderr_tail_bytes)
+        bounds = {"stdout_limit": stdout_limit_bytes, "stderr_tail": stderr_tail_bytes}
         data = stdin.encode() if isinstance(stdin, str) else stdin
         msg = await self._call(
             "exec",
@@ -353,6 +357,7 @@ class LocalSandbox(SandboxHandle):
             stdin=base64.b64encode(data).decode() if data is not None else None,
             env=check_env(env, "exec env"),
             cwd=cwd,
+            **{k: v for k, v in bounds.items() if v is not None},  # absent: the agent's cap
         )
         return ExecResult(
             returncode=int(msg["rc"]),
@@ -360,6 +365,7 @@ class LocalSandbox(SandboxHandle):
             stderr=base64.b64decode(msg["stderr"]).decode(errors="replace"),
             timed_out=bool(msg["timed_out"]),
             duration_s=float(msg.get("duration_s", 0.0)),
+            stdout_truncated=bool(msg.get("stdout_truncated", False)),
         )
 
     async def write_file(self, path: str, data: bytes | str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import RateLimitedError, SandboxLostError, TransientProviderError
-from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv
+from modal_rl.sandboxes.provider import Provider, SandboxHandle, check_argv, check_output_bounds
 from modal_rl.sandboxes.spec import ExecResult, SandboxSpec
 
 _TRANSIENT = ("ConnectionError", "InternalError", "InternalFailure", "ServiceError", "TimeoutError")
@@ -139,6 +139,35 @@ class ModalProvider(Provider):
         return count
 
 
+async def _read_head(stream: Any, limit: int | None) -> tuple[bytes, bool]:
+    """The first ``limit`` bytes of a Modal exec stream (all of it when ``None``) and whether
+    there was more. Over the limit the stream is closed: the rest is never fetched (a command
+    still writing then blocks until its exec timeout, which is what it chose)."""
+    if limit is None:
+        return await stream.read.aio(), False
+    buf = bytearray()
+    async for chunk in stream:
+        buf += chunk
+        if len(buf) > limit:
+            with contextlib.suppress(Exception):
+                await stream.aclose.aio()
+            return bytes(buf[:limit]), True
+    return bytes(buf), False
+
+
+async def _read_tail(stream: Any, keep: int | None) -> bytes:
+    """The last ``keep`` bytes of a Modal exec stream (all of it when ``None``), holding no more
+    than 2x ``keep`` + one chunk at a time."""
+    if keep is None:
+        return await stream.read.aio()
+    buf = bytearray()
+    async for chunk in stream:
+        buf += chunk
+        if len(buf) > 2 * keep:
+            del buf[: len(buf) - keep]
+    return bytes(buf[max(0, len(buf) - keep) :])
+
+
 class ModalSandbox(SandboxHandle):
     """Host side of one Modal Sandbox."""
 
@@ -162,9 +191,13 @@ class ModalSandbox(SandboxHandle):
         stdin: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        stdout_limit_bytes: int | None = None,
+        stderr_tail_bytes: int | None = None,
     ) -> ExecResult:
         check_argv(argv)
+        check_output_bounds(stdout_limit_bytes, stderr_tail_bytes)
         t0 = time.monotonic()
+        truncated = False
         try:
             proc = await self._sb.exec.aio(
                 *argv,
@@ -177,7 +210,9 @@ class ModalSandbox(SandboxHandle):
                 proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)
                 proc.stdin.write_eof()
                 await proc.stdin.drain.aio()
-            out, err = await asyncio.gather(proc.stdout.read.aio(), proc.stderr.read.aio())
+            (out, truncated), err = await asyncio.gather(
+                _read_head(proc.stdout, stdout_limit_bytes), _read_tail(proc.stderr, stderr_tail_bytes)
+            )
             rc = await asyncio.wait_for(proc.wait.aio(), timeout_s + 30)
         except Exception as exc:
             import modal.exception as me
@@ -196,6 +231,7 @@ class ModalSandbox(SandboxHandle):
             err.decode(errors="replace"),
             timed_out,
             time.monotonic() - t0,
+            truncated,
         )
 
     async def write_file(self, path: str, data: bytes | str) -> None:

@@ -22,6 +22,13 @@ def check_argv(argv: Sequence[str]) -> None:
         raise ValueError(f"exec needs a non-empty list of str, e.g. ['sh', '-c', cmd]; got {argv!r}")
 
 
+def check_output_bounds(stdout_limit_bytes: int | None, stderr_tail_bytes: int | None) -> None:
+    """Both bounds are ``None`` or a non-negative int (bytes)."""
+    for name, value in (("stdout_limit_bytes", stdout_limit_bytes), ("stderr_tail_bytes", stderr_tail_bytes)):
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"exec {name} must be None or a number of bytes >= 0, got {value!r}")
+
+
 class SandboxHandle(abc.ABC):
     """One live sandbox. ``terminate`` is idempotent and never raises for an already-dead sandbox.
 
@@ -52,9 +59,17 @@ class SandboxHandle(abc.ABC):
         stdin: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        stdout_limit_bytes: int | None = None,
+        stderr_tail_bytes: int | None = None,
     ) -> ExecResult:
         """Run ``argv`` to completion or until ``timeout_s``; raises ``SandboxLostError`` only if
-        the sandbox itself fails."""
+        the sandbox itself fails.
+
+        Output bounds, applied where the bytes are read (so the caller never receives more):
+        ``stdout_limit_bytes`` keeps the first that many bytes of stdout (``stdout_truncated``
+        says the command wrote more); ``stderr_tail_bytes`` keeps the last that many bytes of
+        stderr. ``None``: the provider's default (local: the first ``output_cap_bytes`` of each
+        stream; Modal: all of it)."""
 
     @abc.abstractmethod
     async def write_file(self, path: str, data: bytes | str) -> None: ...

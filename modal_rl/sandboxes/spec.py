@@ -58,13 +58,16 @@ class SandboxSpec:
 @dataclass(frozen=True)
 class ExecResult:
     """Outcome of one command. A non-zero ``returncode`` or ``timed_out`` is the command's result,
-    not an infrastructure failure. Negative ``returncode`` = killed by that signal."""
+    not an infrastructure failure. Negative ``returncode`` = killed by that signal.
+    ``stdout_truncated``: the command wrote more stdout than the exec kept (its
+    ``stdout_limit_bytes``, or the provider's own cap)."""
 
     returncode: int
     stdout: str
     stderr: str
     timed_out: bool
     duration_s: float
+    stdout_truncated: bool = False
 
     @property
     def ok(self) -> bool:
