@@ -234,6 +234,14 @@ def run(quick: bool, out: Path) -> dict:
         "leaked == 0": local["leaked"] == 0,
         "assert sample time after <= 1.5x before": scoring["ratio_time_after_over_before_asserts"] <= 1.5,
         "same scores before and after": scoring["before"]["scores"] == scoring["after"]["scores"],
+        **{
+            f"{form} sample time after <= 1.2x previous runner": scoring[
+                f"ratio_time_after_over_previous_{form}"
+            ]
+            <= 1.2
+            for form in ("asserts", "pytest", "stdin")
+            if f"ratio_time_after_over_previous_{form}" in scoring
+        },
         "warm_claim_p99_s <= 0.1 * cold_p50_s": local["warm_claim_p99_s"] <= 0.1 * local["cold_p50_s"],
         "adaptive_wait_s <= 0.02 * no_pool_wait_s": s["adaptive_wait_s"] <= 0.02 * s["no_pool_wait_s"],
         "adaptive_mean_size <= 1.2 * oracle_size": s["adaptive_mean_size"] <= 1.2 * s["oracle_size"],
@@ -265,12 +273,22 @@ def run(quick: bool, out: Path) -> dict:
             ("oracle (smallest zero-wait fixed)", ph["oracle_size"], 0.0),
         ],
     )
+    previous = scoring["previous"] if isinstance(scoring.get("previous"), dict) else None
     forms = markdown_table(
-        ["test form", "before [s]", "after [s]"],
+        ["test form", "before [s]", "previous runner [s]", "after [s]", "after / previous"],
         [
-            (k, scoring["before"]["time_per_sample_s_by_form"].get(k, "-"), v)
+            (
+                k,
+                scoring["before"]["time_per_sample_s_by_form"].get(k, "-"),
+                previous["time_per_sample_s_by_form"].get(k, "-") if previous else "-",
+                v,
+                scoring.get(f"ratio_time_after_over_previous_{k}", "-"),
+            )
             for k, v in scoring["after"]["time_per_sample_s_by_form"].items()
         ],
+    )
+    rt = markdown_table(
+        ["runner", "one call's round trip [µs]"], list(scoring.get("call_round_trip_us", {}).items())
     )
     sc = markdown_table(
         ["scoring", "time per scored sample [s]", "scored samples/s"],
@@ -284,7 +302,7 @@ def run(quick: bool, out: Path) -> dict:
         ],
     )
     ct = markdown_table(["done-when check", "holds"], checks.items())
-    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Scoring: a trusted runner, the program isolated from it\n\n{sc}\n\n{forms}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{pt}\n\n{ct}\n"
+    md = f"# sandboxes\n\n## Local bubblewrap pool\n\n{lt}\n\n## Scoring: a trusted runner, the program isolated from it\n\n{sc}\n\n{forms}\n\n{rt}\n\n## Simulation (Modal latencies, 2 claims/s)\n\n{st}\n\n{pt}\n\n{ct}\n"
     md += "".join(f"\n![{p}]({p})\n" for p in plots)
     (out / f"{SUITE}.md").write_text(md)
     print(md)

@@ -10,20 +10,34 @@ program's process, side by side in one run.
   exec in its own user + PID namespace. A pytest-file task is timed for ``after`` only (the
   exit code of a file that only defines test functions says nothing).
 
-The same programs (half right, half wrong; assert and stdin/stdout tasks) go through both, in
-alternating rounds so that a noisy host weighs on both alike. Reported: time per scored sample
-(one at a time) and scored samples per second (``concurrency`` at a time), and their ratios.
+- ``previous``: the trusted runner as it was before values crossed with Python's meaning (plain
+  data only, names joined as one file), built from the repository's history at
+  ``PREVIOUS_RUNNER`` (skipped, and said so, outside a git checkout): what the remote module's
+  meaning costs per sample, by test form.
+
+The same programs (half right, half wrong; assert and stdin/stdout tasks) go through each, in
+alternating rounds so that a noisy host weighs on all alike. Reported: time per scored sample
+(one at a time) and scored samples per second (``concurrency`` at a time), and their ratios; and
+one call's round trip between the tests and the program (``call_round_trip_us``: a test of
+``CALLS`` calls, less a test of one, per call), for the runner as shipped and the previous one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 from benchmarks.report import progress
 from modal_rl.sandboxes import LocalProvider, SandboxPool, SandboxSpec
 from modal_rl.sandboxes.coderun import parse_tests, score_code
+
+PREVIOUS_RUNNER = "4b80b28"  # the last commit whose runner passed plain data only
+_PREVIOUS_PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_runner")
+CALLS = 20_000
 
 ASSERTS = {"assert": "assert add(1, 2) == 3\nassert add(20, 22) == 42\nassert add(-5, 5) == 0\n"}
 IO = {"inputs": ["2 3\n", "10 -4\n", "0 0\n"], "outputs": ["5\n", "6\n", "0\n"]}
@@ -63,10 +77,74 @@ async def _score_after(pool: SandboxPool, code: str, tests: dict) -> float:
     return float((await score_code(pool, code, tests, timeout_s=10)).all_passed)
 
 
+def previous_runner_source() -> str | None:
+    """The runner script at ``PREVIOUS_RUNNER``, assembled as its own ``testrun`` did; None
+    outside a git checkout that has that commit."""
+    root = Path(__file__).resolve().parents[1]
+    parts = []
+    for name in _PREVIOUS_PARTS:
+        path = f"{PREVIOUS_RUNNER}:modal_rl/sandboxes/{name}.py"
+        try:
+            text = subprocess.run(
+                ["git", "-C", str(root), "show", path], capture_output=True, text=True, check=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        parts.append(f"_module({name!r}, {text!r})")
+    head = "import sys, types\ndef _module(name, src):\n    m = types.ModuleType(name)\n"
+    head += (
+        "    sys.modules[name] = m\n    exec(compile(src, name + '.py', 'exec'), m.__dict__)\n    return m\n"
+    )
+    return head + "\n".join(parts) + "\nsys.modules['_runner'].main()\n"
+
+
+def _previous_scorer(source: str):
+    """Score as the previous runner did: its payload (program, then the spec) and its report."""
+
+    async def score(pool: SandboxPool, code: str, tests: dict) -> float:
+        spec = parse_tests(tests)
+        if spec.code is None:
+            return await _score_before(pool, code, tests)
+        program = code.encode()
+        body = json.dumps({"tests": spec.code, "entry_point": spec.entry_point, "deadline_s": 9.0}).encode()
+        async with pool.lease() as sb:
+            r = await sb.exec(
+                ["python3", "-I", "-S", "-c", source],
+                timeout_s=10,
+                stdin=len(program).to_bytes(4, "big") + program + body,
+            )
+        units = [line.split("\t") for line in r.stdout.splitlines() if line.startswith("MODAL_RL_UNIT\t")]
+        done = any(line.startswith("MODAL_RL_DONE\t") for line in r.stdout.splitlines())
+        return float(done and bool(units) and all(u[1] == "1" for u in units))
+
+    return score
+
+
+async def _round_trip_us(pool: SandboxPool, source: str | None) -> float | None:
+    """One call's round trip (µs): a test of ``CALLS`` calls less a test of one, per call."""
+    code = "def inc(x):\n    return x + 1\n"
+    times = {}
+    for n in (1, CALLS):
+        tests = {"assert": f"for i in range({n}):\n    assert inc(i) == i + 1\n"}
+        t = time.monotonic()
+        if source is None:
+            ok = (await score_code(pool, code, tests, timeout_s=60)).all_passed
+        else:
+            ok = await _previous_scorer(source)(pool, code, tests) == 1.0
+        times[n] = time.monotonic() - t
+        if not ok:
+            return None
+    return (times[CALLS] - times[1]) / (CALLS - 1) * 1e6
+
+
 async def _measure(quick: bool, run_id: str) -> dict:
     rounds, concurrency = (4, 4) if quick else (12, 4)
+    previous = previous_runner_source()
     pools = {}
-    for name, provider in (("before", _SharedNamespaceProvider()), ("after", LocalProvider())):
+    providers = [("before", _SharedNamespaceProvider()), ("after", LocalProvider())]
+    if previous is not None:
+        providers.append(("previous", LocalProvider()))
+    for name, provider in providers:
         pools[name] = SandboxPool(
             provider,
             SandboxSpec(timeout_s=300),
@@ -78,6 +156,9 @@ async def _measure(quick: bool, run_id: str) -> dict:
             log_interval_s=0,
         )
     scorers = {"before": _score_before, "after": _score_after}
+    if previous is not None:
+        scorers["previous"] = _previous_scorer(previous)
+    round_trip = {"after": [], "previous": []}
     per_sample = {k: [] for k in pools}
     per_kind = {k: {kind: [] for kind in KINDS} for k in pools}
     throughput = {k: [] for k in pools}
@@ -107,6 +188,10 @@ async def _measure(quick: bool, run_id: str) -> dict:
                 t = time.monotonic()
                 await asyncio.gather(*(scorers[name](pool, c, ts) for c, ts in batch))
                 throughput[name].append(len(batch) / (time.monotonic() - t))
+                if name in round_trip:
+                    us = await _round_trip_us(pool, previous if name == "previous" else None)
+                    if us is not None:
+                        round_trip[name].append(us)
     finally:
         for pool in pools.values():
             await pool.close()
@@ -120,6 +205,12 @@ async def _measure(quick: bool, run_id: str) -> dict:
         for name in pools
     }
     by_form = {n: out[n]["time_per_sample_s_by_form"] for n in pools}
+    out["call_round_trip_us"] = {k: statistics.median(v) for k, v in round_trip.items() if v}
+    if "previous" in pools:
+        for form in KINDS:
+            out[f"ratio_time_after_over_previous_{form}"] = by_form["after"][form] / by_form["previous"][form]
+    else:
+        out["previous"] = f"not measured: no git history with {PREVIOUS_RUNNER} here"
     out["ratio_time_after_over_before_asserts"] = by_form["after"]["asserts"] / by_form["before"]["asserts"]
     out["ratio_time_after_over_before_stdin"] = by_form["after"]["stdin"] / by_form["before"]["stdin"]
     out["ratio_time_after_over_before"] = (

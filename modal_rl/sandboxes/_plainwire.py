@@ -33,10 +33,8 @@ Invariants (the decoder faces the program's bytes, and the program controls them
 """
 
 import collections
-import datetime
-import decimal
-import fractions
 import struct
+import sys
 
 MAX_MESSAGE = 64 << 20
 MAX_ITEMS = 4_000_000
@@ -79,7 +77,9 @@ def _namedtuple_fields(v):
 
 
 def _stdlib_kind(v, t):
-    """(kind, members) for a stdlib value type, else None."""
+    """(kind, members) for a stdlib value type, else None. Modules are looked up, not imported:
+    a value of theirs exists only once they are (and importing them costs each run ~20 ms)."""
+    datetime, decimal, fractions = (sys.modules.get(m) for m in ("datetime", "decimal", "fractions"))
     if t is collections.Counter or t is collections.OrderedDict:
         return t.__name__, _flat_items(v)
     if t is collections.defaultdict:
@@ -87,20 +87,20 @@ def _stdlib_kind(v, t):
         return (f"defaultdict:{factory}", _flat_items(v)) if factory else None
     if t is collections.deque:
         return f"deque:{'' if v.maxlen is None else v.maxlen}", list(v)
-    if t is datetime.datetime:
+    if datetime is not None and t is datetime.datetime:
         parts = [v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, v.fold]
         return "datetime", parts + [_tz_offset(v.tzinfo)]
-    if t is datetime.date:
+    if datetime is not None and t is datetime.date:
         return "date", [v.year, v.month, v.day]
-    if t is datetime.time:
+    if datetime is not None and t is datetime.time:
         return "time", [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz_offset(v.tzinfo)]
-    if t is datetime.timedelta:
+    if datetime is not None and t is datetime.timedelta:
         return "timedelta", [v.days, v.seconds, v.microseconds]
-    if t is datetime.timezone:
+    if datetime is not None and t is datetime.timezone:
         return "timezone", [_tz_offset(v)]
-    if t is decimal.Decimal:
+    if decimal is not None and t is decimal.Decimal:
         return "Decimal", [str(v)]
-    if t is fractions.Fraction:
+    if fractions is not None and t is fractions.Fraction:
         return "Fraction", [v.numerator, v.denominator]
     if t is range:
         return "range", [v.start, v.stop, v.step]
@@ -149,7 +149,7 @@ def _flat_items(v):
 def _tz_offset(tz):
     if tz is None:
         return None
-    if type(tz) is not datetime.timezone:
+    if type(tz).__name__ != "timezone" or type(tz).__module__ != "datetime":
         raise WireError("only fixed-offset time zones cross")
     off = tz.utcoffset(None)
     return [off.days, off.seconds, off.microseconds]
@@ -177,10 +177,18 @@ class Encoder:
             if items > MAX_ITEMS or size > MAX_MESSAGE:
                 raise WireError("value too large to send")
             t = type(v)
-            if t is int and -0x80000000 <= v <= 0x7FFFFFFF:  # the common case, in 5 bytes
+            # the shapes of a call and its answer first, inline (a round trip is ~10 of them)
+            if t is int and -0x80000000 <= v <= 0x7FFFFFFF:
                 piece = b"j" + _I32.pack(v)
             elif t is str and len(v) < 256 and v.isascii():
-                piece = b"a" + bytes([len(v)]) + v.encode()
+                piece = b"a" + bytes((len(v),)) + v.encode()
+            elif v is None:
+                piece = b"N"
+            elif t is tuple or t is list:
+                stack.extend(reversed(v))
+                piece = (b"t" if t is tuple else b"l") + _LEN.pack(len(v))
+            elif t is dict and not v:
+                piece = b"d\x00\x00\x00\x00"
             else:
                 piece = self._piece(v, stack, seen)
             out.append(piece)
@@ -292,6 +300,8 @@ def _pairs(members):
 
 
 def _tz(spec):
+    import datetime
+
     if spec is None:
         return None
     if type(spec) is not list or len(spec) != 3:
@@ -311,6 +321,12 @@ def _namedtuple(name, fields, cache):
 def _build_kind(name, members, classes, cache):
     """The stdlib value ``name`` from its decoded ``members`` (constructor errors: WireError)."""
     head, _, arg = name.partition(":")
+    if head in ("datetime", "date", "time", "timedelta"):
+        import datetime
+    elif head == "Decimal":
+        import decimal
+    elif head == "Fraction":
+        import fractions
     try:
         if head in ("Counter", "OrderedDict"):
             return getattr(collections, head)(dict(_pairs(members)))
@@ -423,6 +439,12 @@ class Decoder:
                 pos = end
             elif tag == b"N":
                 value = None
+            elif tag == b"t" or tag == b"l":
+                if pos + 4 > n:
+                    raise WireError("message ends inside a length")
+                (count,) = _LEN.unpack_from(data, pos)
+                pos += 4
+                opened = [tag, count, [], None]
             elif tag == b"T" or tag == b"F":
                 value = tag == b"T"
             elif tag == b"f":

@@ -23,7 +23,6 @@ says what it is: ``call``, ``iter``, ``await``, ``class:<name>`` or ``obj:<class
 
 import builtins
 import collections.abc
-import inspect
 import operator
 import sys
 import types
@@ -68,6 +67,14 @@ _MUTABLE = (list, dict, set, bytearray, collections.deque)
 _FLUSH_AT = 64 << 10
 
 
+def _static(cls, name):
+    """``name`` as defined on ``cls`` or a base (no descriptor run): a plain function is a method."""
+    for klass in getattr(cls, "__mro__", ()):
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
 def _builtin_base(cls):
     for base in cls.__mro__:
         if base.__module__ == "builtins":
@@ -108,7 +115,7 @@ class Program:
     def _ref_kind(obj):
         if isinstance(obj, type):
             return f"class:{obj.__name__}"
-        if inspect.iscoroutine(obj) or inspect.isawaitable(obj):
+        if isinstance(obj, types.CoroutineType) or hasattr(type(obj), "__await__"):
             return "await"
         if isinstance(obj, collections.abc.Iterator):
             return "iter"

@@ -386,9 +386,9 @@ class _Function:
 def _package_paths():
     """The packages the tests may import, read-only, after the standard library: the sandbox's
     test kit (local sandboxes) and the interpreter's own site-packages (an image's)."""
-    import sysconfig
-
-    for path in (_testforms.TESTKIT, sysconfig.get_path("purelib"), sysconfig.get_path("platlib")):
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = [os.path.join(prefix, "lib", version, "site-packages") for prefix in (sys.prefix, sys.exec_prefix)]
+    for path in (_testforms.TESTKIT, *site):
         if path and os.path.isdir(path) and path not in sys.path:
             sys.path.append(path)
 

@@ -189,8 +189,6 @@ def declared_names(tree, prelude_tree, program_names, entry_point):
             out[n] = "value"
     if entry_point and entry_point in kinds:
         out[entry_point] = kinds[entry_point]
-    if "*" in {a.name for node in ast.walk(tree) if _from_solution(node) for a in node.names}:
-        pass  # ``from solution import *`` brings exactly the declared names (the module's __all__)
     return out
 
 
