@@ -56,9 +56,7 @@ OPS = {
     "delattr": delattr,
     "call": lambda obj, *args: obj(*args),
     "methods": lambda cls: sorted(
-        n
-        for n in dir(cls)
-        if not n.startswith("__") and isinstance(inspect.getattr_static(cls, n, None), types.FunctionType)
+        n for n in dir(cls) if not n.startswith("__") and isinstance(_static(cls, n), types.FunctionType)
     ),
 }
 BINARY = ("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod")
