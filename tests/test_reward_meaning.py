@@ -17,8 +17,8 @@ from _reward_exploits import label, response
 from _reward_meaning import CASES
 from _sandboxes_helpers import needs_bwrap, no_processes_left
 
-pytestmark = needs_bwrap
-TIMEOUT_S = 5.0
+pytestmark = [needs_bwrap, pytest.mark.slow]
+TIMEOUT_S = 15.0  # the 300k-item and many-call tests on a loaded 2-core host
 MASKED = "masked"
 
 
