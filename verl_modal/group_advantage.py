@@ -1,4 +1,4 @@
-"""The masked-sample group rule (``modal_rl.sandboxes.groups``) for verl's advantage estimators.
+"""The masked-sample group rule (``modal_rl.reward_groups``) for verl's advantage estimators.
 
 verl 0.9.1 computes group-relative advantages from ``uid`` groups; a masked sample
 (``verl_modal.sample_mask``: all-zero ``response_mask``) still has a row, and a group whose other
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from modal_rl.sandboxes.groups import counted
+from modal_rl.reward_groups import counted
 
 TARGET = "verl.trainer.ppo.core_algos"
 # Estimators that compare a row with its uid group (verl 0.9.1's registry, by name).
