@@ -13,7 +13,15 @@ frameworks score the same sample identically:
   reason (a dataset problem: no program can pass or fail them);
 - it never raises for one sample's trouble, so a batch scored with ``asyncio.gather`` keeps
   every other sample's score; an unexpected error is logged with its traceback and masks
-  (``cause="internal"``).
+  (``cause="internal"``);
+- ``program_decides``: how many of the sample's checks rested on the program's own methods
+  (``==`` of two program objects, a program ``__bool__``), as the test runner counted them;
+  reported per sample by both adapters, never changing the score.
+
+Each adapter hands this result to its framework in the framework's own way, with the same mask
+causes: verl's ``compute_score`` returns it as the score dict (mask flags and ``mask_cause``
+included), slime's ``reward_func`` sets ``remove_sample`` and keeps it in
+``sample.metadata["modal_rl_reward"]``.
 """
 
 from __future__ import annotations
@@ -39,9 +47,18 @@ class SampleScore:
     masked: bool = False
     cause: str | None = None  # masked: "sandbox", "bad_tests" or "internal"
     why: str | None = None  # masked: one line
+    program_decides: int = 0  # checks the program's own methods decided (never scored differently)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def log_mask(result: SampleScore, sample: object) -> None:
+    """Say why ``sample`` is masked: a dataset problem (``bad_tests``) at ERROR, an error to fix;
+    a sandbox failure (or our own) at WARNING, weather. Nothing for a scored sample."""
+    if result.masked:
+        level = logging.ERROR if result.cause == "bad_tests" else logging.WARNING
+        log.log(level, "sample %s masked (%s): %s", sample, result.cause, result.why)
 
 
 def _masked(cause: str, why: str) -> SampleScore:
@@ -81,4 +98,5 @@ async def score_sample(
         log.exception("scoring a sample failed")
         return _masked("internal", f"internal error while scoring: {type(exc).__name__}: {exc}")
     score = result.fraction if partial else float(result.all_passed)
-    return SampleScore(score, result.passed, result.total, result.execs)
+    decides = int(getattr(result, "program_decides", 0) or 0)
+    return SampleScore(score, result.passed, result.total, result.execs, program_decides=decides)
