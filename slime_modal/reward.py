@@ -28,7 +28,6 @@ Pool settings: ``slime_modal.config``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -41,22 +40,14 @@ METADATA_KEY = "modal_rl_reward"
 
 
 def sample_tests(sample: Any) -> Any:
-    """The test cases of ``sample`` in a form ``coderun.parse_tests`` accepts."""
+    """The test cases of ``sample`` as ``score_sample`` takes them (``scoring.test_spec``)."""
     meta = sample.metadata if isinstance(sample.metadata, dict) else {}
     if meta.get("tests") is not None:
         return meta["tests"]
     label = sample.label
     if label is None or label == "":
         raise ValueError(f"sample {sample.index}: no test cases in sample.metadata['tests'] or sample.label")
-    if not isinstance(label, str):
-        return label
-    try:
-        spec = json.loads(label)
-    except ValueError:
-        spec = None
-    if isinstance(spec, dict | list):
-        return spec
-    return [{"input": "", "output": label}]  # plain text: the expected stdout
+    return label
 
 
 async def _score(args: Any, sample: Any) -> float:

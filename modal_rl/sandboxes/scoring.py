@@ -4,6 +4,9 @@
 manager) and ``slime_modal.reward`` (``reward_func``, ``batched_reward_func``) call, so both
 frameworks score the same sample identically:
 - the program is the last fenced code block of the response (``coderun.extract_code``);
+- the tests are a test spec (``coderun.parse_tests``), or its JSON text; any other non-empty
+  text is the expected standard output of the program run with empty standard input (one
+  case: :func:`test_spec`), so a dataset's plain answer field means the same in both frameworks;
 - ``partial``: the fraction of test units passed, over *all* of them (stdin/stdout cases are
   all run); otherwise 1.0 only if every unit passed;
 - a sandbox failure (``SandboxError``: none could be started, it was lost from outside, it
@@ -26,6 +29,7 @@ included), slime's ``reward_func`` sets ``remove_sample`` and keeps it in
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -53,6 +57,18 @@ class SampleScore:
         return asdict(self)
 
 
+def test_spec(tests: Any) -> Any:
+    """A dataset's test field as ``parse_tests`` takes it (module docstring); text that is not a
+    JSON object or list becomes one stdin/stdout case. Anything else is returned as is."""
+    if not isinstance(tests, str) or not tests.strip():
+        return tests
+    try:
+        spec = json.loads(tests)
+    except ValueError:
+        spec = None
+    return spec if isinstance(spec, dict | list) else [{"input": "", "output": tests}]
+
+
 def log_mask(result: SampleScore, sample: object) -> None:
     """Say why ``sample`` is masked: a dataset problem (``bad_tests``) at ERROR, an error to fix;
     a sandbox failure (or our own) at WARNING, weather. Nothing for a scored sample."""
@@ -76,6 +92,7 @@ async def score_sample(
 ) -> SampleScore:
     """Score one sample. ``pool`` is a pool, or an async callable returning one (a shared pool
     made on first use). Never raises for the sample's own trouble (see the module docstring)."""
+    tests = test_spec(tests)
     try:
         parse_tests(tests)
     except ValueError as exc:
