@@ -168,14 +168,24 @@ for name in ("grpo", "rloo"):
     )
     res = compute_advantage(batch, adv_estimator=name, config=AlgoConfig())
     out[name] = res.batch["advantages"].tolist()
+# the V1 trainer's path: GRPO over each session's final output, keys "{uid}_{session}_{index}"
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+batch = DataProto.from_dict(
+    tensors={"token_level_rewards": torch.tensor(data[0]), "response_mask": torch.tensor(data[1])},
+    non_tensors={"uid": np.array(data[2], dtype=object)},
+)
+keys = [f"{u}_{i}_0" for i, u in enumerate(data[2])]
+res = compute_advantage_for_multi_trajectories(batch, keys, adv_estimator="grpo", config=AlgoConfig())
+out["v1"] = res.batch["advantages"].tolist()
 out["wrapped"] = bool(getattr(core_algos.get_adv_estimator_fn("grpo"), "__wrapped__", None))
 print(json.dumps(out))
 """
 
 
 def test_trainer_path_in_a_fresh_interpreter_uses_the_rule():
-    """verl's own ``compute_advantage`` (GRPO by module name, RLOO through the registry), with
-    the rule installed by the ``verl.plugins`` entry point alone."""
+    """verl's own ``compute_advantage`` (GRPO by module name, RLOO through the registry) and the
+    V1 trainer's ``compute_advantage_for_multi_trajectories``, with the rule installed by the
+    ``verl.plugins`` entry point alone."""
     rewards, masks, uids, masked = batch(own_uid_for_masked=True)
     arg = json.dumps([rewards.tolist(), masks.tolist(), list(uids)])
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -185,9 +195,11 @@ def test_trainer_path_in_a_fresh_interpreter_uses_the_rule():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["wrapped"]
-    for name in ("grpo", "rloo"):
+    for name in ("grpo", "rloo", "v1"):
         adv = torch.tensor(out[name])
-        want, _ = call(core_algos.get_adv_estimator_fn(name), rewards, masks, uids)
+        want, _ = call(
+            core_algos.get_adv_estimator_fn("rloo" if name == "rloo" else "grpo"), rewards, masks, uids
+        )
         torch.testing.assert_close(adv, want)
         assert not adv[12].any()  # the lone survivor
         assert adv[:4].abs().sum() > 0  # the full group still learns

@@ -86,7 +86,9 @@ def wrap(estimator: Callable) -> Callable:
         rewards, mask = params["token_level_rewards"], params["response_mask"]
         index = params.get("index")
         valid = (mask != 0).any(dim=-1).cpu()
-        groups = list(index) if index is not None else [0] * len(valid)
+        # group ids as Python values: a tensor's elements hash by identity (a group each)
+        groups = index.tolist() if hasattr(index, "tolist") else list(index) if index is not None else None
+        groups = groups if groups is not None else [0] * len(valid)
         keep = torch.tensor(counted(groups, valid.tolist()), dtype=torch.bool)
         if bool(keep.all()):
             return estimator(**params)
