@@ -19,7 +19,8 @@ scripts build (``slime/utils/external_utils/command_utils.py``, the examples' ru
 - on Modal, ``MODAL_RL_SANDBOX_BACKEND=modal`` (``slime_modal.reward``'s sandboxes).
 
 A ``--env`` value always wins over these defaults. The user's slime argv is passed through
-unchanged except for one documented addition (:func:`with_volume_hooks`).
+unchanged except for two documented additions (:func:`with_volume_hooks`,
+:func:`with_reward_groups`), each only where the user named no function of their own.
 """
 
 from __future__ import annotations
