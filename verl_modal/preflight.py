@@ -7,9 +7,9 @@ Order (the first failure is the one reported, as one line):
    filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
 3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
    is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
-4. a group-relative advantage estimator (GRPO, RLOO, ...) draws at least two samples per prompt
-   (``rollout.n``): under our group rule a lone sample's advantage is 0;
-   then the GPUs the config asks for fit the cluster;
+4. the caller's checks (inputs that must exist), then a group-relative advantage estimator
+   (GRPO, RLOO, ...) draws at least two samples per prompt (``rollout.n``: under our group rule a
+   lone sample's advantage is 0), then the GPUs the config asks for fit the cluster;
 5. verl's own ``validate_config`` (batch sizes, parallelism, strategy).
 
 Steps 1-4 need no verl import and fail in about a second; step 5 imports verl (torch and
@@ -370,9 +370,9 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     config = compose(overrides)
     check_mandatory(config)
     check_off_cluster_weights(config)
-    check_group_size(config)
     for check in checks:
         check(config)
+    check_group_size(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
     validate(config)
     return config
