@@ -19,7 +19,7 @@ failed after retries; ``bad_tests``, no tests or tests that are no test spec; ``
 own error) gets ``sample.remove_sample = True``, which zeroes its loss mask in slime, scores
 0.0 (a placeholder: ``slime_modal.reward_groups`` keeps it out of its siblings' group
 statistics), and its cause is logged; the other samples of a batch keep their scores. Every
-scored sample carries ``score_sample``'s whole answer in ``sample.metadata["modal_rl_reward"]``
+sample, scored or masked, carries ``score_sample``'s whole answer in ``sample.metadata["modal_rl_reward"]``
 (``score``, ``passed``, ``total``, ``execs``, ``program_decides``, ``masked``, ``cause``,
 ``why``), the fields verl's ``compute_score`` returns.
 Pool settings: ``slime_modal.config``.
@@ -28,14 +28,12 @@ Pool settings: ``slime_modal.config``.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from modal_rl.sandboxes.scoring import SampleScore, log_mask, score_sample
 from modal_rl.sandboxes.shared import on_pool_loop
 from slime_modal.config import reward_settings, rollout_pool
 
-log = logging.getLogger(__name__)
 METADATA_KEY = "modal_rl_reward"
 
 

@@ -24,14 +24,14 @@ Invariants:
   ``reward_score`` of a masked sample is a placeholder that no loss term reads. An explicit
   ``custom_reward_function`` that raises ``SandboxError`` is masked the same way;
 - with a metrics dir, ``sandbox-reward-<pid>.json`` there is rewritten atomically after every
-  sample: ``samples``, ``execs`` (programs run), ``sandbox_errors`` and the pool's snapshot.
+  sample: ``samples`` (scored), ``execs`` (programs run), ``sandbox_errors``, ``masked_other``
+  and the pool's snapshot.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -44,7 +44,6 @@ from modal_rl.sandboxes.shared import shared_pool
 from verl_modal import reward as sandbox_reward
 from verl_modal.sample_mask import CAUSE_KEY, MASK_KEY, reward_extra_info_flags
 
-log = logging.getLogger("verl_modal")
 NAME = "modal_sandbox"
 METRICS_ENV = "MODAL_RL_SANDBOX_METRICS_DIR"
 OPTION_KEYS = (*sandbox_reward.POOL_KEYS, *sandbox_reward.SCORE_KEYS)
