@@ -168,6 +168,8 @@ def _main(argv: list[str]) -> int:
 
         check_modal_access()  # after the preflight (a second, no slime import), before any Modal call
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
+    job_argv, grouped = L.with_reward_groups(job_argv)
+    hooks += grouped
     runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
     engine_opts = {

@@ -19,7 +19,8 @@ scripts build (``slime/utils/external_utils/command_utils.py``, the examples' ru
 - on Modal, ``MODAL_RL_SANDBOX_BACKEND=modal`` (``slime_modal.reward``'s sandboxes).
 
 A ``--env`` value always wins over these defaults. The user's slime argv is passed through
-unchanged except for one documented addition (:func:`with_volume_hooks`).
+unchanged except for two documented additions (:func:`with_volume_hooks`,
+:func:`with_reward_groups`), each only where the user named no function of their own.
 """
 
 from __future__ import annotations
@@ -97,4 +98,18 @@ def with_volume_hooks(argv: list[str], mounts: list[str]) -> tuple[list[str], li
         added += [POST_WRITE_FLAG, POST_WRITE_HOOK]
     if not args.has(PRE_READ_FLAG):
         added += [PRE_READ_FLAG, PRE_READ_HOOK]
+    return [*argv, *added], added
+
+
+def with_reward_groups(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv, added)``: with our sandboxed reward (``--custom-rm-path slime_modal.reward...``),
+    append our reward post-processing (``slime_modal.reward_groups``: masked samples move no
+    sibling's group statistics), unless the user chose a post-process function of their own."""
+    from slime_modal import reward_groups
+
+    args = SlimeArgs(argv)
+    rm_path = args.get("--custom-rm-path") or ""
+    if not rm_path.startswith("slime_modal.reward.") or args.has(reward_groups.FLAG):
+        return list(argv), []
+    added = [reward_groups.FLAG, reward_groups.PATH]
     return [*argv, *added], added

@@ -11,46 +11,41 @@ is none). The test cases are ``sample.metadata["tests"]`` if present, else ``sam
 - any other text (not a JSON object or list) is the expected standard output of the program run
   with empty standard input (one test case).
 
-Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path verl's reward uses too: 1.0 if
-every test passes, else 0.0; with ``modal_rl_reward.partial`` (custom config) or
-``MODAL_RL_REWARD_PARTIAL=1``, the fraction passed over all tests. A sample with no tests (or
-tests that are no test spec), and a sample whose sandbox fails to start or dies, is masked
-(``sample.remove_sample = True``, which zeroes its loss mask in slime; the reason is logged) and
-scores 0.0, which then carries no signal; the other samples of a batch keep their scores.
+Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path verl's reward uses too, and
+returned as slime takes a reward: 1.0 if every test passes, else 0.0; with
+``modal_rl_reward.partial`` (custom config) or ``MODAL_RL_REWARD_PARTIAL=1``, the fraction
+passed over all tests. A masked sample (``score_sample``'s causes: ``sandbox``, its sandbox
+failed after retries; ``bad_tests``, no tests or tests that are no test spec; ``internal``, our
+own error) gets ``sample.remove_sample = True``, which zeroes its loss mask in slime, scores
+0.0 (a placeholder: ``slime_modal.reward_groups`` keeps it out of its siblings' group
+statistics), and its cause is logged; the other samples of a batch keep their scores. Every
+sample, scored or masked, carries ``score_sample``'s whole answer in ``sample.metadata["modal_rl_reward"]``
+(``score``, ``passed``, ``total``, ``execs``, ``program_decides``, ``masked``, ``cause``,
+``why``), the fields verl's ``compute_score`` returns.
 Pool settings: ``slime_modal.config``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 from typing import Any
 
-from modal_rl.sandboxes.scoring import score_sample
+from modal_rl.sandboxes.scoring import SampleScore, log_mask, score_sample
 from modal_rl.sandboxes.shared import on_pool_loop
 from slime_modal.config import reward_settings, rollout_pool
 
-log = logging.getLogger(__name__)
+METADATA_KEY = "modal_rl_reward"
 
 
 def sample_tests(sample: Any) -> Any:
-    """The test cases of ``sample`` in a form ``coderun.parse_tests`` accepts."""
+    """The test cases of ``sample`` as ``score_sample`` takes them (``scoring.test_spec``)."""
     meta = sample.metadata if isinstance(sample.metadata, dict) else {}
     if meta.get("tests") is not None:
         return meta["tests"]
     label = sample.label
     if label is None or label == "":
         raise ValueError(f"sample {sample.index}: no test cases in sample.metadata['tests'] or sample.label")
-    if not isinstance(label, str):
-        return label
-    try:
-        spec = json.loads(label)
-    except ValueError:
-        spec = None
-    if isinstance(spec, dict | list):
-        return spec
-    return [{"input": "", "output": label}]  # plain text: the expected stdout
+    return label
 
 
 async def _score(args: Any, sample: Any) -> float:
@@ -58,22 +53,25 @@ async def _score(args: Any, sample: Any) -> float:
     try:
         tests = sample_tests(sample)
     except ValueError as exc:
-        log.error("sample %s masked: %s", sample.index, exc)
-        sample.remove_sample = True
-        return 0.0
+        result = SampleScore(0.0, masked=True, cause="bad_tests", why=str(exc)[:300])
+    else:
 
-    async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
-        return await score_sample(
-            lambda: rollout_pool(args), sample.response, tests, partial=partial, timeout_s=timeout_s
-        )
+        async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
+            return await score_sample(
+                lambda: rollout_pool(args), sample.response, tests, partial=partial, timeout_s=timeout_s
+            )
 
-    result = await on_pool_loop(run())
-    if result.masked:  # a dataset problem is an error to fix; a sandbox failure is weather
-        (log.error if result.cause == "bad_tests" else log.warning)(
-            "sample %s masked: %s", sample.index, result.why
-        )
+        result = await on_pool_loop(run())
+    return as_slime_reward(result, sample)
+
+
+def as_slime_reward(result: SampleScore, sample: Any) -> float:
+    """``score_sample``'s answer on slime's ``sample`` (module docstring); returns the reward."""
+    if isinstance(sample.metadata, dict):  # slime's Sample always has one
+        sample.metadata[METADATA_KEY] = result.as_dict()
+    if result.masked:
+        log_mask(result, sample.index)
         sample.remove_sample = True
-        return 0.0
     return result.score
 
 

@@ -99,3 +99,12 @@ async def failing_pool(*args, **kw) -> SandboxPool:
         log_interval_s=0,
         handle_signals=False,
     )
+
+
+class PermanentlyFailingProvider(FailingProvider):
+    """Every create fails for good (an image that does not exist), built from pool settings."""
+
+    name = "permanently-failing"
+
+    def __init__(self):
+        super().__init__(transient=False)

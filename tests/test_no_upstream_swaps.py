@@ -36,6 +36,12 @@ ALLOWED = {
     ("verl_modal/cpu/patches.py", "cls.pause_generation"): "until patches/verl-main/0001 is in verl",
     ("verl_modal/cpu/patches.py", "ext._update_weights"): "CPU-only vLLM reload; no upstream seam proposed",
     ("verl_modal/sample_mask.py", "cls._compute_score"): "until patches/verl-main/0005 is in verl",
+    # verl's compute_advantage calls GRPO by this module name, not through its estimator
+    # registry (every other estimator is wrapped in the registry itself); no seam proposed yet.
+    (
+        "verl_modal/group_advantage.py",
+        "core_algos.compute_grpo_outcome_advantage",
+    ): "GRPO is called by module name in verl's compute_advantage",
     # Method wraps with no seam proposed yet (the original always runs first): verl's trainer
     # drops the sync numbers a checkpoint engine returns in one of its modes, and its tracker
     # takes no extra per-step metrics from a plugin (issue 40; docs/report.md).

@@ -65,8 +65,9 @@ def test_sandbox_numbers_are_per_step_counters_and_pool_gauges():
 
 
 def test_masks_by_cause_and_engine_recovery():
-    assert n.masked(["sandbox", "engine", "sandbox"]) == {
-        n.MASK + "samples": 3.0, n.MASK + "sandbox": 2.0, n.MASK + "engine": 1.0}  # fmt: skip
+    assert n.masked(["sandbox", "engine", "sandbox", "bad_tests"]) == {
+        n.MASK + "samples": 4.0, n.MASK + "sandbox": 2.0, n.MASK + "bad_tests": 1.0, n.MASK + "internal": 0.0,
+        n.MASK + "engine": 1.0}  # fmt: skip
     events = [{"kind": "lost"}, {"kind": "replaced"}, {"kind": "serving", "recovery_s": 4.5},
               {"kind": "serving", "recovery_s": 9.0}]  # fmt: skip
     assert n.engines(events) == {n.ENG + "replacements": 1.0, n.ENG + "lost": 1.0, n.ENG + "recovery_s": 9.0}

@@ -47,7 +47,11 @@ def verl_scores(partial: bool) -> dict:
 
     out = asyncio.run(main())
     no_processes_left()
-    return {k: v if isinstance(v, BaseException) else v["score"] for k, v in out.items()}
+    # a masked sample is a flagged result in verl (sandbox_masked), remove_sample in slime
+    return {
+        k: v if isinstance(v, BaseException) else "masked" if v["sandbox_masked"] else v["score"]
+        for k, v in out.items()
+    }
 
 
 @functools.cache

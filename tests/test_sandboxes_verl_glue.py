@@ -18,7 +18,6 @@ from verl.tools.base_tool import BaseTool  # noqa: E402
 from verl.tools.tool_registry import initialize_tools_from_config  # noqa: E402
 from verl.trainer.ppo.reward import get_custom_reward_fn  # noqa: E402
 
-from modal_rl.sandboxes import SandboxError  # noqa: E402
 from modal_rl.sandboxes.shared import close_shared_pools  # noqa: E402
 
 pytestmark = needs_bwrap
@@ -94,18 +93,27 @@ def test_reward_loads_as_async_custom_reward_function():
         return good, bad, asserts
 
     good, bad, asserts = asyncio.run(main())
-    assert good == {"score": 1.0, "passed": 2, "total": 2, "execs": 2}
+    assert good == {
+        "score": 1.0,
+        "passed": 2,
+        "total": 2,
+        "execs": 2,
+        "program_decides": 0,
+        "mask_cause": "",
+        "sandbox_masked": 0,
+    }
     assert bad["score"] == 0.0 and bad["passed"] == 0 and bad["execs"] == 1  # stops at the first failure
     assert asserts["score"] == 1.0
     no_processes_left()
 
 
 def test_reward_never_scores_a_broken_sandbox(monkeypatch):
+    """A broken sandbox is a masked sample with its cause, returned (never raised, never a score)."""
     import verl_modal.reward as reward
 
     monkeypatch.setattr(reward, "shared_pool", failing_pool)
-    with pytest.raises(SandboxError):
-        asyncio.run(reward.compute_score("x", GOOD, TESTS, {}, sandbox_retries=1))
+    out = asyncio.run(reward.compute_score("x", GOOD, TESTS, {}, sandbox_retries=1))
+    assert out["sandbox_masked"] == 1 and out["mask_cause"] == "sandbox" and out["score"] == 0.0
 
 
 def test_tool_reports_broken_sandbox_without_reward(monkeypatch):

@@ -17,6 +17,7 @@ from test_slime_launch import launcher
 
 from modal_rl.cluster import procs
 from modal_rl.cluster.backend_local import LOOPBACK
+from slime_modal.launch import with_reward_groups
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,10 @@ def test_probe_runs_as_the_job_on_two_nodes_with_exact_argv_and_nothing_left(tmp
     assert "probe done" in out.stdout  # rank 0 streamed the job's log
     record = json.loads(out_file.read_text())
 
-    assert record["argv"] == args  # byte for byte, through argparse, shlex, Ray and the shell
+    # byte for byte, through argparse, shlex, Ray and the shell; our reward brings its documented
+    # post-processing flag (slime_modal.reward_groups)
+    argv, added = with_reward_groups(args)
+    assert added and record["argv"] == argv
     assert record["alive_nodes"] == 2 and record["node_ips"] == [LOOPBACK, LOOPBACK]
     env = record["env"]
     assert env["SLIME_HOST_IP"] == env["MASTER_ADDR"] == LOOPBACK

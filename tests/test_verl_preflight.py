@@ -42,6 +42,18 @@ def test_unknown_key_is_named():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused(estimator):
+    """Under the group rule a sample without a sibling gets advantage 0: n=1 would learn nothing."""
+    line = [*VERL_LINE, f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]
+    with pytest.raises(pf.VerlPreflightError) as err:
+        pf.preflight(TWO_BY_EIGHT, CLUSTER + line)
+    assert f"algorithm.adv_estimator={estimator}" in str(err.value) and "rollout.n=2" in str(err.value)
+    pf.check_group_size(pf.compose(CLUSTER + [*line[:-1], "actor_rollout_ref.rollout.n=2"]))
+    gae = [*VERL_LINE, "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1"]
+    pf.check_group_size(pf.compose(CLUSTER + gae))  # no groups: n=1 is fine
+
+
 def test_plus_adds_a_key_on_purpose():
     config = pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + ["+trainer.my_note=hello"])
     assert config.trainer.my_note == "hello"

@@ -7,7 +7,9 @@ Order (the first failure is the one reported, as one line):
    filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
 3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
    is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
-4. the GPUs the config asks for fit the cluster;
+4. the caller's checks (inputs that must exist), then a group-relative advantage estimator
+   (GRPO, RLOO, ...) draws at least two samples per prompt (``rollout.n``: under our group rule a
+   lone sample's advantage is 0), then the GPUs the config asks for fit the cluster;
 5. verl's own ``validate_config`` (batch sizes, parallelism, strategy).
 
 Steps 1-4 need no verl import and fail in about a second; step 5 imports verl (torch and
@@ -231,6 +233,24 @@ def check_off_cluster_weights(config) -> None:
         raise VerlPreflightError(problem)
 
 
+def check_group_size(config) -> None:
+    """A group-relative estimator with one sample per prompt has no baseline: under the group
+    rule (``verl_modal.group_advantage``) every advantage would be 0 and the run would learn
+    nothing (verl alone would train on raw scores)."""
+    from omegaconf import OmegaConf
+
+    from verl_modal.group_advantage import GROUPED
+
+    estimator = str(OmegaConf.select(config, "algorithm.adv_estimator", default=""))
+    n = OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1)
+    if estimator in GROUPED and isinstance(n, int) and n < 2:
+        raise VerlPreflightError(
+            f"algorithm.adv_estimator={estimator} compares each sample with the others of its prompt, "
+            f"and actor_rollout_ref.rollout.n={n} draws one: every advantage would be 0; set "
+            "actor_rollout_ref.rollout.n=2 or more"
+        )
+
+
 def _kind(value) -> str | None:
     """What kind of value verl's default is, for the type check; None: anything goes."""
     if isinstance(value, bool):
@@ -352,6 +372,7 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     check_off_cluster_weights(config)
     for check in checks:
         check(config)
+    check_group_size(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
     validate(config)
     return config

@@ -5,28 +5,50 @@
     +reward.custom_reward_function.reward_kwargs.backend=local
 
 ``ground_truth`` holds the test cases (see ``modal_rl.sandboxes.coderun.parse_tests``).
-Returns ``{"score": 1.0/0.0 (or the pass fraction with partial=True), "passed", "total",
-"execs"}`` (``execs``: programs run in the sandbox). By name, the same scoring is verl's
-``reward.reward_manager.name=modal_sandbox`` (``verl_modal.reward_manager``).
+By name, the same scoring is verl's ``reward.reward_manager.name=modal_sandbox``
+(``verl_modal.reward_manager``).
 
-Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path slime's reward uses too. Sandbox
-failures never become a reward: a failed evaluation is retried with a fresh sandbox
-(``sandbox_retries``), and if the infrastructure still fails a ``SandboxError`` is raised (tests
-that are no test spec: a ``ValueError`` naming the problem).
-The ``modal_sandbox`` manager turns it into a masked sample (``verl_modal.sample_mask``); any
-other manager fails the sample's group with it.
+Scored by ``modal_rl.sandboxes.scoring.score_sample``, the path slime's reward uses too, and
+returned as verl takes a score function's answer: a dict whose ``score`` is the reward and
+whose other keys verl's reward managers put in ``reward_extra_info`` (one per sample, the same
+keys for every sample):
+
+- ``score`` (1.0/0.0, or the pass fraction with ``partial=True``), ``passed``, ``total``,
+  ``execs`` (programs run in the sandbox), ``program_decides`` (checks the program's own
+  methods decided);
+- the mask: ``sandbox_masked`` (1 or 0, and verl's own invalid-sample key where the installed
+  verl has one: ``verl_modal.sample_mask.reward_extra_info_flags``) and ``mask_cause``
+  (``sandbox``, ``bad_tests``, ``internal``, or ``""``).
+
+A masked sample is never a score: its ``score`` is a placeholder 0.0, and verl's agent loop (with
+``verl_modal.sample_mask`` installed by our ``verl.plugins`` entry point, or verl's own seam)
+takes it out of the loss; the group rule (``verl_modal.group_advantage``) keeps it out of its
+siblings' advantages. It never raises for one sample's trouble.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from modal_rl.sandboxes.errors import SandboxError
-from modal_rl.sandboxes.scoring import score_sample
+from modal_rl.sandboxes.scoring import SampleScore, log_mask, score_sample
 from modal_rl.sandboxes.shared import shared_pool
+from verl_modal.sample_mask import CAUSE_KEY, reward_extra_info_flags
 
 POOL_KEYS = ("backend", "image", "min_warm", "max_live", "memory_mb", "network", "app", "timeout_s", "cpu")
 SCORE_KEYS = ("exec_timeout_s", "partial", "sandbox_retries")
+
+
+def as_verl_result(result: SampleScore) -> dict:
+    """``score_sample``'s answer as verl's score-function dict (module docstring)."""
+    return {
+        "score": result.score,
+        "passed": result.passed,
+        "total": result.total,
+        "execs": result.execs,
+        "program_decides": result.program_decides,
+        CAUSE_KEY: (result.cause or "") if result.masked else "",
+        **reward_extra_info_flags(result.masked),
+    }
 
 
 async def compute_score(
@@ -49,8 +71,5 @@ async def compute_score(
         timeout_s=exec_timeout_s,
         sandbox_retries=sandbox_retries,
     )
-    if result.masked and result.cause == "bad_tests":
-        raise ValueError(result.why)
-    if result.masked:  # the modal_sandbox manager masks it; any other manager fails the group
-        raise SandboxError(result.why)
-    return {"score": result.score, "passed": result.passed, "total": result.total, "execs": result.execs}
+    log_mask(result, (extra_info or {}).get("index", "?") if isinstance(extra_info, dict) else "?")
+    return as_verl_result(result)

@@ -16,20 +16,22 @@ registry (and so torch and transformers), which is why ``import verl`` does not 
 
 Invariants:
 - unknown ``reward_kwargs`` are an error when the manager is built, not at the first sample;
-- a sandbox infrastructure failure is never a score: after ``sandbox_retries`` fresh sandboxes
-  the sample is answered with ``reward_extra_info["sandbox_masked"] = 1`` (every scored sample
-  carries ``0``) and counted in ``sandbox_errors``; ``verl_modal.sample_mask`` then takes it out
-  of the loss (zero response mask, a GRPO group of its own). The ``reward_score`` of a masked
-  sample is a placeholder that no loss term reads;
+- a masked sample is never a score: ``compute_score`` answers it with
+  ``reward_extra_info["sandbox_masked"] = 1`` and its cause in ``mask_cause`` (every scored
+  sample carries ``0`` and ``""``), counted in ``sandbox_errors`` (cause ``sandbox``) or
+  ``masked_other`` (``bad_tests``, ``internal``); ``verl_modal.sample_mask`` then takes it out
+  of the loss and ``verl_modal.group_advantage`` out of its siblings' advantages. The
+  ``reward_score`` of a masked sample is a placeholder that no loss term reads. An explicit
+  ``custom_reward_function`` that raises ``SandboxError`` is masked the same way;
 - with a metrics dir, ``sandbox-reward-<pid>.json`` there is rewritten atomically after every
-  sample: ``samples``, ``execs`` (programs run), ``sandbox_errors`` and the pool's snapshot.
+  sample: ``samples`` (scored), ``execs`` (programs run), ``sandbox_errors``, ``masked_other``
+  and the pool's snapshot.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -37,11 +39,11 @@ from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManage
 from verl.experimental.reward_loop.reward_manager.registry import register
 
 from modal_rl.sandboxes.errors import SandboxError
+from modal_rl.sandboxes.scoring import SampleScore, log_mask
 from modal_rl.sandboxes.shared import shared_pool
 from verl_modal import reward as sandbox_reward
-from verl_modal.sample_mask import reward_extra_info_flags
+from verl_modal.sample_mask import CAUSE_KEY, MASK_KEY, reward_extra_info_flags
 
-log = logging.getLogger("verl_modal")
 NAME = "modal_sandbox"
 METRICS_ENV = "MODAL_RL_SANDBOX_METRICS_DIR"
 OPTION_KEYS = (*sandbox_reward.POOL_KEYS, *sandbox_reward.SCORE_KEYS)
@@ -73,7 +75,7 @@ class SandboxRewardManager(NaiveRewardManager):
         if not custom:  # verl passed its data-source dispatcher, which knows no code task
             compute_score = functools.partial(sandbox_reward.compute_score, **options)
         super().__init__(config, tokenizer, compute_score, reward_router_address, reward_model_tokenizer)
-        self.counts = {"samples": 0, "execs": 0, "sandbox_errors": 0}
+        self.counts = {"samples": 0, "execs": 0, "sandbox_errors": 0, "masked_other": 0}
 
     async def run_single(self, data) -> dict:
         try:
@@ -82,9 +84,14 @@ class SandboxRewardManager(NaiveRewardManager):
             self.counts["sandbox_errors"] += 1
             await self._write_metrics()
             return masked_result(exc)
-        out["reward_extra_info"].update(reward_extra_info_flags(False))
-        self.counts["samples"] += 1
-        self.counts["execs"] += int(out["reward_extra_info"].get("execs", 0))
+        info = out["reward_extra_info"]
+        for key, value in reward_extra_info_flags(False).items():  # a custom function's result
+            info.setdefault(key, value)
+        if info[MASK_KEY]:
+            self.counts["sandbox_errors" if info.get(CAUSE_KEY) == "sandbox" else "masked_other"] += 1
+        else:
+            self.counts["samples"] += 1
+        self.counts["execs"] += int(info.get("execs", 0))
         await self._write_metrics()
         return out
 
@@ -101,7 +108,8 @@ class SandboxRewardManager(NaiveRewardManager):
 
 
 def masked_result(exc: BaseException) -> dict:
-    """The answer for a sample whose sandbox failed: flagged for the mask, keys as a scored one."""
-    info = {"score": 0.0, "passed": 0, "total": 0, "execs": 0, **reward_extra_info_flags(True)}
-    log.warning("sample masked: sandbox failure: %s", exc)
-    return {"reward_score": 0.0, "reward_extra_info": info}
+    """The answer for a sample whose score function raised ``SandboxError``: flagged for the
+    mask, with the keys ``compute_score`` gives every sample."""
+    result = SampleScore(0.0, masked=True, cause="sandbox", why=f"sandbox failure: {exc}"[:300])
+    log_mask(result, "?")
+    return {"reward_score": 0.0, "reward_extra_info": sandbox_reward.as_verl_result(result)}

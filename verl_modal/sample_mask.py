@@ -1,13 +1,19 @@
-"""Per-sample masking for verl 0.9.1: a sample whose sandbox failed is left out of the loss.
+"""Per-sample masking for verl 0.9.1: a masked sample is left out of the loss.
+
+A sample is masked when its reward cannot be known (its sandbox failed, its tests were no
+tests, our own error) or its engine died mid-request.
 
 verl 0.9.1 has no per-sample mask a reward manager can set: a manager returns a score and a
 ``reward_extra_info`` dict, and a manager that raises fails the sample's whole GRPO group in
 the agent loop. So the mask is two halves:
 
-- the ``modal_sandbox`` manager (``verl_modal.reward_manager``) answers a sample whose sandbox
-  infrastructure failed (after its retries) with ``reward_extra_info[MASK_KEY] = 1`` (every
-  other sample carries ``0``, so the keys agree across a batch); the ``modal_vllm`` replica
-  flags a sample whose engine died mid-request with ``extra_fields[ENGINE_MASK_KEY]``;
+- our reward (``verl_modal.reward.compute_score``, alone as a ``custom_reward_function`` or
+  inside the ``modal_sandbox`` manager, ``verl_modal.reward_manager``) answers a sample that
+  ``score_sample`` masked (its sandbox failed after retries, its tests were no tests, or our
+  own error) with ``reward_extra_info[MASK_KEY] = 1`` and the cause in
+  ``reward_extra_info[CAUSE_KEY]`` (every other sample carries ``0`` and ``""``, so the keys
+  agree across a batch); the ``modal_vllm`` replica flags a sample whose engine died
+  mid-request with ``extra_fields[ENGINE_MASK_KEY]``;
 - :func:`install` wraps verl's ``AgentLoopWorker._compute_score`` (the method that asks the
   reward worker and stores its answer on the trajectory) so that, on the V1 TransferQueue
   path (``AgentLoopWorkerTQ``, what ``main_ppo``'s V1 runner uses), a flagged trajectory gets
@@ -19,7 +25,10 @@ loss, entropy, KL; ``loss_mask = response_mask``) is aggregated over ``response_
 all-zero row adds nothing to numerator or denominator; and GRPO normalises rewards within a
 ``uid`` group, so a row moved to a group of its own does not shift its siblings' mean and
 std (the same two moves verl's own batch padding makes for its synthetic rows,
-``verl/trainer/ppo/padding_utils.py``). Tested with verl's own advantage and loss functions.
+``verl/trainer/ppo/padding_utils.py``, and verl's invalid-sample seam for its own). A sibling
+left alone by masked rows is a group of one, which verl would train on its raw score: the group
+rule (``verl_modal.group_advantage``) gives every row without a valid sibling advantage 0,
+whatever uid the masked rows carry. Tested with verl's own advantage and loss functions.
 
 On a verl whose V1 agent loop honours a reward result's own invalid-sample flag (the upstream
 seam ``patches/verl-main/0005``, seen by :func:`verl_modal.upstream.invalid_sample_key`), the
@@ -30,8 +39,8 @@ a reward result) and for the legacy agent loop, which verl's seam does not cover
 Invariants: :func:`install` is idempotent and only wraps (the original always runs first);
 the trajectory's TransferQueue key keeps its original uid, so verl's group bookkeeping is
 unchanged; on the legacy (non-TQ) agent loop the response mask is already padded into the
-batch when the score arrives, so a flagged sample raises ``SandboxError`` there instead -
-it is never scored.
+batch when the score arrives, so a flagged sample raises ``SandboxError`` there instead (naming
+the cause) - it is never scored.
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ from typing import Any
 from modal_rl.sandboxes.errors import SandboxError
 
 MASK_KEY = "sandbox_masked"
+# Why a reward result masks its sample: score_sample's cause ("sandbox", "bad_tests",
+# "internal"), "" for a scored sample.
+CAUSE_KEY = "mask_cause"
 # Set by the modal_vllm replica on a sample whose engine died mid-request (an empty, aborted
 # response): verl already pads it to a zero response mask; the own group keeps its
 # placeholder reward out of its siblings' GRPO statistics.
@@ -76,11 +88,13 @@ def is_flagged(outputs: list[Any], sandbox: bool = True) -> bool:
 
 def mask_cause(outputs: list[Any]) -> str | None:
     """Why the trajectory is left out of the loss: ``engine`` (its engine died mid-request),
-    ``sandbox`` (its sandbox failed after retries), or None."""
+    the reward's cause (``sandbox``, ``bad_tests``, ``internal``; ``sandbox`` from a reward
+    result that flags without one), or None."""
     extra = outputs[-1].extra_fields or {}
     if extra.get(ENGINE_MASK_KEY):
         return "engine"
-    return "sandbox" if (extra.get("reward_extra_info") or {}).get(MASK_KEY) else None
+    info = extra.get("reward_extra_info") or {}
+    return (info.get(CAUSE_KEY) or "sandbox") if info.get(MASK_KEY) else None
 
 
 def mask_trajectory(outputs: list[Any], kwargs: dict) -> str:
@@ -122,7 +136,7 @@ def install() -> None:
             return
         if not on_tq:
             raise SandboxError(
-                "sandbox failed while scoring a sample; verl's legacy agent loop cannot mask it "
+                f"a sample's reward is masked ({cause}); verl's legacy agent loop cannot mask it "
                 "(use the V1 trainer, which masks it)"
             )
         mask_trajectory(outputs, kwargs)

@@ -132,12 +132,13 @@ def sandbox(before: Mapping[str, dict], now: Mapping[str, dict]) -> dict[str, fl
     return out
 
 
-MASK_CAUSES = ("sandbox", "engine")
+MASK_CAUSES = ("sandbox", "bad_tests", "internal", "engine")
 
 
 def masked(causes: Iterable[str]) -> dict[str, float]:
     """Counters over this step: samples left out of the loss, in all and per cause
-    (``sandbox``: its sandbox failed after retries; ``engine``: its engine died mid-request)."""
+    (``sandbox``: its sandbox failed after retries; ``bad_tests``: its tests were no tests;
+    ``internal``: our own error while scoring it; ``engine``: its engine died mid-request)."""
     causes = list(causes)
     out = {MASK + "samples": float(len(causes))}
     out.update({MASK + c: float(sum(1 for x in causes if x == c)) for c in MASK_CAUSES})

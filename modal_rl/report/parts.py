@@ -29,8 +29,8 @@ def parts_dir() -> Path | None:
 
 
 def record_mask(cause: str) -> None:
-    """A sample left out of the loss (``cause``: ``sandbox`` or ``engine``); nothing without
-    a parts directory."""
+    """A sample left out of the loss (``cause``: ``engine``, or the reward's: ``sandbox``,
+    ``bad_tests``, ``internal``); nothing without a parts directory."""
     parts = parts_dir()
     if parts is None:
         return

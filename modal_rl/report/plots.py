@@ -21,7 +21,14 @@ from modal_rl.report.run_dir import RunData
 # Per-step reward and response length: verl's names, then slime's.
 REWARD_KEYS = ("critic/score/mean", "rollout/raw_reward", "rollout/rewards")
 LENGTH_KEYS = ("response_length/mean", "rollout/response_lengths", "rollout/response_len/mean")
-COLORS = {"anchor": "#d62728", "delta": "#1f77b4", "sandbox": "#ff7f0e", "engine": "#9467bd"}
+COLORS = {
+    "anchor": "#d62728",
+    "delta": "#1f77b4",
+    "sandbox": "#ff7f0e",
+    "bad_tests": "#8c564b",
+    "internal": "#7f7f7f",
+    "engine": "#9467bd",
+}
 
 
 def available() -> str | None:
@@ -149,7 +156,7 @@ def masked(run: RunData):
             continue
         xs = [s for s, _ in got]
         ax.bar(xs, [v for _, v in got], bottom=[bottom.get(s, 0.0) for s in xs], color=COLORS[cause],
-               label=f"{cause} failure")  # fmt: skip
+               label=cause.replace("_", " "))  # fmt: skip
         for s, v in got:
             bottom[s] = bottom.get(s, 0.0) + v
     if not any(bottom.values()):

@@ -4,6 +4,9 @@
 manager) and ``slime_modal.reward`` (``reward_func``, ``batched_reward_func``) call, so both
 frameworks score the same sample identically:
 - the program is the last fenced code block of the response (``coderun.extract_code``);
+- the tests are a test spec (``coderun.parse_tests``), or its JSON text; any other non-empty
+  text is the expected standard output of the program run with empty standard input (one
+  case: :func:`test_spec`), so a dataset's plain answer field means the same in both frameworks;
 - ``partial``: the fraction of test units passed, over *all* of them (stdin/stdout cases are
   all run); otherwise 1.0 only if every unit passed;
 - a sandbox failure (``SandboxError``: none could be started, it was lost from outside, it
@@ -13,11 +16,20 @@ frameworks score the same sample identically:
   reason (a dataset problem: no program can pass or fail them);
 - it never raises for one sample's trouble, so a batch scored with ``asyncio.gather`` keeps
   every other sample's score; an unexpected error is logged with its traceback and masks
-  (``cause="internal"``).
+  (``cause="internal"``);
+- ``program_decides``: how many of the sample's checks rested on the program's own methods
+  (``==`` of two program objects, a program ``__bool__``), as the test runner counted them;
+  reported per sample by both adapters, never changing the score.
+
+Each adapter hands this result to its framework in the framework's own way, with the same mask
+causes: verl's ``compute_score`` returns it as the score dict (mask flags and ``mask_cause``
+included), slime's ``reward_func`` sets ``remove_sample`` and keeps it in
+``sample.metadata["modal_rl_reward"]``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -39,9 +51,30 @@ class SampleScore:
     masked: bool = False
     cause: str | None = None  # masked: "sandbox", "bad_tests" or "internal"
     why: str | None = None  # masked: one line
+    program_decides: int = 0  # checks the program's own methods decided (never scored differently)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def test_spec(tests: Any) -> Any:
+    """A dataset's test field as ``parse_tests`` takes it (module docstring); text that is not a
+    JSON object or list becomes one stdin/stdout case. Anything else is returned as is."""
+    if not isinstance(tests, str) or not tests.strip():
+        return tests
+    try:
+        spec = json.loads(tests)
+    except ValueError:
+        spec = None
+    return spec if isinstance(spec, dict | list) else [{"input": "", "output": tests}]
+
+
+def log_mask(result: SampleScore, sample: object) -> None:
+    """Say why ``sample`` is masked: a dataset problem (``bad_tests``) at ERROR, an error to fix;
+    a sandbox failure (or our own) at WARNING, weather. Nothing for a scored sample."""
+    if result.masked:
+        level = logging.ERROR if result.cause == "bad_tests" else logging.WARNING
+        log.log(level, "sample %s masked (%s): %s", sample, result.cause, result.why)
 
 
 def _masked(cause: str, why: str) -> SampleScore:
@@ -59,6 +92,7 @@ async def score_sample(
 ) -> SampleScore:
     """Score one sample. ``pool`` is a pool, or an async callable returning one (a shared pool
     made on first use). Never raises for the sample's own trouble (see the module docstring)."""
+    tests = test_spec(tests)
     try:
         parse_tests(tests)
     except ValueError as exc:
@@ -81,4 +115,5 @@ async def score_sample(
         log.exception("scoring a sample failed")
         return _masked("internal", f"internal error while scoring: {type(exc).__name__}: {exc}")
     score = result.fraction if partial else float(result.all_passed)
-    return SampleScore(score, result.passed, result.total, result.execs)
+    decides = int(getattr(result, "program_decides", 0) or 0)
+    return SampleScore(score, result.passed, result.total, result.execs, program_decides=decides)
