@@ -22,7 +22,7 @@ from pathlib import Path
 from modal_rl.sandboxes.errors import SandboxError
 
 _HERE = Path(__file__).parent
-_PARTS = ("_plainwire", "_program", "_isolation", "_testforms", "_handles", "_runner")
+_PARTS = ("_valuekinds", "_plainwire", "_program", "_isolation", "_testforms", "_handles", "_runner")
 MAX_UNITS = 10_000
 # pytest and what it imports, and numpy (tests in EvalPlus's shape compare with it), bound
 # read-only into local sandboxes; the runner puts them on its path before it starts the program,
