@@ -32,6 +32,7 @@ import io
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
+from modal_rl.weightsync.catchup import CannotCatchUp, Held, Retained, catch_up
 from modal_rl.weightsync.codec.decode import ApplyResult, apply_frame
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import (
@@ -44,9 +45,7 @@ from modal_rl.weightsync.errors import (
 )
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
 from modal_rl.weightsync.wire.epoch import describe
-from modal_rl.weightsync.wire.frames import (
-    VersionHeader,
-)
+from modal_rl.weightsync.wire.frames import VersionHeader
 
 
 def frame_bytes(frame: bytes | bytearray | memoryview | Iterable[bytes]) -> bytes:
@@ -181,29 +180,30 @@ class VersionChain:
         return sorted(self._frames)
 
     def frames_since(self, version: int | None) -> list[bytes]:
-        """Frames that bring a peer at ``version`` (None: nothing) to the held version:
-        the deltas after it if they are all retained, else the last anchor and its deltas."""
-        path = self._path_to(self.version) if self.version is not None else []
-        if version is not None:
-            versions = [h.version for h, _ in path]
-            if version in versions:
-                return [data for h, data in path[versions.index(version) + 1 :]]
-        return [data for _, data in path]
+        """Frames that bring a peer at ``version`` of the held epoch (None: nothing) to the
+        held version, by the catch-up rule (``weightsync.catchup``): the deltas after it when
+        they follow it, else the last anchor and its deltas."""
+        held = None if version is None else Held(version, self.epoch)
+        plan = self._plan(held, self.version)
+        return [] if isinstance(plan, CannotCatchUp) else [data for _, data in plan]
 
-    def _path_to(self, version: int) -> list[tuple[VersionHeader, bytes]]:
-        path = []
-        v: int | None = version
-        while v is not None:
-            if v not in self._frames:
-                raise KeyError(f"version {v} is not retained (retained: {self.retained_versions})")
-            header, data = self._frames[v]
-            path.append((header, data))
-            v = header.base_version if header.kind == "delta" else None
-        return path[::-1]
+    def _plan(self, held: Held | None, upto: int | None) -> list[tuple[VersionHeader, bytes]] | CannotCatchUp:
+        """The retained frames ``catch_up`` gives a peer at ``held`` to reach ``upto``."""
+        frames = [self._frames[v] for v in self.retained_versions if upto is not None and v <= upto]
+        views = [
+            Retained(h.kind, h.version, h.epoch, h.base_version, 0, False, h.base_digest) for h, _ in frames
+        ]
+        plan = catch_up(held, views)
+        return plan if isinstance(plan, CannotCatchUp) else [frames[i] for i in plan]
 
     def rebuild(self, version: int) -> dict[str, Any]:
         """Fresh tensors of a retained version: its last anchor, then the deltas after it."""
+        if version not in self._frames:
+            raise KeyError(f"version {version} is not retained (retained: {self.retained_versions})")
+        plan = self._plan(None, version)
+        if isinstance(plan, CannotCatchUp):
+            raise KeyError(f"version {version} cannot be rebuilt from what is retained: {plan.reason}")
         scratch = VersionChain(self.config, retain=False, key=self.keys)
-        for _, data in self._path_to(version):
+        for _, data in plan:
             scratch.apply(data)
         return scratch.state

@@ -2,15 +2,15 @@
 
 A server retains the frames of its newest epoch back to its ``keep_anchors``-th newest anchor
 (``trim``), each as the records it sent. A receiver that connects says which version and
-epoch it holds; ``kept_since`` answers with the deltas after its version when it holds the
-server's epoch and they weigh less than the newest anchor's path, else that anchor and the
-deltas after it. Recovery anchors are retained for catch-up only, never broadcast.
+epoch it holds; ``kept_since`` answers by the catch-up rule (``weightsync.catchup``), weighing
+frames by their bytes. Recovery anchors are retained for catch-up only, never broadcast.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from modal_rl.weightsync.catchup import CannotCatchUp, Held, Retained, catch_up
 from modal_rl.weightsync.wire.frames import VersionHeader
 
 
@@ -38,25 +38,12 @@ def trim(retained: list[Kept], keep_anchors: int) -> None:
 
 
 def kept_since(retained: list[Kept], have: int | None, epoch: int | None) -> list[Kept]:
-    """What a receiver at ``(epoch, have)`` lacks, of the newest retained epoch (see
-    ``FrameServer.frames_since``)."""
-    if not retained:
-        return []
-    cur = retained[-1].header.epoch
-    kept = [k for k in retained if k.header.epoch == cur]
-    if epoch is not None and epoch > cur:
-        return []
-    same = epoch is None or epoch == cur
-    anchors = [i for i, k in enumerate(kept) if k.header.kind == "anchor"]
-    cold = [kept[anchors[-1]]] if anchors else []
-    if anchors:
-        cold += [k for k in kept[anchors[-1] + 1 :] if not k.recovery]
-    versions = [k.header.version for k in kept]
-    if same and have is not None and have in versions:
-        warm = [k for k in kept[versions.index(have) + 1 :] if not k.recovery]
-        if not cold or sum(k.size for k in warm) <= sum(k.size for k in cold):
-            return warm
-        return cold
-    if same and have is not None and versions and have >= versions[-1]:
-        return []
-    return cold
+    """What a receiver at ``(epoch, have)`` lacks, of the newest retained epoch (``catch_up``;
+    nothing when it cannot catch up from what is retained, e.g. it is ahead)."""
+    views = [
+        Retained(h.kind, h.version, h.epoch, h.base_version, k.size, k.recovery, h.base_digest)
+        for k in retained
+        for h in (k.header,)
+    ]
+    plan = catch_up(None if have is None else Held(have, epoch), views)
+    return [] if isinstance(plan, CannotCatchUp) else [retained[i] for i in plan]

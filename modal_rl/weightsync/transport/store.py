@@ -58,6 +58,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from modal_rl.weightsync.catchup import CannotCatchUp, Held, Retained, catch_up
 from modal_rl.weightsync.errors import RolledBackError, StoreFileError, WeightSyncError
 from modal_rl.weightsync.transport.base import FrameSink, FrameSource
 from modal_rl.weightsync.transport.lease import POINTER_FILE, StoreLease, read_pointer, signed_pointer
@@ -260,53 +261,33 @@ class DirectoryStore(FrameSink, FrameSource):
             log.warning("store file refused: %s", exc)
             raise
 
-    def _usable(self, paths: list[Path]) -> bool:
-        return not self._refused or all(_ident(p) not in self._refused for p in paths)
-
     def plan(
         self, have: int | None, epoch: int | None = None, floor: tuple[int | None, int] | None = None
     ) -> list[Path]:
-        """The frame files that bring a receiver at ``(epoch, have)`` to ``latest``: the deltas
-        after ``have`` when the receiver holds ``latest``'s epoch and they are all there and
-        weigh less than the newest anchor's path; else that anchor and the deltas after it.
-        Paths through a file this reader refused are not taken. Raises (once per pointer
-        file) when ``latest`` is refused or below ``floor``."""
+        """The frame files that bring a receiver at ``(epoch, have)`` to ``latest``, by the
+        catch-up rule (``weightsync.catchup``) over ``latest``'s epoch up to its version,
+        weighing files by their size. File names carry no base version, so each delta is taken
+        to follow the usable version listed before it (the chain refuses one that does not).
+        Files this reader refused are not candidates: a planted name cannot hide the real
+        anchor below it. Raises (once per pointer file) when ``latest`` is refused or below
+        ``floor``."""
         latest = self._checked(self.root / POINTER_FILE, lambda: self._current(floor), {})
         target, cur = latest.get("version"), latest.get("epoch")
         if target is None or cur is None:
             return []
-        if epoch is not None and epoch > cur:
-            return []  # the receiver is ahead of this pointer (a stale store): nothing to give
-        if epoch == cur and have is not None and have >= target:
-            return []
-        # Files this reader refused are not candidates: a planted name cannot hide the real
-        # anchor below it (the newest *usable* anchor is taken).
-        frames = [
+        paths = [
             (v, kind, p)
             for e, v, kind, p in self._listing()
             if e == cur and v <= target and (not self._refused or _ident(p) not in self._refused)
         ]
-        anchors = [i for i, (_, kind, _) in enumerate(frames) if kind == "anchor"]
-        cold = []
-        if anchors:
-            a = anchors[-1]
-            cold = [frames[a][2]] + [
-                p for v, kind, p in frames[a + 1 :] if kind == "delta" and v > frames[a][0]
-            ]
-        warm = None
-        if epoch == cur and have is not None and any(v == have for v, _, _ in frames):
-            by_version: dict[int, dict[str, Path]] = {}
-            for v, kind, p in frames:
-                if v > have:
-                    by_version.setdefault(v, {})[kind] = p
-            # one frame per version: the delta, else a wire anchor (a recovery anchor sits
-            # beside its version's delta and is only for receivers that catch up)
-            warm = [kinds.get("delta") or kinds["anchor"] for _, kinds in sorted(by_version.items())]
-        warm = warm if warm is None or self._usable(warm) else None
-        cold = cold if self._usable(cold) else []
-        if warm is not None and (not cold or _size(warm) <= _size(cold)):
-            return warm
-        return cold
+        deltas = {v for v, kind, _ in paths if kind == "delta"}
+        views, before = [], None
+        for v, kind, p in paths:  # an anchor beside its version's delta is a recovery anchor
+            base = before if kind == "delta" else None
+            views.append(Retained(kind, v, cur, base, _size(p), kind == "anchor" and v in deltas))
+            before = v
+        plan = catch_up(None if have is None else Held(have, epoch), views)
+        return [] if isinstance(plan, CannotCatchUp) else [paths[i][2] for i in plan]
 
     def read_frame(self, path: Path) -> tuple[bytes, VersionHeader]:
         """The frame in ``path`` and its header, checked (``read_frame_file``) and named right."""
@@ -365,14 +346,11 @@ def _ident(path: Path) -> tuple | None:
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _size(paths: list[Path]) -> int:
-    total = 0
-    for p in paths:
-        try:
-            total += os.lstat(p).st_size
-        except FileNotFoundError:
-            return 1 << 62  # being pruned: not a path to take
-    return total
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 1 << 62  # being pruned: not a path to take
 
 
 class ModalVolumeStore(DirectoryStore):

@@ -303,10 +303,10 @@ class FrameServer(FrameSink):
 
     # -- public -----------------------------------------------------------------------
     def frames_since(self, have: int | None, epoch: int | None = None) -> list[bytes]:
-        """What a receiver at ``(epoch, have)`` lacks, of the newest retained epoch: the
-        frames after ``have`` when it holds that epoch (``epoch=None``: the version alone
-        decides, as before epochs) and they weigh less than the newest anchor's path, else
-        that anchor and the deltas after it."""
+        """What a receiver at ``(epoch, have)`` lacks, of the newest retained epoch
+        (``retention.kept_since``): the frames after ``have`` when it holds that epoch and they
+        weigh less than the newest anchor's path, else that anchor and the deltas after it (a
+        receiver that names no epoch gets the anchor: its version alone is no base)."""
         return [b"".join(k.records) for k in kept_since(self.retained, have, epoch)]
 
     def open_epoch(self, run: str, epoch: int) -> int:
