@@ -69,12 +69,12 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
     import torch
 
     from benchmarks._weight_sync_data import tiled_state
+    from modal_rl.ratelimit import TokenBucket
     from modal_rl.weightsync import CodecConfig
     from modal_rl.weightsync.codec.warmup import wait_warm
     from modal_rl.weightsync.publisher import Publisher
     from modal_rl.weightsync.shards import dim0_pieces
-    from modal_rl.weightsync.transport.base import TokenBucket
-    from modal_rl.weightsync.transport.tcp import FrameServer
+    from modal_rl.weightsync.transport.tcp import LINK_BURST_BYTES, FrameServer
 
     states = {int(p.stem[1:]): torch.load(p) for p in sorted(traj.glob("v*.pt"))}
     baseline = _rss_gb()
@@ -101,7 +101,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
             continue
         if cmd == "rate":  # the link changes between versions: the bucket is swapped whole
             if port is not None:
-                server.limiter = TokenBucket(float(arg))
+                server.limiter = TokenBucket(float(arg), burst=LINK_BURST_BYTES)
             continue
         version = int(arg)
         t0, cpu0 = time.perf_counter(), time.process_time()

@@ -73,10 +73,10 @@ class SandboxKiller(threading.Thread):
         return None
 
     def run(self) -> None:
-        from modal_rl.sandboxes import registry
+        from modal_rl.sandboxes import live_records
 
         while not self.stop.is_set():
-            for info in registry.entries(registry.DEFAULT_DIR):
+            for info in live_records.entries(live_records.DEFAULT_DIR):
                 if "pid" not in info or not _is_child(int(info["pid"])):  # only this process's
                     continue
                 program = self._running_program(int(info["pid"]))
@@ -236,7 +236,7 @@ def loss_check(reference: list[dict], disturbed: list[dict]) -> dict:
 
 def run_scenario(quick: bool, say=print) -> dict:
     """Scenario (e) as a chaos.json entry plus its details."""
-    from modal_rl.sandboxes import registry
+    from modal_rl.sandboxes import live_records
     from modal_rl.sandboxes.pool import RUN_ID
 
     count = 8 if quick else 16
@@ -258,7 +258,7 @@ def run_scenario(quick: bool, say=print) -> dict:
     shutil.rmtree(private, ignore_errors=True)
     ours = [
         e
-        for e in registry.entries(registry.DEFAULT_DIR)
+        for e in live_records.entries(live_records.DEFAULT_DIR)
         if (e.get("tags") or {}).get("modal-rl-run") == RUN_ID
     ]
     leaked = [e for e in ours if _alive_entry(e)]
@@ -300,11 +300,11 @@ def run_scenario(quick: bool, say=print) -> dict:
 
 
 def _alive_entry(entry: dict) -> bool:
-    from modal_rl.sandboxes import registry
+    from modal_rl.sandboxes import live_records
 
     return (
         entry.get("starttime") is not None
-        and registry.proc_starttime(int(entry["pid"])) == entry["starttime"]
+        and live_records.proc_starttime(int(entry["pid"])) == entry["starttime"]
     )
 
 

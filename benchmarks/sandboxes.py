@@ -23,7 +23,7 @@ from benchmarks import _sandboxes_sim as sim
 from benchmarks import sandboxes_scoring
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.sandboxes import LocalProvider, SandboxPool, SandboxSpec
-from modal_rl.sandboxes.registry import entries
+from modal_rl.sandboxes.live_records import entries
 from modal_rl.sandboxes.sizing import percentile
 
 SUITE = "sandboxes"

@@ -82,8 +82,8 @@ def run_key_or_none(environ: dict[str, str] | None = None) -> str | None:
 def derive(key: str | bytes, purpose: str) -> bytes:
     """A 32-byte key for one purpose (``"frames"``, ``"pull"``, ...), from the run key.
 
-    The whole key counts: it is hashed to BLAKE2b's 64-byte key size first (a key longer than
-    64 bytes used to be cut there, so two keys sharing their first 64 bytes derived alike)."""
+    The whole key counts: it is hashed to BLAKE2b's 64-byte key size first (cut there instead,
+    two keys sharing their first 64 bytes would derive alike)."""
     raw = key.encode() if isinstance(key, str) else key
     whole = hashlib.blake2b(raw, digest_size=64, person=b"modal-rl-key").digest()
     return hashlib.blake2b(purpose.encode(), key=whole, digest_size=32, person=b"modal-rl").digest()

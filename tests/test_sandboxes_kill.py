@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _sandboxes_helpers import descendants, needs_bwrap, no_processes_left, wait_gone
 
-from modal_rl.sandboxes import LocalProvider, SandboxLostError, SandboxPool, SandboxSpec, registry
+from modal_rl.sandboxes import LocalProvider, SandboxLostError, SandboxPool, SandboxSpec, live_records
 
 pytestmark = needs_bwrap
 
@@ -49,7 +49,7 @@ def test_sandbox_killed_mid_exec_is_typed_refilled_and_gone(tmp_path):
                     await task
                 assert time.monotonic() - killed_at < 5.0  # not the command's 60 s
                 assert wait_gone(inside | {pid}) == set(), "processes of the killed sandbox survived"
-                assert not any(e["id"] == sb.id for e in registry.entries(tmp_path))
+                assert not any(e["id"] == sb.id for e in live_records.entries(tmp_path))
             for _ in range(200):  # the pool refills its warm buffer in the background
                 if pool.snapshot()["warm"] >= 2:
                     break
@@ -59,7 +59,7 @@ def test_sandbox_killed_mid_exec_is_typed_refilled_and_gone(tmp_path):
             async with pool.lease() as sb2:  # and what it hands out works
                 r = await sb2.exec(["python3", "-c", "print(6 * 7)"], timeout_s=10)
                 assert r.stdout.strip() == "42"
-        assert registry.entries(tmp_path) == []
+        assert live_records.entries(tmp_path) == []
 
     asyncio.run(main())
     no_processes_left()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _sandboxes_helpers import alive, descendants, needs_bwrap, wait_gone
 
-from modal_rl.sandboxes import registry
+from modal_rl.sandboxes import live_records
 
 pytestmark = needs_bwrap
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_killed_pool_process_takes_sandboxes_down(tmp_path):
     proc.wait(timeout=20)
     assert not wait_gone(pids)
     # The registry still lists them (nobody could clean up); a sweep removes the stale entries.
-    assert registry.sweep(tmp_path, {"modal-rl-run": "sigkill"}) == 0
+    assert live_records.sweep(tmp_path, {"modal-rl-run": "sigkill"}) == 0
     assert not list(tmp_path.glob("*.json"))
 
 
@@ -74,7 +74,7 @@ def test_killed_pool_process_takes_down_even_frozen_sandboxes(tmp_path):
     proc.kill()
     proc.wait(timeout=20)
     assert not wait_gone(set(pids) | inner), "frozen sandboxes outlived their pool process"
-    registry.sweep(tmp_path, {"modal-rl-run": "frozen"})
+    live_records.sweep(tmp_path, {"modal-rl-run": "frozen"})
 
 
 def test_sweep_cli_kills_orphans_of_a_wedged_run(tmp_path):
@@ -113,4 +113,4 @@ def test_sweep_cli_kills_orphans_of_a_wedged_run(tmp_path):
 
 def test_sweep_refuses_empty_tags(tmp_path):
     with pytest.raises(ValueError, match="at least one tag"):
-        registry.sweep(tmp_path, {})
+        live_records.sweep(tmp_path, {})

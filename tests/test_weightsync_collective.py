@@ -38,6 +38,7 @@ def test_a_source_skips_exactly_the_frames_a_frame_server_would_not_send():
     assert _usable(anchor, None, None) and not _usable(delta, None, None)  # fresh: anchors only
     assert _usable(delta, 5, 7) and not _usable(delta, 4, 7) and not _usable(delta, 5, 8)
     assert not _usable(anchor, 5, 7) and _usable(anchor, 4, 7) and _usable(anchor, 9, 6)  # newer epoch
+    assert not _usable(VersionHeader("anchor", 9, None, epoch=6), 5, 7)  # an older epoch's
     assert _usable(None, 5, 7)  # unparsable: handed on, for the chain to refuse by name
     record = anchor.to_record()
     assert _peek_header(record) == anchor

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
+from modal_rl.ratelimit import TokenBucket
 from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync import CodecConfig
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.publisher import Publisher
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport.base import TokenBucket
 from modal_rl.weightsync.transport.store import DirectoryStore, ModalVolumeStore
 from modal_rl.weightsync.transport.tcp import FrameServer, TcpSource
 from tests.weightsync_helpers import TEST_KEY, client_handshake, model_state, perturb, same_state
@@ -154,7 +154,7 @@ def test_a_stalled_receiver_is_dropped_within_the_back_pressure_bound():
 
 
 def test_token_bucket_limits_the_rate():
-    bucket = TokenBucket(bytes_per_s=2_000_000, burst_bytes=10_000)
+    bucket = TokenBucket(rate=2_000_000, burst=10_000)
     started = time.monotonic()
     for _ in range(50):
         bucket.acquire_blocking(20_000)  # 1 MB at 2 MB/s

@@ -67,7 +67,7 @@ def main_job(tmp_path_factory) -> Job:
 
 @pytest.fixture(scope="session")
 def sandboxed_job(tmp_path_factory) -> Job:
-    from modal_rl.sandboxes import registry
+    from modal_rl.sandboxes import live_records
     from tests.verl_plugin_helpers import plugin_env
 
     tmp = tmp_path_factory.mktemp("sandboxed-job")
@@ -83,16 +83,16 @@ def sandboxed_job(tmp_path_factory) -> Job:
         )
         job.leaked = leaked(sandboxes)
     finally:
-        registry.sweep(sandboxes, {"run": extra_env["MODAL_RL_RUN_ID"]})  # whatever happened above
+        live_records.sweep(sandboxes, {"run": extra_env["MODAL_RL_RUN_ID"]})  # whatever happened above
     return _check(job)
 
 
 def leaked(registry_dir) -> list[dict]:
     """Registered sandboxes of the run whose process is still alive (same PID and start time)."""
-    from modal_rl.sandboxes import registry
+    from modal_rl.sandboxes import live_records
 
     return [
         e
-        for e in registry.entries(registry_dir)
-        if e.get("starttime") is not None and registry.proc_starttime(int(e["pid"])) == e["starttime"]
+        for e in live_records.entries(registry_dir)
+        if e.get("starttime") is not None and live_records.proc_starttime(int(e["pid"])) == e["starttime"]
     ]

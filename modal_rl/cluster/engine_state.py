@@ -50,7 +50,7 @@ class EngineState:
 
 
 @dataclass(frozen=True)
-class Lease:
+class EngineLease:
     """One request's engine: stays valid while ``supervisor.is_current(lease)``."""
 
     index: int

@@ -58,9 +58,9 @@ from modal_rl.cluster.engine_state import (  # noqa: F401  (EngineLost, WeightSo
     LOST,
     REPLACING,
     SERVING,
+    EngineLease,
     EngineLost,
     EngineState,
-    Lease,
     WeightSource,
 )
 from modal_rl.cluster.engines import EnginePool, EngineStartError
@@ -204,7 +204,7 @@ class EngineSupervisor:
         current = self.source.version if self.source else None
         return [e for e in self.engines if e.status == SERVING and e.version == current]
 
-    def acquire(self, timeout_s: float, version: int | None | object = ...) -> Lease:
+    def acquire(self, timeout_s: float, version: int | None | object = ...) -> EngineLease:
         """An engine that serves the current version (round robin), waiting up to ``timeout_s``
         for one; ``EngineLost`` when none comes (every slot failed, or the bound passed) or,
         with ``version`` given, when the current version is no longer that one (a retry must
@@ -219,7 +219,7 @@ class EngineSupervisor:
                 if ready:
                     engine = ready[self._next % len(ready)]
                     self._next += 1
-                    return Lease(engine.index, engine.generation, engine.url, engine.version)
+                    return EngineLease(engine.index, engine.generation, engine.url, engine.version)
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set() or all(e.status == FAILED for e in self.engines):
                     states = ", ".join(f"{e.index}:{e.status}@v{e.version}" for e in self.engines)
@@ -234,28 +234,28 @@ class EngineSupervisor:
 
         return await run(self, send, wait_s=wait_s, attempts=attempts, check_s=check_s, transient=transient)
 
-    def leases(self) -> list[Lease]:
+    def leases(self) -> list[EngineLease]:
         """The engines that are up now (serving or loading), whatever version they hold: for
         control calls that every engine must get (pause, sleep, ...)."""
         with self._cond:
             return [
-                Lease(e.index, e.generation, e.url, e.version)
+                EngineLease(e.index, e.generation, e.url, e.version)
                 for e in self.engines
                 if e.status in (SERVING, LOADING)
             ]
 
-    def is_current(self, lease: Lease) -> bool:
+    def is_current(self, lease: EngineLease) -> bool:
         """Whether ``lease``'s engine is still the one handed out, serving the same version."""
         engine = self.engines[lease.index]
         return engine.generation == lease.generation and engine.status in (SERVING, LOADING)
 
-    def finished(self, lease: Lease) -> None:
+    def finished(self, lease: EngineLease) -> None:
         """A request on ``lease`` completed: the engine evidently generates (spares a probe)."""
         engine = self.engines[lease.index]
         if engine.generation == lease.generation:
             engine.progress += 1
 
-    def report_failure(self, lease: Lease, why: str) -> None:
+    def report_failure(self, lease: EngineLease, why: str) -> None:
         """A request on ``lease`` failed at the transport: check that engine now."""
         engine = self.engines[lease.index]
         if engine.generation != lease.generation or engine.status != SERVING:

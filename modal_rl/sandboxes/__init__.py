@@ -14,7 +14,7 @@ from modal_rl.sandboxes.errors import (
     SandboxStartTimeout,
     TransientProviderError,
 )
-from modal_rl.sandboxes.lease import Lease, Sandbox
+from modal_rl.sandboxes.lease import Sandbox, SandboxLease
 from modal_rl.sandboxes.local import LocalProvider
 from modal_rl.sandboxes.pool import SandboxPool
 from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHandle
@@ -27,7 +27,7 @@ __all__ = [
     "TAG_RUN",
     "ExecResult",
     "FileTokenBucket",
-    "Lease",
+    "SandboxLease",
     "LocalProvider",
     "ModalProvider",
     "PoolClosedError",

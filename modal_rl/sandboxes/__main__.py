@@ -1,6 +1,6 @@
 """``python -m modal_rl.sandboxes sweep --tag KEY=VALUE ...``: terminate orphaned sandboxes.
 
-Local: every sandbox in this user's registry (``registry.default_dir``) whose tags include all
+Local: every sandbox in this user's registry (``live_records.default_dir``) whose tags include all
 given tags, by process group, only if the entry's group is its leader's own and the leader's
 start time matches; any other matching entry is refused, not killed, and printed as
 ``refused <id>: <reason>``. A registry dir that is not private to the user is refused (exit 2).
@@ -54,11 +54,11 @@ def _main(argv: list[str]) -> int:
     tags = dict(args.tag)
     if args.provider == "local":
         from modal_rl.cli_errors import UserError
-        from modal_rl.sandboxes import registry
+        from modal_rl.sandboxes import live_records
 
         try:
-            result = registry.sweep_report(args.registry or registry.default_dir(), tags)
-        except registry.RegistryRefusedError as exc:
+            result = live_records.sweep_report(args.registry or live_records.default_dir(), tags)
+        except live_records.RegistryRefusedError as exc:
             raise UserError(str(exc)) from None
         count = result.killed
         refused = [f"refused {r.id}: {r.reason}" for r in result.refused]

@@ -18,7 +18,7 @@ One message is a 4-byte length and that many bytes of a single value. A value is
   ``H`` for the runner's (a test's callback).
 
 Invariants (the decoder faces the program's bytes, and the program controls them):
-- ``decode`` never recurses and never raises anything but ``WireError``; its work is O(input):
+- ``decode`` never recurses and never raises anything but ``ValueWireError``; its work is O(input):
   every length is checked against what is left before it is read, values are at most
   ``MAX_ITEMS``, names at most ``MAX_NAME`` bytes, containers nest at most ``MAX_DEPTH`` deep
   (hashing and comparing a value recurse in C through its containers); objects by value do not
@@ -36,14 +36,14 @@ import struct
 
 try:  # on the host (tests); in the sandbox the runner script provides the module
     from modal_rl.sandboxes._valuekinds import (
-        WireError,
+        ValueWireError,
         build_kind,
         checked_hashes,
         pairs,
         stdlib_kind,
     )
 except ImportError:
-    from _valuekinds import WireError, build_kind, checked_hashes, pairs, stdlib_kind
+    from _valuekinds import ValueWireError, build_kind, checked_hashes, pairs, stdlib_kind
 
 MAX_MESSAGE = 64 << 20
 MAX_ITEMS = 4_000_000
@@ -92,7 +92,7 @@ class Encoder:
             v = stack.pop()
             items += 1
             if items > MAX_ITEMS or size > MAX_MESSAGE:
-                raise WireError("value too large to send")
+                raise ValueWireError("value too large to send")
             t = type(v)
             # the shapes of a call and its answer first, inline (a round trip is ~10 of them)
             if t is int and -0x80000000 <= v <= 0x7FFFFFFF:
@@ -112,7 +112,7 @@ class Encoder:
             size += len(piece)
         data = b"".join(out)
         if len(data) > MAX_MESSAGE:
-            raise WireError("value too large to send")
+            raise ValueWireError("value too large to send")
         return data
 
     def _piece(self, v, stack, seen):
@@ -164,7 +164,7 @@ class Encoder:
             return b"o" + _name(cls_name) + _LEN.pack(origin) + _LEN.pack(len(attrs))
         ref = self.ref_of(v) if self.ref_of is not None else None
         if ref is None:
-            raise WireError(f"a {t.__name__} cannot be sent")
+            raise ValueWireError(f"a {t.__name__} cannot be sent")
         return _ref_piece(ref)
 
 
@@ -175,7 +175,7 @@ def _ref_piece(ref):
 def _name(text):
     data = text.encode("utf-8", "surrogatepass")
     if len(data) > MAX_NAME:
-        raise WireError("name too long to send")
+        raise ValueWireError("name too long to send")
     return bytes([len(data)]) + data
 
 
@@ -221,47 +221,47 @@ class Decoder:
         if not isinstance(cls, type) and self.new_class is not None:
             cls = self.new_class(name)
         if not isinstance(cls, type):
-            raise WireError(f"no class {name!r} to rebuild an object as")
+            raise ValueWireError(f"no class {name!r} to rebuild an object as")
         try:
             return cls.__new__(cls)
         except Exception:
-            raise WireError(f"class {name!r} cannot be rebuilt") from None
+            raise ValueWireError(f"class {name!r} cannot be rebuilt") from None
 
     def decode(self, data):
         n = len(data)
         if n > MAX_MESSAGE:
-            raise WireError("message too large")
+            raise ValueWireError("message too large")
         pos = items = depth = 0
         stack = []  # [tag, members still to read, members, extra]
         view = memoryview(data)
         while True:
             if pos >= n:
-                raise WireError("message ends inside a value")
+                raise ValueWireError("message ends inside a value")
             items += 1
             if items > MAX_ITEMS:
-                raise WireError("too many values")
+                raise ValueWireError("too many values")
             tag = data[pos : pos + 1]
             pos += 1
             opened = None  # [tag, count, members, extra] of a container opened here
             if tag == b"j":
                 if pos + 4 > n:
-                    raise WireError("message ends inside an int")
+                    raise ValueWireError("message ends inside an int")
                 (value,) = _I32.unpack_from(data, pos)
                 pos += 4
             elif tag == b"a":
                 if pos >= n or pos + 1 + data[pos] > n:
-                    raise WireError("message ends inside a str")
+                    raise ValueWireError("message ends inside a str")
                 end = pos + 1 + data[pos]
                 raw = data[pos + 1 : end]
                 if not raw.isascii():
-                    raise WireError("malformed str")
+                    raise ValueWireError("malformed str")
                 value = raw.decode()
                 pos = end
             elif tag == b"N":
                 value = None
             elif tag == b"t" or tag == b"l":
                 if pos + 4 > n:
-                    raise WireError("message ends inside a length")
+                    raise ValueWireError("message ends inside a length")
                 (count,) = _LEN.unpack_from(data, pos)
                 pos += 4
                 opened = [tag, count, [], None]
@@ -269,12 +269,12 @@ class Decoder:
                 value = tag == b"T"
             elif tag == b"f":
                 if pos + 8 > n:
-                    raise WireError("message ends inside a float")
+                    raise ValueWireError("message ends inside a float")
                 (value,) = _F64.unpack_from(data, pos)
                 pos += 8
             elif tag == b"c":
                 if pos + 16 > n:
-                    raise WireError("message ends inside a complex")
+                    raise ValueWireError("message ends inside a complex")
                 value = complex(*_C128.unpack_from(data, pos))
                 pos += 16
             elif tag == b"h" or tag == b"H":
@@ -297,33 +297,33 @@ class Decoder:
                 count, pos = _read_len(data, pos, n)
                 if tag in (b"i", b"s", b"b", b"B"):
                     if count > n - pos:
-                        raise WireError("length past the end of the message")
+                        raise ValueWireError("length past the end of the message")
                     raw = view[pos : pos + count]
                     pos += count
                     value = _scalar(tag, raw)
                 elif tag == b"r":
                     if not 0 < count <= len(self.received):
-                        raise WireError("reference to an object not yet sent")
+                        raise ValueWireError("reference to an object not yet sent")
                     value = self.received[count - 1][0]
                 else:
                     opened = [tag, count * 2 if tag == b"d" else count, [], None]
             else:
-                raise WireError("unknown tag")
+                raise ValueWireError("unknown tag")
             if opened is not None:
                 if opened[1] > n - pos:  # every member takes at least one byte
-                    raise WireError("count past the end of the message")
+                    raise ValueWireError("count past the end of the message")
                 if opened[1] > 0:
                     if tag != b"o":
                         depth += 1
                         if depth > MAX_DEPTH:
-                            raise WireError("value nested too deeply")
+                            raise ValueWireError("value nested too deeply")
                     stack.append(opened)
                     continue
                 value = self._close(opened)
             while True:  # hand the finished value to its container, closing those it completes
                 if not stack:
                     if pos != n:
-                        raise WireError("bytes after the value")
+                        raise ValueWireError("bytes after the value")
                     return value
                 top = stack[-1]
                 top[2].append(value)
@@ -342,7 +342,7 @@ class Decoder:
         if tag == b"o":
             attrs = members[0::2]
             if not all(type(k) is str for k in attrs):
-                raise WireError("malformed object attributes")
+                raise ValueWireError("malformed object attributes")
             state = dict(zip(attrs, members[1::2], strict=False))
             try:
                 d = object.__getattribute__(extra, "__dict__")
@@ -353,27 +353,27 @@ class Decoder:
                     try:
                         object.__setattr__(extra, k, v)
                     except Exception:
-                        raise WireError("object attributes cannot be set") from None
+                        raise ValueWireError("object attributes cannot be set") from None
             return extra
         return _build(tag, members, self.classes, self._nt_cache)
 
 
 def _read_len(data, pos, n):
     if pos + 4 > n:
-        raise WireError("message ends inside a length")
+        raise ValueWireError("message ends inside a length")
     return _LEN.unpack_from(data, pos)[0], pos + 4
 
 
 def _read_name(data, pos, n):
     if pos >= n:
-        raise WireError("message ends inside a name")
+        raise ValueWireError("message ends inside a name")
     size = data[pos]
     if pos + 1 + size > n:
-        raise WireError("message ends inside a name")
+        raise ValueWireError("message ends inside a name")
     try:
         return bytes(data[pos + 1 : pos + 1 + size]).decode("utf-8", "surrogatepass"), pos + 1 + size
     except UnicodeDecodeError:
-        raise WireError("malformed name") from None
+        raise ValueWireError("malformed name") from None
 
 
 def _scalar(tag, raw):
@@ -383,7 +383,7 @@ def _scalar(tag, raw):
         try:
             return bytes(raw).decode("utf-8", "surrogatepass")
         except UnicodeDecodeError:
-            raise WireError("malformed str") from None
+            raise ValueWireError("malformed str") from None
     return bytes(raw) if tag == b"b" else bytearray(raw)
 
 
@@ -393,12 +393,12 @@ def decode(data, make_ref=None):
 
 
 def recv_exact(sock, count):
-    """``count`` bytes from ``sock`` (honouring its timeout), or ``WireError`` at EOF."""
+    """``count`` bytes from ``sock`` (honouring its timeout), or ``ValueWireError`` at EOF."""
     parts = []
     while count > 0:
         chunk = sock.recv(min(count, 1 << 20))
         if not chunk:
-            raise WireError("the other side closed the channel")
+            raise ValueWireError("the other side closed the channel")
         parts.append(chunk)
         count -= len(chunk)
     return b"".join(parts)
@@ -416,7 +416,7 @@ class Reader:
         while have < need:
             chunk = self.sock.recv(max(1 << 16, min(need - have, 1 << 22)))
             if not chunk:
-                raise WireError("the other side closed the channel")
+                raise ValueWireError("the other side closed the channel")
             parts.append(chunk)
             have += len(chunk)
         self.buf = b"".join(parts)
@@ -426,7 +426,7 @@ class Reader:
             self._fill(4)
         (size,) = _LEN.unpack_from(self.buf, 0)
         if size > MAX_MESSAGE:
-            raise WireError("message too large")
+            raise ValueWireError("message too large")
         if len(self.buf) < 4 + size:
             self._fill(4 + size)
         data, self.buf = self.buf[4 : 4 + size], self.buf[4 + size :]
@@ -441,5 +441,5 @@ def send_message(sock, value, ref_of=None):
 def recv_message(sock, make_ref=None):
     (size,) = _LEN.unpack(recv_exact(sock, 4))
     if size > MAX_MESSAGE:
-        raise WireError("message too large")
+        raise ValueWireError("message too large")
     return decode(recv_exact(sock, size), make_ref)

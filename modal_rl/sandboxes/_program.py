@@ -136,7 +136,7 @@ class Program:
         if ref.runner:
             return RunnerObject(self, ref)
         if ref.num not in self.by_num:
-            raise wire.WireError("reference to an unknown object")
+            raise wire.ValueWireError("reference to an unknown object")
         return self.by_num[ref.num]
 
     # messages -------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class Program:
             reply = _error(exc)
         try:
             self.send(reply, (lambda obj: origins.get(id(obj), 0)) if origins else None)
-        except (wire.WireError, RecursionError, MemoryError) as exc:
+        except (wire.ValueWireError, RecursionError, MemoryError) as exc:
             self.send(("err", "ValueError", "ValueError", f"result cannot cross: {exc}", None))
 
     def _answer(self, request):
@@ -219,7 +219,7 @@ class Program:
         while True:
             try:
                 request, decoder = self.receive()
-            except (wire.WireError, OSError):
+            except (wire.ValueWireError, OSError):
                 return  # the runner is done (or closed the channel): nothing more to answer
             if type(request) is tuple and len(request) == 2 and request[0] == "setup":
                 self.value_classes = set(request[1]) if type(request[1]) is list else set()

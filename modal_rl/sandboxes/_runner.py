@@ -101,7 +101,7 @@ class Channel:
         def make_ref(ref):
             if ref.runner:
                 if ref.num not in self.own:
-                    raise wire.WireError("reference to an unknown runner object")
+                    raise wire.ValueWireError("reference to an unknown runner object")
                 return self.own[ref.num]
             return self.handles.make(ref, trusted)
 
@@ -121,7 +121,7 @@ class Channel:
             return self._decoder(trusted, origins).decode(self.reader.message())
         except TimeoutError:
             self.stop("the program did not answer before the time limit")
-        except (wire.WireError, OSError) as exc:
+        except (wire.ValueWireError, OSError) as exc:
             self.stop(f"the program's channel failed: {clip(exc, 120)}")
         raise ProgramGone(self.gone)
 
@@ -131,7 +131,7 @@ class Channel:
             raise ProgramGone(self.gone)
         try:
             sent = self.send(request)
-        except wire.WireError as exc:
+        except wire.ValueWireError as exc:
             raise TypeError(f"this value cannot be passed to the program: {exc}") from None
         except OSError as exc:
             self.stop(f"the program's channel failed: {clip(exc, 120)}")
@@ -185,7 +185,7 @@ class Channel:
             answer = ("err", type(exc).__name__, _base_name(type(exc)), clip(exc, 65536), None)
         try:
             self.send(answer)
-        except wire.WireError as exc:
+        except wire.ValueWireError as exc:
             self.send(
                 ("err", "TypeError", "TypeError", f"this value cannot be passed to the program: {exc}", None)
             )

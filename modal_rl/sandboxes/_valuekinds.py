@@ -3,7 +3,7 @@
 Part of ``_plainwire`` (the format), kept apart because it is its own question: a value of one
 of these types is sent as a kind name and its members, and rebuilt on the other side *by that
 side's own constructor* (``build_kind``), so nothing the sender defines runs there. Every
-constructor's refusal of bad members is a ``WireError``; a mapping's keys are checked for
+constructor's refusal of bad members is a ``ValueWireError``; a mapping's keys are checked for
 collisions before a dict is built (``pairs``).
 """
 
@@ -16,7 +16,7 @@ _FACTORY_NAMES = {v: k for k, v in _FACTORIES.items()}
 _FACTORY_NAMES[None] = "None"
 
 
-class WireError(Exception):
+class ValueWireError(Exception):
     """Bytes that are not one bounded value, or a value that cannot be sent."""
 
 
@@ -77,7 +77,7 @@ def _ndarray(members, as_list):
     try:
         import numpy
     except ImportError:
-        raise WireError("an array arrived and numpy is not here") from None
+        raise ValueWireError("an array arrived and numpy is not here") from None
     if as_list:
         return numpy.array(members[0], dtype=object if members[0] != [] else None)
     dtype_str, shape, raw = members
@@ -87,7 +87,7 @@ def _ndarray(members, as_list):
         or type(raw) is not bytes
         or not all(type(d) is int and d >= 0 for d in shape)
     ):
-        raise WireError("malformed array")
+        raise ValueWireError("malformed array")
     return numpy.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
@@ -99,7 +99,7 @@ def _tz_offset(tz):
     if tz is None:
         return None
     if type(tz).__name__ != "timezone" or type(tz).__module__ != "datetime":
-        raise WireError("only fixed-offset time zones cross")
+        raise ValueWireError("only fixed-offset time zones cross")
     off = tz.utcoffset(None)
     return [off.days, off.seconds, off.microseconds]
 
@@ -111,17 +111,17 @@ def checked_hashes(members):
         try:
             h = hash(m)
         except Exception:
-            raise WireError("unhashable member of a set or dict key") from None
+            raise ValueWireError("unhashable member of a set or dict key") from None
         # Hashes are ints below 2**61 in magnitude: distinct ones never collide in this dict.
         n = counts.get(h, 0) + 1
         if n > MAX_SAME_HASH:
-            raise WireError("too many colliding keys")
+            raise ValueWireError("too many colliding keys")
         counts[h] = n
 
 
 def pairs(members):
     if len(members) % 2:
-        raise WireError("a mapping's items do not pair up")
+        raise ValueWireError("a mapping's items do not pair up")
     keys = members[0::2]
     checked_hashes(keys)
     return list(zip(keys, members[1::2], strict=False))
@@ -133,7 +133,7 @@ def _tz(spec):
     if spec is None:
         return None
     if type(spec) is not list or len(spec) != 3:
-        raise WireError("malformed time zone")
+        raise ValueWireError("malformed time zone")
     return datetime.timezone(datetime.timedelta(*spec))
 
 
@@ -141,13 +141,13 @@ def _namedtuple(name, fields, cache):
     key = (name, tuple(fields))
     if key not in cache:
         if len(fields) > 255 or not all(type(f) is str for f in fields):
-            raise WireError("malformed namedtuple")
+            raise ValueWireError("malformed namedtuple")
         cache[key] = collections.namedtuple(name, fields)
     return cache[key]
 
 
 def build_kind(name, members, classes, cache):
-    """The stdlib value ``name`` from its decoded ``members`` (constructor errors: WireError)."""
+    """The stdlib value ``name`` from its decoded ``members`` (constructor errors: ValueWireError)."""
     head, _, arg = name.partition(":")
     if head in ("datetime", "date", "time", "timedelta"):
         import datetime
@@ -160,7 +160,7 @@ def build_kind(name, members, classes, cache):
             return getattr(collections, head)(dict(pairs(members)))
         if head == "defaultdict":
             if arg not in _FACTORIES and arg != "None":
-                raise WireError("defaultdict factory not allowed")
+                raise ValueWireError("defaultdict factory not allowed")
             return collections.defaultdict(_FACTORIES.get(arg), pairs(members))
         if head == "deque":
             return collections.deque(members, int(arg) if arg else None)
@@ -194,8 +194,8 @@ def build_kind(name, members, classes, cache):
             if not (isinstance(cls, type) and getattr(cls, "_fields", None) == tuple(fields)):
                 cls = _namedtuple(arg, fields, cache)
             return cls(*members[1:])
-    except WireError:
+    except ValueWireError:
         raise
     except Exception as exc:  # a constructor refusing the program's arguments
-        raise WireError(f"malformed {head}: {type(exc).__name__}") from None
-    raise WireError(f"unknown value kind {head!r}")
+        raise ValueWireError(f"malformed {head}: {type(exc).__name__}") from None
+    raise ValueWireError(f"unknown value kind {head!r}")

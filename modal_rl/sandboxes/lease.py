@@ -69,7 +69,7 @@ class Sandbox:
             await self._pool._release(self._handle, reuse=self.reuse and not failed)
 
 
-class Lease:
+class SandboxLease:
     """``async with pool.lease() as sb``: claims on enter, releases on exit (terminating the
     sandbox unless ``reuse=True`` and the block ended without an exception)."""
 

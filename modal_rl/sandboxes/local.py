@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from modal_rl.sandboxes import localnet, registry
+from modal_rl.sandboxes import live_records, localnet
 from modal_rl.sandboxes.envguard import check_env
 from modal_rl.sandboxes.errors import ProviderUnavailableError, SandboxLostError, TransientProviderError
 from modal_rl.sandboxes.hostroot import host_root_args
@@ -78,7 +78,7 @@ class LocalProvider(Provider):
         # up when the pool's process dies would linger. setpriv makes the kernel kill it too.
         self.setpriv = shutil.which("setpriv")
         self.slirp4netns = slirp4netns  # looked up at the first network=True create
-        self.registry_dir = Path(registry_dir) if registry_dir is not None else registry.default_dir()
+        self.registry_dir = Path(registry_dir) if registry_dir is not None else live_records.default_dir()
         self.create_rate = create_rate
         self.create_burst = create_burst
         self.output_cap_bytes = output_cap_bytes
@@ -146,14 +146,14 @@ class LocalProvider(Provider):
 
     async def create(self, spec: SandboxSpec, *, tags: Mapping[str, str]) -> LocalSandbox:
         sandbox_id = f"lsb-{uuid.uuid4().hex[:12]}"
-        registry.open_dir(self.registry_dir)  # one that is not ours is refused before anything starts
+        live_records.open_dir(self.registry_dir)  # one that is not ours is refused before anything starts
         net = localnet.for_spec(spec, self.slirp4netns, self.setpriv)  # None unless network=True
         proc = None
         try:
             proc = await self._spawn(self.command(spec, sandbox_id, net), net)
             self._starting.add(proc.pid)
             try:
-                registry.register(self.registry_dir, sandbox_id, proc.pid, tags)
+                live_records.register(self.registry_dir, sandbox_id, proc.pid, tags)
             except BaseException:
                 os.killpg(proc.pid, signal.SIGKILL)  # unregistered means unsweepable: never keep it
                 await proc.wait()
@@ -221,7 +221,7 @@ class LocalProvider(Provider):
                 net.spawned()
 
     async def sweep(self, tags: Mapping[str, str]) -> int:
-        return registry.sweep(self.registry_dir, tags)
+        return live_records.sweep(self.registry_dir, tags)
 
 
 class LocalSandbox(SandboxHandle):
@@ -286,7 +286,7 @@ class LocalSandbox(SandboxHandle):
                     fut.set_exception(SandboxLostError(self._dead_reason))
             self._pending.clear()
             self._expiry.cancel()
-            registry.unregister(self._provider.registry_dir, self.id)
+            live_records.unregister(self._provider.registry_dir, self.id)
 
     async def _call(self, op: str, deadline_s: float, **fields) -> dict:
         if not self.is_alive():
@@ -383,7 +383,7 @@ class LocalSandbox(SandboxHandle):
         if self._net is not None:
             self._net.kill()  # not in bwrap's group; it would exit on its own, this is at once
         self._dead_reason = self._dead_reason or f"sandbox {self.id} was terminated"
-        registry.unregister(self._provider.registry_dir, self.id)
+        live_records.unregister(self._provider.registry_dir, self.id)
 
     async def terminate(self) -> None:
         self.kill_now()

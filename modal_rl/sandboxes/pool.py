@@ -32,7 +32,7 @@ from modal_rl.sandboxes.errors import (
     SandboxStartTimeout,
     TransientProviderError,
 )
-from modal_rl.sandboxes.lease import Lease, Sandbox
+from modal_rl.sandboxes.lease import Sandbox, SandboxLease
 from modal_rl.sandboxes.metrics import PoolMetrics
 from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHandle
 from modal_rl.sandboxes.ratelimit import TokenBucket, host_bucket
@@ -181,9 +181,9 @@ class SandboxPool:
         task.add_done_callback(self._reaping.discard)
 
     # -- claims ----------------------------------------------------------------------------
-    def lease(self, *, reuse: bool = False) -> Lease:
+    def lease(self, *, reuse: bool = False) -> SandboxLease:
         """``async with pool.lease() as sb``; single-use unless ``reuse=True``."""
-        return Lease(self, reuse)
+        return SandboxLease(self, reuse)
 
     async def acquire(self, *, reuse: bool = False) -> Sandbox:
         """Claim a ready sandbox (waiting if none is warm); pair with ``await sb.release()``.

@@ -32,7 +32,7 @@ _EXPORTS = {
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:  # a submodule, as the eager package used to make them attributes
+    if name not in _EXPORTS:  # a submodule by attribute (``weightsync.chain``), imported on first use
         try:
             return importlib.import_module(f"modal_rl.weightsync.{name}")
         except ModuleNotFoundError:

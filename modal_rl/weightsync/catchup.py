@@ -2,8 +2,9 @@
 
 One pure function, ``catch_up``, decides this for every place that serves a receiver that
 fell behind, connected late or restarted: a chain's ``frames_since`` and ``rebuild``, a frame
-server's retention (``transport.retention.kept_since``) and a store's reader
-(``DirectoryStore.plan``). Each describes what it retains as ``Retained`` records and maps the
+server's retention (``transport.retention.kept_since``), a store's reader
+(``DirectoryStore.plan``) and a collective receiver choosing which broadcast frame to decode
+(``transport.collective``: the rule over that one frame). Each describes what it retains as ``Retained`` records and maps the
 indices it gets back to its own frames (records, bytes, files).
 
 Invariants of a plan (the indices ``catch_up`` returns):

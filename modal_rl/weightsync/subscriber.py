@@ -262,7 +262,7 @@ def tcp_subscriber(
     """The subscriber that should stage ``target`` (of ``epoch``, when the caller knows it)
     from the frame server at ``addr`` (``key``, ``tls``: see ``TcpSource``).
 
-    ``current`` is always kept (round 3: whatever the server): its chain takes a newer epoch's
+    ``current`` is always kept, whatever server the pull names: its chain takes a newer epoch's
     anchor by itself and refuses an older epoch (``VersionChain``), its staged state is the next
     delta's base, and its floor stays; only its connection moves when the server did (the old
     one is closed). A fresh chain would load whatever the named server holds — a replaced

@@ -65,9 +65,9 @@ from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
 EXPOSE = ("local", "modal")
 # Where the frame server listens behind a modal.forward tunnel: the container's IPv4 address on
 # its default route (``netif.ingress_ipv4``), the eth0 address through which Modal's ingress
-# reaches a container's port (not loopback). Not 0.0.0.0 (round 3): only that one interface,
-# IPv4 only, so not on the workspace's IPv6 network (i6pn) nor any other interface; any peer
-# that reaches it meets the keyed handshake before a frame byte.
+# reaches a container's port (not loopback). Not 0.0.0.0, which would listen on every
+# interface: only that one, IPv4 only, so not on the workspace's IPv6 network (i6pn) nor any
+# other interface; any peer that reaches it meets the keyed handshake before a frame byte.
 
 
 class EnginePushError(RuntimeError):

@@ -27,7 +27,7 @@ Invariants:
   whoever can reach ``/collective_rpc`` without the run key cannot point the engine at a
   frame server of their own; and a signed request naming a server without the key still
   fails at that server's handshake;
-- floors (round 3): a pull below the (epoch, version) the engine holds is refused before
+- floors, so that no pull moves the weights back: a pull below the (epoch, version) the engine holds is refused before
   anything is dialled (``check_pull_floor``: a late signed pull, or one from a replaced
   trainer that still runs), and the subscriber keeps its chain and that floor when a pull
   names another server, so no frame below what is held is ever loaded;

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from modal_rl import ratelimit
 from modal_rl.weightsync.wire.auth import FROM_ENV
 from modal_rl.weightsync.wire.frames import VersionHeader
 
@@ -129,15 +128,6 @@ def joined_frame(
             return b"".join(raw for _, raw in records)
         except FrameInterruptedError:
             continue
-
-
-class TokenBucket(ratelimit.TokenBucket):
-    """The project's token bucket counted in bytes, shared by every connection of one process:
-    it models the host's NIC (e.g. a 1 Gbps WAN link), so fanning out to N receivers divides
-    the rate. ``bytes_per_s=None``: no limit."""
-
-    def __init__(self, bytes_per_s: float | None, burst_bytes: int = 256 * 1024) -> None:
-        super().__init__(bytes_per_s, burst_bytes)
 
 
 def gbps(value: float | None) -> float | None:

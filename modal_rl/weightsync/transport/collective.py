@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from modal_rl.weightsync.catchup import CannotCatchUp, Held, Retained, catch_up
 from modal_rl.weightsync.errors import FrameInterruptedError, WeightSyncError
 from modal_rl.weightsync.transport.base import Floor, FrameSink, FrameSource, joined_frame
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys, sign_records, trailer_size
@@ -328,9 +329,12 @@ def _peek_header(raw: bytes) -> VersionHeader | None:
 
 def _usable(header: VersionHeader | None, have: int | None, epoch: int | None) -> bool:
     """A frame worth decoding for a receiver at (``epoch``, ``have``): what a frame server
-    would send it. An unparsable header is handed on (the chain refuses it, and says why)."""
+    would send it (``catchup.catch_up`` over this one frame). An unparsable header is handed on
+    (the chain refuses it, and says why)."""
     if header is None:
         return True
-    if header.kind == "anchor":
-        return have is None or header.epoch != epoch or header.version > have
-    return have is not None and header.epoch == epoch and header.base_version == have
+    frame = Retained(
+        header.kind, header.version, header.epoch, header.base_version, 0, False, header.base_digest
+    )
+    plan = catch_up(None if have is None else Held(have, epoch), [frame])
+    return not isinstance(plan, CannotCatchUp) and plan == [0]

@@ -25,7 +25,8 @@ Invariants of ``FrameServer``:
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
   slow receiver stalls the publisher — and through it the others — at most that long;
-- all connections share one ``TokenBucket``: the rate limit models the host's NIC.
+- all connections share one ``ratelimit.TokenBucket`` counted in bytes: the rate limit models
+  the host's NIC (e.g. a 1 Gbps WAN link), so fanning out to N receivers divides the rate.
 
 Epochs (``epoch``): a publishing server holds its publisher's epoch (``open_epoch``). A
 receiver's hello names the epoch it holds; a receiver that holds a *newer* epoch of the run
@@ -52,11 +53,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl.ratelimit import TokenBucket
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts, from_hello, slowest
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.transport import hello as lines
 from modal_rl.weightsync.transport.admission import Admission
-from modal_rl.weightsync.transport.base import FrameSink, TokenBucket
+from modal_rl.weightsync.transport.base import FrameSink
 from modal_rl.weightsync.transport.retention import Kept, kept_since, trim
 from modal_rl.weightsync.transport.tcp_source import TcpSource  # the receiver side, re-exported
 from modal_rl.weightsync.wire.auth import (
@@ -74,8 +76,9 @@ from modal_rl.weightsync.wire.frames import TAG_END, TAG_VERSION, VersionHeader,
 
 log = logging.getLogger(__name__)
 SLICE = 64 * 1024
-# Admission (round 3; the module docstring says why): two short lines and one round trip
-# take well under a second even across the internet.
+LINK_BURST_BYTES = 256 * 1024  # what the link limiter lets through at once
+# Admission bounds (the module docstring's invariants say why): two short lines and one round
+# trip take well under a second even across the internet.
 HANDSHAKE_TIMEOUT_S = 3.0
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_PEER = 8
@@ -112,7 +115,7 @@ class FrameServer(FrameSink):
         """``key``: the run key (default: ``MODAL_RL_RUN_KEY``; raises if unset), or ``None``
         for an explicitly keyless server (loopback tests)."""
         self.keys = frame_keys(key)
-        self.limiter = TokenBucket(rate_bytes_per_s)
+        self.limiter = TokenBucket(rate_bytes_per_s, burst=LINK_BURST_BYTES)
         self.max_buffer = max_buffer_bytes
         self.slow_timeout = slow_timeout_s
         # 0: retain nothing (late receivers catch up from a store's recovery anchors), so

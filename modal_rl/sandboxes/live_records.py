@@ -1,4 +1,4 @@
-"""Per-user registry of local sandboxes, so an orphan sweep can find them after a crash.
+"""Live records of local sandboxes, so an orphan sweep can find them after a crash.
 
 One JSON file per live sandbox in ``registry_dir`` holding its process group, the start time
 of its leader (to never signal a recycled PID) and its tags. Files are removed on terminate;

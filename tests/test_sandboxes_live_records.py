@@ -17,7 +17,7 @@ import pytest
 from _sandboxes_helpers import alive, needs_bwrap, sandbox_processes, wait_gone
 from conftest import leftovers
 
-from modal_rl.sandboxes import LocalProvider, ProviderUnavailableError, SandboxSpec, registry
+from modal_rl.sandboxes import LocalProvider, ProviderUnavailableError, SandboxSpec, live_records
 from modal_rl.sandboxes.ratelimit import host_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def procs():
 
 
 def plant(registry_dir: Path, name: str, **entry) -> None:
-    registry.open_dir(registry_dir)
+    live_records.open_dir(registry_dir)
     (registry_dir / f"{name}.json").write_text(json.dumps({"id": name, "tags": TAGS, **entry}))
 
 
@@ -54,7 +54,7 @@ def sweep_cli(registry_dir, *tags: str) -> subprocess.CompletedProcess:
 def test_planted_entries_kill_nothing_and_are_reported(tmp_path, procs, caplog):
     victim = procs(own_group=True)  # a process group the entries never owned
     other = procs(own_group=False)  # a live process in this test's group, not a group leader
-    start = registry.proc_starttime
+    start = live_records.proc_starttime
     plant(tmp_path, "foreign-pgid", pid=other.pid, pgid=victim.pid, starttime=start(other.pid))
     plant(tmp_path, "not-a-leader", pid=other.pid, pgid=other.pid, starttime=start(other.pid))
     plant(tmp_path, "wrong-start", pid=victim.pid, pgid=victim.pid, starttime=start(victim.pid) - 5)
@@ -63,8 +63,8 @@ def test_planted_entries_kill_nothing_and_are_reported(tmp_path, procs, caplog):
     plant(
         tmp_path, "other-tags", pid=victim.pid, pgid=victim.pid, starttime=start(victim.pid), tags={"x": "y"}
     )
-    with caplog.at_level(logging.WARNING, logger=registry.__name__):
-        assert registry.sweep(tmp_path, TAGS) == 0
+    with caplog.at_level(logging.WARNING, logger=live_records.__name__):
+        assert live_records.sweep(tmp_path, TAGS) == 0
     assert alive(victim.pid) and alive(other.pid)
     assert sorted(r.id for r in _refused(caplog)) == [
         "foreign-pgid",
@@ -77,19 +77,19 @@ def test_planted_entries_kill_nothing_and_are_reported(tmp_path, procs, caplog):
     assert [p.stem for p in tmp_path.glob("*.json")] == ["other-tags"]
 
 
-def _refused(caplog) -> list[registry.Refused]:
+def _refused(caplog) -> list[live_records.Refused]:
     out = []
     for rec in caplog.records:
         _, _, rest = rec.getMessage().partition("refused entry ")
         name, _, reason = rest.partition(": ")
-        out.append(registry.Refused(name, reason))
+        out.append(live_records.Refused(name, reason))
     return out
 
 
 def test_cli_prints_refused_entries_and_still_kills_a_real_one(tmp_path, procs):
     victim, real = procs(own_group=True), procs(own_group=True)
-    plant(tmp_path, "planted", pid=real.pid, pgid=victim.pid, starttime=registry.proc_starttime(real.pid))
-    registry.register(tmp_path, "real", real.pid, TAGS)  # leads its own group: a sandbox's shape
+    plant(tmp_path, "planted", pid=real.pid, pgid=victim.pid, starttime=live_records.proc_starttime(real.pid))
+    live_records.register(tmp_path, "real", real.pid, TAGS)  # leads its own group: a sandbox's shape
     out = sweep_cli(tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -120,45 +120,46 @@ def test_a_registry_writable_by_others_is_refused(tmp_path, procs, mode):
                 "id": "x",
                 "pid": victim.pid,
                 "pgid": victim.pid,
-                "starttime": registry.proc_starttime(victim.pid),
+                "starttime": live_records.proc_starttime(victim.pid),
                 "tags": TAGS,
             }
         )
     )
-    for call in (lambda: registry.sweep(path, TAGS), lambda: registry.entries(path)):
+    for call in (lambda: live_records.sweep(path, TAGS), lambda: live_records.entries(path)):
         with pytest.raises(
-            registry.RegistryRefusedError, match=f"{path} is writable by group or others.*chmod 700"
+            live_records.RegistryRefusedError, match=f"{path} is writable by group or others.*chmod 700"
         ):
             call()
     with pytest.raises(ProviderUnavailableError, match="writable by group or others"):
-        registry.register(path, "y", os.getpid(), TAGS)
+        live_records.register(path, "y", os.getpid(), TAGS)
     assert alive(victim.pid)
     out = sweep_cli(path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out
     assert str(path) in out.stderr and "chmod 700" in out.stderr
     path.chmod(0o755)  # others may read: fine, only writing matters
-    assert registry.entries(path)[0]["id"] == "x"
+    assert live_records.entries(path)[0]["id"] == "x"
 
 
 def test_a_registry_owned_by_another_user_is_refused(tmp_path):
     me = os.geteuid()
     if me != 0:  # only root can give a dir away; any other user meets one of root's
-        with pytest.raises(registry.RegistryRefusedError, match=rf"owned by uid 0, not you \(uid {me}\)"):
-            registry.entries(Path("/"))
+        with pytest.raises(live_records.RegistryRefusedError, match=rf"owned by uid 0, not you \(uid {me}\)"):
+            live_records.entries(Path("/"))
         return
     path = tmp_path / "theirs"
     path.mkdir(mode=0o700)
     os.chown(path, 65534, 65534)
     with pytest.raises(
-        registry.RegistryRefusedError, match=rf"{path} is owned by uid 65534, not you \(uid 0\); remove it"
+        live_records.RegistryRefusedError,
+        match=rf"{path} is owned by uid 65534, not you \(uid 0\); remove it",
     ):
-        registry.sweep(path, TAGS)
+        live_records.sweep(path, TAGS)
     link = tmp_path / "link"
-    link.symlink_to(registry.open_dir(tmp_path / "mine"))
-    assert registry.entries(link) == []  # our own symlink to our own dir: fine
+    link.symlink_to(live_records.open_dir(tmp_path / "mine"))
+    assert live_records.entries(link) == []  # our own symlink to our own dir: fine
     os.lchown(link, 65534, 65534)
-    with pytest.raises(registry.RegistryRefusedError, match="is a symlink owned by uid 65534"):
-        registry.entries(link)
+    with pytest.raises(live_records.RegistryRefusedError, match="is a symlink owned by uid 65534"):
+        live_records.entries(link)
 
 
 @needs_bwrap
@@ -174,25 +175,25 @@ def test_a_provider_refuses_a_shared_registry_before_starting_anything(tmp_path)
 
 
 def test_registry_dir_is_per_user_private_and_allowed_by_the_tmp_check(tmp_path, monkeypatch):
-    monkeypatch.delenv(registry.ENV, raising=False)
-    assert registry.default_dir() == Path(f"/tmp/modal-rl-sandboxes-{os.geteuid()}")
-    assert leftovers(set(), {registry.default_dir().name}) == []  # tests/conftest.py allows it
-    monkeypatch.setenv(registry.ENV, str(tmp_path / "reg"))
-    assert registry.default_dir() == tmp_path / "reg"
+    monkeypatch.delenv(live_records.ENV, raising=False)
+    assert live_records.default_dir() == Path(f"/tmp/modal-rl-sandboxes-{os.geteuid()}")
+    assert leftovers(set(), {live_records.default_dir().name}) == []  # tests/conftest.py allows it
+    monkeypatch.setenv(live_records.ENV, str(tmp_path / "reg"))
+    assert live_records.default_dir() == tmp_path / "reg"
     old = os.umask(0)
     try:
-        made = registry.open_dir(tmp_path / "a" / "b")
+        made = live_records.open_dir(tmp_path / "a" / "b")
     finally:
         os.umask(old)
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
 
 
 def test_the_host_rate_limiter_lives_in_the_private_registry(tmp_path, monkeypatch):
-    monkeypatch.setenv(registry.ENV, str(tmp_path / "reg"))
+    monkeypatch.setenv(live_records.ENV, str(tmp_path / "reg"))
     bucket = host_bucket("local", 100.0, 5)
     assert bucket.path == tmp_path / "reg" / "ratelimit-local.json"
     assert bucket.acquire_blocking() == 0.0
     assert stat.S_IMODE((tmp_path / "reg").stat().st_mode) == 0o700
-    monkeypatch.setenv(registry.ENV, str(_open_dir(tmp_path)))
-    with pytest.raises(registry.RegistryRefusedError):
+    monkeypatch.setenv(live_records.ENV, str(_open_dir(tmp_path)))
+    with pytest.raises(live_records.RegistryRefusedError):
         host_bucket("local", 100.0, 5)
