@@ -16,6 +16,7 @@ import ast
 import functools
 import importlib.util
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,10 @@ def payload(
     classes): it runs in the tests' namespace first, and the program never shadows its names."""
     code = program.encode("utf-8", "surrogatepass")
     helpers = (prelude or "").encode("utf-8", "surrogatepass")
+    # the same limit as a wall-clock time, from now (the exec's start): a runner slow to start
+    # on a loaded host still reports before the exec's own deadline kills it
     spec = {"tests": tests, "entry_point": entry_point, "deadline_s": deadline_s, "prelude": prelude}
+    spec["deadline_wall"] = time.time() + deadline_s
     head = len(code).to_bytes(4, "big") + code + len(helpers).to_bytes(4, "big") + helpers
     return head + json.dumps(spec).encode()
 
