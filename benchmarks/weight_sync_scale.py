@@ -126,8 +126,10 @@ def run_scenario(
     versions = len(links) * per_link
     try:
         if gloo:  # the group forms once every member joined: start the receivers first
-            rxs = [_Proc(["receive", f"{gloo}:{ranks}:{ranks + i}", str(versions), str(traj), str(tiles)])
-                   for i in range(receivers)]  # fmt: skip
+            rxs = [
+                _Proc(["receive", f"{gloo}:{ranks}:{ranks + i}", str(versions), str(traj), str(tiles)])
+                for i in range(receivers)
+            ]
         ready = [p.wait_for("ready")[1] for p in procs]
         if not gloo:
             addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
@@ -287,25 +289,70 @@ def _engine_map(workdir: Path) -> dict[str, Any]:
 
 def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
     table = markdown_table(
-        ["state GB", "ranks", "receivers", "link Gbps", "first delta s", "steady delta s", "bound s",
-         "steady/bound", "first/steady", "bytes delta", "bytes vs 1 rank", "encode s", "wire s",
-         "decode s", "verify s", "apply s", "ranks CPU s", "receiver CPU s", "shard GB",
-         "publisher extra GB", "extra/shard", "publisher fixed GB", "(extra-fixed)/shard", "receiver peak GB", "held GB", "peak/held",
-         "receiver fixed GB", "(peak-fixed)/held", "read GB/s", "bit-exact"],
         [
-            [f"{r['state_gb']:.3g}", r["ranks"], r["receivers"], r["link_gbps"], r["first_delta_s"],
-             r["steady_delta_s"], r["bound_s"], r["steady_delta_s"] / r["bound_s"],
-             r["first_delta_s"] / r["steady_delta_s"], f"{r['bytes_delta']:,.0f}",
-             r["bytes_vs_one_rank"] if r["bytes_vs_one_rank"] is not None else "-",
-             *(r["stages"][k] for k in ("encode_s", "wire_s", "decode_s", "verify_s", "apply_s")),
-             r["cpu"]["publishers_cpu_s"], r["cpu"]["receiver_cpu_s"], r["shard_gb"], r["publisher_extra_gb"], r["publisher_extra_gb"] / r["shard_gb"],
-             r["publisher_fixed_gb"], (r["publisher_extra_gb"] - r["publisher_fixed_gb"]) / r["shard_gb"],
-             r["peak_rss_receiver_gb"], r["held_gb"], r["peak_rss_receiver_gb"] / r["held_gb"],
-             r["receiver_fixed_gb"], (r["peak_rss_receiver_gb"] - r["receiver_fixed_gb"]) / r["held_gb"],
-             r["read_bandwidth_gbps"] / 8, r["bit_exact"]]
+            "state GB",
+            "ranks",
+            "receivers",
+            "link Gbps",
+            "first delta s",
+            "steady delta s",
+            "bound s",
+            "steady/bound",
+            "first/steady",
+            "bytes delta",
+            "bytes vs 1 rank",
+            "encode s",
+            "wire s",
+            "decode s",
+            "verify s",
+            "apply s",
+            "ranks CPU s",
+            "receiver CPU s",
+            "shard GB",
+            "publisher extra GB",
+            "extra/shard",
+            "publisher fixed GB",
+            "(extra-fixed)/shard",
+            "receiver peak GB",
+            "held GB",
+            "peak/held",
+            "receiver fixed GB",
+            "(peak-fixed)/held",
+            "read GB/s",
+            "bit-exact",
+        ],
+        [
+            [
+                f"{r['state_gb']:.3g}",
+                r["ranks"],
+                r["receivers"],
+                r["link_gbps"],
+                r["first_delta_s"],
+                r["steady_delta_s"],
+                r["bound_s"],
+                r["steady_delta_s"] / r["bound_s"],
+                r["first_delta_s"] / r["steady_delta_s"],
+                f"{r['bytes_delta']:,.0f}",
+                r["bytes_vs_one_rank"] if r["bytes_vs_one_rank"] is not None else "-",
+                *(r["stages"][k] for k in ("encode_s", "wire_s", "decode_s", "verify_s", "apply_s")),
+                r["cpu"]["publishers_cpu_s"],
+                r["cpu"]["receiver_cpu_s"],
+                r["shard_gb"],
+                r["publisher_extra_gb"],
+                r["publisher_extra_gb"] / r["shard_gb"],
+                r["publisher_fixed_gb"],
+                (r["publisher_extra_gb"] - r["publisher_fixed_gb"]) / r["shard_gb"],
+                r["peak_rss_receiver_gb"],
+                r["held_gb"],
+                r["peak_rss_receiver_gb"] / r["held_gb"],
+                r["receiver_fixed_gb"],
+                (r["peak_rss_receiver_gb"] - r["receiver_fixed_gb"]) / r["held_gb"],
+                r["read_bandwidth_gbps"] / 8,
+                r["bit_exact"],
+            ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     em = engine_map
     return (
         f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "

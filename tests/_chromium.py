@@ -30,9 +30,17 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
     # (Chromium's singleton socket path must fit a unix socket's 108 bytes).
     with tempfile.TemporaryDirectory(prefix="mrl-chr-") as tmp:
         env = {**os.environ, "TMPDIR": tmp, "HOME": tmp}
-        base = [find(), "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                "--disable-extensions", "--disable-dev-shm-usage", "--hide-scrollbars",
-                f"--user-data-dir={tmp}/profile"]  # fmt: skip
+        base = [
+            find(),
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp}/profile",
+        ]
         return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

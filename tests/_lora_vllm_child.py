@@ -19,10 +19,16 @@ def _run(llm, request=None) -> list:
     """Greedy completions of :data:`PROMPTS`: [token ids, logprobs] each."""
     from vllm import SamplingParams
 
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0), lora_request=request,
-                        use_tqdm=False)  # fmt: skip
-    return [[list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]]
-            for o in outs]  # fmt: skip
+    outs = llm.generate(
+        PROMPTS,
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=0),
+        lora_request=request,
+        use_tqdm=False,
+    )
+    return [
+        [list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]]
+        for o in outs
+    ]
 
 
 def main(out: Path) -> None:

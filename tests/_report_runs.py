@@ -18,10 +18,18 @@ def sandbox_snapshot(samples: int, errors: int, wait_s: float, live: int, target
         "samples": samples,
         "execs": 2 * samples,
         "sandbox_errors": errors,
-        "pool": {"live": live, "warm": live - 1, "leased": 1, "claim_p50_s": 0.01 * live,
-                 "claim_p99_s": 0.05 * live, "ready_p50_s": 0.2, "ready_p99_s": 0.9,
-                 "consumer_wait_s": wait_s, "sizing": {"target": target}},
-    }  # fmt: skip
+        "pool": {
+            "live": live,
+            "warm": live - 1,
+            "leased": 1,
+            "claim_p50_s": 0.01 * live,
+            "claim_p99_s": 0.05 * live,
+            "ready_p50_s": 0.2,
+            "ready_p99_s": 0.9,
+            "consumer_wait_s": wait_s,
+            "sizing": {"target": target},
+        },
+    }
 
 
 def step_data(step: int) -> dict[str, float]:
@@ -31,9 +39,12 @@ def step_data(step: int) -> dict[str, float]:
         "checkpoint_engine/payload_mbytes": 12.5 if step == 1 else 0.75 + step / 100,
         "checkpoint_engine/raw_mbytes": 12.5,
     }
-    receiver = {"checkpoint_engine/payload_mbytes": sender["checkpoint_engine/payload_mbytes"],
-                "checkpoint_engine/fetch_s": 0.02, "checkpoint_engine/decode_s": 0.01,
-                "checkpoint_engine/refused": 1.0 if step == 2 else 0.0}  # fmt: skip
+    receiver = {
+        "checkpoint_engine/payload_mbytes": sender["checkpoint_engine/payload_mbytes"],
+        "checkpoint_engine/fetch_s": 0.02,
+        "checkpoint_engine/decode_s": 0.01,
+        "checkpoint_engine/refused": 1.0 if step == 2 else 0.0,
+    }
     rec = n.SyncRecord(
         seconds=0.4 + step / 10, sender=sender, receivers={1: receiver}, adapters={0: {"pause_s": 0.05}}
     )
@@ -51,7 +62,7 @@ def step_data(step: int) -> dict[str, float]:
             [{"kind": "lost"}, {"kind": "replaced"}, {"kind": "serving", "recovery_s": 7.25}]
             if step == 2
             else []
-        ),  # fmt: skip
+        ),
     }
     return data
 
@@ -71,7 +82,11 @@ def make_run(run_dir: Path, steps: int = 3, monkeypatch=None) -> Path:
         run_dir, "verl", {"algorithm.adv_estimator": "grpo", "trainer.total_training_steps": str(steps)}
     )
     (run_dir / "parts").mkdir(exist_ok=True)
-    events = [{"t": 100.0, "kind": "started", "index": 0}, {"t": 130.5, "kind": "lost", "index": 0},
-              {"t": 131.0, "kind": "replaced", "index": 0}, {"t": 137.75, "kind": "serving", "index": 0}]  # fmt: skip
+    events = [
+        {"t": 100.0, "kind": "started", "index": 0},
+        {"t": 130.5, "kind": "lost", "index": 0},
+        {"t": 131.0, "kind": "replaced", "index": 0},
+        {"t": 137.75, "kind": "serving", "index": 0},
+    ]
     (run_dir / "parts" / "engine-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return run_dir

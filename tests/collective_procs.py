@@ -88,11 +88,16 @@ def receive(group, rank: int, key: str | None) -> None:
     exact = bool(activated) and same_state(live, states[activated[-1]])
     print(
         json.dumps(
-            {"rank": rank, "activated": activated, "refused": subscriber.refused, "skipped": source.skipped,
-             "exact": exact}
+            {
+                "rank": rank,
+                "activated": activated,
+                "refused": subscriber.refused,
+                "skipped": source.skipped,
+                "exact": exact,
+            }
         ),
         flush=True,
-    )  # fmt: skip
+    )
 
 
 def main(rank: int, world: int, port: int, keys: list[str | None]) -> None:

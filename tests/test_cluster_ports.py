@@ -51,15 +51,23 @@ def test_a_local_ray_node_opens_no_port_of_rays_choosing():
     plan = LocalBackend().make_plan(ClusterSpec(nodes=3), JobRequest(["true"]))
     argvs = [ray_start_argv(plan, rank) for rank in range(3)]
     rays_own = [
-        "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-        "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
-    ]  # fmt: skip
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+    ]
     for rank, argv in enumerate(argvs):
         flags = {a.split("=")[0] for a in argv if a.startswith("--")}
         assert set(rays_own) <= flags, (rank, flags)
         assert ("--ray-client-server-port" in flags) == (rank == 0)
-    numbers = [int(a.split("=")[1]) for argv in argvs for a in argv if a.split("=")[0] in {*rays_own,
-               "--ray-client-server-port", "--port", "--dashboard-port"}]  # fmt: skip
+    numbers = [
+        int(a.split("=")[1])
+        for argv in argvs
+        for a in argv
+        if a.split("=")[0] in {*rays_own, "--ray-client-server-port", "--port", "--dashboard-port"}
+    ]
     metrics = int(node_environment(plan, "lo")[DASHBOARD_METRIC_PORT_ENV])
     numbers += [metrics, plan.control_port]
     assert len(numbers) == 3 * 6 + 1 + 2 + 1 + 1 and len(set(numbers)) == len(numbers)

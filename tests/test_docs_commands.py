@@ -39,9 +39,13 @@ def check_page(page: Path, workdir: Path) -> tuple[list[str], int]:
     for i, block in enumerate(page_blocks):
         if block.lang == "python" and not block.skipped:
             out = subprocess.run(
-                [sys.executable, "-c", block.text], cwd=workdir, env=doc_env(workdir),
-                capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
+                [sys.executable, "-c", block.text],
+                cwd=workdir,
+                env=doc_env(workdir),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             ran_count += 1
             if out.returncode != 0:
                 problems.append(f"{block.where}: the snippet failed: {out.stderr.strip()[-600:]}")

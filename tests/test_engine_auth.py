@@ -102,7 +102,17 @@ BAD_HEADERS = [
 ]
 
 
-@pytest.mark.parametrize("path, method", [("/sleep", "POST"), ("/collective_rpc", "POST"), ("/v1/completions", "POST"), ("/metrics", "GET"), ("/nope", "GET"), ("/health", "POST")])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, method",
+    [
+        ("/sleep", "POST"),
+        ("/collective_rpc", "POST"),
+        ("/v1/completions", "POST"),
+        ("/metrics", "GET"),
+        ("/nope", "GET"),
+        ("/health", "POST"),
+    ],
+)
 @pytest.mark.parametrize("headers", BAD_HEADERS, ids=range(len(BAD_HEADERS)))
 def test_requests_without_the_key_are_refused_and_reach_nothing(server, path, method, headers):
     base, reached, _ = server

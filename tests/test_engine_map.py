@@ -25,10 +25,17 @@ def checkpoint(seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     return {
-        "q.weight": r(H, H), "k.weight": r(H // 2, H), "v.weight": r(H // 2, H), "q.bias": r(H),
-        "gate.weight": r(F, H), "up.weight": r(F, H), "down.weight": r(H, F),
-        "emb.weight": r(32, H), "norm.weight": r(H), "scale": r(H),
-    }  # fmt: skip
+        "q.weight": r(H, H),
+        "k.weight": r(H // 2, H),
+        "v.weight": r(H // 2, H),
+        "q.bias": r(H),
+        "gate.weight": r(F, H),
+        "up.weight": r(F, H),
+        "down.weight": r(H, F),
+        "emb.weight": r(32, H),
+        "norm.weight": r(H),
+        "scale": r(H),
+    }
 
 
 def step(state: dict, seed: int, fraction: float = 0.05) -> dict:
@@ -58,8 +65,13 @@ class Engine(torch.nn.Module):
         self.process = process
 
     def load_weights(self, weights):
-        rows = {"q.weight": (self.qkv, 0), "k.weight": (self.qkv, H), "v.weight": (self.qkv, H + H // 2),
-                "gate.weight": (self.gate_up, 0), "up.weight": (self.gate_up, F)}  # fmt: skip
+        rows = {
+            "q.weight": (self.qkv, 0),
+            "k.weight": (self.qkv, H),
+            "v.weight": (self.qkv, H + H // 2),
+            "gate.weight": (self.gate_up, 0),
+            "up.weight": (self.gate_up, F),
+        }
         for name, w in weights:
             if name in rows:
                 param, at = rows[name]
@@ -149,8 +161,13 @@ def test_each_tensor_parallel_rank_learns_its_shard_from_vllms_loaders(monkeypat
             self.down = RowParallelLinear(F, H, bias=False, prefix="down", **kw)
 
         def load_weights(self, weights):
-            shards = {"q": (self.qkv, "q"), "k": (self.qkv, "k"), "v": (self.qkv, "v"),
-                      "gate": (self.gate_up, 0), "up": (self.gate_up, 1)}  # fmt: skip
+            shards = {
+                "q": (self.qkv, "q"),
+                "k": (self.qkv, "k"),
+                "v": (self.qkv, "v"),
+                "gate": (self.gate_up, 0),
+                "up": (self.gate_up, 1),
+            }
             for name, w in weights:
                 layer, what = name.split(".")
                 if layer == "down":
@@ -162,9 +179,17 @@ def test_each_tensor_parallel_rank_learns_its_shard_from_vllms_loaders(monkeypat
 
     def ckpt(seed):
         gen = torch.Generator().manual_seed(seed)
-        shapes = {"q.weight": (16, H), "k.weight": (8, H), "v.weight": (8, H), "q.bias": (16,),
-                  "k.bias": (8,), "v.bias": (8,), "gate.weight": (F, H), "up.weight": (F, H),
-                  "down.weight": (H, F)}  # fmt: skip
+        shapes = {
+            "q.weight": (16, H),
+            "k.weight": (8, H),
+            "v.weight": (8, H),
+            "q.bias": (16,),
+            "k.bias": (8,),
+            "v.bias": (8,),
+            "gate.weight": (F, H),
+            "up.weight": (F, H),
+            "down.weight": (H, F),
+        }
         return {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
 
     v0 = ckpt(0)

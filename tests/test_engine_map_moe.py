@@ -84,8 +84,10 @@ def test_an_expert_that_did_not_change_stages_nothing(moe):
     w13 = model.model.layers[1].mlp.experts.routed_experts.w13_weight
     per_expert = w13[0].numel()
     touched = {c.param: c for c in staged.changes}
-    assert set(touched) == {"model.layers.1.mlp.experts.routed_experts.w13_weight",
-                            "model.layers.1.mlp.experts.routed_experts.w2_weight"}  # fmt: skip
+    assert set(touched) == {
+        "model.layers.1.mlp.experts.routed_experts.w13_weight",
+        "model.layers.1.mlp.experts.routed_experts.w2_weight",
+    }
     c13 = touched["model.layers.1.mlp.experts.routed_experts.w13_weight"]
     assert c13.dst.min() >= 5 * per_expert and c13.dst.max() < 6 * per_expert  # expert 5's rows only
     before = w13.detach().clone()

@@ -177,8 +177,12 @@ def test_without_numba_the_same_maps_and_the_same_reasons(monkeypatch):
         ]
 
     with_numba = learn_all()
-    for module, kernel in ((engine_map_combine, "ROW_RUNS"), (engine_map_combine, "COMBINE"),
-                           (engine_map_combine, "COMBINED_RUNS"), (engine_map_runs, "RUN_BREAKS")):  # fmt: skip
+    for module, kernel in (
+        (engine_map_combine, "ROW_RUNS"),
+        (engine_map_combine, "COMBINE"),
+        (engine_map_combine, "COMBINED_RUNS"),
+        (engine_map_runs, "RUN_BREAKS"),
+    ):
         monkeypatch.setattr(getattr(module, kernel), "get", lambda: None)
     without = learn_all()
     assert all("model.layers.1.qkv" in emap.fallback for emap in with_numba[-3:])

@@ -233,9 +233,12 @@ def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
     from modal_rl.cluster.engines_modal import ModalEnginePool, build_function
 
     spec = EngineSpec(
-        command=["vllm", "serve", "m", "--port", "{port}"], gpu="H100:1", image="vllm/vllm-openai:v0.12.0",
-        secrets=["hf-token"], env={"VLLM_SERVER_DEV_MODE": "1"},
-    )  # fmt: skip
+        command=["vllm", "serve", "m", "--port", "{port}"],
+        gpu="H100:1",
+        image="vllm/vllm-openai:v0.12.0",
+        secrets=["hf-token"],
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     _, fn = build_function(spec, key=key)
     # Modal turns the plain env into a secret of its own: the key is only in the run's secret.
     envs = secret_envs(fn)

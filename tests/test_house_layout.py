@@ -1,5 +1,6 @@
 """The house's shape, read from the source: no import circle, the core never imports an
-adapter, no file over 400 lines, and a new adapter ships into Modal images by declaring itself
+adapter, no file so long that it must hold more than one concept (one concept per file: ~500
+lines is fine, 600 is past it), and a new adapter ships into Modal images by declaring itself
 (an entry point), with no edit to ``modal_rl``."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("modal_rl", "verl_modal", "slime_modal")
 CORE, ADAPTERS = "modal_rl", ("verl_modal", "slime_modal")
-MAX_LINES = 400
+MAX_LINES = 600
 
 
 def module_name(path: Path) -> str:
@@ -104,7 +105,7 @@ def test_no_import_circle_and_the_core_imports_no_adapter():
     )
 
 
-def test_no_file_over_400_lines():
+def test_no_file_over_600_lines():
     long = {
         str(p.relative_to(ROOT)): n
         for pkg in (*PACKAGES, "benchmarks", "patches")

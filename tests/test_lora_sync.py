@@ -187,17 +187,26 @@ def _replica(*extra: str):
     import verl_modal._replica_register  # noqa: F401 - what the entry point runs
     from verl_modal.cpu.overrides import compose
 
-    config = compose(["actor_rollout_ref.rollout.name=modal_vllm", "actor_rollout_ref.model.path=/m",
-                      "actor_rollout_ref.rollout.n_gpus_per_node=1",
-                      "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *extra])  # fmt: skip
+    config = compose(
+        [
+            "actor_rollout_ref.rollout.name=modal_vllm",
+            "actor_rollout_ref.model.path=/m",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            *extra,
+        ]
+    )
     rollout = config.actor_rollout_ref.rollout
     cls = get_rollout_replica_class("modal_vllm")
     return cls(replica_rank=0, config=rollout, model_config=config.actor_rollout_ref.model, gpus_per_node=1)
 
 
 def test_a_lora_replica_serves_the_real_base_with_lora_on_and_versioned_adapters():
-    lora = _replica("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
-                    "+actor_rollout_ref.rollout.custom={modal_engines:{lora_resident:3}}")  # fmt: skip
+    lora = _replica(
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "+actor_rollout_ref.rollout.custom={modal_engines:{lora_resident:3}}",
+    )
     cmd, env = list(lora.engine_spec().command), lora.engine_spec().env
     assert cmd[cmd.index("--load-format") + 1] == "auto"  # the base is never synced: load it
     assert cmd[cmd.index("--max-loras") + 1] == "3" and cmd[cmd.index("--max-lora-rank") + 1] == "8"
@@ -254,8 +263,12 @@ def _worker(backend: str, lora_rank: int, rollout: str = "modal_vllm"):
 
     from omegaconf import OmegaConf
 
-    config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": backend}, "dtype": "bfloat16",
-                                           "name": rollout}, "model": {"lora_rank": lora_rank}})  # fmt: skip
+    config = OmegaConf.create(
+        {
+            "rollout": {"checkpoint_engine": {"backend": backend}, "dtype": "bfloat16", "name": rollout},
+            "model": {"lora_rank": lora_rank},
+        }
+    )
     return SimpleNamespace(
         config=config, checkpoint_engine=_CheckpointEngine(), actor=SimpleNamespace(engine=_ActorEngine())
     )
@@ -278,8 +291,11 @@ def test_a_modal_delta_lora_actor_sends_its_adapter_alone_in_the_rollout_dtype()
     assert all(t.dtype == torch.bfloat16 for t in sent.values())
     # verl's own path elsewhere: full fine-tuning, or a backend other than modal_delta.
     # verl's own vLLM rollout cannot load adapter versions: it keeps verl's path too.
-    for backend, rank, rollout in (("modal_delta", 0, "modal_vllm"), ("nccl", 8, "modal_vllm"),
-                                   ("modal_delta", 8, "vllm")):  # fmt: skip
+    for backend, rank, rollout in (
+        ("modal_delta", 0, "modal_vllm"),
+        ("nccl", 8, "modal_vllm"),
+        ("modal_delta", 8, "vllm"),
+    ):
         worker = _worker(backend, rank, rollout)
         asyncio.run(update(worker, global_steps=4))
         assert [list(s) for s, _ in worker.checkpoint_engine.sent] == [
@@ -307,8 +323,13 @@ def test_adapter_frames_into_vllm_follow_versions_and_equal_merged_weights(tmp_p
     }
 
     def child(*args: str) -> dict:
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_vllm_child.py")), *args],
-                              env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("_lora_vllm_child.py")), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
         return json.loads(lines[0][len("RESULT ") :])

@@ -22,18 +22,31 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_weight_sync_counts_anchors_deltas_receivers_and_refusals():
     anchor = n.SyncRecord(
         seconds=1.5,
-        sender={"checkpoint_engine/version": 0.0, "checkpoint_engine/anchor": 1.0,
-                "checkpoint_engine/payload_mbytes": 10.0, "checkpoint_engine/raw_mbytes": 20.0},
-        receivers={1: {"checkpoint_engine/payload_mbytes": 10.0, "checkpoint_engine/fetch_s": 0.5,
-                       "checkpoint_engine/refused": 2.0}},
-    )  # fmt: skip
+        sender={
+            "checkpoint_engine/version": 0.0,
+            "checkpoint_engine/anchor": 1.0,
+            "checkpoint_engine/payload_mbytes": 10.0,
+            "checkpoint_engine/raw_mbytes": 20.0,
+        },
+        receivers={
+            1: {
+                "checkpoint_engine/payload_mbytes": 10.0,
+                "checkpoint_engine/fetch_s": 0.5,
+                "checkpoint_engine/refused": 2.0,
+            }
+        },
+    )
     delta = n.SyncRecord(
         seconds=0.5,
-        sender={"checkpoint_engine/version": 1.0, "checkpoint_engine/anchor": 0.0,
-                "checkpoint_engine/payload_mbytes": 1.0, "checkpoint_engine/raw_mbytes": 20.0},
+        sender={
+            "checkpoint_engine/version": 1.0,
+            "checkpoint_engine/anchor": 0.0,
+            "checkpoint_engine/payload_mbytes": 1.0,
+            "checkpoint_engine/raw_mbytes": 20.0,
+        },
         receivers={1: {"checkpoint_engine/payload_mbytes": 1.0, "checkpoint_engine/fetch_s": 0.25}},
         adapters={0: {"pause_s": 0.125}, 1: {"pause_s": 0.0625}},
-    )  # fmt: skip
+    )
     got = n.weight_sync([anchor, delta])
     assert got[n.WS + "syncs"] == 2 and got[n.WS + "anchors"] == 1 and got[n.WS + "deltas"] == 1
     assert got[n.WS + "sent_mib"] == 11.0 and got[n.WS + "raw_mib"] == 40.0
@@ -66,10 +79,18 @@ def test_sandbox_numbers_are_per_step_counters_and_pool_gauges():
 
 def test_masks_by_cause_and_engine_recovery():
     assert n.masked(["sandbox", "engine", "sandbox", "bad_tests"]) == {
-        n.MASK + "samples": 4.0, n.MASK + "sandbox": 2.0, n.MASK + "bad_tests": 1.0, n.MASK + "internal": 0.0,
-        n.MASK + "engine": 1.0}  # fmt: skip
-    events = [{"kind": "lost"}, {"kind": "replaced"}, {"kind": "serving", "recovery_s": 4.5},
-              {"kind": "serving", "recovery_s": 9.0}]  # fmt: skip
+        n.MASK + "samples": 4.0,
+        n.MASK + "sandbox": 2.0,
+        n.MASK + "bad_tests": 1.0,
+        n.MASK + "internal": 0.0,
+        n.MASK + "engine": 1.0,
+    }
+    events = [
+        {"kind": "lost"},
+        {"kind": "replaced"},
+        {"kind": "serving", "recovery_s": 4.5},
+        {"kind": "serving", "recovery_s": 9.0},
+    ]
     assert n.engines(events) == {n.ENG + "replacements": 1.0, n.ENG + "lost": 1.0, n.ENG + "recovery_s": 9.0}
 
 
@@ -168,12 +189,22 @@ def test_shown_numbers_are_short_and_exact_ones_read_back_equal():
 def test_cli_writes_the_report_and_refuses_a_folder_without_metrics(tmp_path, monkeypatch):
     run_dir = make_run(tmp_path / "run", monkeypatch=monkeypatch)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "modal_rl.report", str(run_dir)], capture_output=True, text=True,
-                        env=env, cwd=ROOT)  # fmt: skip
+    ok = subprocess.run(
+        [sys.executable, "-m", "modal_rl.report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == str((run_dir / "report.html").resolve())
-    bad = subprocess.run([sys.executable, "-m", "modal_rl.report", str(tmp_path)], capture_output=True, text=True,
-                         env=env, cwd=ROOT)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "modal_rl.report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert (
         bad.stderr.count("\n") == 1 and "has no metrics.jsonl" in bad.stderr and "Traceback" not in bad.stderr

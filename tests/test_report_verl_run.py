@@ -23,9 +23,19 @@ from tests.verl_runs import MAIN_STEPS as STEPS
 from tests.verl_runs import SANDBOXED_STEPS
 
 # Every step of a local run logs these, whichever parts it uses (zero included).
-EVERY_STEP = [f"modal_rl/weight_sync/{k}" for k in ("syncs", "anchors", "deltas", "sent_mib", "raw_mib",
-              "seconds", "engine_pause_s", "refused_frames")] + [
-              f"modal_rl/masked/{k}" for k in ("samples", "sandbox", "engine")]  # fmt: skip
+EVERY_STEP = [
+    f"modal_rl/weight_sync/{k}"
+    for k in (
+        "syncs",
+        "anchors",
+        "deltas",
+        "sent_mib",
+        "raw_mib",
+        "seconds",
+        "engine_pause_s",
+        "refused_frames",
+    )
+] + [f"modal_rl/masked/{k}" for k in ("samples", "sandbox", "engine")]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +56,10 @@ def test_tensorboard_holds_the_modal_rl_scalars_of_every_step(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir, ours = run
-    rows = dict(re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups()
-                for line in ours[ours.index("verl_modal: summary") + 2 : -1])  # fmt: skip
+    rows = dict(
+        re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups()
+        for line in ours[ours.index("verl_modal: summary") + 2 : -1]
+    )
     assert rows["tensorboard"] == str(run_dir / "tensorboard")
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()

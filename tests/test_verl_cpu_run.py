@@ -202,11 +202,18 @@ def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
 
     logs = tmp_path / "engine-logs"
     code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *SEPARATE_ASYNC_MODAL_DELTA,
-         "actor_rollout_ref.rollout.name=modal_vllm"],
+        [
+            "--backend",
+            "local",
+            "--tiny",
+            str(tmp_path / "tiny"),
+            "--",
+            *SEPARATE_ASYNC_MODAL_DELTA,
+            "actor_rollout_ref.rollout.name=modal_vllm",
+        ],
         timeout=1400,
         extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs)},  # the engine backend follows --backend
-    )  # fmt: skip
+    )
     assert code == 0, log[-6000:]
     assert re.search(r"modal_vllm replica 0: engine at http://127\.0\.0\.1:\d+ \(logs: ", log), log[-6000:]
     metrics = parse_metrics(log)

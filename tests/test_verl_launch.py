@@ -124,9 +124,20 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
 @pytest.mark.slow
 def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():
     out, _ = launcher(
-        "--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--image", "me/verl:mine",
-        "--volume", "data:/data", "--dry-run", "--", *VERL_LINE,
-    )  # fmt: skip
+        "--backend",
+        "modal",
+        "--nodes",
+        "4",
+        "--gpu",
+        "H200:8",
+        "--image",
+        "me/verl:mine",
+        "--volume",
+        "data:/data",
+        "--dry-run",
+        "--",
+        *VERL_LINE,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     entry = plan["entrypoint"]
@@ -202,9 +213,18 @@ def test_driver_runtime_env_leaves_what_the_job_sets_to_the_job(monkeypatch):
 
 def test_local_two_node_dry_run_plans_the_cpu_job_on_the_cluster(tmp_path):
     out, _ = launcher(
-        "--backend", "local", "--nodes", "2", "--device", "cpu", "--tiny", str(tmp_path / "tiny"),
-        "--dry-run", "--", "trainer.total_training_steps=1",
-    )  # fmt: skip
+        "--backend",
+        "local",
+        "--nodes",
+        "2",
+        "--device",
+        "cpu",
+        "--tiny",
+        str(tmp_path / "tiny"),
+        "--dry-run",
+        "--",
+        "trainer.total_training_steps=1",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     assert plan["backend"] == "local"

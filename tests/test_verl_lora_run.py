@@ -34,12 +34,22 @@ def test_lora_grpo_run_syncs_the_adapter_alone_into_vllm(tmp_path):
     logs = tmp_path / "engine-logs"
     overrides = [o for o in SEPARATE_ASYNC_MODAL_DELTA if not o.startswith("trainer.total_training_steps")]
     code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--log-dir", str(tmp_path / "logs"), "--",
-         *overrides, "trainer.total_training_steps=3",
-         "actor_rollout_ref.rollout.name=modal_vllm", *LORA],
+        [
+            "--backend",
+            "local",
+            "--tiny",
+            str(tmp_path / "tiny"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--",
+            *overrides,
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.rollout.name=modal_vllm",
+            *LORA,
+        ],
         timeout=2300,
         extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs)},
-    )  # fmt: skip
+    )
     assert code == 0, log[-6000:]
     metrics = parse_metrics(log)
     assert list(metrics) == [1, 2, 3], log[-6000:]

@@ -161,8 +161,12 @@ def test_real_fsdp2_ranks_sync_bit_identically_through_verl_shard_export(tmp_pat
     env = {**__import__("os").environ, "VERL_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "tests._verl_shard_child", str(tmp_path), str(versions)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     previous = None
     for v in range(versions):
@@ -215,8 +219,12 @@ def test_the_actor_worker_hands_a_sharded_engine_the_training_engine():
     update = engine_workers.ActorRolloutRefWorker.update_weights
 
     def worker(lora_rank: int) -> SimpleNamespace:
-        config = OmegaConf.create({"rollout": {"checkpoint_engine": {"backend": "modal_delta"}, "name": "vllm"},
-                                   "model": {"lora_rank": lora_rank}})  # fmt: skip
+        config = OmegaConf.create(
+            {
+                "rollout": {"checkpoint_engine": {"backend": "modal_delta"}, "name": "vllm"},
+                "model": {"lora_rank": lora_rank},
+            }
+        )
         engine = ModalDeltaCheckpointEngine(0, is_master=True, sharded=True)
         return SimpleNamespace(
             config=config,

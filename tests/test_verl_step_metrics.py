@@ -47,10 +47,15 @@ CHILD = textwrap.dedent(
 def test_tracking_log_carries_the_parts_numbers_per_step(tmp_path):
     parts, metrics = tmp_path / "parts", tmp_path / "metrics.jsonl"
     parts.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MODAL_RL_RUN_PARTS_DIR": str(parts),
-           "VERL_FILE_LOGGER_PATH": str(metrics)}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MODAL_RL_RUN_PARTS_DIR": str(parts),
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1, 2]

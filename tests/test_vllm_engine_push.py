@@ -189,8 +189,14 @@ def test_a_pull_not_signed_with_the_run_key_is_refused_and_the_engine_keeps_its_
 
 
 def complete_on(url: str, model: str, max_tokens: int) -> list[int]:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json", **AUTH}
     )

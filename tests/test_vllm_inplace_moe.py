@@ -43,8 +43,14 @@ def rpc(url: str, method: str) -> list:
 
 
 def complete(url: str, model: str) -> dict:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     choice = post(url, "/v1/completions", body)["choices"][0]
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
 

@@ -143,8 +143,10 @@ def test_a_byte_flipped_with_its_checksum_recomputed_is_refused_by_the_mac(files
     body = bytearray(data[offset + 5 : offset + size - 40])
     body[len(body) // 2] ^= 0x01
     (tmp / "D").write_bytes(reseal(data, offset, bytes(body)))
-    for command in (["apply", "--base", tmp / "A.safetensors", "--delta", tmp / "D", "--out", tmp / "C"],
-                    ["inspect", tmp / "D"]):  # fmt: skip
+    for command in (
+        ["apply", "--base", tmp / "A.safetensors", "--delta", tmp / "D", "--out", tmp / "C"],
+        ["inspect", tmp / "D"],
+    ):
         line = one_error_line(cli(*command))
         assert "fails its MAC" in line, line
     assert not (tmp / "C").exists()

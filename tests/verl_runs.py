@@ -45,11 +45,21 @@ def _run(tmp: Path, extra: list[str], overrides: list[str], extra_env: dict | No
 
     ours: list[str] = []
     code, log = run_launcher(
-        ["--backend", "local", "--tiny", str(tmp / "tiny"), *extra, "--log-dir", str(tmp / "logs"), "--", *overrides],
+        [
+            "--backend",
+            "local",
+            "--tiny",
+            str(tmp / "tiny"),
+            *extra,
+            "--log-dir",
+            str(tmp / "logs"),
+            "--",
+            *overrides,
+        ],
         timeout=1400,
         extra_env=extra_env,
         terminal=ours,
-    )  # fmt: skip
+    )
     return Job(code, ours, log, tmp / "logs")
 
 

@@ -308,8 +308,15 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             f"{METRIC_PREFIX}compression_ratio": report.raw_bytes / max(report.bytes, 1),
             f"{METRIC_PREFIX}send_s": seconds,
         }
-        log.info("%s sent v=%d (%s, global_steps=%s) %.2f MiB in %.2fs", BACKEND, report.version,
-                 report.kind, global_steps, report.bytes / (1 << 20), seconds)  # fmt: skip
+        log.info(
+            "%s sent v=%d (%s, global_steps=%s) %.2f MiB in %.2fs",
+            BACKEND,
+            report.version,
+            report.kind,
+            global_steps,
+            report.bytes / (1 << 20),
+            seconds,
+        )
         return dict(self.metrics)
 
     def measure(self, weights, prefix: str) -> dict[str, float]:
@@ -327,8 +334,11 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
             )
         report = self._shadow.publish(weights)
         p = METRIC_PREFIX + prefix
-        return {p + "payload_mbytes": report.bytes / (1 << 20), p + "raw_mbytes": report.raw_bytes / (1 << 20),
-                p + "anchor": 1.0 if report.kind == "anchor" else 0.0}  # fmt: skip
+        return {
+            p + "payload_mbytes": report.bytes / (1 << 20),
+            p + "raw_mbytes": report.raw_bytes / (1 << 20),
+            p + "anchor": 1.0 if report.kind == "anchor" else 0.0,
+        }
 
     # -- rollout side ------------------------------------------------------------------
     async def receive_weights(

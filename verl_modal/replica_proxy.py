@@ -110,8 +110,9 @@ class VLLMHttpProxy:
         if versions is None:
             versions = AdapterVersions(int(self.lora["max_resident"]), self.lora["prefix"])
             self._adapters[url] = versions
-        return load_adapter_version(url, source, versions, self.lora["config"], key=self._key,
-                                    pull_timeout_s=self.weights_timeout_s)  # fmt: skip
+        return load_adapter_version(
+            url, source, versions, self.lora["config"], key=self._key, pull_timeout_s=self.weights_timeout_s
+        )
 
     def model_for(self, version: int | None) -> str:
         """What ``/v1/completions`` names for an engine at ``version``: in a LoRA run that

@@ -83,8 +83,9 @@ class EngineWeightsAdapter:
             self._pusher = EnginePusher(None, expose=self.expose, pull_timeout_s=self.pull_timeout_s)
         return self._pusher
 
-    async def update_weights(self, weights, global_steps: int | None = None, wire_format: str = "named_tensors",
-                             **_: Any) -> None:  # fmt: skip
+    async def update_weights(
+        self, weights, global_steps: int | None = None, wire_format: str = "named_tensors", **_: Any
+    ) -> None:
         if wire_format != "named_tensors":
             raise ValueError(f"modal_vllm: checkpoint engine wire format {wire_format!r}; need named_tensors")
         state: dict[str, Any] = {}
@@ -102,11 +103,17 @@ class EngineWeightsAdapter:
         # sample with the step of the version its engine held.
         loaded = await self.server_handle.load_weights.remote(asdict(source), global_steps)
         self.metrics = {**numbers, **loaded}
-        log.info("modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs, "
-                 "%s, serving paused %.3fs",
-                 self.replica_rank, int(self.metrics["version"]), global_steps, self.metrics["payload_mbytes"],
-                 self.metrics["engine_s"], "in place" if self.metrics.get("inplace") else "full load",
-                 self.metrics.get("pause_s", 0.0))  # fmt: skip
+        log.info(
+            "modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs, "
+            "%s, serving paused %.3fs",
+            self.replica_rank,
+            int(self.metrics["version"]),
+            global_steps,
+            self.metrics["payload_mbytes"],
+            self.metrics["engine_s"],
+            "in place" if self.metrics.get("inplace") else "full load",
+            self.metrics.get("pause_s", 0.0),
+        )
 
 
 async def start_relay_worker(replica, expose: str) -> list:
@@ -131,7 +138,12 @@ async def start_relay_worker(replica, expose: str) -> list:
         server_adapter=adapter,
     )
     group = await asyncio.to_thread(
-        RayWorkerGroup, resource_pool=pool, ray_cls_with_init=worker_cls, bin_pack=False,
-        name_prefix=prefix, use_gpu=False, device_name="cpu",
-    )  # fmt: skip
+        RayWorkerGroup,
+        resource_pool=pool,
+        ray_cls_with_init=worker_cls,
+        bin_pack=False,
+        name_prefix=prefix,
+        use_gpu=False,
+        device_name="cpu",
+    )
     return group.workers

@@ -51,7 +51,7 @@ def _worker_numbers(worker) -> dict:
             k: float(v)
             for k, v in (getattr(adapter, "metrics", None) or {}).items()
             if isinstance(v, int | float)
-        },  # fmt: skip
+        },
         "replica": getattr(adapter, "replica_rank", None),
     }
 
@@ -168,8 +168,10 @@ def install(config) -> Collector:
         setattr(update_weights, _MARK, True)
         CheckpointEngineManager.update_weights = auto_await(update_weights)
     elif inner is None:  # a verl whose manager is not auto_await-wrapped: say so, log the rest
-        log.warning("modal_rl step metrics: verl's CheckpointEngineManager.update_weights has no "
-                    "__wrapped__; weight-sync numbers are not logged on this verl")  # fmt: skip
+        log.warning(
+            "modal_rl step metrics: verl's CheckpointEngineManager.update_weights has no "
+            "__wrapped__; weight-sync numbers are not logged on this verl"
+        )
 
     original_log = Tracking.log
     if not getattr(original_log, _MARK, False):

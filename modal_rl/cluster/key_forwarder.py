@@ -310,10 +310,12 @@ class KeyForwarder:
         if has_body and encoding not in ("", "identity"):
             self._log(f"{request.method} {request.rel_url.raw_path}: engine answered {encoding!r} encoded")
             return web.json_response(
-                {"error": f"engine answered with Content-Encoding {encoding!r} although identity was "
-                 "asked; its body cannot be checked for the run key"},
+                {
+                    "error": f"engine answered with Content-Encoding {encoding!r} although identity was "
+                    "asked; its body cannot be checked for the run key"
+                },
                 status=502,
-            )  # fmt: skip
+            )
         out_headers = [
             (text(k), text(v))
             for k, v in up.headers.items()

@@ -110,8 +110,19 @@ def sandbox(before: Mapping[str, dict], now: Mapping[str, dict]) -> dict[str, fl
     the worst pool's. Empty when no reward process wrote a snapshot."""
     if not now:
         return {}
-    out = {SB + k: 0.0 for k in ("samples", "execs", "errors", "lease_wait_s", "pool_live", "pool_warm",
-                                  "pool_target", "leased")}  # fmt: skip
+    out = {
+        SB + k: 0.0
+        for k in (
+            "samples",
+            "execs",
+            "errors",
+            "lease_wait_s",
+            "pool_live",
+            "pool_warm",
+            "pool_target",
+            "leased",
+        )
+    }
     worst: dict[str, float] = {}
     for name, snap in now.items():
         prev = before.get(name) or {}
@@ -124,8 +135,12 @@ def sandbox(before: Mapping[str, dict], now: Mapping[str, dict]) -> dict[str, fl
         out[SB + "pool_warm"] += _f(pool.get("warm"))
         out[SB + "leased"] += _f(pool.get("leased"))
         out[SB + "pool_target"] += _f((pool.get("sizing") or {}).get("target"))
-        for ours, theirs in (("lease_wait_p50_s", "claim_p50_s"), ("lease_wait_p99_s", "claim_p99_s"),
-                             ("create_p50_s", "ready_p50_s"), ("create_p99_s", "ready_p99_s")):  # fmt: skip
+        for ours, theirs in (
+            ("lease_wait_p50_s", "claim_p50_s"),
+            ("lease_wait_p99_s", "claim_p99_s"),
+            ("create_p50_s", "ready_p50_s"),
+            ("create_p99_s", "ready_p99_s"),
+        ):
             if pool.get(theirs) is not None:
                 worst[ours] = max(worst.get(ours, 0.0), _f(pool[theirs]))
     out.update({SB + k: v for k, v in worst.items()})

@@ -71,9 +71,10 @@ def _steps_table(run: RunData) -> str:
         cells = "".join(
             f"<td data-name='{_esc(name)}' data-step='{s}' data-value='{exact(run.steps[s][name])}'>"
             f"{fmt(run.steps[s][name])}</td>"
-            if name in run.steps[s] else "<td></td>"
+            if name in run.steps[s]
+            else "<td></td>"
             for s in steps
-        )  # fmt: skip
+        )
         body.append(f"<tr><td>{_esc(name)}</td>{cells}</tr>")
     return (
         f"<div class='scroll'><table id='steps'><tr><th>metric \\ step</th>{head}</tr>{''.join(body)}"
@@ -100,10 +101,12 @@ def render(run: RunData) -> str:
     ]
     if run.skipped:
         facts.append(("skipped records", str(run.skipped)))
-    facts_html = "".join(f"<tr><td>{_esc(k)}</td><td id='fact-{k.replace(' ', '-')}'>{_esc(v)}</td></tr>"
-                         for k, v in facts)  # fmt: skip
-    data = json.dumps({"steps": {str(s): run.steps[s] for s in sorted(run.steps)}, "events": run.events},
-                      default=str).replace("</", "<\\/")  # fmt: skip
+    facts_html = "".join(
+        f"<tr><td>{_esc(k)}</td><td id='fact-{k.replace(' ', '-')}'>{_esc(v)}</td></tr>" for k, v in facts
+    )
+    data = json.dumps(
+        {"steps": {str(s): run.steps[s] for s in sorted(run.steps)}, "events": run.events}, default=str
+    ).replace("</", "<\\/")
     made = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     return "\n".join(
         [

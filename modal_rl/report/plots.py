@@ -114,8 +114,10 @@ def weight_sync(run: RunData):
         ax1.legend(loc="best")
     _steps_axis(ax1, run)
     # Drawn so both stay visible where they are equal (verl's colocated sync pauses for all of it).
-    for key, label, style in (("seconds", "sync time", {"linewidth": 4, "alpha": 0.5}),
-                              ("engine_pause_s", "engine pause", {"linestyle": "--", "marker": "x"})):  # fmt: skip
+    for key, label, style in (
+        ("seconds", "sync time", {"linewidth": 4, "alpha": 0.5}),
+        ("engine_pause_s", "engine pause", {"linestyle": "--", "marker": "x"}),
+    ):
         if got := run.series(n.WS + key):
             _line(ax2, got, label, **style)
     ax2.set_ylabel("seconds per step")
@@ -128,15 +130,23 @@ def sandboxes(run: RunData):
     if not run.series(n.SB + "pool_live"):
         return None
     fig, (ax1, ax2) = _figure(2)
-    for key, label in (("pool_live", "live"), ("pool_warm", "warm"), ("leased", "leased"),
-                       ("pool_target", "adaptive target")):  # fmt: skip
+    for key, label in (
+        ("pool_live", "live"),
+        ("pool_warm", "warm"),
+        ("leased", "leased"),
+        ("pool_target", "adaptive target"),
+    ):
         if got := run.series(n.SB + key):
             _line(ax1, got, label, marker="o" if key != "pool_target" else "s")
     ax1.set_ylabel("sandboxes")
     ax1.legend(loc="best")
     _steps_axis(ax1, run)
-    for key, label in (("lease_wait_p50_s", "lease wait p50"), ("lease_wait_p99_s", "lease wait p99"),
-                       ("create_p50_s", "create p50"), ("create_p99_s", "create p99")):  # fmt: skip
+    for key, label in (
+        ("lease_wait_p50_s", "lease wait p50"),
+        ("lease_wait_p99_s", "lease wait p99"),
+        ("create_p50_s", "create p50"),
+        ("create_p99_s", "create p99"),
+    ):
         if got := run.series(n.SB + key):
             _line(ax2, got, label)
     ax2.set_ylabel("seconds")
@@ -155,8 +165,13 @@ def masked(run: RunData):
         if not got:
             continue
         xs = [s for s, _ in got]
-        ax.bar(xs, [v for _, v in got], bottom=[bottom.get(s, 0.0) for s in xs], color=COLORS[cause],
-               label=cause.replace("_", " "))  # fmt: skip
+        ax.bar(
+            xs,
+            [v for _, v in got],
+            bottom=[bottom.get(s, 0.0) for s in xs],
+            color=COLORS[cause],
+            label=cause.replace("_", " "),
+        )
         for s, v in got:
             bottom[s] = bottom.get(s, 0.0) + v
     if not any(bottom.values()):

@@ -115,6 +115,7 @@ def write_info(run_dir: Path, framework: str, config: dict) -> Path:
     import time
 
     out = Path(run_dir) / RUN_INFO
-    out.write_text(json.dumps({"framework": framework, "started": time.time(), "config": config},
-                              indent=1, default=str))  # fmt: skip
+    out.write_text(
+        json.dumps({"framework": framework, "started": time.time(), "config": config}, indent=1, default=str)
+    )
     return out

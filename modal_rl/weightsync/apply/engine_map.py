@@ -216,13 +216,19 @@ def learn_map(
     nums = [Numbering.for_tensors(m, state) for m, _ in passes]
     emap.learning = {  # the largest group's shadow; the probe values and row runs kept (the most of a pass's)
         "passes": len(passes),
-        "largest_group_bytes": max((sum(params[p].numel() * t.dtype.itemsize for p in o) for t, (_, o) in zip(nums, passes, strict=True)), default=0),
+        "largest_group_bytes": max(
+            (
+                sum(params[p].numel() * t.dtype.itemsize for p in o)
+                for t, (_, o) in zip(nums, passes, strict=True)
+            ),
+            default=0,
+        ),
         "index_bytes": max((r.index_bytes for r in results), default=0),
         "int32_passes": sum(t.dtype == torch.int32 for t in nums),
         "materialised_groups": sum(r.materialised for r in results),
         "dense_rows_params": sum(r.dense_rows_params for r in results),
         "rows_bytes": max((r.rows_bytes for r in results), default=0),
-    }  # fmt: skip
+    }
     return emap
 
 

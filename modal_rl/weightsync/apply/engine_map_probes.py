@@ -113,9 +113,13 @@ class Numbering:
 
         a = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return types.SimpleNamespace(
-            row_bases=a(self.row_bases), row_counts=a(self.rows), widths=a(self.cols),
-            base_array=a(self.bases), col_bases=a(self.col_bases), row_end=self.row_end,
-        )  # fmt: skip
+            row_bases=a(self.row_bases),
+            row_counts=a(self.rows),
+            widths=a(self.cols),
+            base_array=a(self.bases),
+            col_bases=a(self.col_bases),
+            row_end=self.row_end,
+        )
 
     def values_needed(self, broadcast: bool) -> int:
         """How many ``Iota`` words the pass's probes are views of."""
@@ -266,9 +270,16 @@ def _fresh_shadows(params: dict, owned: list[str], num: Numbering, arena: Shadow
 
 
 def _broadcast_passes(
-    params: dict, owned: list[str], state: dict, num: Numbering, model: Any, load: Load,
-    iota: Iota, result: PassResult, clock: _Clock,
-) -> dict[str, Any]:  # fmt: skip
+    params: dict,
+    owned: list[str],
+    state: dict,
+    num: Numbering,
+    model: Any,
+    load: Load,
+    iota: Iota,
+    result: PassResult,
+    clock: _Clock,
+) -> dict[str, Any]:
     """Pass "rows", its runs kept, then pass "cols" into the same shadows. Returns each
     parameter's row runs ((starts, values), or (empty, every row word) when they do not
     compress); sets ``result.materialised`` when the loader refused a broadcast probe."""
@@ -314,4 +325,6 @@ def _check_intact(iota: Iota, num: Numbering, state: dict, kind: str) -> None:
         starts = [b - FIRST_INDEX for b in num.col_bases]
         ends = [a + c for a, c in zip(starts, num.cols, strict=True)]
     if not iota.intact(starts, ends, num.dtype):
-        raise RuntimeError("the engine's loader wrote into the index tensors it was given: the engine map cannot be learned")  # fmt: skip
+        raise RuntimeError(
+            "the engine's loader wrote into the index tensors it was given: the engine map cannot be learned"
+        )

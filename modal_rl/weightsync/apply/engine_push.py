@@ -147,9 +147,13 @@ class EnginePusher:
     def load(self, engine_url: str, source) -> dict[str, float]:
         """``load_version`` with this pusher's key and bound."""
         return load_version(
-            engine_url, source, key=self._bearer, pull_timeout_s=self.pull_timeout_s, inplace=self.inplace,
+            engine_url,
+            source,
+            key=self._bearer,
+            pull_timeout_s=self.pull_timeout_s,
+            inplace=self.inplace,
             hold_requests=self.hold_requests,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self._stack.close()
@@ -162,9 +166,14 @@ class EnginePusher:
 
 
 def load_version(
-    engine_url: str, source, *, key=FROM_ENV, pull_timeout_s: float = 600.0, inplace: bool = True,
+    engine_url: str,
+    source,
+    *,
+    key=FROM_ENV,
+    pull_timeout_s: float = 600.0,
+    inplace: bool = True,
     hold_requests: bool = False,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Have the vLLM engine at ``engine_url`` pull and load ``source.version`` from the frame
     server ``source`` names (a signed pull), then reset its prefix cache; the numbers, or
     ``EnginePushError`` (the engine then keeps the weights it had).
@@ -186,9 +195,15 @@ def load_version(
     engine_url = engine_url.rstrip("/")
     method = STAGE_METHOD if inplace else METHOD
     body = pull_request(
-        source.host, source.port, source.version, timeout_s=pull_timeout_s, key=keys, tls=source.tls,
-        method=method, epoch=getattr(source, "epoch", None),
-    )  # fmt: skip
+        source.host,
+        source.port,
+        source.version,
+        timeout_s=pull_timeout_s,
+        key=keys,
+        tls=source.tls,
+        method=method,
+        epoch=getattr(source, "epoch", None),
+    )
     t1 = time.perf_counter()
     results = _rpc(engine_url, body, source.version, key)
     blocked = [_blocked_s(results)]
@@ -295,9 +310,14 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
 
 
 def local_vllm_spec(
-    model_dir: str, *, dtype: str = "bfloat16", max_model_len: int = 256, name: str = "vllm",
-    startup_timeout_s: float = 600.0, inplace: bool = True,
-):  # fmt: skip
+    model_dir: str,
+    *,
+    dtype: str = "bfloat16",
+    max_model_len: int = 256,
+    name: str = "vllm",
+    startup_timeout_s: float = 600.0,
+    inplace: bool = True,
+):
     """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
     extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
     short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
@@ -306,12 +326,31 @@ def local_vllm_spec(
     from modal_rl.cluster.engines import EngineSpec
 
     command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-        "--host", "{host}", "--port", "{port}", "--dtype", dtype, "--enforce-eager",
-        "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
-        "--block-size", "32", "--worker-extension-cls", EXTENSION,
-        "--middleware", "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        "4",
+        "--seed",
+        "0",
+        "--block-size",
+        "32",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--middleware",
+        "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
+    ]
     from modal_rl.cluster.engine_health import vllm_generate
 
     return EngineSpec(
@@ -322,7 +361,7 @@ def local_vllm_spec(
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             **({PLAIN_WEIGHTS_ENV: "1"} if inplace else {}),
-        },  # fmt: skip
+        },
         startup_timeout_s=startup_timeout_s,
         name=name,
     )

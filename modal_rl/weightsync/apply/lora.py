@@ -91,11 +91,19 @@ def adapter_config(rank: int, alpha: float, target_modules: Any, base_model: str
         raise ValueError(f"LoRA rank must be > 0, got {rank}")
     targets = target_modules if isinstance(target_modules, str) else sorted(target_modules)
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
-        "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "target_modules": targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
         "base_model_name_or_path": str(base_model),
-    }  # fmt: skip
+    }
 
 
 def write_adapter(path: Path, tensors: dict[str, Any], config: dict) -> Path:

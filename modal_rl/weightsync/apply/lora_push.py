@@ -18,16 +18,31 @@ from modal_rl.weightsync.wire.auth import frame_keys
 
 
 def load_adapter_version(
-    engine_url: str, source, versions: AdapterVersions, config: dict, *, key, pull_timeout_s: float = 600.0,
-) -> dict[str, float]:  # fmt: skip
+    engine_url: str,
+    source,
+    versions: AdapterVersions,
+    config: dict,
+    *,
+    key,
+    pull_timeout_s: float = 600.0,
+) -> dict[str, float]:
     """Steps 1-3 of the module docstring for ``source.version``; the numbers. ``versions`` is
     this engine's resident set (one per engine: a replacement starts empty)."""
     engine_url = engine_url.rstrip("/")
     epoch = getattr(source, "epoch", None)
     admission = versions.plan(int(source.version), epoch or 0)
     adapter = {"prefix": versions.prefix, "keep": versions.max_resident, "config": config}
-    body = pull_request(source.host, source.port, source.version, timeout_s=pull_timeout_s, key=frame_keys(key),
-                        tls=source.tls, method=ADAPTER_METHOD, epoch=epoch, adapter=adapter)  # fmt: skip
+    body = pull_request(
+        source.host,
+        source.port,
+        source.version,
+        timeout_s=pull_timeout_s,
+        key=frame_keys(key),
+        tls=source.tls,
+        method=ADAPTER_METHOD,
+        epoch=epoch,
+        adapter=adapter,
+    )
     t0 = time.perf_counter()
     results = _rpc(engine_url, body, source.version, key)
     paths = [r["path"] for r in results if r.get("path")]

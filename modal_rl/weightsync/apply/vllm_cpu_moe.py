@@ -54,9 +54,24 @@ def _keep_layout(self: Any, layer: Any) -> None:
     self._use_zentorch = False  # no pad, no prepack: w13/w2 stay as the loader wrote them
 
 
-def _apply_plain(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                 expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-                 apply_router_weight_on_input) -> None:  # fmt: skip
+def _apply_plain(
+    self,
+    output,
+    hidden_states,
+    w1,
+    w2,
+    topk_weights,
+    topk_ids,
+    activation,
+    global_num_experts,
+    expert_map,
+    a1q_scale,
+    a2_scale,
+    workspace13,
+    workspace2,
+    expert_tokens_meta,
+    apply_router_weight_on_input,
+) -> None:
     """The experts' output for each token: the router-weighted sum over its top-k experts
     (the CPU experts weight and reduce themselves: their finalize is a no-op)."""
     import torch

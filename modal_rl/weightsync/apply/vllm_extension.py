@@ -105,9 +105,16 @@ def pull_request(
     keys = frame_keys(key)
     if keys is None:
         raise ValueError("a weight pull must be signed with the run key: engines refuse unsigned pulls")
-    args = {"host": host, "port": int(port), "tls": bool(tls), "version": int(version),
-            "timeout_s": float(timeout_s), "max_refusals": int(max_refusals), "issued": time.time(),
-            "nonce": new_nonce()}  # fmt: skip
+    args = {
+        "host": host,
+        "port": int(port),
+        "tls": bool(tls),
+        "version": int(version),
+        "timeout_s": float(timeout_s),
+        "max_refusals": int(max_refusals),
+        "issued": time.time(),
+        "nonce": new_nonce(),
+    }
     if epoch is not None:
         args["epoch"] = int(epoch)  # signed: the engine loads nothing below (epoch, version)
     if adapter is not None:
@@ -185,10 +192,13 @@ class DeltaWeightsExtension(InPlaceMixin, AdapterStageMixin):
         t_rpc = time.perf_counter()
         sub, req = self._modal_rl_verified_subscriber(request, signature)
         refused_before = len(sub.refused)
-        out = self._modal_rl_full(sub, int(req["version"]), float(req.get("timeout_s", 600.0)),
-                                  int(req.get("max_refusals", 2)))  # fmt: skip
-        print(f"{LOG_PREFIX} version {sub.live_version}: {len(sub.chain.state)} tensors in {out['load_s']:.2f}s",
-              flush=True)  # fmt: skip
+        out = self._modal_rl_full(
+            sub, int(req["version"]), float(req.get("timeout_s", 600.0)), int(req.get("max_refusals", 2))
+        )
+        print(
+            f"{LOG_PREFIX} version {sub.live_version}: {len(sub.chain.state)} tensors in {out['load_s']:.2f}s",
+            flush=True,
+        )
         return {**out, "refused": len(sub.refused) - refused_before, "rpc_s": time.perf_counter() - t_rpc}
 
     def _modal_rl_verified_subscriber(self, request: str, signature: str):

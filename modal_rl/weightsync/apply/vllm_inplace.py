@@ -95,8 +95,11 @@ class InPlaceMixin:
             t0 = time.perf_counter()
             out["fallback_params"] = self._modal_rl_learn()
             out["map_s"] = time.perf_counter() - t0
-            print(f"{LOG_PREFIX} version {out['version']}: full load in {out['load_s']:.2f}s, engine map "
-                  f"learnt in {out['map_s']:.2f}s ({out['fallback_params']} parameters fall back)", flush=True)  # fmt: skip
+            print(
+                f"{LOG_PREFIX} version {out['version']}: full load in {out['load_s']:.2f}s, engine map "
+                f"learnt in {out['map_s']:.2f}s ({out['fallback_params']} parameters fall back)",
+                flush=True,
+            )
             return {**out, "mode": "full", "rpc_s": time.perf_counter() - t_rpc}
         job = {"version": target, "state": "staging", "error": None, "staged": None, "timings": []}
         generation = self._modal_rl_generation
@@ -121,8 +124,12 @@ class InPlaceMixin:
         job = self._modal_rl_stage_job
         if job is None or job["version"] != int(version):
             return {"version": int(version), "state": "failed", "error": "no staging of this version"}
-        return {"version": job["version"], "state": job["state"], "error": job["error"],
-                "rpc_s": time.perf_counter() - t_rpc}  # fmt: skip
+        return {
+            "version": job["version"],
+            "state": job["state"],
+            "error": job["error"],
+            "rpc_s": time.perf_counter() - t_rpc,
+        }
 
     def modal_rl_switch_weights(self, version: int = -1, fail_after: int = -1) -> dict:
         from modal_rl.weightsync.apply.inplace import switch, undo
@@ -136,8 +143,12 @@ class InPlaceMixin:
             raise RuntimeError(f"version {version} failed to stage: {job['error']}")
         staged = job["staged"]
         t0 = time.perf_counter()
-        written = switch(self._modal_rl_map, staged, self._modal_rl_generation,
-                         fail_after=None if int(fail_after) < 0 else int(fail_after))  # fmt: skip
+        written = switch(
+            self._modal_rl_map,
+            staged,
+            self._modal_rl_generation,
+            fail_after=None if int(fail_after) < 0 else int(fail_after),
+        )
         self._modal_rl_generation += 1
         if staged.fallback:
             try:

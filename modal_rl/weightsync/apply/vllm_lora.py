@@ -58,8 +58,12 @@ class AdapterStageMixin:
         sub, req = self._modal_rl_verified_subscriber(request, signature)
         target = int(req["version"])
         refused_before = len(sub.refused)
-        timings = sub.stage_until(target, float(req.get("timeout_s", 600.0)), int(req.get("max_refusals", 2)),
-                                  epoch=sub.target_epoch)  # fmt: skip
+        timings = sub.stage_until(
+            target,
+            float(req.get("timeout_s", 600.0)),
+            int(req.get("max_refusals", 2)),
+            epoch=sub.target_epoch,
+        )
         adapter = req.get("adapter") or {}
         out: dict[str, Any] = {
             "version": sub.live_version,
