@@ -4,23 +4,25 @@ One pure function, ``catch_up``, decides this for every place that serves a rece
 fell behind, connected late or restarted: a chain's ``frames_since`` and ``rebuild``, a frame
 server's retention (``transport.retention.kept_since``), a store's reader
 (``DirectoryStore.plan``) and a collective receiver choosing which broadcast frame to decode
-(``transport.collective``: the rule over that one frame). Each describes what it retains as ``Retained`` records and maps the
-indices it gets back to its own frames (records, bytes, files).
+(``transport.collective``: the rule over that one frame). Each describes what it retains as
+``Retained`` records and maps the indices it gets back to its own frames (records, bytes,
+files).
 
 Invariants of a plan (the indices ``catch_up`` returns):
 - only frames of the newest retained epoch are planned; the plan's frames are in increasing
   version order and end at that epoch's newest version (the target);
 - it starts with an anchor, or with a delta whose base is the version the receiver holds in
-  that epoch (and, where both are known, whose base digest is the receiver's); every later delta's base is the version the frame before it reached, so
-  applying the plan in order reaches the target;
-- it takes at most one frame per version: a delta or a wire anchor, never the recovery
-  anchor beside a delta, except a recovery anchor as the plan's first frame;
+  that epoch (and, where both are known, whose base digest is the receiver's); every later
+  delta's base is the version the frame before it reached, so applying the plan in order
+  reaches the target;
+- it takes at most one frame per version: a delta or a wire anchor; a recovery anchor only as
+  the plan's first frame or where its version's delta is not retained;
 - a receiver of another epoch (older, or one it does not name) is sent an anchor first: a
   delta of one epoch never lands on a state of another;
 - of the two possible plans — the frames after the receiver's version, from the last anchor
   among them if any ("warm"), and the newest anchor with the deltas after it ("cold") — the
-  lighter is taken, warm on a tie (``size``);
-  a plan with more than ``max_deltas`` deltas is never taken;
+  lighter is taken, warm on a tie (``size``); a plan with more than ``max_deltas`` deltas is
+  never taken;
 - the empty plan means the receiver already holds the target; every other situation in which
   nothing can be sent (nothing retained, the receiver ahead of what is retained, no anchor
   and no delta following the receiver, a gap, or only plans over the bound) is a
