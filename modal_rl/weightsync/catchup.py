@@ -15,8 +15,8 @@ Invariants of a plan (the indices ``catch_up`` returns):
   that epoch (and, where both are known, whose base digest is the receiver's); every later
   delta's base is the version the frame before it reached, so applying the plan in order
   reaches the target;
-- it takes at most one frame per version: a delta or a wire anchor; a recovery anchor only as
-  the plan's first frame or where its version's delta is not retained;
+- it takes one frame per version, and only its first frame may be an anchor (what precedes an
+  anchor is never needed): a recovery anchor is sent only to start from;
 - a receiver of another epoch (older, or one it does not name) is sent an anchor first: a
   delta of one epoch never lands on a state of another;
 - of the two possible plans — the frames after the receiver's version, from the last anchor
