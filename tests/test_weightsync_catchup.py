@@ -152,6 +152,18 @@ def test_a_receiver_of_the_served_epoch_gets_the_lighter_path():
     assert catch_up(Held(0, NEW), heavy) == [3, 4]  # the deltas weigh more than the anchor path
 
 
+def test_what_precedes_a_wire_anchor_on_the_way_is_not_sent():
+    frames = [
+        Retained("anchor", 0, NEW, None, 1),
+        Retained("delta", 1, NEW, 0, 1),
+        Retained("delta", 2, NEW, 1, 1),
+        Retained("anchor", 3, NEW, None, 1),
+        Retained("delta", 4, NEW, 3, 1),
+        Retained("anchor", 4, NEW, None, 3, recovery=True),
+    ]
+    assert catch_up(Held(0, NEW), frames) == [3, 4]  # not 1, 2 before the anchor; lighter than v4's
+
+
 def test_a_delta_whose_base_digest_is_not_the_receivers_is_not_sent():
     frames = [Retained("anchor", 0, NEW, None, 100), Retained("delta", 1, NEW, 0, 5, base_digest="aa")]
     assert catch_up(Held(0, NEW, "aa"), frames) == [1]
