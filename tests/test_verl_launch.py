@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _launcher import run_module
 
-from verl_modal.launch import VERL_IMAGE, cluster_job
+from verl_modal.launch import cluster_job
 from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +73,17 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
         assert expected not in out.stderr, out.stderr
 
     assert plan["backend"] == "modal"
-    assert plan["image"] == plan["spec"]["image"] == VERL_IMAGE
-    assert VERL_IMAGE.startswith("verlai/verl:")
+    # The image is verl at the version installed here, with the extras this line uses, on a
+    # CUDA base; every pin those extras declare is listed.
+    from importlib.metadata import version
+
+    image = plan["image"]
+    assert plan["spec"]["image"] is None
+    assert image["framework"] == f"verl[vllm,fsdp]=={version('verl')}"
+    assert image["base"].startswith("nvidia/cuda:")
+    assert image["pinned"]["vllm"] and image["pinned"]["torch"]
+    assert image["chosen_by"]["vllm"] == "actor_rollout_ref.rollout.name=vllm"
+    assert any("git apply" in c for c in image["build_commands"])  # patches/verl
     fn = plan["modal_function"]
     for view in (fn, fn["inspected"]):  # what we asked for, and what the built function holds
         assert view["gpu"] == "H100:8"
@@ -134,6 +143,9 @@ def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins()
     assert plan["modal_function"]["cluster_size"] == 4
     assert plan["verl"]["cpu"] is False
     assert plan["image"] == "me/verl:mine"
+    # a user image is not inspected: one line says what it must hold and how to check
+    note = [line for line in out.stderr.splitlines() if "me/verl:mine" in line]
+    assert len(note) == 1 and "verl==" in note[0] and "docker run" in note[0], out.stderr
 
 
 def test_disagreeing_nnodes_exits_2_in_one_line_fast():

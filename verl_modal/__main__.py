@@ -8,7 +8,8 @@ reuses) a tiny model, tokenizer and arithmetic dataset in DIR and points verl at
 
 Cluster flags are ``modal_rl.cluster``'s (``--backend --nodes --gpu --rdma --volume --env
 --detach --dry-run --preflight-only`` ...). ``--backend modal`` runs the job on a Modal
-cluster through ``modal_rl.cluster.run_job`` (default image: verl's, ``launch.VERL_IMAGE``);
+cluster through ``modal_rl.cluster.run_job`` (default image: verl at the installed version with the
+extras the line needs on a CUDA base, ``verl_modal.image``);
 ``--dry-run`` prints its plan as JSON. ``trainer.nnodes``/``trainer.n_gpus_per_node`` come
 from the cluster; an explicit one that disagrees is an error.
 
@@ -94,12 +95,9 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
     """The cluster from the flags. Without ``--gpu`` the local backend's logical GPUs per node
     follow ``trainer.n_gpus_per_node`` when the user gives it (logical GPUs cost nothing)."""
     from modal_rl.cluster import spec_from_args
-    from verl_modal.launch import VERL_IMAGE
     from verl_modal.preflight import NGPUS, explicit_values
 
     extra = {}
-    if args.backend == "modal" and not args.image:
-        extra["image"] = VERL_IMAGE
     given = explicit_values(user_overrides).get(NGPUS)
     if args.backend == "local" and not args.gpu and given is not None and given.isdigit():
         extra["local_gpus_per_node"] = int(given)
@@ -153,6 +151,11 @@ def _main(argv: list[str]) -> int:
             from modal_rl.cluster.backend_modal import validate_for_modal
 
             validate_for_modal(spec)
+        uv_extras: list[str] = []
+        if args.backend == "modal":  # settings of this machine's Ray runtime env, as a container needs them
+            user_overrides, notes, uv_extras = pf.container_runtime_env(user_overrides, spec.volumes.values())
+            for note in notes:
+                print(f"verl_modal: {note}", file=sys.stderr)
         logical_node = args.backend == "local" and spec.nodes == 1 and not args.gpu
         shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node, declares_what_is_asked=logical_node)
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
@@ -251,6 +254,8 @@ def _main(argv: list[str]) -> int:
             gpus=gpus,
             placement=placement,
             local_files=local_files,
+            config=config,
+            image_extras=uv_extras,
         )
 
     if args.dry_run:
@@ -284,6 +289,8 @@ def run_on_cluster(
     gpus: int,
     placement: dict[str, list[int]] | None = None,
     local_files=(),
+    config=None,
+    image_extras=(),
 ) -> int:
     """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
     gets a ``verl`` section (the composed overrides, the pools' placement on ranks)."""
@@ -299,6 +306,14 @@ def run_on_cluster(
         overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python, placement=placement
     )
     options = run_options(args)
+    recipe = None
+    if args.backend == "modal" and config is not None:
+        from modal_rl.cluster.images import unchecked_image_note
+        from verl_modal.image import MODULES, recipe_for
+
+        recipe = recipe_for(config, requested=image_extras)
+        if spec.image:
+            print(f"verl_modal: {unchecked_image_note(spec.image, recipe, MODULES)}", file=sys.stderr)
     out = io.StringIO() if options["dry_run"] else None
     code = run_job(
         spec,
@@ -309,6 +324,7 @@ def run_on_cluster(
         required_gpus=gpus,
         out=out,
         local_files=local_files,
+        image_recipe=recipe,
         **options,
     )
     if out is not None:

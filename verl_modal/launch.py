@@ -3,8 +3,8 @@
 Two halves of one launch:
 
 - on the launching machine, :func:`cluster_job` turns a composed verl command line into the
-  ``(entrypoint, runtime_env)`` the cluster layer runs as its Ray job (``run_job``), and
-  :data:`VERL_IMAGE` is the default container image on Modal;
+  ``(entrypoint, runtime_env)`` the cluster layer runs as its Ray job (``run_job``); the
+  container image is :mod:`verl_modal.image`'s;
 - on the cluster's rank 0, ``python -m verl_modal.launch [--cpu] -- <overrides>`` is that
   job's driver (:func:`job_main`): it composes verl's ``ppo_trainer`` again from the same
   overrides, attaches to the running cluster and calls verl's ``run_ppo`` with our TaskRunner.
@@ -21,10 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import sys
-
-# verl's published application image (docs/start/install.rst: "All pre-built images are
-# available in dockerhub: verlai/verl", tags named <engine><version>.<stage>). vLLM 0.12 build.
-VERL_IMAGE = "verlai/verl:vllm012.dev3"
 
 
 def cluster_job(

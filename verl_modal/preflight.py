@@ -355,3 +355,36 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
     validate(config)
     return config
+
+
+RUNTIME_ENV_PREFIX = "ray_kwargs.ray_init.runtime_env."
+
+
+def container_runtime_env(user_overrides: list[str], mounts) -> tuple[list[str], list[str], list[str]]:
+    """``(overrides, notes, uv extras)``: the user's ``ray_kwargs.ray_init.runtime_env.*``
+    settings as they must be in a container (``modal_rl.cluster.runtime_env``): a dropped
+    setting becomes ``=null`` in place (Hydra order kept), each rewrite a one-line note; the
+    ``--extra`` names of a ``uv run`` interpreter go to the image. Raises
+    :class:`VerlPreflightError` for a setting that cannot work there."""
+    from modal_rl.cluster.runtime_env import RuntimeEnvError, rewrite
+    from verl_modal.cpu.overrides import override_key
+
+    out: list[str] = []
+    notes: list[str] = []
+    extras: list[str] = []
+    for override in user_overrides:
+        key = override_key(override)
+        if not key.startswith(RUNTIME_ENV_PREFIX):
+            out.append(override)
+            continue
+        try:
+            found = rewrite({key: override.partition("=")[2]}, mounts).get(key)
+        except RuntimeEnvError as exc:
+            raise VerlPreflightError(str(exc)) from None
+        if found is None or found.note is None:
+            out.append(override)
+            continue
+        out.append(f"{override.partition('=')[0]}=null")
+        notes.append(found.note)
+        extras += found.extras
+    return out, notes, extras

@@ -30,7 +30,7 @@ from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backends import BACKENDS, get_backend
 from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
-from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError, rdma_note
 from modal_rl.run_key import ensure_run_key, redact
 
 
@@ -66,7 +66,10 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         "--gpu", default=d.gpu, help="GPUs per node, TYPE:COUNT, e.g. H100:8 (Modal: all of a host)"
     )
     g.add_argument(
-        "--rdma", action=argparse.BooleanOptionalAction, default=d.rdma, help="RDMA fabric (Modal)"
+        "--rdma",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RDMA fabric (Modal; default: on for multi-node H100/H200/B200 clusters)",
     )
     g.add_argument("--image", default=d.image, help="container image (registry tag) for Modal")
     g.add_argument(
@@ -180,6 +183,7 @@ def run_job(
     out: TextIO | None = None,
     local_files: Sequence[LocalInput] = (),
     image_steps: Sequence[Any] = (),
+    image_recipe: Any = None,
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
@@ -187,7 +191,8 @@ def run_job(
     ``plan.address_env_values``); ``plan_extra`` adds the adapter's own sections to a dry run's
     plan. ``local_files`` (``local_inputs.collect``) travel into the Modal containers at the
     same path and are listed in the plan; the local backend's nodes already see them.
-    ``image_steps`` (Modal only): extra build steps of the cluster image (``build_image``). Returns
+    ``image_steps`` (Modal only): extra build steps of the cluster image (``build_image``);
+    ``image_recipe`` (Modal only, ``images.ImageRecipe``): the image when the spec names none. Returns
     the process exit code: 0 for a clean dry run or preflight, 2 for a preflight failure
     (nothing was started), else rank 0's (the job's) exit code.
     """
@@ -199,7 +204,11 @@ def run_job(
         collective_check=collective_check,
         address_env=dict(address_env or {}),
     )
-    modal_only = {"local_files": tuple(local_files), "image_steps": tuple(image_steps)}
+    modal_only = {
+        "local_files": tuple(local_files),
+        "image_steps": tuple(image_steps),
+        "image_recipe": image_recipe,
+    }
     impl = get_backend(backend, **(modal_only if backend == "modal" else {}))
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
@@ -210,6 +219,9 @@ def run_job(
     except (PreflightError, ClusterSpecError) as exc:
         print(redact(str(exc), key), file=sys.stderr)
         return 2
+    note = rdma_note(spec) if backend == "modal" else None
+    if note:
+        print(f"modal_rl.cluster: {note}", file=sys.stderr)
     if dry_run:
         description = impl.describe(spec, job)
         description["framework_argv"] = list(framework_argv or [])
