@@ -205,10 +205,18 @@ def test_modal_data_files_must_be_on_a_volume_or_this_machine(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "verl_modal: data.train_files=/home/me/x is not under any of the mounted Volumes (none: add "
-        "--volume NAME:PATH) [] nor on this machine (local inputs travel with the job); Modal containers "
-        "start from the image, so the file would be missing"
+        "verl_modal: data.train_files=/home/me/x is not under any of the mounted Volumes [] nor on this "
+        "machine (local inputs travel with the job), so the containers would lack it; add --volume "
+        "NAME:/home with the file(s) on Volume NAME"
     ]
+    # a model named by path needs a Volume too; a Hub id is the containers' to fetch
+    with pytest.raises(pf.VerlPreflightError, match=r"critic.model.path=/models/q .*--volume NAME:/models"):
+        pf.check_modal_data_paths(["critic.model.path=/models/q"], ["/data"])
+    pf.check_modal_data_paths(
+        ["critic.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.model.path=/m/x"], ["/m"]
+    )
+    with pytest.raises(pf.VerlPreflightError, match=r"data.val_files=data/v.parquet is relative"):
+        pf.check_modal_data_paths(["data.val_files=data/v.parquet"], ["/data"])
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
 

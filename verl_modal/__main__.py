@@ -132,6 +132,10 @@ def _main(argv: list[str]) -> int:
     ensure_run_key()
     use_kernel_cache()  # before the preflight imports vLLM, which would fix it under /tmp
     args, user_overrides = parse_args(argv)
+    if args.backend == "modal":
+        # The plan is made offline: nothing the preflight imports may wait on the Hub (model
+        # paths are the containers' to fetch). Set before transformers reads it at import.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.tiny is None and args.tiny_task != "arith":
         return _fail("--tiny-task needs --tiny DIR")
     if args.tiny is not None:

@@ -153,6 +153,7 @@ def validate(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    config = offline_view(config)
     try:
         # verl prints its verdict ("All configuration checks passed"); stdout is for our plan and
         # a failure raises, so the verdict is dropped.
@@ -165,6 +166,22 @@ def validate(config) -> None:
             )
     except Exception as exc:  # verl raises assorted types; all mean "this config is invalid"
         raise VerlPreflightError(f"verl rejected the config: {one_line(exc)}") from None
+
+
+def offline_view(config):
+    """``config`` as verl's validation may read it without the network: verl builds the critic's
+    config object, whose model part loads the model's config and tokenizer (from the Hub, or
+    a path that may be on a Volume); the checks read nothing of it, so the view has none."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    if OmegaConf.select(config, "critic.model", default=None) is None:
+        return config
+    view = copy.deepcopy(config)
+    with open_dict(view.critic):
+        view.critic.model = None
+    return view
 
 
 def required_gpus(config) -> int:
@@ -315,6 +332,14 @@ def check_gpus(config, shape: ClusterShape) -> None:
 # Data files every verl run reads; on Modal each must be on a Volume or on this machine
 # (shipped with the job: ``launch.local_input_candidates``), else the containers lack it.
 DATA_KEYS = ("data.train_files", "data.val_files")
+# Models a line may name by path (a Hub id, relative, is fetched in the containers).
+MODEL_KEYS = (
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "reward.reward_model.model.path",
+    "distillation.teacher_models.teacher_model.model_path",
+    "actor_rollout_ref.model.tokenizer_path",
+)
 
 
 def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
@@ -326,19 +351,27 @@ def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
 
     roots = [os.path.normpath(m) for m in mounts]
     given = explicit_values(user_overrides)
-    for key in DATA_KEYS:
+    for key in (*DATA_KEYS, *MODEL_KEYS):
         for path in hydra_values(given.get(key, "")):
             path = str(path).strip()
-            if not path.startswith(("/", "~")) or "://" in path or os.path.exists(os.path.expanduser(path)):
+            if not path or "://" in path or os.path.exists(os.path.expanduser(path)) or path == "null":
                 continue
+            if not path.startswith(("/", "~")):
+                if key in MODEL_KEYS:
+                    continue  # a Hub id (org/name): the containers download it
+                raise VerlPreflightError(
+                    f"{key}={path} is relative and not on this machine; the job's working directory in "
+                    "the containers is not this one: give an absolute path on a Volume (--volume NAME:/data "
+                    "and /data/...) or an existing local file"
+                )
             norm = os.path.normpath(path)
             if any(norm == r or norm.startswith(r.rstrip("/") + "/") for r in roots):
                 continue
-            where = "mounted Volumes" if roots else "mounted Volumes (none: add --volume NAME:PATH)"
+            top = "/" + norm.lstrip("/").split("/", 1)[0]
             raise VerlPreflightError(
-                f"{key}={path} is not under any of the {where} {sorted(roots)} nor on this machine "
-                "(local inputs travel with the job); Modal containers start from the image, so the "
-                "file would be missing"
+                f"{key}={path} is not under any of the mounted Volumes {sorted(roots)} nor on this "
+                f"machine (local inputs travel with the job), so the containers would lack it; add "
+                f"--volume NAME:{top} with the file(s) on Volume NAME"
             )
 
 
