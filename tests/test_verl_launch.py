@@ -164,7 +164,7 @@ def test_disagreeing_nnodes_exits_2_in_one_line_fast():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("verl_modal: trainer.nnodes=2 disagrees with the cluster (1 nodes x 8 GPUs)")
+    assert lines[0].startswith("verl_modal: trainer.nnodes=2 does not fit: the line's pools need 2 nodes")
     assert out.stdout == ""
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 

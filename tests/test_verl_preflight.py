@@ -18,8 +18,21 @@ CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
 def test_cluster_overrides_fill_in_and_refuse_disagreement():
     assert pf.cluster_overrides(TWO_BY_EIGHT, ["a=1"]) == CLUSTER
     assert pf.cluster_overrides(TWO_BY_EIGHT, ["++trainer.nnodes=2"]) == CLUSTER
-    with pytest.raises(pf.VerlPreflightError, match=r"trainer.nnodes=3 disagrees with the cluster"):
+    with pytest.raises(
+        pf.VerlPreflightError,
+        match=r"trainer.nnodes=3 does not fit: the line's pools need 3 nodes \(trainer 3\) and the "
+        r"cluster has 2; use --nodes 3, or drop trainer.nnodes",
+    ):
         pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=3"])
+    with pytest.raises(pf.VerlPreflightError, match=r"fill 1 of the cluster's 2 nodes .*use --nodes 1"):
+        pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=1"])
+    # the line's own trainer.nnodes is kept when its pools fill the cluster: never forced
+    teacher = ["distillation.enabled=true", "distillation.nnodes=1", "trainer.nnodes=1"]
+    assert pf.cluster_overrides(TWO_BY_EIGHT, teacher) == ["trainer.nnodes=1", "trainer.n_gpus_per_node=8"]
+    assert pf.cluster_overrides(TWO_BY_EIGHT, teacher[:2]) == [
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=8",
+    ]
     with pytest.raises(pf.VerlPreflightError, match=r"trainer.n_gpus_per_node=4 disagrees"):
         pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"])
     with pytest.raises(pf.VerlPreflightError, match="is not an integer"):
@@ -61,7 +74,7 @@ STANDALONE = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollou
 def test_standalone_rollout_nodes_are_taken_from_the_trainers_share():
     three = pf.ClusterShape(3, 8)
     assert pf.cluster_overrides(three, STANDALONE) == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
-    with pytest.raises(pf.VerlPreflightError, match=r"the cluster has 2 nodes for the trainer"):
+    with pytest.raises(pf.VerlPreflightError, match=r"need 4 nodes \(trainer 3, rollout 1\) .* --nodes 4"):
         pf.cluster_overrides(three, [*STANDALONE, "trainer.nnodes=3"])
     # One node (local, logical GPUs): replicas share it with the trainer.
     assert pf.cluster_overrides(pf.ClusterShape(1, 1), STANDALONE)[0] == "trainer.nnodes=1"
@@ -81,7 +94,11 @@ def test_standalone_rollout_pool_counts_against_the_cluster():
     config = pf.compose([*pf.cluster_overrides(TWO_BY_EIGHT, off_cluster), *off_cluster])
     assert pf.required_gpus(config) == 16  # 2 trainer nodes; the replicas' GPUs are Modal's
     too_many = [*line, "actor_rollout_ref.rollout.nnodes=2"]
-    with pytest.raises(pf.VerlPreflightError, match=r"asks for 32 GPUs but the cluster has 2 nodes x 8 = 16"):
+    with pytest.raises(
+        pf.VerlPreflightError,
+        match=r"asks for 32 GPUs \(trainer 2 x 8 \+ rollout 2 x 8\) but the cluster has 2 nodes x 8 = 16; "
+        r"use --nodes 4",
+    ):
         pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, too_many), *too_many])
 
 
@@ -96,7 +113,9 @@ def test_a_missing_mandatory_value_is_named_before_anything_runs():
 def test_separate_pools_count_against_the_cluster():
     reward_pool = ["reward.reward_model.enable_resource_pool=True", "reward.reward_model.nnodes=1"]
     reward_pool.append("reward.reward_model.n_gpus_per_node=8")
-    with pytest.raises(pf.VerlPreflightError, match=r"asks for 24 GPUs but the cluster has 2 nodes x 8 = 16"):
+    with pytest.raises(
+        pf.VerlPreflightError, match=r"asks for 24 GPUs \(trainer 2 x 8 \+ reward 1 x 8\) .* use --nodes 3"
+    ):
         pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + reward_pool)
 
 
@@ -119,8 +138,8 @@ def test_nodes_1_with_nnodes_2_exits_2_in_under_10_s():
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "verl_modal: trainer.nnodes=2 disagrees with the cluster (1 nodes x 8 GPUs); the cluster has 1 "
-        "nodes: drop trainer.nnodes or change --nodes/--gpu"
+        "verl_modal: trainer.nnodes=2 does not fit: the line's pools need 2 nodes (trainer 2) and the "
+        "cluster has 1; use --nodes 2, or drop trainer.nnodes"
     ]
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 

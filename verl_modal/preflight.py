@@ -79,33 +79,80 @@ def standalone_rollout_nodes(given: dict[str, str]) -> int:
         raise VerlPreflightError(f"{ROLLOUT_NODES}={value!r} is not an integer") from None
 
 
-def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
-    """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` from the cluster, to go *before* the
-    user's overrides; raises :class:`VerlPreflightError` if the user's disagree.
+# Pools other than the trainer's that take nodes of their own when enabled: (name, switch key,
+# switch default, nodes key, GPUs-per-node key), as verl's ``_init_resource_pool_mgr`` builds them.
+SEPARATE_POOLS = (
+    ("teacher", "distillation.enabled", "false", "distillation.nnodes", "distillation.n_gpus_per_node"),
+    (
+        "reward",
+        "reward.reward_model.enable_resource_pool",
+        "false",
+        "reward.reward_model.nnodes",
+        "reward.reward_model.n_gpus_per_node",
+    ),
+)
 
-    The trainer gets every node, except that standalone rollout replicas (``hybrid_engine=false``
-    with ``rollout.nnodes=R``) get the last R nodes of a cluster with more than R nodes; on a
-    smaller one (a single local node with logical GPUs) they share the trainer's nodes."""
+
+def _int(given: dict[str, str], key: str, default: int = 0) -> int:
+    value = given.get(key)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise VerlPreflightError(f"{key}={value!r} is not an integer") from None
+
+
+def declared_pool_nodes(given: dict[str, str]) -> list[tuple[str, int]]:
+    """``(pool, nodes)`` of the pools besides the trainer's that the user's line declares:
+    standalone rollout replicas, a distillation teacher, a reward model's own pool."""
+    pools = [("rollout", standalone_rollout_nodes(given))]
+    for name, switch, default, nodes_key, _ in SEPARATE_POOLS:
+        if given.get(switch, default).strip().lower() in ("true", "1"):
+            pools.append((name, _int(given, nodes_key)))
+    return [(name, n) for name, n in pools if n > 0]
+
+
+def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
+    """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` for the cluster, to go *before* the
+    user's overrides.
+
+    ``trainer.nnodes`` as the line gives it is kept; absent, the trainer gets the nodes the
+    line's other pools (standalone rollout replicas, a teacher, a reward model pool) leave, or
+    every node of a cluster too small to give them their own (a single local node with
+    logical GPUs). A line whose pools need more nodes than the cluster has, or leave nodes
+    idle, is refused with the node count that fits. ``trainer.n_gpus_per_node`` must be the
+    cluster's GPUs per node (absent: filled in)."""
     given = explicit_values(user)
-    rollout_nodes = standalone_rollout_nodes(given)
-    trainer_nodes = shape.nodes - rollout_nodes if shape.nodes > rollout_nodes > 0 else shape.nodes
-    wanted = {NNODES: trainer_nodes, NGPUS: shape.gpus_per_node}
-    names = {
-        NNODES: "nodes for the trainer" if trainer_nodes < shape.nodes else "nodes",
-        NGPUS: "GPUs per node",
-    }
-    for key, want in wanted.items():
-        if key not in given:
-            continue
-        try:
-            got = int(given[key])
-        except ValueError:
-            raise VerlPreflightError(f"{key}={given[key]!r} is not an integer") from None
-        if got != want:
+    others = declared_pool_nodes(given)
+    other_nodes = sum(n for _, n in others)
+    separate = shape.nodes > other_nodes > 0
+    trainer_nodes = shape.nodes - other_nodes if separate else shape.nodes
+    if NGPUS in given:
+        got = _int(given, NGPUS)
+        if got != shape.gpus_per_node:
             raise VerlPreflightError(
-                f"{key}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
-                f"GPUs); the cluster has {want} {names[key]}: drop {key} or change {shape.flag_hint}"
+                f"{NGPUS}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
+                f"GPUs); the cluster has {shape.gpus_per_node} GPUs per node: drop {NGPUS} or change "
+                f"{shape.flag_hint}"
             )
+    if NNODES in given:
+        trainer_nodes = _int(given, NNODES)
+        if trainer_nodes < 1:
+            raise VerlPreflightError(f"{NNODES}={trainer_nodes}: the trainer needs at least one node")
+        need = trainer_nodes + other_nodes
+        pools = ", ".join(f"{name} {n}" for name, n in [("trainer", trainer_nodes), *others])
+        if trainer_nodes > shape.nodes or not shape.declares_what_is_asked:
+            if need > shape.nodes and (other_nodes == 0 or separate or trainer_nodes > shape.nodes):
+                raise VerlPreflightError(
+                    f"{NNODES}={trainer_nodes} does not fit: the line's pools need {need} nodes ({pools}) "
+                    f"and the cluster has {shape.nodes}; use --nodes {need}, or drop {NNODES}"
+                )
+            if need < shape.nodes and not shape.declares_what_is_asked:
+                raise VerlPreflightError(
+                    f"the line's pools fill {need} of the cluster's {shape.nodes} nodes ({pools}); use "
+                    f"--nodes {need}, or drop {NNODES} to give the trainer the rest"
+                )
     return [f"{NNODES}={trainer_nodes}", f"{NGPUS}={shape.gpus_per_node}"]
 
 
@@ -306,14 +353,69 @@ def value_type_check(user_overrides: list[str]):
     return check
 
 
+def pools_of(config) -> list[tuple[str, int, int]]:
+    """``(pool, nodes, GPUs per node)`` of every pool the composed config asks the cluster for."""
+    from omegaconf import OmegaConf
+
+    pools = [("trainer", int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node))]
+    if standalone_pool_gpus(config):
+        rollout = "actor_rollout_ref.rollout"
+        pools.append(
+            (
+                "rollout",
+                int(OmegaConf.select(config, f"{rollout}.nnodes", default=0) or 0),
+                int(OmegaConf.select(config, f"{rollout}.n_gpus_per_node", default=0) or 0),
+            )
+        )
+    for name, switch, _, nodes_key, per_key in SEPARATE_POOLS:
+        if OmegaConf.select(config, switch, default=False):
+            pools.append(
+                (
+                    name,
+                    int(OmegaConf.select(config, nodes_key, default=0) or 0),
+                    int(OmegaConf.select(config, per_key, default=0) or 0),
+                )
+            )
+    return [p for p in pools if p[1] and p[2]]
+
+
+def nodes_needed(pools: list[tuple[str, int, int]], gpus_per_node: int) -> int | None:
+    """Nodes of ``gpus_per_node`` GPUs that hold every pool's per-node share (first fit,
+    largest first; Ray places a pool's bundles the same way); None when a share is larger
+    than a node."""
+    shares = sorted((per for _, nodes, per in pools for _ in range(nodes)), reverse=True)
+    if shares and shares[0] > gpus_per_node:
+        return None
+    free: list[int] = []
+    for share in shares:
+        for i, left in enumerate(free):
+            if left >= share:
+                free[i] -= share
+                break
+        else:
+            free.append(gpus_per_node - share)
+    return len(free)
+
+
 def check_gpus(config, shape: ClusterShape) -> None:
     want = required_gpus(config)
     # A logical local node declares exactly what the pools ask for, so only TP can exceed it.
     have = want if shape.declares_what_is_asked else shape.nodes * shape.gpus_per_node
-    if want > have:
+    pools = pools_of(config)
+    listed = " + ".join(f"{name} {nodes} x {per}" for name, nodes, per in pools)
+    if not shape.declares_what_is_asked:
+        for name, _, per in pools:
+            if per > shape.gpus_per_node:
+                raise VerlPreflightError(
+                    f"the {name} pool asks for {per} GPUs per node but the cluster's nodes have "
+                    f"{shape.gpus_per_node}; change {shape.flag_hint} or the {name} pool's n_gpus_per_node"
+                )
+    need = nodes_needed(pools, shape.gpus_per_node)
+    if want > have or (not shape.declares_what_is_asked and need is not None and need > shape.nodes):
+        fix = f"use --nodes {need}" if need else f"change {shape.flag_hint}"
         raise VerlPreflightError(
-            f"the config asks for {want} GPUs but the cluster has {shape.nodes} nodes x "
-            f"{shape.gpus_per_node} = {have}; change {shape.flag_hint} or the pool sizes"
+            f"the config asks for {want} GPUs ({listed}) but the cluster has {shape.nodes} nodes x "
+            f"{shape.gpus_per_node} = {have}; {fix}, or shrink the pools"
         )
     from omegaconf import OmegaConf
 
