@@ -131,7 +131,16 @@ def _main(argv: list[str]) -> int:
     # in-process Ray's workers and local engines included.
     ensure_run_key()
     use_kernel_cache()  # before the preflight imports vLLM, which would fix it under /tmp
-    args, user_overrides = parse_args(argv)
+    args, line = parse_args(argv)
+    from verl_modal import entry as E
+    from verl_modal.preflight import select_config
+
+    try:
+        entry = E.parse(line)
+    except E.EntryError as exc:
+        return _fail(str(exc))
+    user_overrides = entry.overrides
+    select_config(entry.config_name, entry.config_dir)
     if args.backend == "modal":
         # The plan is made offline: nothing the preflight imports may wait on the Hub (model
         # paths are the containers' to fetch). Set before transformers reads it at import.
@@ -175,6 +184,11 @@ def _main(argv: list[str]) -> int:
         return _fail(
             "--retries restarts a lost cluster, and a one-node --backend local run is in-process "
             "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
+        )
+    if not entry.ours and (args.backend == "local" and spec.nodes == 1):
+        return _fail(
+            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2); "
+            f"a one-node local run is {E.MAIN_PPO}'s"
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
@@ -231,7 +245,7 @@ def _main(argv: list[str]) -> int:
         # The value types first: a word where verl wants a number is the user's one mistake.
         checks = [pf.value_type_check(user_overrides)]
         checks += [ov.check_required, check_local_inputs] if cpu else []
-        config = pf.preflight(shape, overrides, checks)
+        config = pf.preflight(shape, overrides, checks, verl_checks=entry.ours)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
 
@@ -260,6 +274,7 @@ def _main(argv: list[str]) -> int:
             local_files=local_files,
             config=config,
             image_extras=uv_extras,
+            entry=entry,
         )
 
     if args.dry_run:
@@ -295,6 +310,7 @@ def run_on_cluster(
     local_files=(),
     config=None,
     image_extras=(),
+    entry=None,
 ) -> int:
     """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
     gets a ``verl`` section (the composed overrides, the pools' placement on ranks)."""
@@ -307,7 +323,12 @@ def run_on_cluster(
 
     python = sys.executable if args.backend == "local" else "python"
     entrypoint, runtime_env = cluster_job(
-        overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python, placement=placement
+        overrides,
+        cpu=cpu,
+        join_timeout_s=spec.join_timeout_s,
+        python=python,
+        placement=placement,
+        entry=entry,
     )
     options = run_options(args)
     recipe = None
@@ -336,6 +357,8 @@ def run_on_cluster(
         if code == 0 and text.strip():
             plan = json.loads(text)
             plan["verl"] = {"overrides": overrides, "cpu": cpu, "pool_placement": placement or {}}
+            if entry is not None:
+                plan["verl"].update(main=entry.module, config_name=entry.config_name)
             text = json.dumps(plan, indent=2, default=str) + "\n"
         sys.stdout.write(redact(text))
     return code

@@ -30,13 +30,21 @@ def cluster_job(
     join_timeout_s: float,
     python: str = "python",
     placement: dict[str, list[int]] | None = None,
+    entry=None,
 ) -> tuple[list[str], dict]:
-    """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster."""
+    """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster: verl's PPO
+    main through our driver (with the line's config name when it is not ``ppo_trainer``), or
+    another of verl's mains as itself with the line's own config flags (``entry.VerlEntry``)."""
     import json
 
     from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
-    entrypoint = [python, "-m", "verl_modal.launch", *(["--cpu"] if cpu else []), "--", *overrides]
+    if entry is not None and not entry.ours:
+        entrypoint = [python, "-m", entry.module, *entry.config_args, *overrides]
+    else:
+        named = entry is not None and entry.config_name != "ppo_trainer"
+        flags = (["--cpu"] if cpu else []) + (["--config-name", entry.config_name] if named else [])
+        entrypoint = [python, "-m", "verl_modal.launch", *flags, "--", *overrides]
     env = {WAIT_ENV: f"{join_timeout_s:g}"}
     if placement:
         env[PLACEMENT_ENV] = json.dumps(placement, sort_keys=True)
@@ -91,15 +99,20 @@ def job_main(argv: list[str] | None = None) -> int:
     flags, overrides = argv[:cut], argv[cut + 1 :]
     if {"-h", "--help"} & set(flags):
         print(
-            "usage: python -m verl_modal.launch [--cpu] -- <verl overrides>\n\n"
+            "usage: python -m verl_modal.launch [--cpu] [--config-name NAME] -- <verl overrides>\n\n"
             "The Ray job's driver on a cluster's rank 0 (python -m verl_modal starts it there):\n"
             "composes verl's ppo_trainer from the overrides, attaches to the running cluster\n"
             "and runs verl's run_ppo.\n\n  --cpu  the CPU-only variant (gloo, the cpu platform)"
         )
         return 0
+    config_name = "ppo_trainer"
+    if "--config-name" in flags:  # one of verl's trainer configs, e.g. ppo_megatron_trainer
+        at = flags.index("--config-name")
+        config_name = flags[at + 1] if at + 1 < len(flags) else ""
+        flags = flags[:at] + flags[at + 2 :]
     unknown = [f for f in flags if f != "--cpu"]
-    if unknown:
-        print(f"verl_modal.launch: unknown flags {unknown}", file=sys.stderr)
+    if unknown or not config_name:
+        print(f"verl_modal.launch: unknown flags {unknown or ['--config-name']}", file=sys.stderr)
         return 2
     cpu = "--cpu" in flags
 
@@ -113,8 +126,9 @@ def job_main(argv: list[str] | None = None) -> int:
     prepare_process_env(env, local=False)  # before verl is imported: it picks its platform then
 
     from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
-    from verl_modal.preflight import compose, validate
+    from verl_modal.preflight import compose, select_config, validate
 
+    select_config(config_name)
     config = compose(overrides)
     validate(config)
     import os

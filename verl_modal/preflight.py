@@ -172,21 +172,43 @@ def verl_config_dir() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
 
 
-def compose(overrides: list[str], config_name: str = "ppo_trainer"):
-    """verl's ``ppo_trainer`` with ``overrides``; Hydra's errors as one-line preflight errors
-    (an unknown key is named as such, with the ``+key=`` form that adds one on purpose)."""
+# The config a line composes (``entry.parse``: ``--config-path/--config-name`` or its main's
+# default); ``None`` dir: verl's own trainer configs.
+_SELECTED: dict[str, str | None] = {"name": "ppo_trainer", "dir": None}
+
+# Keys verl's configs no longer have, and what to do instead of adding them back with +key.
+REMOVED_KEYS = {
+    "megatron.grad_offload": "verl 0.9.1 removed it (param_offload and optimizer_offload remain); drop it",
+}
+
+
+def select_config(name: str = "ppo_trainer", directory: str | None = None) -> None:
+    """The config :func:`compose` uses from now on in this process."""
+    _SELECTED.update(name=name, dir=directory)
+
+
+def compose(overrides: list[str], config_name: str | None = None):
+    """verl's config (``ppo_trainer``, or the one :func:`select_config` chose) with
+    ``overrides``; Hydra's errors as one-line preflight errors (an unknown key is named as
+    such, with the ``+key=`` form that adds one on purpose, or the fix for a removed key)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+    config_name = config_name or _SELECTED["name"]
     try:
-        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+        with initialize_config_dir(config_dir=_SELECTED["dir"] or verl_config_dir(), version_base=None):
             return hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
         if isinstance(cause, ConfigAttributeError | ConfigKeyError) and "not in struct" in str(cause):
             key = getattr(cause, "full_key", None) or "?"
+            removed = next(
+                (why for k, why in REMOVED_KEYS.items() if key == k or key.endswith("." + k)), None
+            )
+            if removed:
+                raise VerlPreflightError(f"unknown key {key}: {removed}") from None
             raise VerlPreflightError(
                 f"unknown key {key}: verl's {config_name} config has no such key "
                 f"(to add a new key on purpose, write +{key}=...)"
@@ -477,7 +499,7 @@ def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
             )
 
 
-def preflight(shape: ClusterShape, overrides: list[str], checks=()):
+def preflight(shape: ClusterShape, overrides: list[str], checks=(), verl_checks: bool = True):
     """Compose, size-check and validate ``overrides`` (already aligned with the cluster);
     ``checks`` (each ``config -> None``, raising) run right after composition. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
     or whatever a check raises."""
@@ -488,7 +510,8 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
     for check in checks:
         check(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
-    validate(config)
+    if verl_checks:  # main_ppo's own checks; verl's other mains run checks of their own
+        validate(config)
     return config
 
 
