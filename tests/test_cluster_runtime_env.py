@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from modal_rl.cluster.runtime_env import RuntimeEnvError, rewrite, uv_extras
-from verl_modal.preflight import VerlPreflightError, container_runtime_env
+from verl_modal.containers import container_runtime_env
+from verl_modal.preflight import VerlPreflightError
 
 KEY = "ray_kwargs.ray_init.runtime_env."
 

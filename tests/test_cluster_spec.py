@@ -202,7 +202,7 @@ def test_bad_spec_fails_before_any_process_starts(monkeypatch, capsys):
 def test_local_dry_run_prints_a_plan_without_starting_anything(monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "Popen", NoProcess)
     code = cli.run_job(
-        ClusterSpec(nodes=2), [sys.executable, "train.py"], {"env_vars": {"X": "1"}}, dry_run=True
+        ClusterSpec(nodes=2), [sys.executable, "train.py"], {"env_vars": {"X": "1"}}, dry_run=True, json=True
     )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)

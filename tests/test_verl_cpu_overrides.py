@@ -151,7 +151,14 @@ def test_launcher_rejects_missing_data(tmp_path):
 @pytest.mark.slow
 def test_launcher_dry_run_lists_the_composed_overrides(tmp_path):
     out, _ = launcher(
-        "--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--dry-run", "--", "trainer.total_epochs=1"
+        "--device",
+        "cpu",
+        "--tiny",
+        str(tmp_path / "tiny"),
+        "--dry-run",
+        "--json",
+        "--",
+        "trainer.total_epochs=1",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line.strip() for line in out.stdout.splitlines()]

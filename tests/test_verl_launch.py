@@ -60,7 +60,7 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     ]
     flags += ["--env", "WANDB_PROJECT=grpo", "--job-timeout", "7200", "--join-timeout", "240"]
     overrides = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", *VERL_LINE]
-    out, _ = launcher(*flags, "--dry-run", "--", *overrides)
+    out, _ = launcher(*flags, "--dry-run", "--json", "--", *overrides)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)  # stdout is the plan and nothing else
     # verl probes this host's accelerator while validating; the cluster's GPUs are what count,
@@ -120,7 +120,7 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
         "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
     ]
     flags = ["--backend", "modal", "--nodes", "3", "--gpu", "H100:8", "--volume", "data:/data"]
-    out, _ = launcher(*flags, "--dry-run", "--", *line)
+    out, _ = launcher(*flags, "--dry-run", "--json", "--", *line)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     assert "trainer.nnodes=2" in plan["entrypoint"]
@@ -134,7 +134,7 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
 def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins():
     out, _ = launcher(
         "--backend", "modal", "--nodes", "4", "--gpu", "H200:8", "--image", "me/verl:mine",
-        "--volume", "data:/data", "--dry-run", "--", *VERL_LINE,
+        "--volume", "data:/data", "--dry-run", "--json", "--", *VERL_LINE,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
@@ -157,6 +157,7 @@ def test_disagreeing_nnodes_exits_2_in_one_line_fast():
         "--gpu",
         "H100:8",
         "--dry-run",
+        "--json",
         "--",
         "trainer.nnodes=2",
         *VERL_LINE,
@@ -182,7 +183,9 @@ def test_disagreeing_gpus_per_node_exits_2():
 
 
 def test_bad_cluster_flag_exits_2_in_one_line():
-    out, _ = launcher("--backend", "modal", "--nodes", "2", "--gpu", "H100:4", "--dry-run", "--", *VERL_LINE)
+    out, _ = launcher(
+        "--backend", "modal", "--nodes", "2", "--gpu", "H100:4", "--dry-run", "--json", "--", *VERL_LINE
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "all GPUs of a host" in lines[0], out.stderr
@@ -215,7 +218,7 @@ def test_driver_runtime_env_leaves_what_the_job_sets_to_the_job(monkeypatch):
 def test_local_two_node_dry_run_plans_the_cpu_job_on_the_cluster(tmp_path):
     out, _ = launcher(
         "--backend", "local", "--nodes", "2", "--device", "cpu", "--tiny", str(tmp_path / "tiny"),
-        "--dry-run", "--", "trainer.total_training_steps=1",
+        "--dry-run", "--json", "--", "trainer.total_training_steps=1",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)

@@ -10,6 +10,8 @@ import pytest
 from test_verl_launch import VERL_LINE, launcher
 
 from verl_modal import preflight as pf
+from verl_modal.containers import check_modal_data_paths
+from verl_modal.value_types import value_type_check
 
 TWO_BY_EIGHT = pf.ClusterShape(2, 8)
 CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
@@ -198,9 +200,9 @@ def test_modal_vllm_needs_a_checkpoint_engine_that_reaches_its_engines():
 def test_a_word_for_a_null_default_integer_is_refused():
     bad = ["trainer.total_training_steps=three"]
     with pytest.raises(pf.VerlPreflightError, match=r"total_training_steps=three: verl expects an integer"):
-        pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + bad, checks=[pf.value_type_check(bad)])
+        pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + bad, checks=[value_type_check(bad)])
     ok = ["trainer.total_training_steps=3"]
-    pf.value_type_check(ok)(pf.compose(CLUSTER + VERL_LINE + ok))
+    value_type_check(ok)(pf.compose(CLUSTER + VERL_LINE + ok))
 
 
 def test_rollout_tensor_parallel_larger_than_a_logical_local_node_is_refused():
@@ -215,12 +217,12 @@ def test_rollout_tensor_parallel_larger_than_a_logical_local_node_is_refused():
 def test_modal_data_files_must_be_on_a_volume_or_this_machine(tmp_path):
     here = tmp_path / "train.parquet"
     here.write_bytes(b"x")
-    pf.check_modal_data_paths([f"data.train_files={here}", "data.val_files=/data/v.parquet"], ["/data"])
-    pf.check_modal_data_paths(["data.train_files=[/data/a.parquet,hf://x/y]"], ["/data"])
+    check_modal_data_paths([f"data.train_files={here}", "data.val_files=/data/v.parquet"], ["/data"])
+    check_modal_data_paths(["data.train_files=[/data/a.parquet,hf://x/y]"], ["/data"])
     with pytest.raises(pf.VerlPreflightError, match=r"data.train_files=/home/me/x is not under any"):
-        pf.check_modal_data_paths(["data.train_files=/home/me/x"], ["/data"])
+        check_modal_data_paths(["data.train_files=/home/me/x"], ["/data"])
     out, elapsed = launcher(
-        "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--", "data.train_files=/home/me/x"
+        "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--json", "--", "data.train_files=/home/me/x"
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -230,12 +232,10 @@ def test_modal_data_files_must_be_on_a_volume_or_this_machine(tmp_path):
     ]
     # a model named by path needs a Volume too; a Hub id is the containers' to fetch
     with pytest.raises(pf.VerlPreflightError, match=r"critic.model.path=/models/q .*--volume NAME:/models"):
-        pf.check_modal_data_paths(["critic.model.path=/models/q"], ["/data"])
-    pf.check_modal_data_paths(
-        ["critic.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.model.path=/m/x"], ["/m"]
-    )
+        check_modal_data_paths(["critic.model.path=/models/q"], ["/data"])
+    check_modal_data_paths(["critic.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.model.path=/m/x"], ["/m"])
     with pytest.raises(pf.VerlPreflightError, match=r"data.val_files=data/v.parquet is relative"):
-        pf.check_modal_data_paths(["data.val_files=data/v.parquet"], ["/data"])
+        check_modal_data_paths(["data.val_files=data/v.parquet"], ["/data"])
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
 

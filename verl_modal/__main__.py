@@ -155,8 +155,10 @@ def _main(argv: list[str]) -> int:
         except ValueError as exc:
             return _fail(str(exc))
     from modal_rl.cluster import ClusterSpecError
+    from verl_modal import containers
     from verl_modal import preflight as pf
     from verl_modal.cpu import overrides as ov
+    from verl_modal.value_types import value_type_check
 
     try:
         spec = cluster_spec(args, user_overrides)
@@ -166,14 +168,16 @@ def _main(argv: list[str]) -> int:
             validate_for_modal(spec)
         uv_extras: list[str] = []
         if args.backend == "modal":  # settings of this machine's Ray runtime env, as a container needs them
-            user_overrides, notes, uv_extras = pf.container_runtime_env(user_overrides, spec.volumes.values())
+            user_overrides, notes, uv_extras = containers.container_runtime_env(
+                user_overrides, spec.volumes.values()
+            )
             for note in notes:
                 print(f"verl_modal: {note}", file=sys.stderr)
         logical_node = args.backend == "local" and spec.nodes == 1 and not args.gpu
         shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node, declares_what_is_asked=logical_node)
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
         if args.backend == "modal":  # like slime's path_problems: a path the containers would lack
-            pf.check_modal_data_paths(user_overrides, spec.volumes.values())
+            containers.check_modal_data_paths(user_overrides, spec.volumes.values())
     except (ClusterSpecError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
     if args.detach and args.backend == "local" and spec.nodes == 1:
@@ -243,7 +247,7 @@ def _main(argv: list[str]) -> int:
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
         # The value types first: a word where verl wants a number is the user's one mistake.
-        checks = [pf.value_type_check(user_overrides)]
+        checks = [value_type_check(user_overrides)]
         checks += [ov.check_required, check_local_inputs] if cpu else []
         config = pf.preflight(shape, overrides, checks, verl_checks=entry.ours)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
@@ -333,12 +337,9 @@ def run_on_cluster(
     options = run_options(args)
     recipe = None
     if args.backend == "modal" and config is not None:
-        from modal_rl.cluster.images import unchecked_image_note
-        from verl_modal.image import MODULES, recipe_for
+        from verl_modal.image import cluster_recipe
 
-        recipe = recipe_for(config, requested=image_extras)
-        if spec.image:
-            print(f"verl_modal: {unchecked_image_note(spec.image, recipe, MODULES)}", file=sys.stderr)
+        recipe = cluster_recipe(config, spec.image, image_extras)
     out = io.StringIO() if options["dry_run"] else None
     code = run_job(
         spec,
@@ -350,16 +351,18 @@ def run_on_cluster(
         out=out,
         local_files=local_files,
         image_recipe=recipe,
-        **options,
+        **{**options, "json": True},  # the plan gains a verl section here, then is printed
     )
     if out is not None:
         text = out.getvalue()
         if code == 0 and text.strip():
+            from verl_modal.launch import plan_text
+
             plan = json.loads(text)
             plan["verl"] = {"overrides": overrides, "cpu": cpu, "pool_placement": placement or {}}
             if entry is not None:
                 plan["verl"].update(main=entry.module, config_name=entry.config_name)
-            text = json.dumps(plan, indent=2, default=str) + "\n"
+            text = plan_text(plan, as_json=options["json"])
         sys.stdout.write(redact(text))
     return code
 

@@ -16,9 +16,10 @@ patches also carry upstream tests, which the image does not need).
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
-from modal_rl.cluster.images import ImageRecipe
+from modal_rl.cluster.images import ImageRecipe, unchecked_image_note
 
 SERIES_DIR = Path(__file__).resolve().parents[1] / "patches" / "verl"
 REMOTE_DIR = "/opt/modal_rl/patches/verl"
@@ -80,3 +81,12 @@ def recipe_for(config, series_dir: Path = SERIES_DIR, requested=()) -> ImageReci
         local_dirs=((str(series_dir), REMOTE_DIR),) if files else (),
         commands=patch_commands(files),
     )
+
+
+def cluster_recipe(config, image: str | None, requested=()) -> ImageRecipe:
+    """The recipe of a Modal run; with a user image (``--image``), which we cannot look into,
+    one line on stderr says what it must hold (the recipe's pins) and how to check."""
+    recipe = recipe_for(config, requested=requested)
+    if image:
+        print(f"verl_modal: {unchecked_image_note(image, recipe, MODULES)}", file=sys.stderr)
+    return recipe

@@ -92,6 +92,20 @@ def local_input_candidates(user_overrides: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def plan_text(plan: dict, *, as_json: bool) -> str:
+    """A dry run's plan as printed: the whole JSON, or the summary, where the verl section's
+    overrides are a count (they are the job's command line, already shown once)."""
+    import json
+
+    if as_json:
+        return json.dumps(plan, indent=2, default=str) + "\n"
+    from modal_rl.cluster.summary import render
+
+    verl = dict(plan.get("verl") or {})
+    verl["overrides"] = f"{len(verl.get('overrides') or [])} (--json lists them)"
+    return render({**plan, "verl": verl})
+
+
 def job_main(argv: list[str] | None = None) -> int:
     """The Ray job's driver on rank 0: compose, attach to the cluster, ``run_ppo``."""
     argv = sys.argv[1:] if argv is None else argv

@@ -317,64 +317,6 @@ def check_off_cluster_weights(config) -> None:
         raise VerlPreflightError(problem)
 
 
-def _kind(value) -> str | None:
-    """What kind of value verl's default is, for the type check; None: anything goes."""
-    if isinstance(value, bool):
-        return "true or false"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    return None
-
-
-# Keys whose default in verl's config is null (``null``: "derive it") but whose value, when
-# given, verl uses as a number: a word there would pass the default-based check above.
-NULL_DEFAULT_KINDS = {
-    "trainer.total_training_steps": "an integer",
-    "data.val_batch_size": "an integer",
-}
-
-
-def _fits(value, kind: str) -> bool:
-    if kind == "true or false":
-        return isinstance(value, bool)
-    if kind == "an integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def value_type_check(user_overrides: list[str]):
-    """A preflight check: each of the user's overrides whose key has a number or boolean
-    default in verl's config must compose to one (``rollout.n=two`` would otherwise surface
-    as a formatting error deep in verl's validation)."""
-
-    def check(config) -> None:
-        from omegaconf import OmegaConf
-
-        # Only a value that composed to a string can be a misplaced word; the defaults cost a
-        # second compose (about a second), so they are read only then.
-        keys = [
-            k
-            for k in explicit_values(user_overrides)
-            if isinstance(OmegaConf.select(config, k, default=None, throw_on_missing=False), str)
-        ]
-        if not keys:
-            return
-        defaults = compose([])
-        for key in keys:
-            default = OmegaConf.select(defaults, key, default=None, throw_on_missing=False)
-            kind = _kind(default) or (NULL_DEFAULT_KINDS.get(key) if default is None else None)
-            got = OmegaConf.select(config, key, default=None, throw_on_missing=False)
-            if kind is None or got is None or _fits(got, kind):
-                continue
-            raise VerlPreflightError(
-                f"{key}={got}: verl expects {kind} there (its default is {'null' if default is None else default}); fix the value"
-            )
-
-    return check
-
-
 def pools_of(config) -> list[tuple[str, int, int]]:
     """``(pool, nodes, GPUs per node)`` of every pool the composed config asks the cluster for."""
     from omegaconf import OmegaConf
@@ -401,24 +343,6 @@ def pools_of(config) -> list[tuple[str, int, int]]:
     return [p for p in pools if p[1] and p[2]]
 
 
-def nodes_needed(pools: list[tuple[str, int, int]], gpus_per_node: int) -> int | None:
-    """Nodes of ``gpus_per_node`` GPUs that hold every pool's per-node share (first fit,
-    largest first; Ray places a pool's bundles the same way); None when a share is larger
-    than a node."""
-    shares = sorted((per for _, nodes, per in pools for _ in range(nodes)), reverse=True)
-    if shares and shares[0] > gpus_per_node:
-        return None
-    free: list[int] = []
-    for share in shares:
-        for i, left in enumerate(free):
-            if left >= share:
-                free[i] -= share
-                break
-        else:
-            free.append(gpus_per_node - share)
-    return len(free)
-
-
 def check_gpus(config, shape: ClusterShape) -> None:
     want = required_gpus(config)
     # A logical local node declares exactly what the pools ask for, so only TP can exceed it.
@@ -432,7 +356,9 @@ def check_gpus(config, shape: ClusterShape) -> None:
                     f"the {name} pool asks for {per} GPUs per node but the cluster's nodes have "
                     f"{shape.gpus_per_node}; change {shape.flag_hint} or the {name} pool's n_gpus_per_node"
                 )
-    need = nodes_needed(pools, shape.gpus_per_node)
+    from modal_rl.cluster.placement import nodes_needed
+
+    need = nodes_needed([(per, nodes) for _, nodes, per in pools], shape.gpus_per_node)
     if want > have or (not shape.declares_what_is_asked and need is not None and need > shape.nodes):
         fix = f"use --nodes {need}" if need else f"change {shape.flag_hint}"
         raise VerlPreflightError(
@@ -453,52 +379,6 @@ def check_gpus(config, shape: ClusterShape) -> None:
         )
 
 
-# Data files every verl run reads; on Modal each must be on a Volume or on this machine
-# (shipped with the job: ``launch.local_input_candidates``), else the containers lack it.
-DATA_KEYS = ("data.train_files", "data.val_files")
-# Models a line may name by path (a Hub id, relative, is fetched in the containers).
-MODEL_KEYS = (
-    "actor_rollout_ref.model.path",
-    "critic.model.path",
-    "reward.reward_model.model.path",
-    "distillation.teacher_models.teacher_model.model_path",
-    "actor_rollout_ref.model.tokenizer_path",
-)
-
-
-def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
-    """The Modal twin of slime's ``path_problems``: an absolute data path that is neither on
-    this machine nor under a mounted Volume would be missing in the containers."""
-    import os
-
-    from modal_rl.cluster.local_inputs import hydra_values
-
-    roots = [os.path.normpath(m) for m in mounts]
-    given = explicit_values(user_overrides)
-    for key in (*DATA_KEYS, *MODEL_KEYS):
-        for path in hydra_values(given.get(key, "")):
-            path = str(path).strip()
-            if not path or "://" in path or os.path.exists(os.path.expanduser(path)) or path == "null":
-                continue
-            if not path.startswith(("/", "~")):
-                if key in MODEL_KEYS:
-                    continue  # a Hub id (org/name): the containers download it
-                raise VerlPreflightError(
-                    f"{key}={path} is relative and not on this machine; the job's working directory in "
-                    "the containers is not this one: give an absolute path on a Volume (--volume NAME:/data "
-                    "and /data/...) or an existing local file"
-                )
-            norm = os.path.normpath(path)
-            if any(norm == r or norm.startswith(r.rstrip("/") + "/") for r in roots):
-                continue
-            top = "/" + norm.lstrip("/").split("/", 1)[0]
-            raise VerlPreflightError(
-                f"{key}={path} is not under any of the mounted Volumes {sorted(roots)} nor on this "
-                f"machine (local inputs travel with the job), so the containers would lack it; add "
-                f"--volume NAME:{top} with the file(s) on Volume NAME"
-            )
-
-
 def preflight(shape: ClusterShape, overrides: list[str], checks=(), verl_checks: bool = True):
     """Compose, size-check and validate ``overrides`` (already aligned with the cluster);
     ``checks`` (each ``config -> None``, raising) run right after composition. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
@@ -513,36 +393,3 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=(), verl_checks:
     if verl_checks:  # main_ppo's own checks; verl's other mains run checks of their own
         validate(config)
     return config
-
-
-RUNTIME_ENV_PREFIX = "ray_kwargs.ray_init.runtime_env."
-
-
-def container_runtime_env(user_overrides: list[str], mounts) -> tuple[list[str], list[str], list[str]]:
-    """``(overrides, notes, uv extras)``: the user's ``ray_kwargs.ray_init.runtime_env.*``
-    settings as they must be in a container (``modal_rl.cluster.runtime_env``): a dropped
-    setting becomes ``=null`` in place (Hydra order kept), each rewrite a one-line note; the
-    ``--extra`` names of a ``uv run`` interpreter go to the image. Raises
-    :class:`VerlPreflightError` for a setting that cannot work there."""
-    from modal_rl.cluster.runtime_env import RuntimeEnvError, rewrite
-    from verl_modal.cpu.overrides import override_key
-
-    out: list[str] = []
-    notes: list[str] = []
-    extras: list[str] = []
-    for override in user_overrides:
-        key = override_key(override)
-        if not key.startswith(RUNTIME_ENV_PREFIX):
-            out.append(override)
-            continue
-        try:
-            found = rewrite({key: override.partition("=")[2]}, mounts).get(key)
-        except RuntimeEnvError as exc:
-            raise VerlPreflightError(str(exc)) from None
-        if found is None or found.note is None:
-            out.append(override)
-            continue
-        out.append(f"{override.partition('=')[0]}=null")
-        notes.append(found.note)
-        extras += found.extras
-    return out, notes, extras

@@ -9,8 +9,8 @@ An adapter's ``main`` does::
     return run_job(spec, entrypoint, runtime_env, backend=args.backend, preflight=[check],
                    framework_argv=framework_argv, **run_options(args))
 
-``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan as
-JSON), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
+``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan's
+summary, ``--json`` the whole plan), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
 return) or a blocking run whose exit code is the job's.
 
 The run key: ``run_job`` (and each launcher's ``main``, first thing, via ``ensure_run_key``)
@@ -21,7 +21,7 @@ the launcher and everything it starts share it. Whatever we print passes ``redac
 from __future__ import annotations
 
 import argparse
-import json
+import json as jsonlib
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
@@ -126,7 +126,8 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         help="Modal: forward Ray's dashboard through a TLS tunnel (token required; the launcher "
         "writes the token to ~/.modal-rl/runs/<run>.token). Default: not reachable from outside",
     )
-    g.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit; starts nothing")
+    g.add_argument("--dry-run", action="store_true", help="print the plan's summary and exit; starts nothing")
+    g.add_argument("--json", action="store_true", help="with --dry-run: print the whole plan as JSON")
     g.add_argument("--preflight-only", action="store_true", help="run the checks and exit; starts nothing")
 
 
@@ -159,6 +160,7 @@ def spec_from_args(args: argparse.Namespace, **overrides: Any) -> ClusterSpec:
 def run_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dry_run": args.dry_run,
+        "json": getattr(args, "json", False),
         "preflight_only": args.preflight_only,
         "detach": args.detach,
         "collective_check": args.collective_check,
@@ -177,6 +179,7 @@ def run_job(
     address_env: dict[str, str] | None = None,
     plan_extra: dict[str, Any] | None = None,
     dry_run: bool = False,
+    json: bool = False,
     preflight_only: bool = False,
     detach: bool = False,
     collective_check: bool = False,
@@ -228,13 +231,18 @@ def run_job(
         description["preflight"] = "ok"
         description.update(plan_extra or {})
         # The plan holds no key by construction; redact anyway, in case a user put it in argv.
-        out.write(redact(json.dumps(description, indent=2, default=str), key) + "\n")
+        if json:
+            out.write(redact(jsonlib.dumps(description, indent=2, default=str), key) + "\n")
+        else:
+            from modal_rl.cluster.summary import render
+
+            out.write(redact(render(jsonlib.loads(jsonlib.dumps(description, default=str))), key))
         return 0
     if preflight_only:
         print("preflight ok", file=sys.stderr)
         return 0
     if detach:
         call_id = impl.spawn(spec, job)
-        out.write(json.dumps({"detached": True, "function_call_id": call_id}) + "\n")
+        out.write(jsonlib.dumps({"detached": True, "function_call_id": call_id}) + "\n")
         return 0
     return impl.run(spec, job)
