@@ -90,3 +90,12 @@ def cluster_recipe(config, image: str | None, requested=()) -> ImageRecipe:
     if image:
         print(f"verl_modal: {unchecked_image_note(image, recipe, MODULES)}", file=sys.stderr)
     return recipe
+
+
+def engine_image() -> str:
+    """``modal_vllm`` engines' default image: vLLM's own server image at the version the
+    installed verl's ``vllm`` extra pins (the engine runs ``vllm serve``; our sources and the
+    weight receiver's packages are added by the engine pool)."""
+    from modal_rl.cluster.images import extra_requirements, pins
+
+    return f"vllm/vllm-openai:v{pins(extra_requirements('verl', ('vllm',)))['vllm']}"
