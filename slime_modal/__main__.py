@@ -119,6 +119,12 @@ def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(ours)
     args.volume = _volumes(args)
+    from slime_modal import examples as X
+
+    try:  # a line pasted with its `python3 train_async.py` head names the entry itself
+        slime_argv, args.entry = X.split_script(slime_argv, args.entry)
+    except ValueError as exc:
+        return _fail(str(exc))
     engines = None
     try:
         if args.rollout_engines:
@@ -157,8 +163,6 @@ def _main(argv: list[str]) -> int:
         external_engines=engines is not None,
         shipped=[item.path for item in shipped],
     )
-    from slime_modal import examples as X
-
     entry_name, entry_note = X.entry_for(slime_argv, args.entry)
     if entry_note:
         print(f"slime_modal: {entry_note}", file=sys.stderr)

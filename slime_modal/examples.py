@@ -70,6 +70,23 @@ def entry_for(argv: list[str], given: str | None) -> tuple[str, str | None]:
     return DEFAULT_ENTRY, None
 
 
+def split_script(argv: list[str], given: str | None) -> tuple[list[str], str | None]:
+    """``(argv, entry)``: a line that starts as the script's own command (``python3 train.py
+    ...``, ``train_async.py ...``) gives its script as the entry, and the rest is slime's argv.
+    Raises ``ValueError`` when it disagrees with an explicit ``--entry``."""
+    head = 0
+    if argv and re.fullmatch(r"(.*/)?python[0-9.]*", argv[0]):
+        head = 1
+    if len(argv) > head and argv[head].endswith(".py") and not argv[head].startswith("-"):
+        script = argv[head]
+        if given is not None and given != script:
+            raise ValueError(f"the line runs {script} but --entry says {given}: drop one of them")
+        return argv[head + 1 :], script
+    if head:
+        raise ValueError(f"{argv[0]} {' '.join(argv[1:2])}: after -- give the script and its arguments")
+    return list(argv), given
+
+
 def loopback_servers(argv: list[str]) -> list[str]:
     """One line per server the line expects on the job's own node (a teacher at 127.0.0.1):
     on Modal nothing starts it there."""

@@ -423,6 +423,20 @@ CASES = [
         notes=["running train_async.py"],
     ),
     Case(
+        "slime fully-async pasted with its python3 train_async.py head",
+        "slime examples/fully_async/run-qwen3-4b-fully_async.sh (the ray job submit line as is)",
+        "slime_modal",
+        modal(1, "--volume", "slime-data:/data"),
+        ["python3", "train_async.py", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "4"]
+        + [
+            "--rollout-num-gpus",
+            "4",
+            "--rollout-function-path",
+            "fully_async_rollout.generate_rollout_fully_async",
+        ],
+        plan={"slime.entry": "/root/slime/train_async.py", "slime.argv[:2]": ["--actor-num-nodes", "1"]},
+    ),
+    Case(
         "slime retool",
         "slime examples/retool/retool_qwen3_4b_rl.sh",
         "slime_modal",
