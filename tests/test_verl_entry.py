@@ -36,6 +36,11 @@ def test_config_flags_pick_the_megatron_trainer(flags):
     assert got.config_args == flags
 
 
+def test_python_m_of_the_ppo_main_is_ours():
+    got = E.parse(["python3", "-m", E.MAIN_PPO, "--config-name=ppo_megatron_trainer", "a=1"])
+    assert got.ours and got.config_name == "ppo_megatron_trainer" and got.overrides == ["a=1"]
+
+
 def test_python_m_picks_another_main_with_its_own_default_config():
     got = E.parse(["python3", "-m", ASYNC, "a=1"])
     assert (got.module, got.config_name, got.ours) == (ASYNC, "fully_async_ppo_trainer", False)

@@ -10,8 +10,11 @@ Cluster flags are ``modal_rl.cluster``'s (``--backend --nodes --gpu --rdma --vol
 --detach --dry-run --preflight-only`` ...). ``--backend modal`` runs the job on a Modal
 cluster through ``modal_rl.cluster.run_job`` (default image: verl at the installed version with the
 extras the line needs on a CUDA base, ``verl_modal.image``);
-``--dry-run`` prints its plan as JSON. ``trainer.nnodes``/``trainer.n_gpus_per_node`` come
-from the cluster; an explicit one that disagrees is an error.
+``--dry-run`` prints its plan's summary (``--json``: all of it). ``trainer.n_gpus_per_node``
+comes from the cluster; ``trainer.nnodes`` is the line's, filled in when absent; pools that do
+not fit the cluster are an error naming the node count that would. After ``--``: verl's
+overrides, optionally led by ``--config-path/--config-name`` or ``python3 -m <verl main>``
+(``verl_modal.entry``).
 
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
 overrides (one line on stderr, before anything is provisioned: see ``preflight.py``), 130

@@ -3,8 +3,9 @@ is provisioned, in one process, in seconds.
 
 Order (the first failure is the one reported, as one line):
 1. every override is ``key=value`` Hydra syntax;
-2. ``trainer.nnodes`` / ``trainer.n_gpus_per_node`` agree with the cluster: absent ones are
-   filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
+2. ``trainer.n_gpus_per_node`` agrees with the cluster; ``trainer.nnodes`` is the line's, or
+   filled in around its other pools (:func:`cluster_overrides`); pools that overflow the cluster
+   or leave nodes idle are an error naming the node count that fits;
 3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
    is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
 4. the GPUs the config asks for fit the cluster;
