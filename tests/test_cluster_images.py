@@ -37,6 +37,8 @@ def test_recipe_pins_the_installed_version_and_builds_offline():
     assert pinned["verl"] == version("verl") and pinned["sglang"] and pinned["megatron-bridge"]
     reqs = recipe.requirements()
     assert reqs[0] == recipe.framework() and not any(r.startswith("torch>") for r in reqs)  # verl's pin wins
+    # torch at verl's pin goes in first (flash-attn's build imports it), with the build tools
+    assert f"torch=={pinned['torch']}" in recipe.build_first() and "setuptools" in recipe.build_first()
     import modal
 
     assert isinstance(recipe.build(), modal.Image)

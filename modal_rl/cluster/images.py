@@ -30,6 +30,10 @@ from typing import Any
 CUDA_BASE = "nvidia/cuda:13.0.0-devel-ubuntu24.04"
 PYTHON_VERSION = "3.12"
 CORE_DISTRIBUTION = "modal-rl"
+# Installed first, at the framework's pins: source builds among its pins (flash-attn) import
+# torch in setup.py, so the second install runs without build isolation, on these.
+BUILD_FIRST = ("torch", "torchvision", "torchaudio")
+BUILD_TOOLS = ("setuptools", "wheel", "ninja", "packaging")
 
 
 class ImageRecipeError(ValueError):
@@ -126,6 +130,12 @@ class ImageRecipe:
         extra = [t for t in core_requirements() if _requirement(t).name.lower() not in named]
         return [self.framework(), *extra]
 
+    def build_first(self) -> list[str]:
+        """The build tools and the pinned torch family, installed before everything else."""
+        pinned = self.pinned()
+        torch = [f"{name}=={pinned[name]}" for name in BUILD_FIRST if name in pinned]
+        return [*BUILD_TOOLS, *torch] if torch else []
+
     def pinned(self) -> dict[str, str]:
         return {self.dist: self.version, **pins(extra_requirements(self.dist, self.extras))}
 
@@ -136,7 +146,10 @@ class ImageRecipe:
         image = modal.Image.from_registry(self.base, add_python=self.python)
         if self.apt:
             image = image.apt_install(*self.apt)
-        image = image.pip_install(*self.requirements())
+        first = self.build_first()
+        if first:
+            image = image.pip_install(*first)
+        image = image.pip_install(*self.requirements(), extra_options="--no-build-isolation" if first else "")
         for local, remote in self.local_dirs:
             image = image.add_local_dir(local, remote, copy=True)
         if self.commands:
@@ -150,6 +163,7 @@ class ImageRecipe:
             "framework": self.framework(),
             "chosen_by": dict(self.why),
             "pinned": self.pinned(),
+            "pip_first": self.build_first(),
             "pip": self.requirements(),
             "build_commands": list(self.commands),
         }
