@@ -180,13 +180,16 @@ def _main(argv: list[str]) -> int:
         for problem in problems:
             print(f"slime_modal: {problem}", file=sys.stderr)
         return 2
-    if args.backend == "modal":
-        note = L.image_note(spec.image, args.slime_path, args.megatron_path)
-        print(f"slime_modal: {note}", file=sys.stderr)
     if args.backend == "modal" and not (args.dry_run or args.preflight_only):
         from modal_rl.modal_check import check_modal_access
 
         check_modal_access()  # after the preflight (a second, no slime import), before any Modal call
+    # The image is never inspected here: a dry run's plan says what it must hold, a run says it once.
+    image_note = (
+        L.image_note(spec.image, args.slime_path, args.megatron_path) if args.backend == "modal" else None
+    )
+    if image_note and not (args.dry_run or args.preflight_only):
+        print(f"slime_modal: {image_note}", file=sys.stderr)
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
     runtime_env = L.runtime_env(
         spec.env, args.slime_path, args.megatron_path, volumes, args.backend, extra_paths=example_paths
@@ -239,6 +242,7 @@ def _main(argv: list[str]) -> int:
                 "rollout_engines": engines_plan,
                 "slime_patches": upstream.plan(args),
                 "rollout_manager": seam.plan(args.slime_path, args.backend, engines),
+                "image_note": image_note,
             },
             **run_options(args),
         )
