@@ -90,6 +90,13 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return describe(remote_cause(exc))
     kind = type(exc)
     from_modal = kind.__module__.split(".")[0] == "modal"
+    from modal_rl.cluster.spec import ClusterSpecError
+
+    if isinstance(exc, ClusterSpecError):
+        return one_line(str(exc)), EXIT_BAD_INPUT
+    if from_modal and kind.__name__ == "InvalidError":
+        # Modal validates volumes, mounts and GPU strings when the function is defined: bad input.
+        return f"Modal refuses this setting: {one_line(str(exc), 300)}", EXIT_BAD_INPUT
     if from_modal and kind.__name__ == "AuthError":
         return (
             f"Modal refused the credentials ({one_line(str(exc), 200)}); run `modal token new` or "

@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(parser, defaults=ClusterSpec(nodes=1))
     add_debug_flag(parser)
     g = parser.add_argument_group("slime")
-    g.add_argument("--entry", default="train.py", help="script to run; relative paths are in --slime-path")
+    g.add_argument(
+        "--entry",
+        default=None,
+        help="script to run; relative paths are in --slime-path (default train.py, or train_async.py "
+        "when the line names slime's fully-async rollout)",
+    )
     g.add_argument("--slime-path", default=L.SLIME_PATH, help="slime checkout in the image")
     g.add_argument("--megatron-path", default=L.MEGATRON_PATH, help="Megatron-LM checkout in the image")
     g.add_argument(
@@ -114,6 +119,12 @@ def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(ours)
     args.volume = _volumes(args)
+    from slime_modal import examples as X
+
+    try:  # a line pasted with its `python3 train_async.py` head names the entry itself
+        slime_argv, args.entry = X.split_script(slime_argv, args.entry)
+    except ValueError as exc:
+        return _fail(str(exc))
     engines = None
     try:
         if args.rollout_engines:
@@ -152,7 +163,13 @@ def _main(argv: list[str]) -> int:
         external_engines=engines is not None,
         shipped=[item.path for item in shipped],
     )
-    entry = L.entry_path(args.entry, args.slime_path)
+    entry_name, entry_note = X.entry_for(slime_argv, args.entry)
+    if entry_note:
+        print(f"slime_modal: {entry_note}", file=sys.stderr)
+    entry = L.entry_path(entry_name, args.slime_path)
+    if args.backend == "modal":
+        problems += X.loopback_servers(slime_argv)
+    example_paths = X.example_dirs(slime_argv, args.slime_path)
     if args.backend == "local":
         import os
 
@@ -167,10 +184,18 @@ def _main(argv: list[str]) -> int:
         from modal_rl.modal_check import check_modal_access
 
         check_modal_access()  # after the preflight (a second, no slime import), before any Modal call
+    # The image is never inspected here: a dry run's plan says what it must hold, a run says it once.
+    image_note = (
+        L.image_note(spec.image, args.slime_path, args.megatron_path) if args.backend == "modal" else None
+    )
+    if image_note and not (args.dry_run or args.preflight_only):
+        print(f"slime_modal: {image_note}", file=sys.stderr)
     job_argv, hooks = L.with_volume_hooks(slime_argv, mounts)
     job_argv, grouped = L.with_reward_groups(job_argv)
     hooks += grouped
-    runtime_env = L.runtime_env(spec.env, args.slime_path, args.megatron_path, volumes, args.backend)
+    runtime_env = L.runtime_env(
+        spec.env, args.slime_path, args.megatron_path, volumes, args.backend, extra_paths=example_paths
+    )
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
     engine_opts = {
         "image": spec.image,  # the cluster's image: slime's carries SGLang and slime's patches
@@ -194,6 +219,7 @@ def _main(argv: list[str]) -> int:
         return _fail(str(exc))
     slime_plan = {
         "entry": entry,
+        "example_paths": example_paths,
         "argv": job_argv,
         "added_argv": hooks,
         "address_env": L.address_env(spec.env),
@@ -218,6 +244,7 @@ def _main(argv: list[str]) -> int:
                 "rollout_engines": engines_plan,
                 "slime_patches": upstream.plan(args),
                 "rollout_manager": seam.plan(args.slime_path, args.backend, engines),
+                "image_note": image_note,
             },
             **run_options(args),
         )

@@ -49,6 +49,16 @@ ADDRESS_ENV = {"SLIME_HOST_IP": "node", "MASTER_ADDR": "head", "no_proxy": "no_p
 VOLUMES_ENV = "MODAL_RL_VOLUMES"
 
 
+def image_note(tag: str, slime_path: str, megatron_path: str) -> str:
+    """One line for the cluster image, which is never inspected here: what it must hold."""
+    moving = " (a moving tag: pin a digest, --image slimerl/slime@sha256:..., for repeatable runs)"
+    return (
+        f"image {tag} is used as given (not inspected{moving if tag.endswith(':latest') else ''}): it must "
+        f"hold slime at {slime_path} and Megatron-LM at {megatron_path} (--slime-path/--megatron-path), "
+        f"sglang and ray; check with `docker run --rm {tag} ls {slime_path}/train.py {megatron_path}`"
+    )
+
+
 def entry_path(entry: str, slime_path: str) -> str:
     """``train.py`` and friends live in the slime checkout; an absolute path is used as is."""
     return entry if os.path.isabs(entry) else os.path.join(slime_path, entry)
@@ -60,11 +70,13 @@ def runtime_env(
     megatron_path: str,
     volumes: dict[str, str],
     backend: str = "local",
+    extra_paths: list[str] = (),
 ) -> dict:
     """The Ray job's runtime env (see the module docstring); keys the user set with ``--env``
-    are left out, so the user's value (in every node's env) reaches the job unchanged."""
+    are left out, so the user's value (in every node's env) reaches the job unchanged.
+    ``extra_paths``: slime example folders the line's modules live in (``examples.example_dirs``)."""
     env = {
-        "PYTHONPATH": f"{megatron_path}:{slime_path}:${{PYTHONPATH}}",
+        "PYTHONPATH": ":".join([megatron_path, slime_path, *extra_paths, "${PYTHONPATH}"]),
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "NCCL_NVLS_ENABLE": "0",
         VOLUMES_ENV: json.dumps({path: name for name, path in volumes.items()}, sort_keys=True),

@@ -167,7 +167,8 @@ def under(path: str, roots) -> str | None:
 # Flags whose values are inputs that travel into the Modal containers when they exist on the
 # launching machine (``modal_rl.cluster.local_inputs``); ``--eval-prompt-data`` takes
 # ``name path`` pairs, and only values that exist here are paths.
-SHIPPABLE_FLAGS = (*INPUT_PATH_FLAGS, "--eval-prompt-data")
+EVAL_DATA_FLAG = "--eval-prompt-data"
+SHIPPABLE_FLAGS = (*INPUT_PATH_FLAGS, EVAL_DATA_FLAG)
 
 
 def local_inputs(argv: list[str], mounts: list[str], image_roots: list[str]):
@@ -187,23 +188,26 @@ def path_problems(
     ``shipped`` paths travel with the job); shared outputs on a Volume (Modal). A Hub id
     (``org/name``, no leading ``/`` or ``.``) is not a path."""
     problems = []
-    for flag in INPUT_PATH_FLAGS + SHARED_OUTPUT_FLAGS:
-        path = args.get(flag)
+    named = [(flag, args.get(flag)) for flag in INPUT_PATH_FLAGS + SHARED_OUTPUT_FLAGS]
+    # --eval-prompt-data takes ``name path`` pairs: its absolute values are the paths.
+    if backend != "local":  # a local run reads them where slime does; absent ones are slime's to name
+        named += [(EVAL_DATA_FLAG, v) for v in args.values(EVAL_DATA_FLAG) or [] if os.path.isabs(v)]
+    for flag, path in named:
         if not path or _hub_id(flag, path):
             continue
+        is_input = flag in INPUT_PATH_FLAGS or flag == EVAL_DATA_FLAG
         if backend == "local":
-            if flag in INPUT_PATH_FLAGS and not os.path.exists(path):
+            if is_input and not os.path.exists(path):
                 problems.append(f"{flag} {path}: no such file or directory")
         elif os.path.isabs(path) and not under(path, mounts):
-            if flag in INPUT_PATH_FLAGS and (under(path, image_roots) or under(path, shipped)):
+            if is_input and (under(path, image_roots) or under(path, shipped)):
                 continue
-            where = "mounted Volumes" if mounts else "mounted Volumes (none: add --volume NAME:PATH)"
-            local = (
-                " nor on this machine (local inputs travel with the job)" if flag in INPUT_PATH_FLAGS else ""
-            )
+            local = " nor on this machine (local inputs travel with the job)" if is_input else ""
+            top = "/" + os.path.normpath(path).lstrip("/").split("/", 1)[0]
             problems.append(
-                f"{flag} {path} is not under any of the {where} {sorted(mounts)}{local}; "
-                "Modal containers start from the image, so the path would be missing or lost"
+                f"{flag} {path} is not under any of the mounted Volumes {sorted(mounts)}{local}, so the "
+                f"containers would {'lack' if is_input else 'lose'} it; add --volume NAME:{top} "
+                f"({'with the file(s) on Volume NAME' if is_input else 'kept after the run'})"
             )
     return problems
 

@@ -121,7 +121,18 @@ def test_half_a_token_and_an_unknown_profile_are_named(tmp_path):
 
 
 def test_dry_run_needs_no_modal_account(tmp_path):
-    argv = ["modal_rl.cluster", "run", "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--", "true"]
+    argv = [
+        "modal_rl.cluster",
+        "run",
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--dry-run",
+        "--json",
+        "--",
+        "true",
+    ]
     out, _, _ = run(argv, no_modal_env(tmp_path))
     assert out.returncode == 0, out.stderr
     assert '"backend": "modal"' in out.stdout

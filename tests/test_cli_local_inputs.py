@@ -103,7 +103,9 @@ SLIME_LINE = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--col
 def test_slime_dry_run_lists_what_travels_and_keeps_the_argv(tmp_path):
     config, data = make_inputs(tmp_path)
     line = [*SLIME_LINE, "--custom-config-path", str(config), "--prompt-data", str(data)]
-    out, _ = run_module("slime_modal", "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--", *line)
+    out, _ = run_module(
+        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--json", "--", *line
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     travels = plan["local_files"]
@@ -134,6 +136,7 @@ def test_slime_inputs_above_the_cap_stop_the_launch_in_one_line(tmp_path):
         "--gpu",
         "H100:8",
         "--dry-run",
+        "--json",
         "--",
         *SLIME_LINE,
         "--prompt-data",
@@ -184,9 +187,19 @@ def test_verl_dry_run_ships_a_local_parquet_and_reward_file(tmp_path):
         f"reward.custom_reward_function.path={reward}",
     ]
     out, _ = run_module(
-        "verl_modal", "--backend", "modal", "--gpu", "H100:8", "--volume", "data:/data", "--dry-run", "--", *line,
+        "verl_modal",
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--volume",
+        "data:/data",
+        "--dry-run",
+        "--json",
+        "--",
+        *line,
         timeout=180,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     files = plan["local_files"]["files"]

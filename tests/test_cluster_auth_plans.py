@@ -40,13 +40,23 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
     entry = tmp / "train.py"
     entry.write_text("")
     cases = {
-        "cluster modal": ["modal_rl.cluster", "run", *MODAL, "--dry-run", "--", "python3", "train.py"],
+        "cluster modal": [
+            "modal_rl.cluster",
+            "run",
+            *MODAL,
+            "--dry-run",
+            "--json",
+            "--",
+            "python3",
+            "train.py",
+        ],
         "cluster modal dashboard": [
             "modal_rl.cluster",
             "run",
             *MODAL,
             "--dashboard",
             "--dry-run",
+            "--json",
             "--",
             "true",
         ],
@@ -56,6 +66,7 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
             "--nodes",
             "2",
             "--dry-run",
+            "--json",
             "--",
             "python3",
             "train.py",
@@ -66,15 +77,16 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
             "--volume",
             "data:/data",
             "--dry-run",
+            "--json",
             "--",
             "trainer.nnodes=2",
             "trainer.n_gpus_per_node=8",
             *VERL_LINE,
         ],
         "verl local cluster": ["verl_modal", "--backend", "local", "--nodes", "2", "--device", "cpu"]
-        + ["--tiny", str(tmp / "tiny"), "--dry-run", "--", "trainer.total_training_steps=1"],
+        + ["--tiny", str(tmp / "tiny"), "--dry-run", "--json", "--", "trainer.total_training_steps=1"],
         "slime modal": ["slime_modal", "--backend", "modal", "--gpu", "H100:8", "--data-volume", "d"]
-        + ["--dry-run", "--", *qwen3_4b(root="/data")],
+        + ["--dry-run", "--json", "--", *qwen3_4b(root="/data")],
         "slime local": [
             "slime_modal",
             "--backend",
@@ -86,7 +98,7 @@ def _dry_runs(tmp: Path, key: str) -> dict[str, subprocess.Popen]:
             "--entry",
             str(entry),
         ]
-        + ["--dry-run", "--", *SLIME_LOCAL_LINE],
+        + ["--dry-run", "--json", "--", *SLIME_LOCAL_LINE],
     }
     env = {**os.environ, RUN_KEY_ENV: key}  # a user-exported key: the launchers must keep it
     for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", RAY_TOKEN_ENV):

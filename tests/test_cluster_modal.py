@@ -49,7 +49,7 @@ def test_dry_run_plan_matches_the_flags(monkeypatch, capsys):
     code, captured = _dry_run(
         ["--backend", "modal", "--nodes", "4", "--gpu", "H100:8", "--rdma", "--volume", "ckpt:/ckpt"]
         + ["--volume", "hf-cache:/root/.cache/huggingface", "--job-timeout", "7200", "--join-timeout", "300"]
-        + ["--retries", "1", "--secret", "wandb", "--dry-run", "--", "--lr", "1e-6"],
+        + ["--retries", "1", "--secret", "wandb", "--dry-run", "--json", "--", "--lr", "1e-6"],
         capsys,
     )
     assert code == 0, captured.err
@@ -75,7 +75,7 @@ def test_dry_run_plan_matches_the_flags(monkeypatch, capsys):
 
 def test_other_flags_change_the_function(capsys):
     code, captured = _dry_run(
-        ["--backend", "modal", "--nodes", "2", "--gpu", "B200:8", "--no-rdma", "--dry-run"], capsys
+        ["--backend", "modal", "--nodes", "2", "--gpu", "B200:8", "--no-rdma", "--dry-run", "--json"], capsys
     )
     assert code == 0, captured.err
     inspected = json.loads(captured.out)["modal_function"]["inspected"]
@@ -84,7 +84,7 @@ def test_other_flags_change_the_function(capsys):
 
 
 def test_modal_backend_refuses_cpu_only_clusters(capsys):
-    code, captured = _dry_run(["--backend", "modal", "--nodes", "2", "--dry-run"], capsys)
+    code, captured = _dry_run(["--backend", "modal", "--nodes", "2", "--dry-run", "--json"], capsys)
     assert code == 2 and "needs --gpu" in captured.err
     with pytest.raises(ClusterSpecError, match="needs --gpu"):
         ModalBackend().build_function(ClusterSpec(nodes=2))

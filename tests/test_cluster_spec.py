@@ -39,6 +39,11 @@ from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError, GpuSpec
         ({"job_timeout_s": -1}, "job_timeout_s=-1"),
         ({"retries": -1}, "retries=-1"),
         ({"cpu": 0}, "cpu=0"),
+        ({"gpu": "H100:16"}, "at most 8 H100 GPUs; use --gpu H100:8 with more --nodes"),
+        ({"gpu": "A10:8"}, "at most 4 A10"),
+        ({"volumes": {"x": "/root"}}, "cannot mount a Volume at /root"),
+        ({"volumes": {"x": "/tmp"}}, "cannot mount a Volume at /tmp"),
+        ({"volumes": {"x": "/data/../ckpt"}}, "use --volume x:/ckpt"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs, needle):
@@ -65,6 +70,40 @@ def test_good_spec_round_trips_and_counts_gpus():
     assert ClusterSpec(nodes=1, gpu="A10G:1").gpus_per_node == 1  # single node: any count
     with pytest.raises(ClusterSpecError, match="unknown ClusterSpec fields: bogus"):
         ClusterSpec.from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "gpu", ["H100!", "H100!:8", "B200+:8", "RTX-PRO-6000", "rtx-pro-6000:2", "A10", "L40S:4"]
+)
+def test_every_modal_gpu_name_is_accepted(gpu):
+    parsed = GpuSpec.parse(gpu)
+    assert str(parsed) == f"{gpu.split(':')[0].upper()}:{gpu.split(':')[1] if ':' in gpu else 1}"
+
+
+def test_rdma_defaults_on_for_multi_node_fabric_gpus_and_says_so_when_off():
+    from modal_rl.cluster.spec import rdma_note
+
+    assert cli.spec_from_args(_parse(["--nodes", "2", "--gpu", "H100:8"])).rdma is True
+    assert cli.spec_from_args(_parse(["--nodes", "2", "--gpu", "B200+:8"])).rdma is True
+    assert cli.spec_from_args(_parse(["--nodes", "1", "--gpu", "H100:8"])).rdma is False
+    assert cli.spec_from_args(_parse(["--nodes", "2", "--gpu", "A100-80GB:8"])).rdma is False
+    off = cli.spec_from_args(_parse(["--nodes", "2", "--gpu", "H100:8", "--no-rdma"]))
+    assert off.rdma is False and "drop --no-rdma" in rdma_note(off)
+    assert "not on Modal's RDMA fabric" in rdma_note(ClusterSpec(nodes=2, gpu="A100:8"))
+    assert rdma_note(ClusterSpec(nodes=2, gpu="H200:8", rdma=True)) is None
+    assert rdma_note(ClusterSpec(nodes=1, gpu="H200:8")) is None
+
+
+def test_modals_own_volume_refusal_is_one_line_exit_2():
+    from modal_rl.cli_errors import describe
+
+    class InvalidError(Exception):
+        pass
+
+    InvalidError.__module__ = "modal.exception"
+    line, code = describe(InvalidError("Volume /root cannot be mounted at '/root'."))
+    assert code == 2 and line.startswith("Modal refuses this setting: Volume /root")
+    assert describe(ClusterSpecError("gpu='H100:16': at most 8"))[1] == 2
 
 
 def test_split_passthrough_keeps_framework_args_untouched():
@@ -163,7 +202,7 @@ def test_bad_spec_fails_before_any_process_starts(monkeypatch, capsys):
 def test_local_dry_run_prints_a_plan_without_starting_anything(monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "Popen", NoProcess)
     code = cli.run_job(
-        ClusterSpec(nodes=2), [sys.executable, "train.py"], {"env_vars": {"X": "1"}}, dry_run=True
+        ClusterSpec(nodes=2), [sys.executable, "train.py"], {"env_vars": {"X": "1"}}, dry_run=True, json=True
     )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)

@@ -142,6 +142,7 @@ def test_an_adapter_declared_by_entry_point_ships_in_a_modal_dry_run_plan(tmp_pa
         "--gpu",
         "H100:8",
         "--dry-run",
+        "--json",
         "--",
         "true",
     ]

@@ -205,7 +205,7 @@ def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
     key = "dry-run-key-" + "z" * 40
     monkeypatch.setenv("MODAL_RL_RUN_KEY", key)
     out, _ = run_module(
-        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--rollout-engines", "modal:2", "--volume", "models:/models", "--dry-run",
+        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--rollout-engines", "modal:2", "--volume", "models:/models", "--dry-run", "--json",
         "--", *ARGV,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

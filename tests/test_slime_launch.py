@@ -35,7 +35,17 @@ def dry_plan(*argv: str) -> dict:
 def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
     line = glm47_delta()
     plan = dry_plan(
-        "--backend", "modal", "--nodes", "4", "--gpu", "H100:8", *GLM_VOLUMES, "--dry-run", "--", *line
+        "--backend",
+        "modal",
+        "--nodes",
+        "4",
+        "--gpu",
+        "H100:8",
+        *GLM_VOLUMES,
+        "--dry-run",
+        "--json",
+        "--",
+        *line,
     )
 
     assert plan["backend"] == "modal" and plan["preflight"] == "ok"
@@ -76,7 +86,7 @@ def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
 def test_rollout_engines_are_planned_off_the_cluster():
     line = glm47_delta()
     flags = ["--backend", "modal", "--nodes", "2", "--gpu", "H100:8", *GLM_VOLUMES]
-    plan = dry_plan(*flags, "--rollout-engines", "modal:4:H100", "--dry-run", "--", *line)
+    plan = dry_plan(*flags, "--rollout-engines", "modal:4:H100", "--dry-run", "--json", "--", *line)
     engines = plan["rollout_engines"]
     assert engines["count"] == 4 and engines["rollout_engines"] == "modal:4:H100"
     assert engines["gpu_per_engine"] == "H100:8"  # --rollout-num-gpus-per-engine 8 in the line
@@ -112,7 +122,7 @@ def test_engines_that_fail_to_start_stop_the_launch_before_the_job(tmp_path, mon
 @pytest.mark.parametrize("bad", ["modal", "modal:0", "modal:4:", "local:4", "modal:x:H100"])
 def test_rollout_engines_format_is_checked(bad):
     flags = ["--backend", "modal", "--gpu", "H100:8", "--rollout-engines", bad]
-    out, seconds = launcher(*flags, "--dry-run", "--", "--lr", "1")
+    out, seconds = launcher(*flags, "--dry-run", "--json", "--", "--lr", "1")
     assert out.returncode == 2 and seconds < 10
     assert out.stderr.strip().splitlines()[-1].startswith("slime_modal: --rollout-engines")
 
@@ -122,7 +132,7 @@ def test_qwen3_4b_on_volumes_and_env_overrides():
     plan = dry_plan(
         "--backend", "modal", "--gpu", "H100:8", "--data-volume", "slime-data",
         "--hf-cache-volume", "none", "--env", "NCCL_NVLS_ENABLE=1", "--entry", "train_async.py",
-        "--dry-run", "--", *line,
+        "--dry-run", "--json", "--", *line,
     )  # fmt: skip
     assert plan["spec"]["volumes"] == {"slime-data": "/data"}
     assert plan["spec"]["env"] == {"NCCL_NVLS_ENABLE": "1"}
@@ -151,12 +161,14 @@ def test_local_backend_mounts_no_volumes_so_no_hooks(tmp_path):
     entry = tmp_path / "train.py"
     entry.write_text("")
     line = [*glm47_delta(), "--colocate"]  # refused: delta with colocate
-    out, _ = launcher("--backend", "local", "--entry", str(entry), *GLM_VOLUMES, "--dry-run", "--", *line)
+    out, _ = launcher(
+        "--backend", "local", "--entry", str(entry), *GLM_VOLUMES, "--dry-run", "--json", "--", *line
+    )
     assert out.returncode == 2 and "--colocate" in out.stderr
     line = [x for x in glm47_delta() if not x.startswith("/root/")]  # drop the paths' values
     line = [x for x in line if x not in ("--hf-checkpoint", "--ref-load", "--prompt-data")]
     plan = dry_plan("--backend", "local", "--nodes", "4", "--gpu", "H100:8", "--entry", str(entry),
-                    *GLM_VOLUMES, "--dry-run", "--", *line)  # fmt: skip
+                    *GLM_VOLUMES, "--dry-run", "--json", "--", *line)  # fmt: skip
     assert plan["slime"]["added_argv"] == [] and plan["entrypoint"] == [sys.executable, str(entry), *line]
     assert json.loads(plan["runtime_env"]["env_vars"][L.VOLUMES_ENV]) == {}
     assert "MODAL_RL_SANDBOX_BACKEND" not in plan["runtime_env"]["env_vars"]
@@ -165,7 +177,7 @@ def test_local_backend_mounts_no_volumes_so_no_hooks(tmp_path):
 def test_launcher_flags_after_the_separator_are_named_in_a_warning():
     line = qwen3_4b(root="/data")
     out, _ = launcher(
-        "--backend", "modal", "--gpu", "H100:8", "--data-volume", "d", "--dry-run", "--", *line,
+        "--backend", "modal", "--gpu", "H100:8", "--data-volume", "d", "--dry-run", "--json", "--", *line,
         "--nodes", "2", "--gpu=A100:8",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -71,8 +71,17 @@ def test_unchanged_root_paths_are_refused_on_modal_with_the_fix():
     assert out.returncode == 2 and seconds < 10
     lines = out.stderr.splitlines()
     flags = [x.split()[1] for x in lines]
-    assert flags == ["--hf-checkpoint", "--ref-load", "--prompt-data", "--load", "--save"]
+    assert flags == [
+        "--hf-checkpoint",
+        "--ref-load",
+        "--prompt-data",
+        "--load",
+        "--save",
+        "--eval-prompt-data",
+    ]
     assert all("is not under any of the mounted Volumes" in x for x in lines)
+    # each says which Volume to add (the default HF-cache Volume is not where they belong)
+    assert all("add --volume NAME:/root" in x for x in lines), lines
 
 
 def _check(argv, gpus=16, backend="modal", mounts=("/v",), external=False):

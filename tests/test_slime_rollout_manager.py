@@ -227,7 +227,7 @@ def test_the_launcher_names_our_manager_only_where_slime_has_the_seam(trees, tmp
     for name, tree in trees.items():
         out, _ = run_module(
             "slime_modal", "--backend", "local", "--slime-path", str(tree), "--rollout-engines", "modal:2",
-            "--dry-run", "--", *line,
+            "--dry-run", "--json", "--", *line,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         plans[name] = json.loads(out.stdout)

@@ -36,7 +36,17 @@ def dry_plan(*argv: str) -> dict:
 
 def test_modal_dry_run_plan_lists_the_series_applied_to_the_image():
     plan = dry_plan(
-        "--backend", "modal", "--gpu", "H100:8", "--nodes", "4", *VOLUMES, "--dry-run", "--", *glm47_delta()
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--nodes",
+        "4",
+        *VOLUMES,
+        "--dry-run",
+        "--json",
+        "--",
+        *glm47_delta(),
     )
     section = plan["slime_patches"]
     assert section["applied"] is True and section["base"] == "slime 624b824a8"
@@ -53,7 +63,7 @@ def test_modal_dry_run_plan_lists_the_series_applied_to_the_image():
 def test_plan_says_when_the_series_is_not_applied():
     plan = dry_plan(
         "--backend", "modal", "--gpu", "H100:8", "--nodes", "4", "--no-slime-patches", *VOLUMES,
-        "--dry-run", "--", *glm47_delta(),
+        "--dry-run", "--json", "--", *glm47_delta(),
     )  # fmt: skip
     assert plan["slime_patches"] == {"applied": False, "why": "--no-slime-patches"}
     local = upstream.plan(_args(backend="local"))
@@ -150,7 +160,7 @@ def test_missing_series_is_one_line_not_a_traceback(tmp_path):
 
 def test_sparse_encoding_without_the_series_is_refused_before_launch():
     line = [*glm47_delta(), "--update-weight-delta-encoding", "sparse"]
-    flags = ["--backend", "modal", "--gpu", "H100:8", "--nodes", "4", *VOLUMES, "--dry-run"]
+    flags = ["--backend", "modal", "--gpu", "H100:8", "--nodes", "4", *VOLUMES, "--dry-run", "--json"]
     out, _ = run_module("slime_modal", *flags, "--no-slime-patches", "--", *line, timeout=90)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [

@@ -126,7 +126,10 @@ def test_launcher_rejects_a_bad_override_in_one_line():
 def test_launcher_rejects_two_nodes_on_local_backend_before_ray(tmp_path):
     out, _ = launcher("--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--", "trainer.nnodes=2")
     assert out.returncode == 2
-    assert "trainer.nnodes=2 disagrees with the cluster (1 nodes" in out.stderr
+    assert (
+        "trainer.nnodes=2 does not fit: the line's pools need 2 nodes (trainer 2) and the cluster has 1"
+        in out.stderr
+    )
 
 
 def test_launcher_rejects_a_model_that_is_not_local(tmp_path):
@@ -148,7 +151,14 @@ def test_launcher_rejects_missing_data(tmp_path):
 @pytest.mark.slow
 def test_launcher_dry_run_lists_the_composed_overrides(tmp_path):
     out, _ = launcher(
-        "--device", "cpu", "--tiny", str(tmp_path / "tiny"), "--dry-run", "--", "trainer.total_epochs=1"
+        "--device",
+        "cpu",
+        "--tiny",
+        str(tmp_path / "tiny"),
+        "--dry-run",
+        "--json",
+        "--",
+        "trainer.total_epochs=1",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line.strip() for line in out.stdout.splitlines()]

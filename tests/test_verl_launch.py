@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _launcher import run_module
 
-from verl_modal.launch import VERL_IMAGE, cluster_job
+from verl_modal.launch import cluster_job
 from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     ]
     flags += ["--env", "WANDB_PROJECT=grpo", "--job-timeout", "7200", "--join-timeout", "240"]
     overrides = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", *VERL_LINE]
-    out, _ = launcher(*flags, "--dry-run", "--", *overrides)
+    out, _ = launcher(*flags, "--dry-run", "--json", "--", *overrides)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)  # stdout is the plan and nothing else
     # verl probes this host's accelerator while validating; the cluster's GPUs are what count,
@@ -73,8 +73,17 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
         assert expected not in out.stderr, out.stderr
 
     assert plan["backend"] == "modal"
-    assert plan["image"] == plan["spec"]["image"] == VERL_IMAGE
-    assert VERL_IMAGE.startswith("verlai/verl:")
+    # The image is verl at the version installed here, with the extras this line uses, on a
+    # CUDA base; every pin those extras declare is listed.
+    from importlib.metadata import version
+
+    image = plan["image"]
+    assert plan["spec"]["image"] is None
+    assert image["framework"] == f"verl[vllm,fsdp]=={version('verl')}"
+    assert image["base"].startswith("nvidia/cuda:")
+    assert image["pinned"]["vllm"] and image["pinned"]["torch"]
+    assert image["chosen_by"]["vllm"] == "actor_rollout_ref.rollout.name=vllm"
+    assert any("git apply" in c for c in image["build_commands"])  # patches/verl
     fn = plan["modal_function"]
     for view in (fn, fn["inspected"]):  # what we asked for, and what the built function holds
         assert view["gpu"] == "H100:8"
@@ -111,7 +120,7 @@ def test_standalone_rollout_replicas_get_the_last_nodes():
         "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
     ]
     flags = ["--backend", "modal", "--nodes", "3", "--gpu", "H100:8", "--volume", "data:/data"]
-    out, _ = launcher(*flags, "--dry-run", "--", *line)
+    out, _ = launcher(*flags, "--dry-run", "--json", "--", *line)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout)
     assert "trainer.nnodes=2" in plan["entrypoint"]
@@ -135,6 +144,7 @@ def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins()
         "--volume",
         "data:/data",
         "--dry-run",
+        "--json",
         "--",
         *VERL_LINE,
     )
@@ -145,6 +155,9 @@ def test_nnodes_and_gpus_per_node_default_from_the_cluster_and_user_image_wins()
     assert plan["modal_function"]["cluster_size"] == 4
     assert plan["verl"]["cpu"] is False
     assert plan["image"] == "me/verl:mine"
+    # a user image is not inspected: one line says what it must hold and how to check
+    note = [line for line in out.stderr.splitlines() if "me/verl:mine" in line]
+    assert len(note) == 1 and "verl==" in note[0] and "docker run" in note[0], out.stderr
 
 
 def test_disagreeing_nnodes_exits_2_in_one_line_fast():
@@ -156,6 +169,7 @@ def test_disagreeing_nnodes_exits_2_in_one_line_fast():
         "--gpu",
         "H100:8",
         "--dry-run",
+        "--json",
         "--",
         "trainer.nnodes=2",
         *VERL_LINE,
@@ -163,7 +177,7 @@ def test_disagreeing_nnodes_exits_2_in_one_line_fast():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("verl_modal: trainer.nnodes=2 disagrees with the cluster (1 nodes x 8 GPUs)")
+    assert lines[0].startswith("verl_modal: trainer.nnodes=2 does not fit: the line's pools need 2 nodes")
     assert out.stdout == ""
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
@@ -181,7 +195,9 @@ def test_disagreeing_gpus_per_node_exits_2():
 
 
 def test_bad_cluster_flag_exits_2_in_one_line():
-    out, _ = launcher("--backend", "modal", "--nodes", "2", "--gpu", "H100:4", "--dry-run", "--", *VERL_LINE)
+    out, _ = launcher(
+        "--backend", "modal", "--nodes", "2", "--gpu", "H100:4", "--dry-run", "--json", "--", *VERL_LINE
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "all GPUs of a host" in lines[0], out.stderr
@@ -222,6 +238,7 @@ def test_local_two_node_dry_run_plans_the_cpu_job_on_the_cluster(tmp_path):
         "--tiny",
         str(tmp_path / "tiny"),
         "--dry-run",
+        "--json",
         "--",
         "trainer.total_training_steps=1",
     )

@@ -10,6 +10,8 @@ import pytest
 from test_verl_launch import VERL_LINE, launcher
 
 from verl_modal import preflight as pf
+from verl_modal.containers import check_modal_data_paths
+from verl_modal.value_types import value_type_check
 
 TWO_BY_EIGHT = pf.ClusterShape(2, 8)
 CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
@@ -18,8 +20,21 @@ CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
 def test_cluster_overrides_fill_in_and_refuse_disagreement():
     assert pf.cluster_overrides(TWO_BY_EIGHT, ["a=1"]) == CLUSTER
     assert pf.cluster_overrides(TWO_BY_EIGHT, ["++trainer.nnodes=2"]) == CLUSTER
-    with pytest.raises(pf.VerlPreflightError, match=r"trainer.nnodes=3 disagrees with the cluster"):
+    with pytest.raises(
+        pf.VerlPreflightError,
+        match=r"trainer.nnodes=3 does not fit: the line's pools need 3 nodes \(trainer 3\) and the "
+        r"cluster has 2; use --nodes 3, or drop trainer.nnodes",
+    ):
         pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=3"])
+    with pytest.raises(pf.VerlPreflightError, match=r"fill 1 of the cluster's 2 nodes .*use --nodes 1"):
+        pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=1"])
+    # the line's own trainer.nnodes is kept when its pools fill the cluster: never forced
+    teacher = ["distillation.enabled=true", "distillation.nnodes=1", "trainer.nnodes=1"]
+    assert pf.cluster_overrides(TWO_BY_EIGHT, teacher) == ["trainer.nnodes=1", "trainer.n_gpus_per_node=8"]
+    assert pf.cluster_overrides(TWO_BY_EIGHT, teacher[:2]) == [
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=8",
+    ]
     with pytest.raises(pf.VerlPreflightError, match=r"trainer.n_gpus_per_node=4 disagrees"):
         pf.cluster_overrides(TWO_BY_EIGHT, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"])
     with pytest.raises(pf.VerlPreflightError, match="is not an integer"):
@@ -73,7 +88,7 @@ STANDALONE = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollou
 def test_standalone_rollout_nodes_are_taken_from_the_trainers_share():
     three = pf.ClusterShape(3, 8)
     assert pf.cluster_overrides(three, STANDALONE) == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
-    with pytest.raises(pf.VerlPreflightError, match=r"the cluster has 2 nodes for the trainer"):
+    with pytest.raises(pf.VerlPreflightError, match=r"need 4 nodes \(trainer 3, rollout 1\) .* --nodes 4"):
         pf.cluster_overrides(three, [*STANDALONE, "trainer.nnodes=3"])
     # One node (local, logical GPUs): replicas share it with the trainer.
     assert pf.cluster_overrides(pf.ClusterShape(1, 1), STANDALONE)[0] == "trainer.nnodes=1"
@@ -93,7 +108,11 @@ def test_standalone_rollout_pool_counts_against_the_cluster():
     config = pf.compose([*pf.cluster_overrides(TWO_BY_EIGHT, off_cluster), *off_cluster])
     assert pf.required_gpus(config) == 16  # 2 trainer nodes; the replicas' GPUs are Modal's
     too_many = [*line, "actor_rollout_ref.rollout.nnodes=2"]
-    with pytest.raises(pf.VerlPreflightError, match=r"asks for 32 GPUs but the cluster has 2 nodes x 8 = 16"):
+    with pytest.raises(
+        pf.VerlPreflightError,
+        match=r"asks for 32 GPUs \(trainer 2 x 8 \+ rollout 2 x 8\) but the cluster has 2 nodes x 8 = 16; "
+        r"use --nodes 4",
+    ):
         pf.preflight(TWO_BY_EIGHT, [*pf.cluster_overrides(TWO_BY_EIGHT, too_many), *too_many])
 
 
@@ -108,7 +127,9 @@ def test_a_missing_mandatory_value_is_named_before_anything_runs():
 def test_separate_pools_count_against_the_cluster():
     reward_pool = ["reward.reward_model.enable_resource_pool=True", "reward.reward_model.nnodes=1"]
     reward_pool.append("reward.reward_model.n_gpus_per_node=8")
-    with pytest.raises(pf.VerlPreflightError, match=r"asks for 24 GPUs but the cluster has 2 nodes x 8 = 16"):
+    with pytest.raises(
+        pf.VerlPreflightError, match=r"asks for 24 GPUs \(trainer 2 x 8 \+ reward 1 x 8\) .* use --nodes 3"
+    ):
         pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + reward_pool)
 
 
@@ -131,8 +152,8 @@ def test_nodes_1_with_nnodes_2_exits_2_in_under_10_s():
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "verl_modal: trainer.nnodes=2 disagrees with the cluster (1 nodes x 8 GPUs); the cluster has 1 "
-        "nodes: drop trainer.nnodes or change --nodes/--gpu"
+        "verl_modal: trainer.nnodes=2 does not fit: the line's pools need 2 nodes (trainer 2) and the "
+        "cluster has 1; use --nodes 2, or drop trainer.nnodes"
     ]
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
@@ -191,9 +212,9 @@ def test_modal_vllm_needs_a_checkpoint_engine_that_reaches_its_engines():
 def test_a_word_for_a_null_default_integer_is_refused():
     bad = ["trainer.total_training_steps=three"]
     with pytest.raises(pf.VerlPreflightError, match=r"total_training_steps=three: verl expects an integer"):
-        pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + bad, checks=[pf.value_type_check(bad)])
+        pf.preflight(TWO_BY_EIGHT, CLUSTER + VERL_LINE + bad, checks=[value_type_check(bad)])
     ok = ["trainer.total_training_steps=3"]
-    pf.value_type_check(ok)(pf.compose(CLUSTER + VERL_LINE + ok))
+    value_type_check(ok)(pf.compose(CLUSTER + VERL_LINE + ok))
 
 
 def test_rollout_tensor_parallel_larger_than_a_logical_local_node_is_refused():
@@ -208,19 +229,25 @@ def test_rollout_tensor_parallel_larger_than_a_logical_local_node_is_refused():
 def test_modal_data_files_must_be_on_a_volume_or_this_machine(tmp_path):
     here = tmp_path / "train.parquet"
     here.write_bytes(b"x")
-    pf.check_modal_data_paths([f"data.train_files={here}", "data.val_files=/data/v.parquet"], ["/data"])
-    pf.check_modal_data_paths(["data.train_files=[/data/a.parquet,hf://x/y]"], ["/data"])
+    check_modal_data_paths([f"data.train_files={here}", "data.val_files=/data/v.parquet"], ["/data"])
+    check_modal_data_paths(["data.train_files=[/data/a.parquet,hf://x/y]"], ["/data"])
     with pytest.raises(pf.VerlPreflightError, match=r"data.train_files=/home/me/x is not under any"):
-        pf.check_modal_data_paths(["data.train_files=/home/me/x"], ["/data"])
+        check_modal_data_paths(["data.train_files=/home/me/x"], ["/data"])
     out, elapsed = launcher(
-        "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--", "data.train_files=/home/me/x"
+        "--backend", "modal", "--gpu", "H100:8", "--dry-run", "--json", "--", "data.train_files=/home/me/x"
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "verl_modal: data.train_files=/home/me/x is not under any of the mounted Volumes (none: add "
-        "--volume NAME:PATH) [] nor on this machine (local inputs travel with the job); Modal containers "
-        "start from the image, so the file would be missing"
+        "verl_modal: data.train_files=/home/me/x is not under any of the mounted Volumes [] nor on this "
+        "machine (local inputs travel with the job), so the containers would lack it; add --volume "
+        "NAME:/home with the file(s) on Volume NAME"
     ]
+    # a model named by path needs a Volume too; a Hub id is the containers' to fetch
+    with pytest.raises(pf.VerlPreflightError, match=r"critic.model.path=/models/q .*--volume NAME:/models"):
+        check_modal_data_paths(["critic.model.path=/models/q"], ["/data"])
+    check_modal_data_paths(["critic.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.model.path=/m/x"], ["/m"])
+    with pytest.raises(pf.VerlPreflightError, match=r"data.val_files=data/v.parquet is relative"):
+        check_modal_data_paths(["data.val_files=data/v.parquet"], ["/data"])
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
 

@@ -84,7 +84,7 @@ def test_bad_tiny_flags_exit_2_with_one_line(tmp_path, setup, argv, message):
         (tmp_path / "overrides.txt").write_text("")  # a complete DIR of the arith task (no task.txt)
     argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
     out = subprocess.run(
-        [sys.executable, "-m", "verl_modal", "--backend", "local", *argv, "--dry-run"],
+        [sys.executable, "-m", "verl_modal", "--backend", "local", *argv, "--dry-run", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

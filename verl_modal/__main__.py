@@ -8,9 +8,13 @@ reuses) a tiny model, tokenizer and arithmetic dataset in DIR and points verl at
 
 Cluster flags are ``modal_rl.cluster``'s (``--backend --nodes --gpu --rdma --volume --env
 --detach --dry-run --preflight-only`` ...). ``--backend modal`` runs the job on a Modal
-cluster through ``modal_rl.cluster.run_job`` (default image: verl's, ``launch.VERL_IMAGE``);
-``--dry-run`` prints its plan as JSON. ``trainer.nnodes``/``trainer.n_gpus_per_node`` come
-from the cluster; an explicit one that disagrees is an error.
+cluster through ``modal_rl.cluster.run_job`` (default image: verl at the installed version with the
+extras the line needs on a CUDA base, ``verl_modal.image``);
+``--dry-run`` prints its plan's summary (``--json``: all of it). ``trainer.n_gpus_per_node``
+comes from the cluster; ``trainer.nnodes`` is the line's, filled in when absent; pools that do
+not fit the cluster are an error naming the node count that would. After ``--``: verl's
+overrides, optionally led by ``--config-path/--config-name`` or ``python3 -m <verl main>``
+(``verl_modal.entry``).
 
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
 overrides (one line on stderr, before anything is provisioned: see ``preflight.py``), 130
@@ -94,12 +98,9 @@ def cluster_spec(args: argparse.Namespace, user_overrides: list[str]):
     """The cluster from the flags. Without ``--gpu`` the local backend's logical GPUs per node
     follow ``trainer.n_gpus_per_node`` when the user gives it (logical GPUs cost nothing)."""
     from modal_rl.cluster import spec_from_args
-    from verl_modal.launch import VERL_IMAGE
     from verl_modal.preflight import NGPUS, explicit_values
 
     extra = {}
-    if args.backend == "modal" and not args.image:
-        extra["image"] = VERL_IMAGE
     given = explicit_values(user_overrides).get(NGPUS)
     if args.backend == "local" and not args.gpu and given is not None and given.isdigit():
         extra["local_gpus_per_node"] = int(given)
@@ -133,7 +134,20 @@ def _main(argv: list[str]) -> int:
     # in-process Ray's workers and local engines included.
     ensure_run_key()
     use_kernel_cache()  # before the preflight imports vLLM, which would fix it under /tmp
-    args, user_overrides = parse_args(argv)
+    args, line = parse_args(argv)
+    from verl_modal import entry as E
+    from verl_modal.preflight import select_config
+
+    try:
+        entry = E.parse(line)
+    except E.EntryError as exc:
+        return _fail(str(exc))
+    user_overrides = entry.overrides
+    select_config(entry.config_name, entry.config_dir)
+    if args.backend == "modal":
+        # The plan is made offline: nothing the preflight imports may wait on the Hub (model
+        # paths are the containers' to fetch). Set before transformers reads it at import.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.tiny is None and args.tiny_task != "arith":
         return _fail("--tiny-task needs --tiny DIR")
     if args.tiny is not None:
@@ -144,8 +158,10 @@ def _main(argv: list[str]) -> int:
         except ValueError as exc:
             return _fail(str(exc))
     from modal_rl.cluster import ClusterSpecError
+    from verl_modal import containers
     from verl_modal import preflight as pf
     from verl_modal.cpu import overrides as ov
+    from verl_modal.value_types import value_type_check
 
     try:
         spec = cluster_spec(args, user_overrides)
@@ -153,11 +169,18 @@ def _main(argv: list[str]) -> int:
             from modal_rl.cluster.backend_modal import validate_for_modal
 
             validate_for_modal(spec)
+        uv_extras: list[str] = []
+        if args.backend == "modal":  # settings of this machine's Ray runtime env, as a container needs them
+            user_overrides, notes, uv_extras = containers.container_runtime_env(
+                user_overrides, spec.volumes.values()
+            )
+            for note in notes:
+                print(f"verl_modal: {note}", file=sys.stderr)
         logical_node = args.backend == "local" and spec.nodes == 1 and not args.gpu
         shape = pf.ClusterShape(spec.nodes, spec.gpus_per_node, declares_what_is_asked=logical_node)
         cluster_layer = pf.cluster_overrides(shape, user_overrides)
         if args.backend == "modal":  # like slime's path_problems: a path the containers would lack
-            pf.check_modal_data_paths(user_overrides, spec.volumes.values())
+            containers.check_modal_data_paths(user_overrides, spec.volumes.values())
     except (ClusterSpecError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
     if args.detach and args.backend == "local" and spec.nodes == 1:
@@ -168,6 +191,11 @@ def _main(argv: list[str]) -> int:
         return _fail(
             "--retries restarts a lost cluster, and a one-node --backend local run is in-process "
             "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
+        )
+    if not entry.ours and (args.backend == "local" and spec.nodes == 1):
+        return _fail(
+            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2); "
+            f"a one-node local run is {E.MAIN_PPO}'s"
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
@@ -222,9 +250,9 @@ def _main(argv: list[str]) -> int:
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
         # The value types first: a word where verl wants a number is the user's one mistake.
-        checks = [pf.value_type_check(user_overrides)]
+        checks = [value_type_check(user_overrides)]
         checks += [ov.check_required, check_local_inputs] if cpu else []
-        config = pf.preflight(shape, overrides, checks)
+        config = pf.preflight(shape, overrides, checks, verl_checks=entry.ours)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
         return _fail(str(exc))
 
@@ -251,6 +279,9 @@ def _main(argv: list[str]) -> int:
             gpus=gpus,
             placement=placement,
             local_files=local_files,
+            config=config,
+            image_extras=uv_extras,
+            entry=entry,
         )
 
     if args.dry_run:
@@ -284,6 +315,9 @@ def run_on_cluster(
     gpus: int,
     placement: dict[str, list[int]] | None = None,
     local_files=(),
+    config=None,
+    image_extras=(),
+    entry=None,
 ) -> int:
     """Hand the preflighted verl job to ``modal_rl.cluster``'s run entry; a dry run's plan
     gets a ``verl`` section (the composed overrides, the pools' placement on ranks)."""
@@ -296,9 +330,19 @@ def run_on_cluster(
 
     python = sys.executable if args.backend == "local" else "python"
     entrypoint, runtime_env = cluster_job(
-        overrides, cpu=cpu, join_timeout_s=spec.join_timeout_s, python=python, placement=placement
+        overrides,
+        cpu=cpu,
+        join_timeout_s=spec.join_timeout_s,
+        python=python,
+        placement=placement,
+        entry=entry,
     )
     options = run_options(args)
+    recipe = None
+    if args.backend == "modal" and config is not None:
+        from verl_modal.image import cluster_recipe
+
+        recipe = cluster_recipe(config, spec.image, image_extras)
     out = io.StringIO() if options["dry_run"] else None
     code = run_job(
         spec,
@@ -309,14 +353,19 @@ def run_on_cluster(
         required_gpus=gpus,
         out=out,
         local_files=local_files,
-        **options,
+        image_recipe=recipe,
+        **{**options, "json": True},  # the plan gains a verl section here, then is printed
     )
     if out is not None:
         text = out.getvalue()
         if code == 0 and text.strip():
+            from verl_modal.launch import plan_text
+
             plan = json.loads(text)
             plan["verl"] = {"overrides": overrides, "cpu": cpu, "pool_placement": placement or {}}
-            text = json.dumps(plan, indent=2, default=str) + "\n"
+            if entry is not None:
+                plan["verl"].update(main=entry.module, config_name=entry.config_name)
+            text = plan_text(plan, as_json=options["json"])
         sys.stdout.write(redact(text))
     return code
 

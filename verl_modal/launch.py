@@ -3,8 +3,8 @@
 Two halves of one launch:
 
 - on the launching machine, :func:`cluster_job` turns a composed verl command line into the
-  ``(entrypoint, runtime_env)`` the cluster layer runs as its Ray job (``run_job``), and
-  :data:`VERL_IMAGE` is the default container image on Modal;
+  ``(entrypoint, runtime_env)`` the cluster layer runs as its Ray job (``run_job``); the
+  container image is :mod:`verl_modal.image`'s;
 - on the cluster's rank 0, ``python -m verl_modal.launch [--cpu] -- <overrides>`` is that
   job's driver (:func:`job_main`): it composes verl's ``ppo_trainer`` again from the same
   overrides, attaches to the running cluster and calls verl's ``run_ppo`` with our TaskRunner.
@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import sys
 
-# verl's published application image (docs/start/install.rst: "All pre-built images are
-# available in dockerhub: verlai/verl", tags named <engine><version>.<stage>). vLLM 0.12 build.
-VERL_IMAGE = "verlai/verl:vllm012.dev3"
-
 
 def cluster_job(
     overrides: list[str],
@@ -34,13 +30,21 @@ def cluster_job(
     join_timeout_s: float,
     python: str = "python",
     placement: dict[str, list[int]] | None = None,
+    entry=None,
 ) -> tuple[list[str], dict]:
-    """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster."""
+    """``(entrypoint, runtime_env)`` of the Ray job that runs verl on the cluster: verl's PPO
+    main through our driver (with the line's config name when it is not ``ppo_trainer``), or
+    another of verl's mains as itself with the line's own config flags (``entry.VerlEntry``)."""
     import json
 
     from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
-    entrypoint = [python, "-m", "verl_modal.launch", *(["--cpu"] if cpu else []), "--", *overrides]
+    if entry is not None and not entry.ours:
+        entrypoint = [python, "-m", entry.module, *entry.config_args, *overrides]
+    else:
+        named = entry is not None and entry.config_name != "ppo_trainer"
+        flags = (["--cpu"] if cpu else []) + (["--config-name", entry.config_name] if named else [])
+        entrypoint = [python, "-m", "verl_modal.launch", *flags, "--", *overrides]
     env = {WAIT_ENV: f"{join_timeout_s:g}"}
     if placement:
         env[PLACEMENT_ENV] = json.dumps(placement, sort_keys=True)
@@ -88,6 +92,20 @@ def local_input_candidates(user_overrides: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def plan_text(plan: dict, *, as_json: bool) -> str:
+    """A dry run's plan as printed: the whole JSON, or the summary, where the verl section's
+    overrides are a count (they are the job's command line, already shown once)."""
+    import json
+
+    if as_json:
+        return json.dumps(plan, indent=2, default=str) + "\n"
+    from modal_rl.cluster.summary import render
+
+    verl = dict(plan.get("verl") or {})
+    verl["overrides"] = f"{len(verl.get('overrides') or [])} (--json lists them)"
+    return render({**plan, "verl": verl})
+
+
 def job_main(argv: list[str] | None = None) -> int:
     """The Ray job's driver on rank 0: compose, attach to the cluster, ``run_ppo``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -95,15 +113,20 @@ def job_main(argv: list[str] | None = None) -> int:
     flags, overrides = argv[:cut], argv[cut + 1 :]
     if {"-h", "--help"} & set(flags):
         print(
-            "usage: python -m verl_modal.launch [--cpu] -- <verl overrides>\n\n"
+            "usage: python -m verl_modal.launch [--cpu] [--config-name NAME] -- <verl overrides>\n\n"
             "The Ray job's driver on a cluster's rank 0 (python -m verl_modal starts it there):\n"
             "composes verl's ppo_trainer from the overrides, attaches to the running cluster\n"
             "and runs verl's run_ppo.\n\n  --cpu  the CPU-only variant (gloo, the cpu platform)"
         )
         return 0
+    config_name = "ppo_trainer"
+    if "--config-name" in flags:  # one of verl's trainer configs, e.g. ppo_megatron_trainer
+        at = flags.index("--config-name")
+        config_name = flags[at + 1] if at + 1 < len(flags) else ""
+        flags = flags[:at] + flags[at + 2 :]
     unknown = [f for f in flags if f != "--cpu"]
-    if unknown:
-        print(f"verl_modal.launch: unknown flags {unknown}", file=sys.stderr)
+    if unknown or not config_name:
+        print(f"verl_modal.launch: unknown flags {unknown or ['--config-name']}", file=sys.stderr)
         return 2
     cpu = "--cpu" in flags
 
@@ -117,8 +140,9 @@ def job_main(argv: list[str] | None = None) -> int:
     prepare_process_env(env, local=False)  # before verl is imported: it picks its platform then
 
     from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
-    from verl_modal.preflight import compose, validate
+    from verl_modal.preflight import compose, select_config, validate
 
+    select_config(config_name)
     config = compose(overrides)
     validate(config)
     import os

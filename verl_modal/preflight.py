@@ -3,8 +3,9 @@ is provisioned, in one process, in seconds.
 
 Order (the first failure is the one reported, as one line):
 1. every override is ``key=value`` Hydra syntax;
-2. ``trainer.nnodes`` / ``trainer.n_gpus_per_node`` agree with the cluster: absent ones are
-   filled in from it (:func:`cluster_overrides`), an explicit one that disagrees is an error;
+2. ``trainer.n_gpus_per_node`` agrees with the cluster; ``trainer.nnodes`` is the line's, or
+   filled in around its other pools (:func:`cluster_overrides`); pools that overflow the cluster
+   or leave nodes idle are an error naming the node count that fits;
 3. Hydra composes verl's own ``ppo_trainer`` with the overrides (an unknown key or bad value
    is Hydra's error; ``+key``/``++key`` add keys on purpose, as with verl's own entry);
 4. the caller's checks (inputs that must exist), then a group-relative advantage estimator
@@ -81,33 +82,80 @@ def standalone_rollout_nodes(given: dict[str, str]) -> int:
         raise VerlPreflightError(f"{ROLLOUT_NODES}={value!r} is not an integer") from None
 
 
-def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
-    """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` from the cluster, to go *before* the
-    user's overrides; raises :class:`VerlPreflightError` if the user's disagree.
+# Pools other than the trainer's that take nodes of their own when enabled: (name, switch key,
+# switch default, nodes key, GPUs-per-node key), as verl's ``_init_resource_pool_mgr`` builds them.
+SEPARATE_POOLS = (
+    ("teacher", "distillation.enabled", "false", "distillation.nnodes", "distillation.n_gpus_per_node"),
+    (
+        "reward",
+        "reward.reward_model.enable_resource_pool",
+        "false",
+        "reward.reward_model.nnodes",
+        "reward.reward_model.n_gpus_per_node",
+    ),
+)
 
-    The trainer gets every node, except that standalone rollout replicas (``hybrid_engine=false``
-    with ``rollout.nnodes=R``) get the last R nodes of a cluster with more than R nodes; on a
-    smaller one (a single local node with logical GPUs) they share the trainer's nodes."""
+
+def _int(given: dict[str, str], key: str, default: int = 0) -> int:
+    value = given.get(key)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise VerlPreflightError(f"{key}={value!r} is not an integer") from None
+
+
+def declared_pool_nodes(given: dict[str, str]) -> list[tuple[str, int]]:
+    """``(pool, nodes)`` of the pools besides the trainer's that the user's line declares:
+    standalone rollout replicas, a distillation teacher, a reward model's own pool."""
+    pools = [("rollout", standalone_rollout_nodes(given))]
+    for name, switch, default, nodes_key, _ in SEPARATE_POOLS:
+        if given.get(switch, default).strip().lower() in ("true", "1"):
+            pools.append((name, _int(given, nodes_key)))
+    return [(name, n) for name, n in pools if n > 0]
+
+
+def cluster_overrides(shape: ClusterShape, user: list[str]) -> list[str]:
+    """``trainer.nnodes`` and ``trainer.n_gpus_per_node`` for the cluster, to go *before* the
+    user's overrides.
+
+    ``trainer.nnodes`` as the line gives it is kept; absent, the trainer gets the nodes the
+    line's other pools (standalone rollout replicas, a teacher, a reward model pool) leave, or
+    every node of a cluster too small to give them their own (a single local node with
+    logical GPUs). A line whose pools need more nodes than the cluster has, or leave nodes
+    idle, is refused with the node count that fits. ``trainer.n_gpus_per_node`` must be the
+    cluster's GPUs per node (absent: filled in)."""
     given = explicit_values(user)
-    rollout_nodes = standalone_rollout_nodes(given)
-    trainer_nodes = shape.nodes - rollout_nodes if shape.nodes > rollout_nodes > 0 else shape.nodes
-    wanted = {NNODES: trainer_nodes, NGPUS: shape.gpus_per_node}
-    names = {
-        NNODES: "nodes for the trainer" if trainer_nodes < shape.nodes else "nodes",
-        NGPUS: "GPUs per node",
-    }
-    for key, want in wanted.items():
-        if key not in given:
-            continue
-        try:
-            got = int(given[key])
-        except ValueError:
-            raise VerlPreflightError(f"{key}={given[key]!r} is not an integer") from None
-        if got != want:
+    others = declared_pool_nodes(given)
+    other_nodes = sum(n for _, n in others)
+    separate = shape.nodes > other_nodes > 0
+    trainer_nodes = shape.nodes - other_nodes if separate else shape.nodes
+    if NGPUS in given:
+        got = _int(given, NGPUS)
+        if got != shape.gpus_per_node:
             raise VerlPreflightError(
-                f"{key}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
-                f"GPUs); the cluster has {want} {names[key]}: drop {key} or change {shape.flag_hint}"
+                f"{NGPUS}={got} disagrees with the cluster ({shape.nodes} nodes x {shape.gpus_per_node} "
+                f"GPUs); the cluster has {shape.gpus_per_node} GPUs per node: drop {NGPUS} or change "
+                f"{shape.flag_hint}"
             )
+    if NNODES in given:
+        trainer_nodes = _int(given, NNODES)
+        if trainer_nodes < 1:
+            raise VerlPreflightError(f"{NNODES}={trainer_nodes}: the trainer needs at least one node")
+        need = trainer_nodes + other_nodes
+        pools = ", ".join(f"{name} {n}" for name, n in [("trainer", trainer_nodes), *others])
+        if trainer_nodes > shape.nodes or not shape.declares_what_is_asked:
+            if need > shape.nodes and (other_nodes == 0 or separate or trainer_nodes > shape.nodes):
+                raise VerlPreflightError(
+                    f"{NNODES}={trainer_nodes} does not fit: the line's pools need {need} nodes ({pools}) "
+                    f"and the cluster has {shape.nodes}; use --nodes {need}, or drop {NNODES}"
+                )
+            if need < shape.nodes and not shape.declares_what_is_asked:
+                raise VerlPreflightError(
+                    f"the line's pools fill {need} of the cluster's {shape.nodes} nodes ({pools}); use "
+                    f"--nodes {need}, or drop {NNODES} to give the trainer the rest"
+                )
     return [f"{NNODES}={trainer_nodes}", f"{NGPUS}={shape.gpus_per_node}"]
 
 
@@ -127,21 +175,43 @@ def verl_config_dir() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
 
 
-def compose(overrides: list[str], config_name: str = "ppo_trainer"):
-    """verl's ``ppo_trainer`` with ``overrides``; Hydra's errors as one-line preflight errors
-    (an unknown key is named as such, with the ``+key=`` form that adds one on purpose)."""
+# The config a line composes (``entry.parse``: ``--config-path/--config-name`` or its main's
+# default); ``None`` dir: verl's own trainer configs.
+_SELECTED: dict[str, str | None] = {"name": "ppo_trainer", "dir": None}
+
+# Keys verl's configs no longer have, and what to do instead of adding them back with +key.
+REMOVED_KEYS = {
+    "megatron.grad_offload": "verl 0.9.1 removed it (param_offload and optimizer_offload remain); drop it",
+}
+
+
+def select_config(name: str = "ppo_trainer", directory: str | None = None) -> None:
+    """The config :func:`compose` uses from now on in this process."""
+    _SELECTED.update(name=name, dir=directory)
+
+
+def compose(overrides: list[str], config_name: str | None = None):
+    """verl's config (``ppo_trainer``, or the one :func:`select_config` chose) with
+    ``overrides``; Hydra's errors as one-line preflight errors (an unknown key is named as
+    such, with the ``+key=`` form that adds one on purpose, or the fix for a removed key)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+    config_name = config_name or _SELECTED["name"]
     try:
-        with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
+        with initialize_config_dir(config_dir=_SELECTED["dir"] or verl_config_dir(), version_base=None):
             return hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
         if isinstance(cause, ConfigAttributeError | ConfigKeyError) and "not in struct" in str(cause):
             key = getattr(cause, "full_key", None) or "?"
+            removed = next(
+                (why for k, why in REMOVED_KEYS.items() if key == k or key.endswith("." + k)), None
+            )
+            if removed:
+                raise VerlPreflightError(f"unknown key {key}: {removed}") from None
             raise VerlPreflightError(
                 f"unknown key {key}: verl's {config_name} config has no such key "
                 f"(to add a new key on purpose, write +{key}=...)"
@@ -155,6 +225,7 @@ def validate(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    config = offline_view(config)
     try:
         # verl prints its verdict ("All configuration checks passed"); stdout is for our plan and
         # a failure raises, so the verdict is dropped.
@@ -167,6 +238,22 @@ def validate(config) -> None:
             )
     except Exception as exc:  # verl raises assorted types; all mean "this config is invalid"
         raise VerlPreflightError(f"verl rejected the config: {one_line(exc)}") from None
+
+
+def offline_view(config):
+    """``config`` as verl's validation may read it without the network: verl builds the critic's
+    config object, whose model part loads the model's config and tokenizer (from the Hub, or
+    a path that may be on a Volume); the checks read nothing of it, so the view has none."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    if OmegaConf.select(config, "critic.model", default=None) is None:
+        return config
+    view = copy.deepcopy(config)
+    with open_dict(view.critic):
+        view.critic.model = None
+    return view
 
 
 def required_gpus(config) -> int:
@@ -251,72 +338,53 @@ def check_group_size(config) -> None:
         )
 
 
-def _kind(value) -> str | None:
-    """What kind of value verl's default is, for the type check; None: anything goes."""
-    if isinstance(value, bool):
-        return "true or false"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    return None
+def pools_of(config) -> list[tuple[str, int, int]]:
+    """``(pool, nodes, GPUs per node)`` of every pool the composed config asks the cluster for."""
+    from omegaconf import OmegaConf
 
-
-# Keys whose default in verl's config is null (``null``: "derive it") but whose value, when
-# given, verl uses as a number: a word there would pass the default-based check above.
-NULL_DEFAULT_KINDS = {
-    "trainer.total_training_steps": "an integer",
-    "data.val_batch_size": "an integer",
-}
-
-
-def _fits(value, kind: str) -> bool:
-    if kind == "true or false":
-        return isinstance(value, bool)
-    if kind == "an integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def value_type_check(user_overrides: list[str]):
-    """A preflight check: each of the user's overrides whose key has a number or boolean
-    default in verl's config must compose to one (``rollout.n=two`` would otherwise surface
-    as a formatting error deep in verl's validation)."""
-
-    def check(config) -> None:
-        from omegaconf import OmegaConf
-
-        # Only a value that composed to a string can be a misplaced word; the defaults cost a
-        # second compose (about a second), so they are read only then.
-        keys = [
-            k
-            for k in explicit_values(user_overrides)
-            if isinstance(OmegaConf.select(config, k, default=None, throw_on_missing=False), str)
-        ]
-        if not keys:
-            return
-        defaults = compose([])
-        for key in keys:
-            default = OmegaConf.select(defaults, key, default=None, throw_on_missing=False)
-            kind = _kind(default) or (NULL_DEFAULT_KINDS.get(key) if default is None else None)
-            got = OmegaConf.select(config, key, default=None, throw_on_missing=False)
-            if kind is None or got is None or _fits(got, kind):
-                continue
-            raise VerlPreflightError(
-                f"{key}={got}: verl expects {kind} there (its default is {'null' if default is None else default}); fix the value"
+    pools = [("trainer", int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node))]
+    if standalone_pool_gpus(config):
+        rollout = "actor_rollout_ref.rollout"
+        pools.append(
+            (
+                "rollout",
+                int(OmegaConf.select(config, f"{rollout}.nnodes", default=0) or 0),
+                int(OmegaConf.select(config, f"{rollout}.n_gpus_per_node", default=0) or 0),
             )
-
-    return check
+        )
+    for name, switch, _, nodes_key, per_key in SEPARATE_POOLS:
+        if OmegaConf.select(config, switch, default=False):
+            pools.append(
+                (
+                    name,
+                    int(OmegaConf.select(config, nodes_key, default=0) or 0),
+                    int(OmegaConf.select(config, per_key, default=0) or 0),
+                )
+            )
+    return [p for p in pools if p[1] and p[2]]
 
 
 def check_gpus(config, shape: ClusterShape) -> None:
     want = required_gpus(config)
     # A logical local node declares exactly what the pools ask for, so only TP can exceed it.
     have = want if shape.declares_what_is_asked else shape.nodes * shape.gpus_per_node
-    if want > have:
+    pools = pools_of(config)
+    listed = " + ".join(f"{name} {nodes} x {per}" for name, nodes, per in pools)
+    if not shape.declares_what_is_asked:
+        for name, _, per in pools:
+            if per > shape.gpus_per_node:
+                raise VerlPreflightError(
+                    f"the {name} pool asks for {per} GPUs per node but the cluster's nodes have "
+                    f"{shape.gpus_per_node}; change {shape.flag_hint} or the {name} pool's n_gpus_per_node"
+                )
+    from modal_rl.cluster.placement import nodes_needed
+
+    need = nodes_needed([(per, nodes) for _, nodes, per in pools], shape.gpus_per_node)
+    if want > have or (not shape.declares_what_is_asked and need is not None and need > shape.nodes):
+        fix = f"use --nodes {need}" if need else f"change {shape.flag_hint}"
         raise VerlPreflightError(
-            f"the config asks for {want} GPUs but the cluster has {shape.nodes} nodes x "
-            f"{shape.gpus_per_node} = {have}; change {shape.flag_hint} or the pool sizes"
+            f"the config asks for {want} GPUs ({listed}) but the cluster has {shape.nodes} nodes x "
+            f"{shape.gpus_per_node} = {have}; {fix}, or shrink the pools"
         )
     from omegaconf import OmegaConf
 
@@ -332,37 +400,7 @@ def check_gpus(config, shape: ClusterShape) -> None:
         )
 
 
-# Data files every verl run reads; on Modal each must be on a Volume or on this machine
-# (shipped with the job: ``launch.local_input_candidates``), else the containers lack it.
-DATA_KEYS = ("data.train_files", "data.val_files")
-
-
-def check_modal_data_paths(user_overrides: list[str], mounts) -> None:
-    """The Modal twin of slime's ``path_problems``: an absolute data path that is neither on
-    this machine nor under a mounted Volume would be missing in the containers."""
-    import os
-
-    from modal_rl.cluster.local_inputs import hydra_values
-
-    roots = [os.path.normpath(m) for m in mounts]
-    given = explicit_values(user_overrides)
-    for key in DATA_KEYS:
-        for path in hydra_values(given.get(key, "")):
-            path = str(path).strip()
-            if not path.startswith(("/", "~")) or "://" in path or os.path.exists(os.path.expanduser(path)):
-                continue
-            norm = os.path.normpath(path)
-            if any(norm == r or norm.startswith(r.rstrip("/") + "/") for r in roots):
-                continue
-            where = "mounted Volumes" if roots else "mounted Volumes (none: add --volume NAME:PATH)"
-            raise VerlPreflightError(
-                f"{key}={path} is not under any of the {where} {sorted(roots)} nor on this machine "
-                "(local inputs travel with the job); Modal containers start from the image, so the "
-                "file would be missing"
-            )
-
-
-def preflight(shape: ClusterShape, overrides: list[str], checks=()):
+def preflight(shape: ClusterShape, overrides: list[str], checks=(), verl_checks: bool = True):
     """Compose, size-check and validate ``overrides`` (already aligned with the cluster);
     ``checks`` (each ``config -> None``, raising) run right after composition. Returns the composed config. Raises :class:`VerlPreflightError` (one line),
     or whatever a check raises."""
@@ -374,5 +412,6 @@ def preflight(shape: ClusterShape, overrides: list[str], checks=()):
         check(config)
     check_group_size(config)
     check_gpus(config, shape)  # before verl is imported: a wrong size fails in about a second
-    validate(config)
+    if verl_checks:  # main_ppo's own checks; verl's other mains run checks of their own
+        validate(config)
     return config

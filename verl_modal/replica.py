@@ -66,6 +66,7 @@ from modal_rl.cluster.engine_health import vllm_generate
 from modal_rl.cluster.engines import EngineSpec
 from modal_rl.weightsync.apply.vllm_extension import EXTENSION
 from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
+from verl_modal.image import engine_image
 from verl_modal.replica_proxy import VLLMHttpProxy
 
 log = logging.getLogger("verl_modal")
@@ -73,7 +74,7 @@ log = logging.getLogger("verl_modal")
 DEFAULTS = {
     "backend": "modal",
     "gpu": "H100",
-    "image": "verlai/verl:vllm012.dev3",
+    "image": "",  # "": vLLM's server image at the version the installed verl pins (image.engine_image)
     "volumes": "",
     "startup_timeout_s": "1800",
     "server": "",  # "": default_server(backend)
@@ -263,7 +264,7 @@ class ModalVLLMReplica(RolloutReplica):
             command=cmd,
             count=1,
             gpu=f"{self.settings['gpu']}:{self.world_size}",
-            image=self.settings["image"],
+            image=self.settings["image"] or engine_image(),
             port=VLLM_PORT,
             health_path="/health",
             generate=vllm_generate(self.served_name),  # healthy = answers a 1-token generation

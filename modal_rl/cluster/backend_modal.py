@@ -75,16 +75,20 @@ def validate_for_modal(spec: ClusterSpec) -> None:
 ImageStep = Callable[[Any], Any]
 
 
-def build_image(spec: ClusterSpec, extra_steps: Sequence[ImageStep] = ()):
+def build_image(spec: ClusterSpec, extra_steps: Sequence[ImageStep] = (), recipe=None):
     """The user's registry image, or Debian slim with Ray and torch, then ``extra_steps``
     (each ``image -> image``, in order: an adapter's build steps, e.g. slime's patch series),
     plus this project's packages as source. A registry image keeps its own Python: framework
     images (verl's, slime's) carry the framework, torch and Ray in it, and a second
     interpreter would not. The sources are mounted last: Modal runs no build step on top of
-    a mount layer, so every extra step comes before them."""
+    a mount layer, so every extra step comes before them. ``recipe`` (an
+    ``images.ImageRecipe``, used when the spec names no image): the framework at the
+    launcher's installed version on a CUDA base."""
     import modal
 
-    if spec.image:
+    if recipe is not None and not spec.image:
+        image = recipe.build()
+    elif spec.image:
         image = modal.Image.from_registry(spec.image)
     else:
         image = modal.Image.debian_slim(python_version="3.11").pip_install(
@@ -227,8 +231,10 @@ class ModalBackend(ClusterBackend):
         on_err=None,
         local_files: Sequence[LocalInput] = (),
         image_steps: Sequence[ImageStep] = (),
+        image_recipe=None,
     ):
         self.app_name = app_name
+        self.image_recipe = image_recipe  # images.ImageRecipe: the image when the spec names none
         self.local_files = tuple(local_files)  # the job's local inputs, shipped at their paths
         self.image_steps = tuple(image_steps)  # build_image's extra_steps
         self.last_image = None
@@ -270,16 +276,21 @@ class ModalBackend(ClusterBackend):
             "secrets": [*spec.secrets, RUN_SECRET_NOTE],
         }
         clustered = modal.clustered(size=spec.nodes, rdma=spec.rdma)(container_main)
-        image = with_local_files(build_image(spec, self.image_steps), self.local_files)
+        image = with_local_files(build_image(spec, self.image_steps, self.image_recipe), self.local_files)
         self.last_image = image
-        fn = app.function(
-            image=image,
-            volumes=volumes,
-            secrets=secrets,
-            env=dict(spec.env),
-            serialized=True,
-            **kwargs,
-        )(clustered)
+        try:
+            fn = app.function(
+                image=image,
+                volumes=volumes,
+                secrets=secrets,
+                env=dict(spec.env),
+                serialized=True,
+                **kwargs,
+            )(clustered)
+        except modal.exception.InvalidError as exc:
+            # Modal's own refusal of a setting the spec passed (a mount point, a GPU string):
+            # bad input, named in one line.
+            raise ClusterSpecError(f"Modal refuses this cluster: {' '.join(str(exc).split())}") from None
         return app, fn
 
     def describe(self, spec: ClusterSpec, job: JobRequest) -> dict[str, Any]:
@@ -288,7 +299,7 @@ class ModalBackend(ClusterBackend):
         return {
             "backend": self.name,
             "spec": spec.to_dict(),
-            "image": spec.image or f"debian_slim(python 3.11) + ray[default]=={RAY_VERSION} + torch",
+            "image": self.image_description(spec),
             "modal_function": {**self.last_kwargs, "inspected": inspect_function(fn)},
             "local_files": {
                 "what": "local inputs the job names, attached to every container at the same path",
@@ -308,6 +319,13 @@ class ModalBackend(ClusterBackend):
             "entrypoint": plan.entrypoint,
             "runtime_env": plan.runtime_env,
         }
+
+    def image_description(self, spec: ClusterSpec):
+        if spec.image:
+            return spec.image
+        if self.image_recipe is not None:
+            return self.image_recipe.describe()
+        return f"debian_slim(python 3.11) + ray[default]=={RAY_VERSION} + torch"
 
     def _announce(self, plan: BootstrapPlan) -> None:
         if plan.dashboard:

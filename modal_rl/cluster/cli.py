@@ -9,8 +9,8 @@ An adapter's ``main`` does::
     return run_job(spec, entrypoint, runtime_env, backend=args.backend, preflight=[check],
                    framework_argv=framework_argv, **run_options(args))
 
-``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan as
-JSON), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
+``run_job`` is the single entry: preflight (always), then ``--dry-run`` (print the plan's
+summary, ``--json`` the whole plan), ``--preflight-only`` (stop after preflight), ``--detach`` (Modal only: spawn and
 return) or a blocking run whose exit code is the job's.
 
 The run key: ``run_job`` (and each launcher's ``main``, first thing, via ``ensure_run_key``)
@@ -21,7 +21,7 @@ the launcher and everything it starts share it. Whatever we print passes ``redac
 from __future__ import annotations
 
 import argparse
-import json
+import json as jsonlib
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
@@ -30,7 +30,7 @@ from modal_rl.cluster.backend import JobRequest
 from modal_rl.cluster.backends import BACKENDS, get_backend
 from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.preflight import PreflightError, Validator, run_preflight
-from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError, rdma_note
 from modal_rl.run_key import ensure_run_key, redact
 
 
@@ -66,7 +66,10 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         "--gpu", default=d.gpu, help="GPUs per node, TYPE:COUNT, e.g. H100:8 (Modal: all of a host)"
     )
     g.add_argument(
-        "--rdma", action=argparse.BooleanOptionalAction, default=d.rdma, help="RDMA fabric (Modal)"
+        "--rdma",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RDMA fabric (Modal; default: on for multi-node H100/H200/B200 clusters)",
     )
     g.add_argument("--image", default=d.image, help="container image (registry tag) for Modal")
     g.add_argument(
@@ -123,7 +126,8 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
         help="Modal: forward Ray's dashboard through a TLS tunnel (token required; the launcher "
         "writes the token to ~/.modal-rl/runs/<run>.token). Default: not reachable from outside",
     )
-    g.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit; starts nothing")
+    g.add_argument("--dry-run", action="store_true", help="print the plan's summary and exit; starts nothing")
+    g.add_argument("--json", action="store_true", help="with --dry-run: print the whole plan as JSON")
     g.add_argument("--preflight-only", action="store_true", help="run the checks and exit; starts nothing")
 
 
@@ -156,6 +160,7 @@ def spec_from_args(args: argparse.Namespace, **overrides: Any) -> ClusterSpec:
 def run_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dry_run": args.dry_run,
+        "json": getattr(args, "json", False),
         "preflight_only": args.preflight_only,
         "detach": args.detach,
         "collective_check": args.collective_check,
@@ -174,12 +179,14 @@ def run_job(
     address_env: dict[str, str] | None = None,
     plan_extra: dict[str, Any] | None = None,
     dry_run: bool = False,
+    json: bool = False,
     preflight_only: bool = False,
     detach: bool = False,
     collective_check: bool = False,
     out: TextIO | None = None,
     local_files: Sequence[LocalInput] = (),
     image_steps: Sequence[Any] = (),
+    image_recipe: Any = None,
 ) -> int:
     """Preflight, then plan / run ``entrypoint`` as a Ray job on a ``spec`` cluster.
 
@@ -187,7 +194,8 @@ def run_job(
     ``plan.address_env_values``); ``plan_extra`` adds the adapter's own sections to a dry run's
     plan. ``local_files`` (``local_inputs.collect``) travel into the Modal containers at the
     same path and are listed in the plan; the local backend's nodes already see them.
-    ``image_steps`` (Modal only): extra build steps of the cluster image (``build_image``). Returns
+    ``image_steps`` (Modal only): extra build steps of the cluster image (``build_image``);
+    ``image_recipe`` (Modal only, ``images.ImageRecipe``): the image when the spec names none. Returns
     the process exit code: 0 for a clean dry run or preflight, 2 for a preflight failure
     (nothing was started), else rank 0's (the job's) exit code.
     """
@@ -199,7 +207,11 @@ def run_job(
         collective_check=collective_check,
         address_env=dict(address_env or {}),
     )
-    modal_only = {"local_files": tuple(local_files), "image_steps": tuple(image_steps)}
+    modal_only = {
+        "local_files": tuple(local_files),
+        "image_steps": tuple(image_steps),
+        "image_recipe": image_recipe,
+    }
     impl = get_backend(backend, **(modal_only if backend == "modal" else {}))
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
@@ -210,19 +222,27 @@ def run_job(
     except (PreflightError, ClusterSpecError) as exc:
         print(redact(str(exc), key), file=sys.stderr)
         return 2
+    note = rdma_note(spec) if backend == "modal" else None
+    if note:
+        print(f"modal_rl.cluster: {note}", file=sys.stderr)
     if dry_run:
         description = impl.describe(spec, job)
         description["framework_argv"] = list(framework_argv or [])
         description["preflight"] = "ok"
         description.update(plan_extra or {})
         # The plan holds no key by construction; redact anyway, in case a user put it in argv.
-        out.write(redact(json.dumps(description, indent=2, default=str), key) + "\n")
+        if json:
+            out.write(redact(jsonlib.dumps(description, indent=2, default=str), key) + "\n")
+        else:
+            from modal_rl.cluster.summary import render
+
+            out.write(redact(render(jsonlib.loads(jsonlib.dumps(description, default=str))), key))
         return 0
     if preflight_only:
         print("preflight ok", file=sys.stderr)
         return 0
     if detach:
         call_id = impl.spawn(spec, job)
-        out.write(json.dumps({"detached": True, "function_call_id": call_id}) + "\n")
+        out.write(jsonlib.dumps({"detached": True, "function_call_id": call_id}) + "\n")
         return 0
     return impl.run(spec, job)

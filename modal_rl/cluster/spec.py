@@ -14,14 +14,51 @@ Invariants (checked in ``__post_init__``, so a bad spec never reaches a backend)
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_NODES = 32
+# Modal 1.6's GPU names (its GPU guide), upper-cased as Modal compares them. ``H100!`` pins an
+# H100 (no automatic upgrade to an H200); ``B200+`` accepts a B200 or anything newer.
+MODAL_GPU_TYPES = (
+    "T4",
+    "L4",
+    "A10",
+    "A10G",
+    "L40S",
+    "A100",
+    "A100-40GB",
+    "A100-80GB",
+    "RTX-PRO-6000",
+    "H100",
+    "H100!",
+    "H200",
+    "B200",
+    "B200+",
+)
+# GPUs one container may hold, per type (Modal: 8, A10 4); a larger count never schedules.
+MAX_GPUS_PER_CONTAINER = {"A10": 4, "A10G": 4}
+DEFAULT_MAX_GPUS_PER_CONTAINER = 8
 # GPUs in one host for each type Modal offers in clusters; "all GPUs of a host" is this count.
-GPUS_PER_HOST = {"H100": 8, "H200": 8, "B200": 8, "A100": 8, "A100-80GB": 8, "A100-40GB": 8, "L40S": 4}
-KNOWN_GPU_TYPES = set(GPUS_PER_HOST) | {"T4", "L4", "A10G", "A10", "L40S"}
+GPUS_PER_HOST = {
+    "H100": 8,
+    "H100!": 8,
+    "H200": 8,
+    "B200": 8,
+    "B200+": 8,
+    "A100": 8,
+    "A100-80GB": 8,
+    "A100-40GB": 8,
+    "L40S": 4,
+}
+# Types whose clustered hosts sit on Modal's RDMA fabric (InfiniBand between full hosts):
+# multi-node runs on them get RDMA unless --no-rdma says otherwise.
+RDMA_GPU_TYPES = ("H100", "H100!", "H200", "B200", "B200+")
+KNOWN_GPU_TYPES = set(MODAL_GPU_TYPES)
+# Mount points Modal refuses for a Volume (its mount_utils.validate_mount_points).
+MODAL_RESERVED_MOUNTS = ("/root", "/tmp")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the run itself: the key travels in a Modal Secret / the process env, never in a spec
@@ -31,6 +68,32 @@ RESERVED_ENV = ("MODAL_RL_RUN_KEY", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RA
 
 class ClusterSpecError(ValueError):
     """A ClusterSpec (or a flag that builds one) is invalid; the message says which field and why."""
+
+
+def rdma_default(nodes: int, gpu: str | None) -> bool:
+    """RDMA when nothing was asked: on for a multi-node cluster of a type on Modal's RDMA fabric
+    (NCCL over TCP between hosts is several times slower for the trainer's all-reduces)."""
+    try:
+        kind = GpuSpec.parse(gpu).type
+    except ClusterSpecError:
+        return False  # the spec's own validation names the GPU problem
+    return isinstance(nodes, int) and nodes > 1 and kind in RDMA_GPU_TYPES
+
+
+def rdma_note(spec: ClusterSpec) -> str | None:
+    """One line when a multi-node cluster runs without RDMA, else None."""
+    kind = spec.gpu_spec.type
+    if spec.nodes < 2 or spec.rdma or not kind:
+        return None
+    if kind in RDMA_GPU_TYPES:
+        return (
+            f"RDMA is off for this {spec.nodes}-node {kind} cluster (--no-rdma): NCCL goes over TCP "
+            "between hosts; drop --no-rdma to turn it on"
+        )
+    return (
+        f"RDMA is off: {kind} hosts are not on Modal's RDMA fabric, so NCCL goes over TCP between "
+        f"hosts; use one of {', '.join(RDMA_GPU_TYPES)} for RDMA"
+    )
 
 
 @dataclass(frozen=True)
@@ -57,6 +120,12 @@ class GpuSpec:
             raise ClusterSpecError(f"gpu={text!r}: count {count_text!r} is not an integer") from None
         if count < 1:
             raise ClusterSpecError(f"gpu={text!r}: count must be at least 1")
+        most = MAX_GPUS_PER_CONTAINER.get(kind, DEFAULT_MAX_GPUS_PER_CONTAINER)
+        if count > most:
+            raise ClusterSpecError(
+                f"gpu={text!r}: Modal gives one container at most {most} {kind} GPUs; "
+                f"use --gpu {kind}:{most} with more --nodes"
+            )
         return cls(kind, count)
 
     def __str__(self) -> str:
@@ -78,7 +147,8 @@ class ClusterSpec:
 
     nodes: int = 2
     gpu: str | None = None
-    rdma: bool = False
+    # None: decided by the cluster (``rdma_default``): on for multi-node on RDMA GPU types.
+    rdma: bool | None = False
     image: str | None = None
     volumes: dict[str, str] = field(default_factory=dict)
     secrets: tuple[str, ...] = ()
@@ -95,6 +165,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so a spec built from lists
         # or a JSON dict compares and hashes like one built from tuples.
+        if self.rdma is None:
+            object.__setattr__(self, "rdma", rdma_default(self.nodes, self.gpu))
         object.__setattr__(self, "secrets", tuple(self.secrets))
         object.__setattr__(self, "volumes", dict(self.volumes))
         object.__setattr__(self, "env", {str(k): str(v) for k, v in dict(self.env).items()})
@@ -144,6 +216,16 @@ class ClusterSpec:
                 )
             if not str(path).startswith("/") or str(path).rstrip("/") in ("", "/"):
                 raise ClusterSpecError(f"volume {name!r}: mount path {path!r} must be absolute and not '/'")
+            if posixpath.normpath(str(path)) != str(path):
+                raise ClusterSpecError(
+                    f"--volume {name}:{path}: Modal wants a canonical mount path; "
+                    f"use --volume {name}:{posixpath.normpath(str(path))}"
+                )
+            if str(path) in MODAL_RESERVED_MOUNTS:
+                raise ClusterSpecError(
+                    f"--volume {name}:{path}: Modal cannot mount a Volume at {path} (the container's "
+                    f"own directory); mount it below, e.g. --volume {name}:{path}/{name}"
+                )
             if path in paths:
                 raise ClusterSpecError(f"volumes {paths[path]!r} and {name!r} both mount at {path!r}")
             paths[path] = name
