@@ -17,6 +17,7 @@ from modal_rl.sandboxes.errors import (
 from modal_rl.sandboxes.lease import Sandbox, SandboxLease
 from modal_rl.sandboxes.local import LocalProvider
 from modal_rl.sandboxes.pool import SandboxPool
+from modal_rl.sandboxes.pool_config import PoolConfig
 from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHandle
 from modal_rl.sandboxes.ratelimit import FileTokenBucket, TokenBucket
 from modal_rl.sandboxes.sizing import WarmSizer
@@ -40,6 +41,7 @@ __all__ = [
     "SandboxHandle",
     "SandboxLostError",
     "SandboxPool",
+    "PoolConfig",
     "SandboxSpec",
     "SandboxStartError",
     "SandboxStartTimeout",

@@ -34,6 +34,7 @@ from modal_rl.sandboxes.errors import (
 )
 from modal_rl.sandboxes.lease import Sandbox, SandboxLease
 from modal_rl.sandboxes.metrics import PoolMetrics
+from modal_rl.sandboxes.pool_config import PoolConfig
 from modal_rl.sandboxes.provider import TAG_POOL, TAG_RUN, Provider, SandboxHandle
 from modal_rl.sandboxes.ratelimit import TokenBucket, host_bucket
 from modal_rl.sandboxes.sizing import WarmSizer
@@ -48,65 +49,30 @@ RUN_ID = os.environ.get("MODAL_RL_RUN_ID") or f"run-{uuid.uuid4().hex[:10]}"
 class SandboxPool:
     """Async pool of sandboxes of one ``spec`` from one ``provider``; use as ``async with``."""
 
-    def __init__(
-        self,
-        provider: Provider,
-        spec: SandboxSpec,
-        *,
-        min_warm: int = 0,
-        max_warm: int = 64,
-        max_live: int = 64,
-        max_starting: int = 16,
-        name: str = "default",
-        run_id: str | None = None,
-        rate_limiter: TokenBucket | None | bool = True,
-        sizer: WarmSizer | None = None,
-        create_timeout_s: float = 120.0,
-        ready_timeout_s: float = 60.0,
-        claim_timeout_s: float = 600.0,
-        min_remaining_s: float | None = None,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        max_consecutive_failures: int = 10,
-        log_interval_s: float = 60.0,
-        handle_signals: bool = True,
-    ):
+    def __init__(self, provider: Provider, spec: SandboxSpec, config: PoolConfig | None = None, **settings):
         if not isinstance(spec, SandboxSpec):
             raise TypeError(f"spec must be a SandboxSpec, got {type(spec).__name__}")
-        if not (0 <= min_warm <= max_warm and max_live >= 1 and max_starting >= 1):
-            raise ValueError(
-                f"need 0 <= min_warm <= max_warm, max_live >= 1, max_starting >= 1; got {min_warm}, {max_warm}, {max_live}, {max_starting}"
-            )
-        if min_warm > max_live:
-            raise ValueError(f"min_warm ({min_warm}) cannot exceed max_live ({max_live})")
-        for label, value in (
-            ("create_timeout_s", create_timeout_s),
-            ("ready_timeout_s", ready_timeout_s),
-            ("claim_timeout_s", claim_timeout_s),
-        ):
-            if not value > 0:
-                raise ValueError(f"{label} must be > 0, got {value!r}")
-        if max_retries < 0 or max_consecutive_failures < 1:
-            raise ValueError("max_retries must be >= 0 and max_consecutive_failures >= 1")
-        self.provider, self.spec, self.name = provider, spec, name
-        self.run_id = run_id or RUN_ID
-        self.tags = {TAG_POOL: name, TAG_RUN: self.run_id}
-        self.max_live, self.max_starting = max_live, max_starting
-        self.sizer = sizer or WarmSizer(min_warm, min(max_warm, max_live))
+        config = (config or PoolConfig()).with_settings(**settings) if settings else (config or PoolConfig())
+        self.config = config
+        self.provider, self.spec, self.name = provider, spec, config.name
+        self.run_id = config.run_id or RUN_ID
+        self.tags = {TAG_POOL: config.name, TAG_RUN: self.run_id}
+        self.max_live, self.max_starting = config.max_live, config.max_starting
+        self.sizer = config.sizer or WarmSizer(config.min_warm, min(config.max_warm, config.max_live))
+        rate_limiter = config.rate_limiter
         if rate_limiter is True:
             rate_limiter = host_bucket(provider.name, provider.create_rate, provider.create_burst)
-        self.bucket = rate_limiter or None
-        self.create_timeout_s, self.ready_timeout_s, self.claim_timeout_s = (
-            create_timeout_s,
-            ready_timeout_s,
-            claim_timeout_s,
-        )
+        self.bucket: TokenBucket | None = rate_limiter or None
+        self.create_timeout_s = config.create_timeout_s
+        self.ready_timeout_s = config.ready_timeout_s
+        self.claim_timeout_s = config.claim_timeout_s
         # Never hand out a sandbox about to expire; default: 10% of its lifetime, at most 60 s.
-        self.min_remaining_s = min(60.0, 0.1 * spec.timeout_s) if min_remaining_s is None else min_remaining_s
-        self.max_retries, self.backoff_s, self.backoff_max_s = max_retries, backoff_s, backoff_max_s
-        self.max_consecutive_failures = max_consecutive_failures
-        self.log_interval_s, self.handle_signals = log_interval_s, handle_signals
+        remaining = config.min_remaining_s
+        self.min_remaining_s = min(60.0, 0.1 * spec.timeout_s) if remaining is None else remaining
+        self.max_retries, self.backoff_s = config.max_retries, config.backoff_s
+        self.backoff_max_s = config.backoff_max_s
+        self.max_consecutive_failures = config.max_consecutive_failures
+        self.log_interval_s, self.handle_signals = config.log_interval_s, config.handle_signals
         self.metrics = PoolMetrics()
         self._warm: deque[SandboxHandle] = deque()
         self._leased: set[SandboxHandle] = set()
@@ -119,7 +85,7 @@ class SandboxPool:
         self._tasks: set[asyncio.Task] = set()
         self._reaping: set[asyncio.Task] = set()  # terminations: awaited on close, never cancelled
         self._wake: asyncio.Event | None = None
-        self._teardown = EmergencyTeardown(self.kill_all_now, signals=handle_signals)
+        self._teardown = EmergencyTeardown(self.kill_all_now, signals=config.handle_signals)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def __aenter__(self) -> SandboxPool:
