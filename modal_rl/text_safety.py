@@ -9,7 +9,7 @@ replaces every other control with ``?``, so what is left is printable text that 
 will be shown.
 
 Invariants: ``clean(s)`` contains no C0 control (tab and newline kept only with
-``multiline=True``), no DEL, no C1 control and no bidi control; it is idempotent; printable
+``multiline=True``; a carriage return becomes a newline there), no DEL, no C1 control and no bidi control; it is idempotent; printable
 text passes unchanged.
 """
 
@@ -18,27 +18,28 @@ from __future__ import annotations
 import re
 
 # ESC followed by: a CSI (parameters, intermediates, a final byte); an OSC/DCS/APC/PM/SOS string
-# up to its terminator (BEL or ESC \) or to the end; or any one other byte (two-byte escapes).
+# up to its terminator (BEL or ESC \), a newline or the end (once its introducer is gone the rest
+# is plain text); or any one other byte (two-byte escapes).
 _ESCAPE = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]?"
-    r"|\x1b[\]PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[\]PX^_][^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)?"
     r"|\x9b[0-?]*[ -/]*[@-~]?"
-    r"|[\x9d\x90\x98\x9e\x9f][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-    r"|\x1b.?",
-    re.DOTALL,
+    r"|[\x9d\x90\x98\x9e\x9f][^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[^\n]?",
 )
 _BIDI = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
 _CONTROL = re.compile(f"[\\x00-\\x08\\x0a-\\x1f\\x7f-\\x9f{_BIDI}]")
 _CONTROL_MULTILINE = re.compile(f"[\\x00-\\x08\\x0b-\\x1f\\x7f-\\x9f{_BIDI}]")
 _TAB = re.compile("\t")
+_CR = re.compile("\r\n?")
 
 
 def clean(text: object, *, multiline: bool = False) -> str:
     """``text`` (any object: its ``str``) without escape sequences or controls. One line
     unless ``multiline`` (then tab and newline stay)."""
     out = _ESCAPE.sub("", str(text))
-    if multiline:
-        return _CONTROL_MULTILINE.sub("?", out)
+    if multiline:  # a carriage return would let a line overwrite what the log showed
+        return _CONTROL_MULTILINE.sub("?", _CR.sub("\n", out))
     return _CONTROL.sub("?", _TAB.sub(" ", out))
 
 

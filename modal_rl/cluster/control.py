@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from modal_rl import wire_json
 from modal_rl.run_key import derive, run_key_or_none, same
+from modal_rl.text_safety import clean
 
 TAIL_LINES = 30
 HELLO_TIMEOUT_S = 10.0
@@ -119,13 +120,13 @@ class ControlServer:
                 msg = _message(raw, MAX_MESSAGE)
                 state.last_seen = time.monotonic()
                 if "log" in msg:
-                    state.lines.append(str(msg["log"]))
+                    state.lines.append(clean(msg["log"], multiline=True))
                 elif "ray_exited" in msg and not self.closing:
                     state.lost = f"its Ray node exited with code {msg['ray_exited']}"
         except ValueError as exc:  # a refused line (WireError), or one over the reader's limit
             self.refused += state is None
             why = exc if isinstance(exc, wire_json.WireError) else f"a line over {MAX_MESSAGE} bytes"
-            log.warning("control channel: dropped a connection: %s", why)
+            log.warning("control channel: dropped a connection: %s", clean(why))
         except (ConnectionError, TimeoutError):
             pass
         except asyncio.CancelledError:

@@ -55,6 +55,7 @@ from urllib.parse import unquote, urlparse
 from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
+from modal_rl.text_safety import clean
 
 BUFFER_BYTES = 1 << 20
 ROUTES_POLL_S = 0.2
@@ -172,7 +173,8 @@ class KeyForwarder:
         self._runners: list = []
         self._session = None
         sink = log or (lambda line: print(f"[key_forwarder] {line}", file=sys.stderr, flush=True))
-        self._log = lambda line: sink(self._redactor.text(line))  # a client may put the key in a path
+        # A client may put the key, or terminal escapes, in a path: redacted, then cleaned.
+        self._log = lambda line: sink(clean(self._redactor.text(line)))
 
     async def start(self) -> list[str]:
         import aiohttp

@@ -52,6 +52,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl.text_safety import clean
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts, from_hello, slowest
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.transport import hello as lines
@@ -162,7 +163,7 @@ class FrameServer(FrameSink):
                 self._handshake(reader, writer), self.handshake_timeout_s
             )
         except lines.Refused as exc:
-            log.warning("weight-sync receiver %s refused: %s", peer, exc)
+            log.warning("weight-sync receiver %s refused: %s", peer, clean(exc))
             try:
                 writer.write(json.dumps({"error": str(exc)}).encode() + b"\n")
                 await asyncio.wait_for(writer.drain(), 1.0)
