@@ -52,11 +52,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl.admission import Admission
 from modal_rl.text_safety import clean
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts, from_hello, slowest
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.transport import hello as lines
-from modal_rl.weightsync.transport.admission import Admission
 from modal_rl.weightsync.transport.base import FrameSink, TokenBucket
 from modal_rl.weightsync.transport.retention import Kept, kept_since, trim
 from modal_rl.weightsync.transport.tcp_source import TcpSource  # the receiver side, re-exported
@@ -126,7 +126,9 @@ class FrameServer(FrameSink):
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
-        self.unauthenticated = Admission(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER)
+        self.unauthenticated = Admission(
+            MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, "weight-sync receiver"
+        )
         self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self.in_frame = False
         self._frame_parts: list[bytes] = []
@@ -157,7 +159,7 @@ class FrameServer(FrameSink):
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
-        slot = self.unauthenticated.hold(writer)
+        slot = self.unauthenticated.hold(writer, reader)
         try:
             have, epoch, costs = await asyncio.wait_for(
                 self._handshake(reader, writer), self.handshake_timeout_s
@@ -209,6 +211,7 @@ class FrameServer(FrameSink):
         mine = new_nonce()
         answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
         writer.write(json.dumps(answer).encode() + b"\n")
+        self.unauthenticated.progressed(writer)  # its proof is one round trip away
         await writer.drain()
         reply = lines.parse(await lines.read_line(reader), "proof line")
         got = reply.get("proof")
