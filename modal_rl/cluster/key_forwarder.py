@@ -24,7 +24,9 @@ Invariants:
 - the forwarder is a credential: whoever reaches its port uses the engines with the run's key.
   So it never binds a wildcard address (``0.0.0.0``, ``::``); a non-loopback address needs an
   allow-list of peer addresses (the cluster's nodes); another peer's connection is closed at
-  accept, before a byte of it is read (and a request that got in anyway gets 403);
+  accept, before a byte of it is read (and a request that got in anyway gets 403); loopback
+  implies nothing: a loopback peer must be a socket of this process's own user
+  (``peer_creds``), whatever the allow-list says;
 - admission: an allowed connection holds a slot (``modal_rl.admission``) until its first
   request's headers arrive, at most ``HEADER_DEADLINE_S``;
 - the key is never logged, never put in an error, and never returned to a client: every answer,
@@ -55,6 +57,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from modal_rl.admission import Admission, peer_host
+from modal_rl.cluster import peer_creds
 from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
@@ -274,9 +277,17 @@ class KeyForwarder:
 
         def on_accept(transport) -> bool:
             peer = peer_host(transport)
+            why = None
             if not self._peer_allowed(peer):
+                why = "not an allowed peer"
+            elif peer_creds.is_loopback(peer):  # loopback is every local user: ours only
+                uid = peer_creds.peer_uid(
+                    transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+                )
+                why = None if peer_creds.is_ours(uid) else f"a loopback peer of another user (uid {uid})"
+            if why is not None:
                 transport.abort()
-                self._log(f"closed a connection from {peer} at accept: not an allowed peer")
+                self._log(f"closed a connection from {peer} at accept: {why}")
                 return False
             slot = admission.hold(transport)
 
