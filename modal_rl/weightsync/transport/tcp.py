@@ -18,9 +18,9 @@ Invariants of ``FrameServer``:
   is logged on one line; every line it sends is bounded (``wire_json``);
 - admission: a connection holds an unauthenticated slot only until its handshake ends, at
   most ``HANDSHAKE_TIMEOUT_S``; at most ``MAX_UNAUTHENTICATED`` such slots in all and
-  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, the oldest evicted first (its peer's
-  first), so hundreds of silent sockets neither exhaust descriptors nor keep out a receiver
-  that holds the key;
+  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, its own peer's stalled ones evicted
+  first (``modal_rl.admission``), so hundreds of silent or half-sent sockets, even from the
+  keyed receiver's own address, neither exhaust descriptors nor keep it out;
 - a receiver only ever gets whole frames, starting at a frame boundary;
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
