@@ -277,3 +277,35 @@ def test_the_engine_stages_adapters_only_under_the_root_by_a_safe_name(staging, 
             Worker().modal_rl_stage_adapter(json.dumps(req), "")
     assert (victim / "keep").read_text() == "x" and not (tmp_path / "x").exists()
     assert not staging.exists() or list(staging.iterdir()) == []
+
+
+def test_each_local_engine_stages_adapters_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """Engines of one pool share its TMPDIR; their staging directories (the one place their
+    guard loads adapters from) must not be shared, or one engine's pruning removes another's."""
+    import sys
+
+    from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+
+    monkeypatch.delenv(engine_routes.ADAPTER_DIR_ENV, raising=False)
+    serve = (
+        "import os, sys, http.server; print('LORA', os.environ['MODAL_RL_LORA_DIR'], flush=True); "
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)"
+        ".serve_forever()"
+    )
+    spec = EngineSpec(
+        command=(sys.executable, "-c", serve, "{port}"),
+        count=2,
+        auth=None,
+        health_path="/",
+        startup_timeout_s=60,
+    )
+    pool = get_engine_pool(spec, "local", log_dir=str(tmp_path / "logs"))
+    try:
+        pool.start()
+        dirs = set()
+        for index in range(2):
+            lines = pool.log_path(index).read_text().splitlines()
+            dirs |= {line.split(" ", 1)[1] for line in lines if line.startswith("LORA ")}
+    finally:
+        pool.stop()
+    assert len(dirs) == 2

@@ -44,6 +44,7 @@ from typing import Any
 from modal_rl import run_temp
 from modal_rl.cluster import peer_creds, procs
 from modal_rl.cluster.engine_health import ready
+from modal_rl.cluster.engine_routes import ADAPTER_DIR_ENV
 from modal_rl.cluster.engines import (
     KEY_ENVS,
     EnginePool,
@@ -156,6 +157,10 @@ class LocalEnginePool(EnginePool):
         setpriv = shutil.which("setpriv")
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         env = self._env()
+        if ADAPTER_DIR_ENV not in self.spec.env:
+            # Engines of a pool share its TMPDIR; each stages LoRA adapters in a directory of its
+            # own, the one its guard lets /v1/load_lora_adapter read (``engine_routes``).
+            env[ADAPTER_DIR_ENV] = str(Path(self.temp_dir) / f"lora-{index}-{port}")
         first, *rest = self.spec.argv(self.host, port)
         argv = [program(first, env.get("PATH"), self.spec.name), *rest]
         log = open_log(self.log_path(index))
