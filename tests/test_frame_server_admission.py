@@ -2,7 +2,7 @@
 
 Hundreds of silent sockets — from one peer, and from many loopback addresses — are opened
 against a real frame server; the server holds at most its caps of them, closes the rest
-(oldest first), and a receiver with the key still connects and gets its weights.
+(stalled ones first), and a receiver with the key still connects and gets its weights.
 """
 
 from __future__ import annotations

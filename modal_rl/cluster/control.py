@@ -21,7 +21,9 @@ Admission: on a Modal cluster the control port is reachable from every i6pn cont
 the workspace, so a connection counts as a follower only after it proves the run's key:
 rank 0 opens with ``{"challenge": <random nonce>}`` and the follower's ``hello`` carries
 ``proof`` = HMAC-SHA256(derive(run key, "control"), nonce | rank). A hello without a valid
-proof is dropped before it can report logs, deaths or heartbeats. Without a run key in the
+proof is dropped before it can report logs, deaths or heartbeats. Until its hello is read a
+connection holds an admission slot (``MAX_UNPROVEN``, ``MAX_UNPROVEN_PER_PEER``; at most
+``HELLO_TIMEOUT_S``), so silent sockets cannot pile up or keep a follower out. Without a run key in the
 environment (a bare local cluster on loopback) both ends are keyless and skip the proof.
 """
 
@@ -41,10 +43,16 @@ import time
 from dataclasses import dataclass, field
 
 from modal_rl import wire_json
+from modal_rl.admission import Admission
 from modal_rl.run_key import derive, run_key_or_none, same
+from modal_rl.text_safety import clean
 
 TAIL_LINES = 30
 HELLO_TIMEOUT_S = 10.0
+# Connections that have not proved the key yet (``modal_rl.admission``): a flood of silent
+# sockets from one address evicts its own, never a follower that answers the challenge.
+MAX_UNPROVEN = 64
+MAX_UNPROVEN_PER_PEER = 8
 MAX_HELLO = 1024  # {"hello": rank, "proof": 64 hex}
 MAX_MESSAGE = 1 << 16  # a log line, a heartbeat; longer lines are a dropped connection
 log = logging.getLogger(__name__)
@@ -88,6 +96,7 @@ class ControlServer:
         self.head_up = False
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._server: asyncio.base_events.Server | None = None
+        self.unproven = Admission(MAX_UNPROVEN, MAX_UNPROVEN_PER_PEER, "control-channel connection")
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(
@@ -97,9 +106,16 @@ class ControlServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         state: FollowerState | None = None
         nonce = secrets.token_hex(16)
+        slot = self.unproven.hold(writer, reader)
         try:
             writer.write((json.dumps({"challenge": nonce}) + "\n").encode())
-            hello = _message(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"null", MAX_HELLO)
+            try:
+                raw = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
+            finally:
+                self.unproven.release(slot)
+            if slot.evicted:  # logged once by the admission, not as a refused hello
+                return
+            hello = _message(raw or b"null", MAX_HELLO)
             if not self._admitted(hello, nonce):
                 self.refused += 1
                 log.warning(
@@ -119,13 +135,13 @@ class ControlServer:
                 msg = _message(raw, MAX_MESSAGE)
                 state.last_seen = time.monotonic()
                 if "log" in msg:
-                    state.lines.append(str(msg["log"]))
+                    state.lines.append(clean(msg["log"], multiline=True))
                 elif "ray_exited" in msg and not self.closing:
                     state.lost = f"its Ray node exited with code {msg['ray_exited']}"
         except ValueError as exc:  # a refused line (WireError), or one over the reader's limit
             self.refused += state is None
             why = exc if isinstance(exc, wire_json.WireError) else f"a line over {MAX_MESSAGE} bytes"
-            log.warning("control channel: dropped a connection: %s", why)
+            log.warning("control channel: dropped a connection: %s", clean(why))
         except (ConnectionError, TimeoutError):
             pass
         except asyncio.CancelledError:

@@ -13,6 +13,9 @@ is read from ``MODAL_RL_ENGINE_BEARER`` (else derived from ``MODAL_RL_RUN_KEY``)
 server's environment, never from a flag.
 
 Invariants:
+- the bearer opens only what ``engine_routes`` allows (generation, the control routes the run
+  calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging directory by a safe
+  name); every other route is answered 403 here with the bearer too, and a websocket is closed;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
   with a short body; a websocket is closed before it is accepted, which clients see as HTTP
   403) and never reaches the server: no route runs, no state changes;
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import sys
 import urllib.request
 from urllib.parse import urlparse
 
+from modal_rl.cluster import engine_routes
 from modal_rl.run_key import (
     ENGINE_BEARER_ENV,
     MissingRunKeyError,
@@ -41,6 +46,7 @@ from modal_rl.run_key import (
     engine_bearer_from_env,
     same,
 )
+from modal_rl.text_safety import clean
 
 MIDDLEWARE = "modal_rl.cluster.engine_auth.RunKeyAuth"
 OPEN_HEALTH_PATH = "/health"
@@ -144,12 +150,61 @@ class RunKeyAuth:
         if kind not in ("http", "websocket"):  # lifespan: the server's own start and stop
             return await self.app(scope, receive, send)
         if self.authorized(scope):
-            return await self.app(scope, receive, send)
+            return await self._allowed(scope, receive, send)
         if kind == "websocket":
             return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})
         if scope.get("method") == "GET" and _path(scope) == OPEN_HEALTH_PATH:
             return await self.app(scope, receive, _status_only(send))
         await _refuse(scope, receive, send)
+
+    async def _allowed(self, scope, receive, send) -> None:
+        """A request with the bearer: only the routes ``engine_routes`` allows reach the
+        server; a checked route's body is read and checked first, then replayed to it."""
+        if scope["type"] == "websocket":  # no route of the run's is a websocket
+            return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})
+        path = _path(scope)
+        rule = engine_routes.verdict(scope.get("method", ""), path)
+        if rule in (engine_routes.OPEN, engine_routes.ALLOW):
+            return await self.app(scope, receive, send)
+        if rule == engine_routes.REFUSE:
+            return await _forbid(send, f"{scope.get('method')} {path} is not a route this run uses")
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            body += message.get("body", b"")
+            if len(body) > engine_routes.MAX_CHECKED_BODY:
+                return await _forbid(
+                    send, f"the body of {path} is over {engine_routes.MAX_CHECKED_BODY} bytes"
+                )
+            if not message.get("more_body", False):
+                break
+        why = engine_routes.body_refusal(path, list(scope.get("headers") or ()), body)
+        if why is not None:
+            return await _forbid(send, why)
+        return await self.app(scope, _replay(body, receive), send)
+
+
+def _replay(body: bytes, receive):
+    """``receive`` that gives the server the body the guard already read, then the client's."""
+    sent = False
+
+    async def wrapped():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return wrapped
+
+
+async def _forbid(send, why: str) -> None:
+    body = json.dumps({"error": f"forbidden by modal_rl's engine guard: {clean(why)}"}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 403, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _path(scope) -> str:

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from modal_rl import run_temp
-from modal_rl.cluster import procs
+from modal_rl.cluster import peer_creds, procs
 from modal_rl.cluster.engine_health import ready
+from modal_rl.cluster.engine_routes import ADAPTER_DIR_ENV
 from modal_rl.cluster.engines import (
     KEY_ENVS,
     EnginePool,
@@ -156,6 +157,10 @@ class LocalEnginePool(EnginePool):
         setpriv = shutil.which("setpriv")
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         env = self._env()
+        if ADAPTER_DIR_ENV not in self.spec.env:
+            # Engines of a pool share its TMPDIR; each stages LoRA adapters in a directory of its
+            # own, the one its guard lets /v1/load_lora_adapter read (``engine_routes``).
+            env[ADAPTER_DIR_ENV] = str(Path(self.temp_dir) / f"lora-{index}-{port}")
         first, *rest = self.spec.argv(self.host, port)
         argv = [program(first, env.get("PATH"), self.spec.name), *rest]
         log = open_log(self.log_path(index))
@@ -198,6 +203,23 @@ class LocalEnginePool(EnginePool):
         self._wait_all([index])  # on failure the new process stays for stop() to end
         return self.addresses[index]
 
+    def _listener_is_ours(self, index: int) -> tuple[bool, str]:
+        """Whether the engine's port is held by a socket of our own user, before the probe
+        sends it the bearer: another local user can bind a port between our claim and the
+        engine's bind, and would otherwise receive the bearer and be taken for the engine."""
+        if not peer_creds.is_loopback(self.host):
+            return True, ""
+        uid = peer_creds.listener_uid(self.host, self.ports[index])
+        if uid is None:
+            return False, "nothing listens on its port yet"
+        if not peer_creds.is_ours(uid):
+            raise EngineStartError(
+                f"{self.spec.name} {index}: {self.host}:{self.ports[index]} is held by another user "
+                f"(uid {uid}), not by the engine; the engine bearer was not sent (start the pool again "
+                "for a fresh port)"
+            )
+        return True, ""
+
     def _wait_all(self, indices) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         pending = set(indices)
@@ -212,7 +234,9 @@ class LocalEnginePool(EnginePool):
                         self._failure(index, f"exited with code {code} before it was healthy")
                     )
                 url = f"http://{self.host}:{self.ports[index]}"
-                ok, last[index] = ready(url, self.spec, self._key)
+                ok, last[index] = self._listener_is_ours(index)
+                if ok:
+                    ok, last[index] = ready(url, self.spec, self._key)
                 if ok:
                     pending.discard(index)
             if not pending:

@@ -49,6 +49,7 @@ from modal_rl.cluster.spec import _ENV_RE, _NAME_RE, ClusterSpecError, GpuSpec
 from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
 from modal_rl.registry import Registry
 from modal_rl.run_key import SECRET_ENVS, MissingRunKeyError, run_key
+from modal_rl.text_safety import clean
 
 LOG_TAIL_LINES = 30
 AUTH_MODES = ("bearer", None)
@@ -260,5 +261,7 @@ def tail_of(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 
 
 def engine_failure(name: str, index: int, why: str, tail: list[str]) -> str:
-    body = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
-    return f"{name} {index} {why}; its last lines:\n{body}"
+    """The error for a failed engine; its output lines are the engine's, so they are cleaned of
+    terminal escapes (``text_safety``) before they reach a terminal."""
+    body = "\n".join(f"  | {clean(line)}" for line in tail) or "  | (no output)"
+    return f"{name} {index} {clean(why)}; its last lines:\n{body}"

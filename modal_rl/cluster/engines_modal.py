@@ -63,6 +63,7 @@ from modal_rl.cluster.engines import (
 )
 from modal_rl.cluster.redaction import Redactor, held_secrets
 from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
+from modal_rl.text_safety import clean
 
 APP_NAME = "modal-rl-engines"
 CONTAINER_POLL_S = 1.0
@@ -203,7 +204,7 @@ def relay(stream, redactor: Redactor, tail: deque) -> None:
     partial = [""]
 
     def write(data: bytes) -> None:
-        text = decoder.decode(data)
+        text = clean(decoder.decode(data), multiline=True)  # the engine's bytes, shown in a terminal
         print(text, end="", flush=True)
         *done, rest = (partial[0] + text).split("\n")
         tail.extend(done)
@@ -211,6 +212,7 @@ def relay(stream, redactor: Redactor, tail: deque) -> None:
 
     pump(stream, redactor, write)
     rest = partial[0] + decoder.decode(b"", final=True)
+    rest = clean(rest, multiline=True)
     if rest:
         print(rest, flush=True)
         tail.append(rest)

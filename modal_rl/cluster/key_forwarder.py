@@ -23,8 +23,12 @@ per port, written atomically by whoever replaces engines), checked every ``ROUTE
 Invariants:
 - the forwarder is a credential: whoever reaches its port uses the engines with the run's key.
   So it never binds a wildcard address (``0.0.0.0``, ``::``); a non-loopback address needs an
-  allow-list of peer addresses (the cluster's nodes), and other peers get 403 and nothing is
-  forwarded;
+  allow-list of peer addresses (the cluster's nodes); another peer's connection is closed at
+  accept, before a byte of it is read (and a request that got in anyway gets 403); loopback
+  implies nothing: a loopback peer must be a socket of this process's own user
+  (``peer_creds``), whatever the allow-list says;
+- admission: an allowed connection holds a slot (``modal_rl.admission``) until its first
+  request's headers arrive, at most ``HEADER_DEADLINE_S``;
 - the key is never logged, never put in an error, and never returned to a client: every answer,
   whatever the route (SGLang's ``/server_info`` reports ``api_key``, its launch command, and any
   route may echo it), has the key and the keys derived from it (``redaction.secret_forms``) replaced by
@@ -52,11 +56,21 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from modal_rl.admission import Admission, peer_host
+from modal_rl.cluster import peer_creds
 from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
 from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
+from modal_rl.text_safety import clean
 
 BUFFER_BYTES = 1 << 20
+# Admission (``modal_rl.admission``): a connection has HEADER_DEADLINE_S to send its first
+# request's headers; the caps are wide because slime's router opens hundreds of connections
+# from one address at once, and the allow-list already closed every other peer at accept.
+HEADER_DEADLINE_S = 10.0
+MAX_UNADMITTED = 1024
+MAX_UNADMITTED_PER_PEER = 256
+KEEPALIVE_S = 30.0
 ROUTES_POLL_S = 0.2
 _NO_BODY = (204, 304)
 _HOP_BY_HOP = frozenset(
@@ -136,6 +150,37 @@ def check_upstream(url: str) -> str:
     return url.rstrip("/")
 
 
+class _Gated(asyncio.Protocol):
+    """aiohttp's protocol behind ``on_accept``: a connection it refuses never reaches aiohttp."""
+
+    def __init__(self, inner, on_accept) -> None:
+        self.inner, self.on_accept, self.open = inner, on_accept, False
+
+    def connection_made(self, transport) -> None:
+        self.open = self.on_accept(transport)
+        if self.open:
+            self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.open:
+            self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.open else None
+
+    def connection_lost(self, exc) -> None:
+        if self.open:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.open:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.open:
+            self.inner.resume_writing()
+
+
 class KeyForwarder:
     """One listening port per upstream; ``start`` returns ``http://host:port`` for each, in order."""
 
@@ -170,9 +215,12 @@ class KeyForwarder:
         self.connect_timeout_s = connect_timeout_s
         self.addresses: list[str] = []
         self._runners: list = []
+        self._listeners: list = []
+        self.unadmitted = Admission(MAX_UNADMITTED, MAX_UNADMITTED_PER_PEER, "key-forwarder connection")
         self._session = None
         sink = log or (lambda line: print(f"[key_forwarder] {line}", file=sys.stderr, flush=True))
-        self._log = lambda line: sink(self._redactor.text(line))  # a client may put the key in a path
+        # A client may put the key, or terminal escapes, in a path: redacted, then cleaned.
+        self._log = lambda line: sink(clean(self._redactor.text(line)))
 
     async def start(self) -> list[str]:
         import aiohttp
@@ -188,12 +236,18 @@ class KeyForwarder:
             for index, port in enumerate(self.ports):
                 app = web.Application(client_max_size=0)
                 app.router.add_route("*", "/{tail:.*}", self._handler(index))
-                runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                runner = web.AppRunner(
+                    app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S
+                )
                 await runner.setup()
                 self._runners.append(runner)
-                site = web.TCPSite(runner, self.host, port)
-                await site.start()
-                bound = site._server.sockets[0].getsockname()[1]
+                # Our own listener, so that a peer is judged at accept (``_admit``), before
+                # aiohttp reads a byte of it.
+                listener = await asyncio.get_running_loop().create_server(
+                    self._admit(runner.server), self.host, port, reuse_address=True
+                )
+                self._listeners.append(listener)
+                bound = listener.sockets[0].getsockname()[1]
                 host = f"[{self.host}]" if ":" in self.host else self.host
                 self.addresses.append(f"http://{host}:{bound}")
         except BaseException:
@@ -202,6 +256,9 @@ class KeyForwarder:
         return list(self.addresses)
 
     async def stop(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener.close()
         runners, self._runners = self._runners, []
         for runner in runners:
             await runner.cleanup()
@@ -209,6 +266,43 @@ class KeyForwarder:
             session, self._session = self._session, None
             await session.close()
         self.addresses = []
+
+    def _admit(self, make_protocol):
+        """A protocol factory around aiohttp's: at accept, a peer outside the allow-list is
+        closed before a byte is read, and every other connection holds an admission slot
+        until its first request's headers arrive (``handle`` releases it), at most
+        ``HEADER_DEADLINE_S``."""
+        loop = asyncio.get_running_loop()
+        admission = self.unadmitted
+
+        def on_accept(transport) -> bool:
+            peer = peer_host(transport)
+            why = None
+            if not self._peer_allowed(peer):
+                why = "not an allowed peer"
+            elif peer_creds.is_loopback(peer):  # loopback is every local user: ours only
+                uid = peer_creds.peer_uid(
+                    transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+                )
+                why = None if peer_creds.is_ours(uid) else f"a loopback peer of another user (uid {uid})"
+            if why is not None:
+                transport.abort()
+                self._log(f"closed a connection from {peer} at accept: {why}")
+                return False
+            slot = admission.hold(transport)
+
+            def deadline() -> None:
+                if id(slot) in admission.slots:
+                    admission.release(slot)
+                    transport.abort()
+
+            loop.call_later(HEADER_DEADLINE_S, deadline)
+            return True
+
+        def protocol():
+            return _Gated(make_protocol(), on_accept)
+
+        return protocol
 
     def _peer_allowed(self, remote: str | None) -> bool:
         if self._allowed is None:
@@ -256,6 +350,7 @@ class KeyForwarder:
         from aiohttp import web
 
         async def handle(request: web.Request) -> web.StreamResponse:
+            self.unadmitted.release_transport(request.transport)
             if not self._peer_allowed(request.remote):
                 self._log(
                     f"refused {request.method} {request.path} from {request.remote}: not an allowed peer"

@@ -49,6 +49,7 @@ from typing import Any
 from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.cluster.netif import ingress_ipv4
 from modal_rl.run_key import redact, run_key
+from modal_rl.text_safety import clean
 from modal_rl.weightsync.apply.vllm_extension import (
     EXTENSION,
     METHOD,
@@ -300,7 +301,7 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
         with KEYED_OPENER.open(request, timeout=timeout) as resp:  # no proxy, no redirect
             text = resp.read().decode()
     except urllib.error.HTTPError as exc:
-        detail = redact(exc.read().decode(errors="replace")[-500:], key)
+        detail = clean(redact(exc.read().decode(errors="replace")[-500:], key))
         raise EnginePushError(f"{engine_url}{path} answered HTTP {exc.code}: {detail}") from exc
     except OSError as exc:
         raise EnginePushError(f"{engine_url}{path}: {exc}") from exc

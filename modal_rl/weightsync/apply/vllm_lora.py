@@ -29,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from modal_rl.cluster import engine_routes
+from modal_rl.cluster.engine_routes import adapter_name, adapter_root
 from modal_rl.weightsync.apply.lora import write_adapter
 
 ADAPTER_METHOD = "modal_rl_stage_adapter"
 LOG_PREFIX = "[modal_rl.weightsync] vllm staged adapter"  # one line per version rank 0 writes
-ADAPTER_DIR_ENV = "MODAL_RL_LORA_DIR"  # where an engine writes adapters (default: a temp folder)
+ADAPTER_DIR_ENV = engine_routes.ADAPTER_DIR_ENV  # where an engine writes adapters
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
@@ -75,12 +77,12 @@ class AdapterStageMixin:
         if getattr(self, "rank", 0) == 0:  # one copy on the host; vLLM shards it per rank itself
             from modal_rl.weightsync.apply.lora import adapter_state
 
+            # The prefix names one directory under the root, never a path (``/abs``, ``..``).
+            name = adapter_name(f"{adapter_name(adapter.get('prefix'))}-v{sub.live_version}")
             t0 = time.perf_counter()
             tensors, _ = adapter_state(sub.chain.state)
             root = self._modal_rl_adapter_root()
-            path = write_adapter(
-                root / f"{adapter['prefix']}-v{sub.live_version}", tensors, adapter["config"]
-            )
+            path = write_adapter(root / name, tensors, adapter["config"])
             self._modal_rl_prune_adapters(root, path, int(adapter["keep"]))
             out.update({"path": str(path), "write_s": time.perf_counter() - t0})
             print(f"{LOG_PREFIX} version {sub.live_version}: {len(tensors)} tensors, {path.name}", flush=True)
@@ -90,14 +92,9 @@ class AdapterStageMixin:
     def _modal_rl_adapter_root(self) -> Path:
         root = getattr(self, "_modal_rl_adapters", None)
         if root is None:
-            import os
-            import tempfile
-
-            # Default: inside the engine's own temp dir (its pool gives it one and removes it
-            # when the engine ends, however it ends).
-            given = os.environ.get(ADAPTER_DIR_ENV)
-            root = Path(given) if given else Path(tempfile.mkdtemp(prefix="lora-adapters-"))
-            root.mkdir(parents=True, exist_ok=True)
+            # The one directory the engine guard lets /v1/load_lora_adapter read from.
+            root = adapter_root()
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._modal_rl_adapters = root
         return root
 

@@ -18,9 +18,9 @@ Invariants of ``FrameServer``:
   is logged on one line; every line it sends is bounded (``wire_json``);
 - admission: a connection holds an unauthenticated slot only until its handshake ends, at
   most ``HANDSHAKE_TIMEOUT_S``; at most ``MAX_UNAUTHENTICATED`` such slots in all and
-  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, the oldest evicted first (its peer's
-  first), so hundreds of silent sockets neither exhaust descriptors nor keep out a receiver
-  that holds the key;
+  ``MAX_UNAUTHENTICATED_PER_PEER`` per peer address, its own peer's stalled ones evicted
+  first (``modal_rl.admission``), so hundreds of silent or half-sent sockets, even from the
+  keyed receiver's own address, neither exhaust descriptors nor keep it out;
 - a receiver only ever gets whole frames, starting at a frame boundary;
 - each receiver has its own buffer of at most ``max_buffer_bytes``; a receiver whose buffer
   stays full for ``slow_timeout_s`` is disconnected (it reconnects and catches up), so a
@@ -53,11 +53,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from modal_rl.admission import Admission
 from modal_rl.ratelimit import TokenBucket
+from modal_rl.text_safety import clean
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts, from_hello, slowest
 from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.transport import hello as lines
-from modal_rl.weightsync.transport.admission import Admission
 from modal_rl.weightsync.transport.base import FrameSink
 from modal_rl.weightsync.transport.retention import Kept, kept_since, trim
 from modal_rl.weightsync.transport.tcp_source import TcpSource  # the receiver side, re-exported
@@ -128,7 +129,9 @@ class FrameServer(FrameSink):
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
-        self.unauthenticated = Admission(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER)
+        self.unauthenticated = Admission(
+            MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, "weight-sync receiver"
+        )
         self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self.in_frame = False
         self._frame_parts: list[bytes] = []
@@ -159,13 +162,13 @@ class FrameServer(FrameSink):
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername"))
-        slot = self.unauthenticated.hold(writer)
+        slot = self.unauthenticated.hold(writer, reader)
         try:
             have, epoch, costs = await asyncio.wait_for(
                 self._handshake(reader, writer), self.handshake_timeout_s
             )
         except lines.Refused as exc:
-            log.warning("weight-sync receiver %s refused: %s", peer, exc)
+            log.warning("weight-sync receiver %s refused: %s", peer, clean(exc))
             try:
                 writer.write(json.dumps({"error": str(exc)}).encode() + b"\n")
                 await asyncio.wait_for(writer.drain(), 1.0)
@@ -211,6 +214,7 @@ class FrameServer(FrameSink):
         mine = new_nonce()
         answer = {"auth": HANDSHAKE, "nonce": mine, "proof": server_proof(self.keys, nonce, mine)}
         writer.write(json.dumps(answer).encode() + b"\n")
+        self.unauthenticated.progressed(writer)  # its proof is one round trip away
         await writer.drain()
         reply = lines.parse(await lines.read_line(reader), "proof line")
         got = reply.get("proof")

@@ -35,6 +35,7 @@ import xxhash
 
 from modal_rl import wire_json
 from modal_rl.run_key import FRAME_READ_ENV, RUN_KEY_ENV, derive, frame_read_key, run_key
+from modal_rl.text_safety import clean
 from modal_rl.weightsync.errors import (
     CorruptFrameError,
     HandshakeError,
@@ -320,7 +321,7 @@ def refusal(line: bytes, where: str) -> str:
     """The message for a server's ``{"error": ...}`` line (or for a line that is none)."""
     answer = _line_json(line)
     if isinstance(answer, dict) and "error" in answer:
-        return f"frame server at {where} refused this receiver: {str(answer['error'])[:200]}"
+        return f"frame server at {where} refused this receiver: {clean(str(answer['error'])[:200])}"
     return f"frame server at {where} sent an unexpected line instead of a frame"
 
 

@@ -136,6 +136,11 @@ class TensorHeader:
 # ntensors u32, chunk_elems u32, nchunks u32, total words u64; then the zstd-compressed entries.
 GROUP_HEADER = struct.Struct("<IIIQ")
 MAX_GROUP_TENSORS = 1 << 20
+# The entries' decoded size is bounded before they are decoded: per declared tensor (its
+# dtype, rank, shape, name and ls128 take well under 1 KiB), and in all, so a small record
+# cannot make the reader inflate hundreds of MiB before it is refused.
+MAX_ENTRY_BYTES_PER_TENSOR = 1024
+MAX_GROUP_ENTRIES_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -177,8 +182,8 @@ class GroupHeader:
         import zstandard
 
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                body[GROUP_HEADER.size :], max_output_size=ntensors * 4096
+            raw = _bounded_inflate(
+                body[GROUP_HEADER.size :], min(ntensors * MAX_ENTRY_BYTES_PER_TENSOR, MAX_GROUP_ENTRIES_BYTES)
             )
         except zstandard.ZstdError as exc:
             raise CorruptFrameError(f"group header entries do not decode: {exc}") from exc
@@ -207,6 +212,20 @@ class GroupHeader:
         if len({ITEMSIZE[t.dtype] for t in tensors}) != 1:
             raise CorruptFrameError("a group mixes word widths")
         return header
+
+
+def _bounded_inflate(data: bytes, limit: int) -> bytes:
+    """``data`` inflated, or ``CorruptFrameError`` as soon as it passes ``limit`` bytes (read in
+    steps: a frame's declared content size is never trusted for an allocation)."""
+    import zstandard
+
+    reader = zstandard.ZstdDecompressor().stream_reader(data)
+    out = bytearray()
+    while piece := reader.read(min(1 << 16, limit + 1 - len(out))):
+        out += piece
+        if len(out) > limit:
+            raise CorruptFrameError(f"group header entries inflate past {limit} bytes")
+    return bytes(out)
 
 
 def sums_body(sums: dict[str, str]) -> bytes:

@@ -1,0 +1,144 @@
+"""The engine guard's allow-list: which routes of a vLLM server the engine bearer opens.
+
+The bearer opens generation and the few control routes the run itself calls; every other
+route — vLLM's weight-loading, config, LoRA, dev, profiling and schema routes, and any route a
+newer vLLM adds — is refused (HTTP 403) even with the bearer. Two allowed routes carry a body
+that decides what they do, and the guard reads it (at most ``MAX_CHECKED_BODY`` bytes) before
+the route runs:
+
+- ``POST /collective_rpc`` runs any worker method by name: only our own ``modal_rl_*`` methods
+  pass (vLLM's ``reload_weights``, ``update_config``, ``save_sharded_state``... do not);
+- ``POST /v1/load_lora_adapter`` loads from any path: only ``<staging dir>/<name>`` passes,
+  ``name`` one safe path component (``adapter_name``), the staging dir ``adapter_root()``.
+
+Invariants: ``verdict`` is a pure function of (method, path); a path not in ``ALLOWED`` or
+``CHECKED`` is refused; a checked body with duplicate keys, a content encoding, or more than
+``MAX_CHECKED_BODY`` bytes is refused (no parser differential between us and the server).
+The table of every vLLM 0.32 route and its verdict is in docs/security.md and pinned by
+``tests/test_engine_routes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+OPEN = "open"  # no bearer needed (GET /health: status only)
+ALLOW = "allow"  # the bearer opens it
+CHECK = "check"  # the bearer opens it if its body passes ``body_refusal``
+REFUSE = "refuse"  # refused even with the bearer
+
+ADAPTER_DIR_ENV = "MODAL_RL_LORA_DIR"  # the engine's LoRA staging directory
+MAX_CHECKED_BODY = 1 << 20
+OUR_RPC = re.compile(r"modal_rl_[a-z0-9_]{1,64}")
+# One path component: no separator, no leading dot (so no "." or ".."), bounded.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+# (method, path) pairs the bearer opens: generation, and the control routes the run calls
+# (verl's replica proxy: sleep/wake/pause/resume/reset; engine_push: pause/resume/reset;
+# lora_push: unload). Read-only status routes the run's tests and tools read.
+ALLOWED = frozenset(
+    {
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/{id}"),
+        ("POST", "/v1/responses/{id}/cancel"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/count_tokens"),
+        ("POST", "/inference/v1/generate"),
+        ("POST", "/inference/v1/abort_requests"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/v1/models"),
+        ("GET", "/version"),
+        ("GET", "/ping"),
+        ("GET", "/metrics"),
+        ("POST", "/sleep"),
+        ("POST", "/wake_up"),
+        ("GET", "/is_sleeping"),
+        ("POST", "/pause"),
+        ("POST", "/resume"),
+        ("GET", "/is_paused"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/v1/unload_lora_adapter"),
+    }
+)
+CHECKED = frozenset({("POST", "/collective_rpc"), ("POST", "/v1/load_lora_adapter")})
+_ID_SEGMENT = re.compile(r"^/v1/responses/[^/]+(/cancel)?$")
+
+
+def verdict(method: str, path: str) -> str:
+    """``OPEN``, ``ALLOW``, ``CHECK`` or ``REFUSE`` for a request to ``path`` (the route path,
+    root path stripped)."""
+    if method == "GET" and path == "/health":
+        return OPEN
+    if _ID_SEGMENT.match(path):
+        path = re.sub(r"^/v1/responses/[^/]+", "/v1/responses/{id}", path)
+    if (method, path) in CHECKED:
+        return CHECK
+    return ALLOW if (method, path) in ALLOWED else REFUSE
+
+
+def adapter_name(name: object) -> str:
+    """``name`` if it is one safe path component; ``ValueError`` naming the rule otherwise."""
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(
+            f"adapter name {_show(name)}: use one path component of letters, digits, '_', '.', '-' "
+            "(no '/', no leading '.', no '..', at most 128 characters)"
+        )
+    return name
+
+
+def adapter_root() -> Path:
+    """The engine's LoRA staging directory: ``MODAL_RL_LORA_DIR``, else ``modal_rl-lora`` in
+    the engine's own temp dir (its pool gives each engine one). The API server and the
+    workers share the environment, so both name the same directory."""
+    given = os.environ.get(ADAPTER_DIR_ENV)
+    return Path(given) if given else Path(tempfile.gettempdir()) / "modal_rl-lora"
+
+
+def body_refusal(path: str, headers: list, body: bytes) -> str | None:
+    """Why a ``CHECK`` route's request is refused, or ``None`` when it may run."""
+    if any(k.lower() == b"content-encoding" for k, _ in headers):
+        return "a content-encoded body is not accepted here"
+    try:
+        doc = json.loads(body, object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"the body is not one JSON object ({str(exc)[:80]})"
+    if not isinstance(doc, dict):
+        return "the body is not one JSON object"
+    if path == "/collective_rpc":
+        method = doc.get("method")
+        if not isinstance(method, str) or not OUR_RPC.fullmatch(method):
+            return f"collective_rpc method {_show(method)} is not one of modal_rl's own (modal_rl_*)"
+        return None
+    try:
+        name = adapter_name(doc.get("lora_name"))
+        given = doc.get("lora_path")
+        if not isinstance(given, str):
+            raise ValueError("lora_path is missing")
+        parent, _, leaf = given.rpartition("/")
+        adapter_name(leaf)
+    except ValueError as exc:
+        return str(exc)
+    root = str(adapter_root())
+    if parent != root or os.path.normpath(given) != given:
+        return f"lora_path must be <{ADAPTER_DIR_ENV}>/<name> (the engine's staging directory) for {name!r}"
+    return None
+
+
+def _no_duplicates(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate keys")
+    return dict(pairs)
+
+
+def _show(value: object) -> str:
+    from modal_rl.text_safety import clean
+
+    return repr(clean(str(value)[:80]))
