@@ -80,9 +80,8 @@ fi
 # others as its context. The mark holds the slime commit the patches came from.
 mark="$SITE/sglang/.modal-rl-patched"
 if [ "$(cat "$mark" 2>/dev/null)" != "$(git -C "$SLIME" rev-parse HEAD)" ]; then
-  if [ -f "$mark" ]; then # patched from another slime: start from the wheel again
-    venv_install --no-deps --reinstall "sglang==$SGLANG_VERSION"
-  fi
+  # from the wheel's own files (a copy patched before, from another slime, is replaced)
+  venv_install --no-deps --reinstall-package sglang "sglang==$SGLANG_VERSION"
   for patch in sglang.patch sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch; do
     patch -p2 -s -d "$SITE" <"$SLIME/docker/patch/v$SGLANG_VERSION/$patch"
   done

@@ -7,6 +7,8 @@
 # tiny model, tokenizer and prompt set under runs/slime-cpu/tiny/. Extra arguments go to slime
 # after ours (a later flag wins in slime's parser), e.g. --entry-free ones like --num-rollout 5.
 #   MODAL_RL_SLIME_ENTRY=train_async.py   slime's async entry instead of train.py
+#   MODAL_RL_SLIME_ENGINES=modal:1        the engine started, supervised and replaced by our
+#                                         RolloutManager subclass (python -m slime_modal --rollout-engines)
 #   SLIME_PATH / MEGATRON_PATH            checkouts to use instead of cloning (install script)
 # See docs/quickstart-slime.md. Exit status: the run's, or 1 when the weight check fails.
 set -euo pipefail
@@ -30,12 +32,18 @@ RUN=${MODAL_RL_SLIME_RUN_DIR:-runs/slime-cpu/logs/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$RUN"
 RUN=$(cd "$RUN" && pwd)
 t1=$SECONDS
-mapfile -t SLIME_ARGS < <(TMPDIR=$JOB_TMP "$PY" -m slime_modal.cpu.run_args runs/slime-cpu/tiny "$RUN")
+LAUNCHER_ARGS=()
+ARGS_FLAGS=()
+if [ -n "${MODAL_RL_SLIME_ENGINES:-}" ]; then
+  LAUNCHER_ARGS=(--rollout-engines "$MODAL_RL_SLIME_ENGINES")
+  ARGS_FLAGS=(--external-engines)
+fi
+mapfile -t SLIME_ARGS < <(TMPDIR=$JOB_TMP "$PY" -m slime_modal.cpu.run_args runs/slime-cpu/tiny "$RUN" "${ARGS_FLAGS[@]}")
 say "tiny model, tokenizer and prompts ready in $((SECONDS - t1)) s (runs/slime-cpu/tiny)"
 say "running slime's $ENTRY (unchanged) through python -m slime_modal --backend local --cpu; full log: $RUN/slime.log"
 t2=$SECONDS
 set +e
-"$PY" -m slime_modal --backend local --cpu --entry "$ENTRY" --slime-path "$SLIME" --megatron-path "$MEGATRON" \
+"$PY" -m slime_modal --backend local --cpu "${LAUNCHER_ARGS[@]}" --entry "$ENTRY" --slime-path "$SLIME" --megatron-path "$MEGATRON" \
   --env "TENSORBOARD_DIR=$RUN/tensorboard" --env "MODAL_RL_RUN_PARTS_DIR=$RUN/parts" \
   -- "${SLIME_ARGS[@]}" "$@" 2>&1 | "$PY" -m slime_modal.cpu.console "$RUN/slime.log"
 rc=${PIPESTATUS[0]}

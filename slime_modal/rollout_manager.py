@@ -42,6 +42,7 @@ from slime.ray.rollout import RolloutManager
 
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
 from modal_rl.cluster.forwarded_engines import ForwardedEngines
+from modal_rl.report.parts import parts_dir, record_events
 from slime_modal.engine_job import listen_plan
 from slime_modal.engines import WeightPath, catch_up
 from slime_modal.manager_seam import CONFIG_ENV
@@ -89,13 +90,30 @@ class ModalRolloutManager(RolloutManager.__ray_actor_class__):
 
     def recover_updatable_engines(self):
         self.health_monitoring_pause()
-        self.modal_engines.wait_serving(RECOVER_TIMEOUT_S)
+        try:
+            self.modal_engines.wait_serving(RECOVER_TIMEOUT_S)
+        finally:
+            self._report_events()
 
     def dispose(self):
         try:
             super().dispose()
         finally:
+            self._report_events()
             self.modal_engines.stop()
+
+    def _report_events(self) -> None:
+        """The supervisor's new events: one line each on the job's output, and into the run's
+        parts directory (the report's engine timeline)."""
+        events = list(self.modal_engines.supervisor.events)
+        new = events[getattr(self, "_events_seen", 0) :]
+        self._events_seen = len(events)
+        record_events(parts_dir(), new)
+        for event in new:
+            fields = " ".join(
+                f"{k}={event[k]}" for k in ("index", "generation", "pid", "version") if k in event
+            )
+            print(f"[modal_rl.engine] {event['kind']} {fields}", flush=True)
 
     def engine_report(self) -> dict[str, Any]:
         """Where each slot stands: the forwarder's addresses (what slime holds), the engines

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -101,6 +102,73 @@ def test_train_async_runs_three_steps(tmp_path):
     )
     assert proc.returncode == 0, _fail(proc, run_dir)
     assert len(jsonl_steps(run_dir / "metrics.jsonl")) >= 3
+
+
+def _engine_groups(marker: str) -> list[int]:
+    """Process groups of SGLang engines started by our rollout manager for the run whose env
+    holds ``marker`` (the run folder): each engine leads its own session (the local pool)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        pid = int(proc.name)
+        if (
+            b"modal_rl.cluster.keyed_launch" in cmdline
+            and marker.encode() in environ
+            and os.getpgid(pid) == pid
+        ):
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_sglang_engine_is_replaced_and_caught_up_and_the_run_finishes(tmp_path):
+    # Our RolloutManager subclass (slime's --rollout-manager-path, patches/slime/0004) starts the
+    # real SGLang engine under its supervisor; it is killed after the first step.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "main_slime.sh")],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            **sources_env(),
+            "MODAL_RL_SLIME_RUN_DIR": str(run_dir),
+            "MODAL_RL_SLIME_ENGINES": "modal:1",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines, killed = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if not killed and "[modal_rl.step] rollout 0" in line:
+                groups = _engine_groups(str(run_dir))
+                assert len(groups) == 1, f"expected one engine of this run, found {groups}"
+                os.killpg(groups[0], signal.SIGKILL)
+                killed.append(groups[0])
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=120)
+    out = "".join(lines)
+    assert killed, f"the run never reached its first step:\n{out[-4000:]}"
+    assert rc == 0, f"exit {rc}\n{out[-4000:]}"
+    assert out.count("[modal_rl.step] rollout") >= 3
+    assert "weight checks passed" in out
+    events = [
+        json.loads(x) for x in (run_dir / "parts" / "engine-events.jsonl").read_text().splitlines() if x
+    ]
+    kinds = [e.get("kind") or e.get("event") for e in events]
+    assert any("replace" in str(k) for k in kinds), kinds
 
 
 def test_the_gap_check_fails_on_a_stale_step_and_passes_when_synced():

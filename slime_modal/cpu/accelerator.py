@@ -2,10 +2,11 @@
 ``register_accelerator`` (selected with ``SLIME_ACCELERATOR=cpu``, which CPU mode sets).
 
 Devices are the host: one logical device, index 0 (Ray's logical GPUs map onto it), gloo for
-every process group, no streams, no caching allocator, the CPU generator for RNG."""
+every process group, one stream that orders nothing (CPU work runs in program order), no caching allocator, the CPU generator for RNG."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 NAME = "cpu"
@@ -17,6 +18,8 @@ VISIBLE_ENV = "MODAL_RL_SLIME_CPU_VISIBLE_DEVICES"
 def _backend_class():
     import torch
     from slime.utils.accelerator.base import Accelerator
+
+    from slime_modal.cpu.cuda_on_cpu import HOST_STREAM, HostEvent, HostStream
 
     class HostCpu(Accelerator):
         name = NAME
@@ -49,7 +52,21 @@ def _backend_class():
             pass
 
         def current_stream(self, device: Any = None) -> Any:
-            return None
+            return HOST_STREAM
+
+        def default_stream(self, device: Any = None) -> Any:
+            return HOST_STREAM
+
+        def stream(self, stream: Any):
+            return contextlib.nullcontext()
+
+        @property
+        def Stream(self) -> Any:  # noqa: N802 - slime's accelerator interface
+            return HostStream
+
+        @property
+        def Event(self) -> Any:  # noqa: N802 - slime's accelerator interface
+            return HostEvent
 
         def empty_cache(self) -> None:
             pass

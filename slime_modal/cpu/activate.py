@@ -67,4 +67,7 @@ def job_env() -> dict[str, str]:
         "SGLANG_USE_CPU_ENGINE": "1",
         "RAY_USE_UVLOOP": "0",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        # slime compiles parts of its loss with torch.compile; on CPU, inductor would build C++
+        # kernels with the host compiler on every start, for a model this size slower than eager
+        "TORCHDYNAMO_DISABLE": "1",
     }

@@ -3,7 +3,8 @@ of the run to LOG and shows only a line per phase and per step on the terminal.
 
 A phase line is one of the launcher's own (``slime_modal:``, ``[modal_rl.cluster ...]``), the
 CPU boundary's one line (``[slime_modal.cpu]``, once), or a slime milestone in :data:`PHASES`;
-a step line is our step numbers (``[modal_rl.step]``, ``slime_modal.step_metrics``); a traceback's
+a step line is our step numbers (``[modal_rl.step]``, ``slime_modal.step_metrics``), an engine
+line our rollout manager's supervisor events (``[modal_rl.engine]``); a traceback's
 last line and slime's errors are shown too, so a failure is visible without opening LOG.
 """
 
@@ -19,7 +20,7 @@ PHASES = {
     "Load checkpoint from HuggingFace": "Megatron loading the HF checkpoint",
     "Timer update_weights end": "weights published to SGLang",
 }
-SHOWN = ("slime_modal:", "[modal_rl.cluster", "[modal_rl.step]", "[slime_modal.cpu]")
+SHOWN = ("slime_modal:", "[modal_rl.cluster", "[modal_rl.step]", "[modal_rl.engine]", "[slime_modal.cpu]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PREFIX = re.compile(r"^\((?:[A-Za-z_]+ )?pid=\d+(?:, ip=[^)]*)?\)\s*")
 

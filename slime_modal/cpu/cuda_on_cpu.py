@@ -28,7 +28,7 @@ _mode = None
 _MODE_LOCK = threading.Lock()
 
 
-class _Stream:
+class HostStream:
     """A CUDA stream's interface, with nothing to order: CPU work runs in program order."""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -41,7 +41,7 @@ class _Stream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event or _Event()
+        return event or HostEvent()
 
     def synchronize(self) -> None:
         pass
@@ -50,16 +50,16 @@ class _Stream:
         return True
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Stream)
+        return isinstance(other, HostStream)
 
     def __hash__(self) -> int:
         return 0
 
 
-_STREAM = _Stream()
+HOST_STREAM = HostStream()  # the one stream there is
 
 
-class _Event:
+class HostEvent:
     def __init__(self, *args: Any, **kwargs: Any):
         import time
 
@@ -78,7 +78,7 @@ class _Event:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: _Event) -> float:
+    def elapsed_time(self, end: HostEvent) -> float:
         return ((end._t or 0.0) - (self._t or 0.0)) * 1000.0
 
 
@@ -127,10 +127,10 @@ def _cuda_functions(torch: Any) -> dict[str, Any]:
         "current_device": lambda: 0,
         "set_device": _returning(None),
         "synchronize": _returning(None),
-        "Stream": _Stream,
-        "Event": _Event,
-        "current_stream": lambda device=None: _STREAM,
-        "default_stream": lambda device=None: _STREAM,
+        "Stream": HostStream,
+        "Event": HostEvent,
+        "current_stream": lambda device=None: HOST_STREAM,
+        "default_stream": lambda device=None: HOST_STREAM,
         "stream": lambda stream=None: contextlib.nullcontext(),
         "set_stream": _returning(None),
         "device": lambda device=None: contextlib.nullcontext(),

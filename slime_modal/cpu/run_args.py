@@ -1,6 +1,7 @@
 """slime's command line for the CPU main job: ``python -m slime_modal.cpu.run_args TINY RUN``
 makes the tiny assets in TINY (``slime_modal.cpu.tiny``) and prints, one token per line, the
-``train.py`` arguments of a 3-step GRPO run writing into the run folder RUN.
+``train.py`` arguments of a 3-step GRPO run writing into the run folder RUN
+(``--external-engines``: for ``python -m slime_modal --rollout-engines``).
 
 What each group is for:
 
@@ -25,13 +26,16 @@ from slime_modal.cpu import tiny
 STEPS = 3
 
 
-def run_args(tiny_dir: Path, run_dir: Path) -> list[str]:
+def run_args(tiny_dir: Path, run_dir: Path, external_engines: bool = False) -> list[str]:
+    """``external_engines``: the engines are ``--rollout-engines``' (our rollout manager starts
+    them), so slime reserves no rollout GPU."""
     run_dir = Path(run_dir).resolve()
     return [
         *tiny.make(tiny_dir),
         # placement
         *("--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"),
-        *("--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "1"),
+        *(() if external_engines else ("--rollout-num-gpus", "1")),
+        *("--rollout-num-gpus-per-engine", "1"),
         # SGLang on CPU
         *("--sglang-device", "cpu", "--sglang-mem-fraction-static", "0.05", "--sglang-disable-cuda-graph"),
         *("--sglang-attention-backend", "torch_native"),
@@ -69,10 +73,14 @@ def run_args(tiny_dir: Path, run_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    external = "--external-engines" in argv
+    argv = [a for a in argv if a != "--external-engines"]
     if len(argv) != 2:
-        print("usage: python -m slime_modal.cpu.run_args TINY_DIR RUN_DIR", file=sys.stderr)
+        print(
+            "usage: python -m slime_modal.cpu.run_args TINY_DIR RUN_DIR [--external-engines]", file=sys.stderr
+        )
         return 2
-    for token in run_args(Path(argv[0]), Path(argv[1])):
+    for token in run_args(Path(argv[0]), Path(argv[1]), external):
         print(token)
     return 0
 
