@@ -82,7 +82,11 @@ mark="$SITE/sglang/.modal-rl-patched"
 if [ "$(cat "$mark" 2>/dev/null)" != "$(git -C "$SLIME" rev-parse HEAD)" ]; then
   # from the wheel's own files (a copy patched before, from another slime, is replaced)
   venv_install --no-deps --reinstall-package sglang "sglang==$SGLANG_VERSION"
-  for patch in sglang.patch sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch; do
+  patches=(sglang.patch sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch)
+  for patch in "${patches[@]}"; do
+    # files a patch adds are not the wheel's: a reinstall leaves an earlier copy behind
+    awk '/^--- \/dev\/null/ {n=1; next} n && /^\+\+\+ b\/python\// {print substr($2, 10)} {n=0}' \
+      "$SLIME/docker/patch/v$SGLANG_VERSION/$patch" | while read -r added; do rm -f "$SITE/$added"; done
     patch -p2 -s -d "$SITE" <"$SLIME/docker/patch/v$SGLANG_VERSION/$patch"
   done
   "$PY" - "$SITE" <<'PYEOF'

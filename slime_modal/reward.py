@@ -27,11 +27,14 @@ import json
 import logging
 from typing import Any
 
+from modal_rl.report.parts import record_sandbox
 from modal_rl.sandboxes.scoring import score_sample
 from modal_rl.sandboxes.shared import on_pool_loop
 from slime_modal.config import reward_settings, rollout_pool
 
 log = logging.getLogger(__name__)
+# This process's scoring counters, for the run's numbers (modal_rl.report.parts.record_sandbox).
+_COUNTS = {"samples": 0, "execs": 0, "sandbox_errors": 0}
 
 
 def sample_tests(sample: Any) -> Any:
@@ -63,9 +66,14 @@ async def _score(args: Any, sample: Any) -> float:
         return 0.0
 
     async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
-        return await score_sample(
+        result = await score_sample(
             lambda: rollout_pool(args), sample.response, tests, partial=partial, timeout_s=timeout_s
         )
+        _COUNTS["samples"] += 1
+        _COUNTS["execs"] += result.execs
+        _COUNTS["sandbox_errors"] += int(result.masked and result.cause == "sandbox")
+        record_sandbox(dict(_COUNTS), (await rollout_pool(args)).snapshot())
+        return result
 
     result = await on_pool_loop(run())
     if result.masked:  # a dataset problem is an error to fix; a sandbox failure is weather

@@ -174,6 +174,7 @@ def step_line(rollout_id: int, seen: dict[str, float], ours: dict[str, float]) -
         ("engine logprob", "rollout/rollout_log_probs", "{:.3f}"),
         ("syncs", numbers.WS + "syncs", "{:.0f}"),
         ("sent MiB", numbers.WS + "sent_mib", "{:.3f}"),
+        ("sandbox runs", numbers.SB + "execs", "{:.0f}"),
     ):
         if key in seen or key in ours:
             parts.append(f"{label} " + fmt.format({**seen, **ours}[key]))

@@ -82,8 +82,8 @@ def test_main_slime_run_trains_three_steps_with_delta_sync_and_sandboxed_reward(
     assert sum(s.get("modal_rl/weight_sync/deltas", 0) for s in steps.values()) >= 2
     assert (run_dir / "report.html").is_file()
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
-    # The reward ran in sandboxes: the pool's numbers reached our metrics.
-    assert any(k.startswith("modal_rl/sandbox") for s in steps.values() for k in s), sorted(steps[max(steps)])
+    # The reward ran every sample's program in a sandbox: the reward process's numbers reached ours.
+    assert all(s.get("modal_rl/sandbox/execs", 0) > 0 for s in steps.values()), steps
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ PHASES = {
     "Timer update_weights end": "weights published to SGLang",
 }
 SHOWN = ("slime_modal:", "[modal_rl.cluster", "[modal_rl.step]", "[modal_rl.engine]", "[slime_modal.cpu]")
+WIDTH = 240
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PREFIX = re.compile(r"^\((?:[A-Za-z_]+ )?pid=\d+(?:, ip=[^)]*)?\)\s*")
 
@@ -33,7 +34,9 @@ def shown(line: str, seen: set[str]) -> str | None:
                 if mark in seen:
                     return None
                 seen.add(mark)
-            return text[text.index(mark) :]
+            shown_text = text[text.index(mark) :]
+            # the launcher's job line repeats slime's whole command line, which LOG holds
+            return shown_text if len(shown_text) <= WIDTH else shown_text[: WIDTH - 1] + "…"
     for needle, label in PHASES.items():
         if needle in text and label and needle not in seen:
             seen.add(needle)
