@@ -16,6 +16,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export MODAL_RL_VENV=${MODAL_RL_SLIME_VENV:-$ROOT/.venv-slime}
 source "$ROOT/scripts/_venv.sh"
 cd "$ROOT"
+# torch's compiled-kernel cache in the user's cache dir, never <temp>/torchinductor_<user> (as main.sh)
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/modal-rl/torchinductor}
 JOB_TMP=$(mktemp -d "${TMPDIR:-/tmp}/mrl-slime-XXXXXXXX")
 trap 'rm -rf "$JOB_TMP"' EXIT
 read -ra proc_stat <<<"$(sed 's/^.*) //' "/proc/$$/stat")"

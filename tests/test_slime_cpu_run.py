@@ -1,7 +1,7 @@
 """slime's own ``train.py`` / ``train_async.py``, unchanged, on this CPU: ``scripts/main_slime.sh``
 end to end (real SGLang on CPU, Megatron on CPU over gloo, our sparse delta sync through slime's
 disk path and our hooks, the sandboxed code reward), and the weight check that proves SGLang
-samples with the trainer's weights, shown able to fail on a run whose syncs are skipped.
+samples with the trainer's weights, shown able to fail on a run whose engine is an update behind.
 
 The slow tests need slime and Megatron-LM: ``SLIME_PATH`` / ``MEGATRON_PATH`` (checkouts), else
 the public repositories (cloned at slime's pinned commits: ``MODAL_RL_SLIME_REPO`` /
@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,21 +88,24 @@ def test_main_slime_run_trains_three_steps_with_delta_sync_and_sandboxed_reward(
 
 
 @pytest.mark.slow
-def test_a_skipped_sync_fails_the_weight_check(tmp_path):
-    # slime's own --update-weights-interval 2 leaves the engine one update behind at step 1.
-    proc, run_dir = main_slime(tmp_path, "--update-weights-interval", "2")
+def test_train_async_runs_three_steps_and_the_weight_check_catches_its_stale_engine(tmp_path):
+    # train_async.py samples the next rollout while the trainer updates, so each rollout comes
+    # from weights one update behind: the state a skipped sync leaves. The same check that passes
+    # on train.py must fail here on the gap, and pass when the gap is not checked.
+    # (train.py itself syncs after every step unconditionally: slime's --update-weights-interval
+    # is read only by train_async.py, so a sync cannot be skipped there without changing slime.)
+    proc, run_dir = main_slime(tmp_path, MODAL_RL_SLIME_ENTRY="train_async.py")
     assert proc.returncode == 1, _fail(proc, run_dir)
-    assert "weight check failed: gap" in proc.stderr
-
-
-@pytest.mark.slow
-def test_train_async_runs_three_steps(tmp_path):
-    # Async rollouts are one update behind by design: the gap is not checked, the rest is.
-    proc, run_dir = main_slime(
-        tmp_path, MODAL_RL_SLIME_ENTRY="train_async.py", MODAL_RL_SLIME_CHECK_ARGS="--max-gap 10"
+    assert "weight check failed: gap" in proc.stderr, proc.stderr[-3000:]
+    steps = jsonl_steps(run_dir / "metrics.jsonl")
+    assert len(steps) >= 3 and proc.stdout.count("[modal_rl.step] rollout") >= 3
+    relaxed = subprocess.run(
+        [sys.executable, "-m", "slime_modal.cpu.summary", str(run_dir), "--max-gap", "10"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
-    assert proc.returncode == 0, _fail(proc, run_dir)
-    assert len(jsonl_steps(run_dir / "metrics.jsonl")) >= 3
+    assert relaxed.returncode == 0, relaxed.stdout + relaxed.stderr
 
 
 def _engine_groups(marker: str) -> list[int]:
