@@ -71,6 +71,7 @@ def _fail(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_main_slime_run_trains_three_steps_with_delta_sync_and_sandboxed_reward(tmp_path):
     proc, run_dir = main_slime(tmp_path)
     assert proc.returncode == 0, _fail(proc, run_dir)
@@ -88,6 +89,7 @@ def test_main_slime_run_trains_three_steps_with_delta_sync_and_sandboxed_reward(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_train_async_runs_three_steps_and_the_weight_check_catches_its_stale_engine(tmp_path):
     # train_async.py samples the next rollout while the trainer updates, so each rollout comes
     # from weights one update behind: the state a skipped sync leaves. The same check that passes
@@ -131,6 +133,7 @@ def _engine_groups(marker: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_a_killed_sglang_engine_is_replaced_and_caught_up_and_the_run_finishes(tmp_path):
     # Our RolloutManager subclass (slime's --rollout-manager-path, patches/slime/0004) starts the
     # real SGLang engine under its supervisor; it is killed after the first step.
