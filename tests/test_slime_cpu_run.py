@@ -197,3 +197,27 @@ def test_metrics_jsonl_merges_rows_of_one_step(tmp_path):
     rows = [{"step": 1, "data": {"a": 1.0}}, {"step": 1, "data": {"b": 2.0}}, "not json"]
     (tmp_path / "m.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows))
     assert jsonl_steps(tmp_path / "m.jsonl") == {1: {"a": 1.0, "b": 2.0}}
+
+
+def test_the_console_shows_phases_and_steps_once_and_hides_the_rest():
+    from slime_modal.cpu.console import shown
+
+    seen: set[str] = set()
+    lines = [
+        "\x1b[36m(RolloutManager pid=1)\x1b[0m [modal_rl.step] rollout 0: reward 0.008",
+        "(MegatronTrainRayActor pid=2) [2026-12-06 23:40:25] timer.py:32 - Timer update_weights end (elapsed: 0.4s)",
+        "(MegatronTrainRayActor pid=2) [2026-12-06 23:40:26] timer.py:32 - Timer update_weights end (elapsed: 0.7s)",
+        "(pid=3) [slime_modal.cpu] CPU mode: ...",
+        "(pid=4) [slime_modal.cpu] CPU mode: ...",
+        '(SGLangEngine pid=5) INFO:     127.0.0.1:37880 - "POST /generate HTTP/1.1" 200 OK',
+        "RuntimeError: something broke",
+    ]
+    assert [shown(line, seen) for line in lines] == [
+        "[modal_rl.step] rollout 0: reward 0.008",
+        "[slime] weights published to SGLang",
+        None,
+        "[slime_modal.cpu] CPU mode: ...",
+        None,
+        None,
+        "RuntimeError: something broke",
+    ]

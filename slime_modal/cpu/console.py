@@ -15,9 +15,10 @@ import sys
 
 PHASES = {
     "Creating placement group": "placement group (logical GPUs) ready",
-    "Launch HttpServerEngineAdapter": "SGLang engine starting on CPU",
-    "init_weights_update_group": None,
     "Load checkpoint from HuggingFace": "Megatron loading the HF checkpoint",
+    "Router launched at": "slime's router up",
+    "The server is fired up and ready to roll": "SGLang engine serving (CPU)",
+    "Pulling full checkpoint v0": "SGLang's local checkpoint made (the delta base)",
     "Timer update_weights end": "weights published to SGLang",
 }
 SHOWN = ("slime_modal:", "[modal_rl.cluster", "[modal_rl.step]", "[modal_rl.engine]", "[slime_modal.cpu]")
