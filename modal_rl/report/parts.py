@@ -43,6 +43,8 @@ def record_mask(cause: str) -> None:
 def record_events(parts: Path | None, events: list[dict]) -> None:
     if parts is None or not events:
         return
+    with contextlib.suppress(OSError):
+        parts.mkdir(parents=True, exist_ok=True)  # the first writer of a run makes it
     with contextlib.suppress(OSError), open(parts / EVENTS_FILE, "a") as f:
         f.writelines(json.dumps(e, default=str) + "\n" for e in events)
 
