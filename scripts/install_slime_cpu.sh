@@ -5,11 +5,13 @@
 # 0.5.15.post1 with CPU torch 2.13.0, installed with --no-deps: SGLang's wheel asks for CUDA
 # builds), then modal-rl itself (editable, no deps: the lock holds them).
 #
-# Then gets slime and Megatron-LM at slime's pinned commits into runs/slime-src/ (or uses
-# SLIME_PATH / MEGATRON_PATH; MODAL_RL_SLIME_REPO / MODAL_RL_MEGATRON_REPO name other clones). Megatron-LM with slime's own docker/patch Megatron patches, slime
-# with our series (patches/slime), and the installed SGLang with slime's SGLang patches for its
-# version (their /pull_weights route is what the disk-delta sync calls) plus our decoders
-# (patches/sglang). Prints SLIME_PATH=... and MEGATRON_PATH=... as its last two lines.
+# Then gets slime and Megatron-LM at slime's pinned commits into runs/slime-src/ (override with
+# MODAL_RL_SLIME_SRC), cloned from their public repositories (MODAL_RL_SLIME_REPO /
+# MODAL_RL_MEGATRON_REPO name other clones), or uses the checkouts SLIME_PATH / MEGATRON_PATH as
+# they are. A clone gets our series (patches/slime) on slime and slime's own docker/patch Megatron
+# patches on Megatron-LM. The installed SGLang gets slime's SGLang patches for its version (their
+# /pull_weights route is what the disk-delta sync calls) plus our decoders (patches/sglang).
+# Prints SLIME_PATH=... and MEGATRON_PATH=... as its last two lines.
 # Idempotent: what is in place is checked and kept.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

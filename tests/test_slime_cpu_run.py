@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,8 @@ MIRRORS = {
     "MODAL_RL_MEGATRON_REPO": Path("/work/.mirror/NVIDIA+Megatron-LM/repo"),
 }
 RUN_TIMEOUT_S = 1800
+# The venv scripts/main_slime.sh makes (slime's stack, tensorboard included)
+SLIME_PYTHON = Path(os.environ.get("MODAL_RL_SLIME_VENV", ROOT / ".venv-slime")) / "bin" / "python"
 
 
 def sources_env() -> dict[str, str]:
@@ -102,7 +103,7 @@ def test_train_async_runs_three_steps_and_the_weight_check_catches_its_stale_eng
     steps = jsonl_steps(run_dir / "metrics.jsonl")
     assert len(steps) >= 3 and proc.stdout.count("[modal_rl.step] rollout") >= 3
     relaxed = subprocess.run(
-        [sys.executable, "-m", "slime_modal.cpu.summary", str(run_dir), "--max-gap", "10"],
+        [str(SLIME_PYTHON), "-m", "slime_modal.cpu.summary", str(run_dir), "--max-gap", "10"],
         cwd=ROOT,
         capture_output=True,
         text=True,
