@@ -68,7 +68,10 @@ def test_slime_logs_the_modal_rl_numbers_through_its_own_tensorboard_path(slime_
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["data"]["modal_rl/masked/samples"] == 2.0
+    # the rollout's own means (rewards 0, 1, 0, 1; lengths 1..4) for the report's reward plot
+    assert rows[2]["data"]["rollout/raw_reward"] == 0.5 and rows[2]["data"]["rollout/response_lengths"] == 2.5
     from modal_rl.report.page import write
 
     page = write(tmp_path).read_text()
-    assert "<span id='step-count'>3</span>" in page and page.count("<svg") == 2  # weight sync, masks
+    # reward and length, weight sync, masks
+    assert "<span id='step-count'>3</span>" in page and page.count("<svg") == 3
