@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="N SGLang engines as their own Modal function, e.g. modal:4 or modal:4:H100 or modal:4:H100:2; "
         "GPU TYPE default H100, COUNT per engine default (and must equal) --rollout-num-gpus-per-engine",
     )
+    g.add_argument(
+        "--cpu",
+        action="store_true",
+        help="--backend local on a host without GPUs: SGLang and Megatron on the CPU through "
+        "slime_modal.cpu's boundary (docs/quickstart-slime.md)",
+    )
     upstream.add_args(g)  # --no-slime-patches
     return parser
 
@@ -129,15 +135,18 @@ def _main(argv: list[str]) -> int:
     try:
         if args.rollout_engines:
             engines = E.parse_engines(args.rollout_engines)
-        spec = spec_from_args(
-            args, **({"image": L.SLIME_IMAGE} if args.backend == "modal" and not args.image else {})
-        )
+        extra = {"image": L.SLIME_IMAGE} if args.backend == "modal" and not args.image else {}
+        if args.cpu and args.backend == "local":
+            extra |= L.cpu_cluster(slime_argv, engines is not None, gpu_given=bool(args.gpu))
+        spec = spec_from_args(args, **extra)
         if args.backend == "modal":
             from modal_rl.cluster.backend_modal import validate_for_modal
 
             validate_for_modal(spec)
     except (ValueError, ClusterSpecError) as exc:
         return _fail(str(exc))
+    if args.cpu and args.backend != "local":
+        return _fail("--cpu runs on this machine only: use it with --backend local")
 
     ours_flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
     for warning in pf.launcher_flag_warnings(slime_argv, ours_flags - {"--help"}):
@@ -196,6 +205,8 @@ def _main(argv: list[str]) -> int:
     runtime_env = L.runtime_env(
         spec.env, args.slime_path, args.megatron_path, volumes, args.backend, extra_paths=example_paths
     )
+    if args.cpu:
+        L.with_cpu_mode(runtime_env, spec.env)
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
     engine_opts = {
         "image": spec.image,  # the cluster's image: slime's carries SGLang and slime's patches

@@ -125,3 +125,29 @@ def with_reward_groups(argv: list[str]) -> tuple[list[str], list[str]]:
         return list(argv), []
     added = [reward_groups.FLAG, reward_groups.PATH]
     return [*argv, *added], added
+
+
+def with_cpu_mode(runtime_env: dict, user_env: dict[str, str]) -> None:
+    """CPU mode (``--cpu``): the boundary's start-up directory first on ``PYTHONPATH`` and its
+    env (``slime_modal.cpu.activate.job_env``), keys the user set with ``--env`` left out."""
+    from slime_modal.cpu.activate import BOOT_DIR, job_env
+
+    env = runtime_env["env_vars"]
+    env["PYTHONPATH"] = f"{BOOT_DIR}:{env.get('PYTHONPATH', '${PYTHONPATH}')}"
+    env.update({k: v for k, v in job_env().items() if k not in user_env})
+
+
+# Ray CPUs of a CPU-mode local node: slime's placement bundles take one CPU per logical GPU,
+# beside its rollout manager and the reward's actors (logical, like the GPUs).
+CPU_MODE_RAY_CPUS = 8
+
+
+def cpu_cluster(slime_argv: list[str], external_engines: bool, gpu_given: bool) -> dict:
+    """ClusterSpec fields of a CPU-mode local run: as many logical GPUs as slime asks for
+    (unless ``--gpu`` gave a count) and :data:`CPU_MODE_RAY_CPUS` Ray CPUs."""
+    from slime_modal.preflight import SlimeArgs, required_gpus
+
+    fields: dict = {"cpu": CPU_MODE_RAY_CPUS}
+    if not gpu_given:
+        fields["local_gpus_per_node"] = max(1, required_gpus(SlimeArgs(slime_argv), external_engines).total)
+    return fields

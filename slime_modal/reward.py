@@ -30,11 +30,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from modal_rl.report.parts import record_sandbox
 from modal_rl.sandboxes.scoring import SampleScore, log_mask, score_sample
 from modal_rl.sandboxes.shared import on_pool_loop
 from slime_modal.config import reward_settings, rollout_pool
 
 METADATA_KEY = "modal_rl_reward"
+# This process's scoring counters, for the run's numbers (modal_rl.report.parts.record_sandbox).
+_COUNTS = {"samples": 0, "execs": 0, "sandbox_errors": 0}
 
 
 def sample_tests(sample: Any) -> Any:
@@ -57,9 +60,14 @@ async def _score(args: Any, sample: Any) -> float:
     else:
 
         async def run() -> Any:  # on the pool's loop: sandbox I/O never lives on the caller's loop
-            return await score_sample(
+            result = await score_sample(
                 lambda: rollout_pool(args), sample.response, tests, partial=partial, timeout_s=timeout_s
             )
+            _COUNTS["samples"] += 1
+            _COUNTS["execs"] += result.execs
+            _COUNTS["sandbox_errors"] += int(result.masked and result.cause == "sandbox")
+            record_sandbox(dict(_COUNTS), (await rollout_pool(args)).snapshot())
+            return result
 
         result = await on_pool_loop(run())
     return as_slime_reward(result, sample)

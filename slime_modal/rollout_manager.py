@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from slime.backends.sglang_utils.external import apply_external_engine_info_to_args
@@ -42,12 +43,14 @@ from slime.ray.rollout import RolloutManager
 
 from modal_rl.cluster.engines import EngineSpec, get_engine_pool
 from modal_rl.cluster.forwarded_engines import ForwardedEngines
+from modal_rl.report.parts import parts_dir, record_events
 from slime_modal.engine_job import listen_plan
 from slime_modal.engines import WeightPath, catch_up
 from slime_modal.manager_seam import CONFIG_ENV
 
 # How long a weight update waits for replacements (start + catch-up) before it fails.
 RECOVER_TIMEOUT_S = float(os.environ.get("MODAL_RL_SLIME_RECOVER_TIMEOUT_S", "1800"))
+EVENTS_POLL_S = 2.0
 
 
 def start_engines(environ: dict[str, str] | None = None) -> ForwardedEngines:
@@ -78,24 +81,53 @@ class ModalRolloutManager(RolloutManager.__ray_actor_class__):
 
     def __init__(self, args, pg):
         self.modal_engines = start_engines()
+        self._events_seen = 0
+        self._stopped = threading.Event()
+        self._events_lock = threading.Lock()
+        # engine events reported as they happen (a loss is seen by the supervisor, not by slime)
+        threading.Thread(target=self._watch_events, name="modal-rl-engine-events", daemon=True).start()
         try:
             args.rollout_external_engine_addrs = list(self.modal_engines.addresses)
             args.rollout_external = True
             apply_external_engine_info_to_args(args)
             super().__init__(args, pg)
         except BaseException:
+            self._stopped.set()
             self.modal_engines.stop()
             raise
 
     def recover_updatable_engines(self):
         self.health_monitoring_pause()
-        self.modal_engines.wait_serving(RECOVER_TIMEOUT_S)
+        try:
+            self.modal_engines.wait_serving(RECOVER_TIMEOUT_S)
+        finally:
+            self._report_events()
 
     def dispose(self):
         try:
             super().dispose()
         finally:
+            self._stopped.set()
+            self._report_events()
             self.modal_engines.stop()
+
+    def _watch_events(self) -> None:
+        while not self._stopped.wait(EVENTS_POLL_S):
+            self._report_events()
+
+    def _report_events(self) -> None:
+        """The supervisor's new events: one line each on the job's output, and into the run's
+        parts directory (the report's engine timeline)."""
+        with self._events_lock:
+            events = list(self.modal_engines.supervisor.events)
+            new = events[self._events_seen :]
+            self._events_seen = len(events)
+        record_events(parts_dir(), new)
+        for event in new:
+            fields = " ".join(
+                f"{k}={event[k]}" for k in ("index", "generation", "pid", "version") if k in event
+            )
+            print(f"[modal_rl.engine] {event['kind']} {fields}", flush=True)
 
     def engine_report(self) -> dict[str, Any]:
         """Where each slot stands: the forwarder's addresses (what slime holds), the engines

@@ -78,8 +78,11 @@ class SlimeCollector:
                 continue  # still being written: counted at the next rollout
             self.seen_versions.add(int(name[8:]))
             mib = _version_files(entry) / (1 << 20)
-            sender = {"checkpoint_engine/version": float(int(name[8:])), "checkpoint_engine/payload_mbytes": mib,
-                      "checkpoint_engine/anchor": 1.0 if full else 0.0}  # fmt: skip
+            sender = {
+                "checkpoint_engine/version": float(int(name[8:])),
+                "checkpoint_engine/payload_mbytes": mib,
+                "checkpoint_engine/anchor": 1.0 if full else 0.0,
+            }
             records.append(numbers.SyncRecord(seconds=None, sender=sender))
         return records
 
@@ -139,6 +142,48 @@ def _bind_wandb_step(args) -> None:
         log.warning("modal_rl step metrics: wandb step binding failed (%s)", exc)
 
 
+def _flat(samples: Any) -> list[Any]:
+    out: list[Any] = []
+    for item in samples or []:
+        out.extend(_flat(item) if isinstance(item, list) else [item])
+    return out
+
+
+def sample_means(samples: Any) -> dict[str, float]:
+    """The rollout's means as slime names them (reward, response length, the engine's own
+    log-probs of the sampled tokens), for ``metrics.jsonl`` and the step line; slime logs its
+    own copies into its trackers."""
+    flat = _flat(samples)
+    rewards = [float(s.reward) for s in flat if isinstance(getattr(s, "reward", None), int | float)]
+    lengths = [float(s.response_length) for s in flat if getattr(s, "response_length", None) is not None]
+    logps = [float(x) for s in flat for x in (getattr(s, "rollout_log_probs", None) or [])]
+    out = {}
+    for name, values in (
+        ("rollout/raw_reward", rewards),
+        ("rollout/response_lengths", lengths),
+        ("rollout/rollout_log_probs", logps),
+    ):
+        if values:
+            out[name] = sum(values) / len(values)
+    return out
+
+
+def step_line(rollout_id: int, seen: dict[str, float], ours: dict[str, float]) -> str:
+    """One terminal line per rollout (``[modal_rl.step]``, what the CPU main job shows)."""
+    parts = [f"[modal_rl.step] rollout {rollout_id}:"]
+    for label, key, fmt in (
+        ("reward", "rollout/raw_reward", "{:.3f}"),
+        ("length", "rollout/response_lengths", "{:.1f}"),
+        ("engine logprob", "rollout/rollout_log_probs", "{:.3f}"),
+        ("syncs", numbers.WS + "syncs", "{:.0f}"),
+        ("sent MiB", numbers.WS + "sent_mib", "{:.3f}"),
+        ("sandbox runs", numbers.SB + "execs", "{:.0f}"),
+    ):
+        if key in seen or key in ours:
+            parts.append(f"{label} " + fmt.format({**seen, **ours}[key]))
+    return " ".join(parts)
+
+
 def log_rollout_data(
     rollout_id: int, args, samples: Any, rollout_extra_metrics: Any, rollout_time: float
 ) -> bool:
@@ -156,7 +201,9 @@ def log_rollout_data(
             from slime.observability import logging_utils
 
             logging_utils.log(args, {**ours, STEP_KEY: step}, step_key=STEP_KEY)
-        col.write_jsonl(step, ours)
+        seen = sample_means(samples)
+        col.write_jsonl(step, {**seen, **ours})
+        print(step_line(rollout_id, seen, ours), flush=True)
     except Exception as exc:  # never into slime's rollout loop
         log.warning(
             "modal_rl step metrics: rollout %s not logged (%s: %s)", rollout_id, type(exc).__name__, exc

@@ -22,11 +22,21 @@ from modal_rl.report.parts import record_mask  # noqa: E402
 
 args = Namespace(
     custom_rollout_log_function_path="slime_modal.step_metrics.log_rollout_data",
-    load_debug_rollout_data=False, use_wandb=False, use_tensorboard=True, tb_project_name="p",
-    tb_experiment_name="e", advantage_estimator="grpo", log_passrate=False, log_reward_category=None,
-    rollout_num_gpus=1, wandb_always_use_train_step=False, n_samples_per_prompt=2,
-    update_weight_disk_dir=str(out / "disk"), update_weight_mode="delta", reward_key=None,
-)  # fmt: skip
+    load_debug_rollout_data=False,
+    use_wandb=False,
+    use_tensorboard=True,
+    tb_project_name="p",
+    tb_experiment_name="e",
+    advantage_estimator="grpo",
+    log_passrate=False,
+    log_reward_category=None,
+    rollout_num_gpus=1,
+    wandb_always_use_train_step=False,
+    n_samples_per_prompt=2,
+    update_weight_disk_dir=str(out / "disk"),
+    update_weight_mode="delta",
+    reward_key=None,
+)
 
 
 def publish(version: int, nbytes: int) -> None:
@@ -38,8 +48,18 @@ def publish(version: int, nbytes: int) -> None:
 
 
 def samples(n: int) -> list:
-    return [Sample(index=i, prompt="1+1", response="2" * (i + 1), response_length=i + 1, reward=float(i % 2),
-                   tokens=[1] * (i + 3), status=Sample.Status.COMPLETED) for i in range(n)]  # fmt: skip
+    return [
+        Sample(
+            index=i,
+            prompt="1+1",
+            response="2" * (i + 1),
+            response_length=i + 1,
+            reward=float(i % 2),
+            tokens=[1] * (i + 3),
+            status=Sample.Status.COMPLETED,
+        )
+        for i in range(n)
+    ]
 
 
 for rollout_id in range(3):

@@ -8,7 +8,9 @@ one fails this test until it is listed (and reviewed), and a listed one that is 
 too, so the list shrinks as seams land. ``setattr(obj, name, ...)`` with a name other than the
 adapters' idempotence marker counts the same.
 
-slime_modal has no swap left: the image's patch series goes in through the image builders'
+slime_modal has no swap left outside its CPU boundary (``slime_modal/cpu``, used only by
+``python -m slime_modal --cpu`` on a host without GPUs, where ``torch.cuda`` itself is answered on
+the CPU for Megatron): the image's patch series goes in through the image builders'
 ``extra_steps`` parameter (it used to replace both ``build_image`` functions), and with slime's
 rollout-manager seam (``patches/slime/0004``) our rollout actor is a subclass slime builds by
 name. For that seam-present path the rule is checked mechanically, not by the list: no module
@@ -81,6 +83,23 @@ ALLOWED = {
         "slime_modal/reward.py",
         "sample.remove_sample",
     ): "our reward result on slime's sample (slime reads the field)",
+    # CPU mode only (slime_modal.cpu, python -m slime_modal --cpu): Megatron calls torch.cuda
+    # directly, and a host without CUDA has no seam to answer those calls; never on a GPU host.
+    (
+        "slime_modal/cpu/cuda_on_cpu.py",
+        "setattr(torch.cuda, name)",
+    ): "CPU try-out: Megatron's torch.cuda calls",
+    (
+        "slime_modal/cpu/cuda_on_cpu.py",
+        "setattr(torch.cuda.random, name)",
+    ): "CPU try-out: Megatron's torch.cuda calls",
+    ("slime_modal/cpu/activate.py", "spec.loader.exec_module"): "our import hook's loader on a found spec",
+    # The layer spec slime's --spec asks for: a fresh ModuleSpec of Megatron's, ours to shape.
+    ("slime_modal/cpu/layer_spec.py", "sub.input_layernorm"): "our layer spec",
+    ("slime_modal/cpu/layer_spec.py", "sub.pre_mlp_layernorm"): "our layer spec",
+    ("slime_modal/cpu/layer_spec.py", "sub.self_attention.submodules.linear_qkv"): "our layer spec",
+    ("slime_modal/cpu/layer_spec.py", "sub.self_attention.submodules.core_attention"): "our layer spec",
+    ("slime_modal/cpu/layer_spec.py", "sub.mlp.submodules.linear_fc1"): "our layer spec",
 }
 MARK = "_MARK"  # setattr(fn, _MARK, True): a wrapper marks itself so it is applied once
 
@@ -127,9 +146,29 @@ def test_every_remaining_swap_is_listed_with_its_reason():
     assert not gone, f"listed but no longer there (drop them from ALLOWED): {gone}"
 
 
+CPU_BOUNDARY = "slime_modal/cpu/"
+
+
 def test_slime_modal_swaps_no_upstream_name():
-    reasons = {where: why for where, why in ALLOWED.items() if where[0].startswith("slime_modal/")}
+    # Outside the CPU boundary (python -m slime_modal --cpu only, module docstring there).
+    reasons = {
+        where: why
+        for where, why in ALLOWED.items()
+        if where[0].startswith("slime_modal/") and not where[0].startswith(CPU_BOUNDARY)
+    }
     assert reasons and all(why.startswith("our") for why in reasons.values()), reasons
+
+
+def test_the_cpu_boundarys_only_upstream_swap_is_torch_cuda_on_a_host_without_it():
+    upstream = {
+        where
+        for where, why in ALLOWED.items()
+        if where[0].startswith(CPU_BOUNDARY) and not why.startswith("our")
+    }
+    assert upstream == {
+        ("slime_modal/cpu/cuda_on_cpu.py", "setattr(torch.cuda, name)"),
+        ("slime_modal/cpu/cuda_on_cpu.py", "setattr(torch.cuda.random, name)"),
+    }
 
 
 SEAM_PATH = "slime_modal/rollout_manager.py"

@@ -53,13 +53,19 @@ def publish(disk_dir: Path, version: int, *, complete: bool = True) -> None:
 
 def slime_argv(tmp_path: Path, transport: str = "disk") -> list[str]:
     return [
-        "--hf-checkpoint", "/models/tiny",
-        "--update-weight-transport", transport,
-        "--update-weight-mode", "delta",
-        "--update-weight-disk-dir", str(tmp_path / "published"),
-        "--update-weight-local-checkpoint-dir", str(tmp_path / "local-ckpt"),
-        "--sglang-state", str(tmp_path / "state"),  # the stand-in's request log (SGLang: --state)
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        "/models/tiny",
+        "--update-weight-transport",
+        transport,
+        "--update-weight-mode",
+        "delta",
+        "--update-weight-disk-dir",
+        str(tmp_path / "published"),
+        "--update-weight-local-checkpoint-dir",
+        str(tmp_path / "local-ckpt"),
+        "--sglang-state",
+        str(tmp_path / "state"),  # the stand-in's request log (SGLang: --state)
+    ]
 
 
 def test_newest_version_counts_only_complete_versions(tmp_path):

@@ -128,9 +128,18 @@ def test_describe_is_json_and_names_the_command():
 def test_forwarded_job_command():
     cmd = forwarded_job_command(["python3", "/root/slime/train.py", "--lr", "1"], ["https://a", "https://b"])
     assert cmd == [
-        "python3", "-m", "slime_modal.engine_job", "--engine", "https://a", "--engine", "https://b",
-        "--", "/root/slime/train.py", "--lr", "1",
-    ]  # fmt: skip
+        "python3",
+        "-m",
+        "slime_modal.engine_job",
+        "--engine",
+        "https://a",
+        "--engine",
+        "https://b",
+        "--",
+        "/root/slime/train.py",
+        "--lr",
+        "1",
+    ]
     with pytest.raises(ValueError):
         forwarded_job_command(["python3", "t.py"], [])
 
@@ -205,9 +214,20 @@ def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
     key = "dry-run-key-" + "z" * 40
     monkeypatch.setenv("MODAL_RL_RUN_KEY", key)
     out, _ = run_module(
-        "slime_modal", "--backend", "modal", "--gpu", "H100:8", "--rollout-engines", "modal:2", "--volume", "models:/models", "--dry-run", "--json",
-        "--", *ARGV,
-    )  # fmt: skip
+        "slime_modal",
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--rollout-engines",
+        "modal:2",
+        "--volume",
+        "models:/models",
+        "--dry-run",
+        "--json",
+        "--",
+        *ARGV,
+    )
     assert out.returncode == 0, out.stderr
     assert key not in out.stdout and key not in out.stderr
     engines = json.loads(out.stdout)["rollout_engines"]

@@ -110,9 +110,18 @@ def test_engines_that_fail_to_start_stop_the_launch_before_the_job(tmp_path, mon
     line = ["--hf-checkpoint", str(tmp_path), "--rollout-num-gpus-per-engine", "1", "--actor-num-nodes", "1"]
     line += ["--actor-num-gpus-per-node", "1"]
     out, seconds = launcher(
-        "--backend", "local", "--nodes", "1", "--entry", str(entry), "--rollout-engines", "modal:1",
-        "--", *line, timeout=120,
-    )  # fmt: skip
+        "--backend",
+        "local",
+        "--nodes",
+        "1",
+        "--entry",
+        str(entry),
+        "--rollout-engines",
+        "modal:1",
+        "--",
+        *line,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "slime_modal: sglang-engine 0 exited with code 1 before it was healthy" in out.stderr
     assert "No module named 'sglang'" in out.stderr  # the engine's own last lines
@@ -130,10 +139,23 @@ def test_rollout_engines_format_is_checked(bad):
 def test_qwen3_4b_on_volumes_and_env_overrides():
     line = qwen3_4b(root="/data")
     plan = dry_plan(
-        "--backend", "modal", "--gpu", "H100:8", "--data-volume", "slime-data",
-        "--hf-cache-volume", "none", "--env", "NCCL_NVLS_ENABLE=1", "--entry", "train_async.py",
-        "--dry-run", "--json", "--", *line,
-    )  # fmt: skip
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--data-volume",
+        "slime-data",
+        "--hf-cache-volume",
+        "none",
+        "--env",
+        "NCCL_NVLS_ENABLE=1",
+        "--entry",
+        "train_async.py",
+        "--dry-run",
+        "--json",
+        "--",
+        *line,
+    )
     assert plan["spec"]["volumes"] == {"slime-data": "/data"}
     assert plan["spec"]["env"] == {"NCCL_NVLS_ENABLE": "1"}
     env = plan["runtime_env"]["env_vars"]
@@ -167,8 +189,21 @@ def test_local_backend_mounts_no_volumes_so_no_hooks(tmp_path):
     assert out.returncode == 2 and "--colocate" in out.stderr
     line = [x for x in glm47_delta() if not x.startswith("/root/")]  # drop the paths' values
     line = [x for x in line if x not in ("--hf-checkpoint", "--ref-load", "--prompt-data")]
-    plan = dry_plan("--backend", "local", "--nodes", "4", "--gpu", "H100:8", "--entry", str(entry),
-                    *GLM_VOLUMES, "--dry-run", "--json", "--", *line)  # fmt: skip
+    plan = dry_plan(
+        "--backend",
+        "local",
+        "--nodes",
+        "4",
+        "--gpu",
+        "H100:8",
+        "--entry",
+        str(entry),
+        *GLM_VOLUMES,
+        "--dry-run",
+        "--json",
+        "--",
+        *line,
+    )
     assert plan["slime"]["added_argv"] == [] and plan["entrypoint"] == [sys.executable, str(entry), *line]
     assert json.loads(plan["runtime_env"]["env_vars"][L.VOLUMES_ENV]) == {}
     assert "MODAL_RL_SANDBOX_BACKEND" not in plan["runtime_env"]["env_vars"]
@@ -177,9 +212,20 @@ def test_local_backend_mounts_no_volumes_so_no_hooks(tmp_path):
 def test_launcher_flags_after_the_separator_are_named_in_a_warning():
     line = qwen3_4b(root="/data")
     out, _ = launcher(
-        "--backend", "modal", "--gpu", "H100:8", "--data-volume", "d", "--dry-run", "--json", "--", *line,
-        "--nodes", "2", "--gpu=A100:8",
-    )  # fmt: skip
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--data-volume",
+        "d",
+        "--dry-run",
+        "--json",
+        "--",
+        *line,
+        "--nodes",
+        "2",
+        "--gpu=A100:8",
+    )
     assert out.returncode == 0, out.stderr
     warnings = [x for x in out.stderr.splitlines() if "warning" in x]
     assert len(warnings) == 2 and "--nodes comes after `--`" in warnings[0] and "--gpu" in warnings[1]

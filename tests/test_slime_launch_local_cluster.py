@@ -53,25 +53,45 @@ def slime_args(model_dir: str) -> list[str]:
     """30+ tokens of a slime line with the awkward cases: spaces, quotes, JSON, a repeated flag,
     a bare ``--`` and ``--x=y`` inside, an empty value, ``$VAR`` that no shell may expand."""
     return [
-        "--actor-num-nodes", "1",
-        "--actor-num-gpus-per-node", "1",
-        "--rollout-num-gpus", "1",
-        "--rollout-num-gpus-per-engine", "1",
-        "--hf-checkpoint", model_dir,
-        "--lr", "1e-6",
-        "--lr", "2e-6",
-        "--wandb-group", "my run (1) 'quoted' \"double\"",
-        "--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "A": "x y"}',
-        "--sglang-extra", "--",
-        "--eval-prompt-data", "aime", "/data/aime 2024.jsonl",
-        "--rm-type", "deepscaler",
-        "--custom-rm-path", "slime_modal.reward.reward_func",
-        "--rollout-stop", "$HOME", "`id`", "a;b|c&d", "",
-        "--kl-coef=-0.01",
-        "--note", "line1\nline2\ttab ü",
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--rollout-num-gpus-per-engine",
+        "1",
+        "--hf-checkpoint",
+        model_dir,
+        "--lr",
+        "1e-6",
+        "--lr",
+        "2e-6",
+        "--wandb-group",
+        "my run (1) 'quoted' \"double\"",
+        "--train-env-vars",
+        '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "A": "x y"}',
+        "--sglang-extra",
         "--",
-        "--trailing", "after-separator",
-    ]  # fmt: skip
+        "--eval-prompt-data",
+        "aime",
+        "/data/aime 2024.jsonl",
+        "--rm-type",
+        "deepscaler",
+        "--custom-rm-path",
+        "slime_modal.reward.reward_func",
+        "--rollout-stop",
+        "$HOME",
+        "`id`",
+        "a;b|c&d",
+        "",
+        "--kl-coef=-0.01",
+        "--note",
+        "line1\nline2\ttab ü",
+        "--",
+        "--trailing",
+        "after-separator",
+    ]
 
 
 @pytest.mark.timeout(400)
@@ -84,9 +104,20 @@ def test_probe_runs_as_the_job_on_two_nodes_with_exact_argv_and_nothing_left(tmp
     args = slime_args(str(model))
     assert len(args) >= 30
     out, seconds = launcher(
-        "--backend", "local", "--nodes", "2", "--join-timeout", "150", "--entry", str(probe),
-        "--env", f"PROBE_OUT={out_file}", "--", *args, timeout=380,
-    )  # fmt: skip
+        "--backend",
+        "local",
+        "--nodes",
+        "2",
+        "--join-timeout",
+        "150",
+        "--entry",
+        str(probe),
+        "--env",
+        f"PROBE_OUT={out_file}",
+        "--",
+        *args,
+        timeout=380,
+    )
     assert out.returncode == 0, out.stderr[-4000:] + out.stdout[-2000:]
     assert "probe done" in out.stdout  # rank 0 streamed the job's log
     record = json.loads(out_file.read_text())

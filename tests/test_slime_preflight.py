@@ -33,9 +33,21 @@ def _assert_refused(out, seconds, *needles):
 
 def test_too_few_gpus_exits_2_in_seconds():
     out, seconds = launcher(
-        "--backend", "modal", "--nodes", "2", "--gpu", "H100:8", "--volume", "m:/root/models",
-        "--volume", "d:/root/datasets", "--volume", "w:/shared/fs", "--", *glm47_delta(),
-    )  # fmt: skip
+        "--backend",
+        "modal",
+        "--nodes",
+        "2",
+        "--gpu",
+        "H100:8",
+        "--volume",
+        "m:/root/models",
+        "--volume",
+        "d:/root/datasets",
+        "--volume",
+        "w:/shared/fs",
+        "--",
+        *glm47_delta(),
+    )
     _assert_refused(out, seconds, "asks for 32 GPUs (actor 2 x 8 + rollout 16)", "cluster has 16")
 
 
@@ -59,10 +71,20 @@ def test_delta_with_colocate_exits_2_in_seconds(tmp_path):
 
 def test_missing_checkpoint_path_exits_2_in_seconds(tmp_path):
     out, seconds = launcher(
-        "--backend", "local", "--gpu", "H100:8", "--entry", _probe(tmp_path), "--",
-        "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4",
-        "--hf-checkpoint", str(tmp_path / "no-such-model"),
-    )  # fmt: skip
+        "--backend",
+        "local",
+        "--gpu",
+        "H100:8",
+        "--entry",
+        _probe(tmp_path),
+        "--",
+        "--actor-num-gpus-per-node",
+        "4",
+        "--rollout-num-gpus",
+        "4",
+        "--hf-checkpoint",
+        str(tmp_path / "no-such-model"),
+    )
     _assert_refused(out, seconds, f"--hf-checkpoint {tmp_path}/no-such-model: no such file or directory")
 
 

@@ -191,9 +191,13 @@ def test_the_seam_is_read_from_slimes_source(trees, tmp_path):
 def test_the_manager_flags_and_its_engine_config():
     line = ["--hf-checkpoint", "/m", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d"]
     assert manager_seam.manager_argv(line) == [
-        *line, "--rollout-manager-path", manager_seam.MANAGER_PATH, "--rollout-num-gpus", "0",
+        *line,
+        "--rollout-manager-path",
+        manager_seam.MANAGER_PATH,
+        "--rollout-num-gpus",
+        "0",
         "--use-fault-tolerance",
-    ]  # fmt: skip
+    ]
     kept = [*line, "--rollout-num-gpus", "0", "--use-fault-tolerance"]  # the user's own: not repeated
     assert manager_seam.manager_argv(kept) == [*kept, "--rollout-manager-path", manager_seam.MANAGER_PATH]
     for bad in (["--rollout-num-gpus", "4"], ["--rollout-manager-path", "x.Y"]):
@@ -226,9 +230,18 @@ def test_the_launcher_names_our_manager_only_where_slime_has_the_seam(trees, tmp
     plans = {}
     for name, tree in trees.items():
         out, _ = run_module(
-            "slime_modal", "--backend", "local", "--slime-path", str(tree), "--rollout-engines", "modal:2",
-            "--dry-run", "--json", "--", *line,
-        )  # fmt: skip
+            "slime_modal",
+            "--backend",
+            "local",
+            "--slime-path",
+            str(tree),
+            "--rollout-engines",
+            "modal:2",
+            "--dry-run",
+            "--json",
+            "--",
+            *line,
+        )
         assert out.returncode == 0, out.stderr
         plans[name] = json.loads(out.stdout)
     seam, base = plans["patched"], plans["base"]
@@ -276,13 +289,19 @@ def test_slime_runs_our_manager_which_replaces_a_killed_engine(
     publish(disk, 1)
     publish(disk, 2)  # slime's newest: what the replacement must hold
     argv = [
-        "--hf-checkpoint", "/models/tiny",
-        "--update-weight-transport", "disk",
-        "--update-weight-mode", "delta",
-        "--update-weight-disk-dir", str(disk),
-        "--update-weight-local-checkpoint-dir", str(tmp_path / "local-ckpt"),
-        "--sglang-state", str(state),
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        "/models/tiny",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-mode",
+        "delta",
+        "--update-weight-disk-dir",
+        str(disk),
+        "--update-weight-local-checkpoint-dir",
+        str(tmp_path / "local-ckpt"),
+        "--sglang-state",
+        str(state),
+    ]
     env = manager_seam.manager_env(
         EnginesRequest(2, "H100"),
         argv,

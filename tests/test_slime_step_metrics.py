@@ -45,8 +45,13 @@ def test_slime_logs_the_modal_rl_numbers_through_its_own_tensorboard_path(slime_
         "PYTHONPATH": os.pathsep.join([str(slime_tree), str(ROOT)]),
         "WANDB_MODE": "disabled",
     }
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_slime_log_child.py"), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_slime_log_child.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
@@ -68,7 +73,10 @@ def test_slime_logs_the_modal_rl_numbers_through_its_own_tensorboard_path(slime_
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["data"]["modal_rl/masked/samples"] == 2.0
+    # the rollout's own means (rewards 0, 1, 0, 1; lengths 1..4) for the report's reward plot
+    assert rows[2]["data"]["rollout/raw_reward"] == 0.5 and rows[2]["data"]["rollout/response_lengths"] == 2.5
     from modal_rl.report.page import write
 
     page = write(tmp_path).read_text()
-    assert "<span id='step-count'>3</span>" in page and page.count("<svg") == 2  # weight sync, masks
+    # reward and length, weight sync, masks
+    assert "<span id='step-count'>3</span>" in page and page.count("<svg") == 3

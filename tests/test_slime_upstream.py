@@ -62,9 +62,19 @@ def test_modal_dry_run_plan_lists_the_series_applied_to_the_image():
 
 def test_plan_says_when_the_series_is_not_applied():
     plan = dry_plan(
-        "--backend", "modal", "--gpu", "H100:8", "--nodes", "4", "--no-slime-patches", *VOLUMES,
-        "--dry-run", "--json", "--", *glm47_delta(),
-    )  # fmt: skip
+        "--backend",
+        "modal",
+        "--gpu",
+        "H100:8",
+        "--nodes",
+        "4",
+        "--no-slime-patches",
+        *VOLUMES,
+        "--dry-run",
+        "--json",
+        "--",
+        *glm47_delta(),
+    )
     assert plan["slime_patches"] == {"applied": False, "why": "--no-slime-patches"}
     local = upstream.plan(_args(backend="local"))
     assert local["applied"] is False and "--backend local" in local["why"]

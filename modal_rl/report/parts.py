@@ -43,8 +43,25 @@ def record_mask(cause: str) -> None:
 def record_events(parts: Path | None, events: list[dict]) -> None:
     if parts is None or not events:
         return
+    with contextlib.suppress(OSError):
+        parts.mkdir(parents=True, exist_ok=True)  # the first writer of a run makes it
     with contextlib.suppress(OSError), open(parts / EVENTS_FILE, "a") as f:
         f.writelines(json.dumps(e, default=str) + "\n" for e in events)
+
+
+def record_sandbox(counts: dict[str, int], pool_snapshot: dict) -> None:
+    """This reward process's counters (``samples``, ``execs``, ``sandbox_errors``) and its
+    pool's snapshot, as ``sandbox-reward-<pid>.json`` (replaced whole); nothing without a
+    parts directory."""
+    parts = parts_dir()
+    if parts is None:
+        return
+    with contextlib.suppress(OSError):
+        parts.mkdir(parents=True, exist_ok=True)
+        path = parts / f"sandbox-reward-{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**counts, "pid": os.getpid(), "pool": pool_snapshot}, default=str))
+        tmp.replace(path)
 
 
 class PartsReader:
