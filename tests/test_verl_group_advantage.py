@@ -142,6 +142,57 @@ def test_every_row_masked_or_alone_is_all_zero():
     assert not adv.any() and not ret.any()
 
 
+def seam_grpo(
+    token_level_rewards,
+    response_mask,
+    index,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config=None,
+    valid_mask=None,
+):
+    """GRPO as ``patches/verl-main/0005`` defines it, written from its docstring: a row whose
+    ``valid_mask`` is False does not vote and gets 0; a group with an invalid row and fewer
+    than two valid rows gets 0; any other group as verl's GRPO (a group of one: mean 0, std 1)."""
+    scores = token_level_rewards.sum(-1)
+    valid = [True] * len(scores) if valid_mask is None else valid_mask.bool().tolist()
+    members: dict = {}
+    for s, u, v in zip(scores.tolist(), list(index), valid, strict=True):
+        if v:
+            members.setdefault(u, []).append(s)
+    masked_groups = {u for u, v in zip(list(index), valid, strict=True) if not v}
+    out = torch.zeros_like(scores)
+    for i, (s, u, v) in enumerate(zip(scores.tolist(), list(index), valid, strict=True)):
+        group = members.get(u, [])
+        if not v or (u in masked_groups and len(group) < 2):
+            continue
+        mean, std = (0.0, 1.0) if len(group) == 1 else (float(np.mean(group)), float(np.std(group, ddof=1)))
+        out[i] = (s - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else s - mean
+    adv = out.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def test_the_seams_valid_mask_and_the_wrapper_agree():
+    """On a verl whose GRPO takes ``valid_mask`` (the trainer passes ``response_mask.any(-1)``)
+    the wrapper still runs: sliced to the counted rows it passes the seam an all-valid mask,
+    and the result is the seam's own, which is the group rule's on every group of four. The
+    seam keeps a masked row's uid (the batch's prompt-uid form); a row moved to a uid of its
+    own leaves its prompt group looking whole to the seam, which only the wrapper catches."""
+    rewards, masks, uids, _ = batch(own_uid_for_masked=False)
+    valid = masks.any(dim=-1)
+    seam_adv, _ = seam_grpo(rewards, masks, uids, valid_mask=valid)
+    wrapped_adv, _ = group_advantage.wrap(seam_grpo)(
+        token_level_rewards=rewards, response_mask=masks, index=uids, valid_mask=valid
+    )
+    verl_rule_adv, _ = core_algos.get_adv_estimator_fn("grpo")(
+        token_level_rewards=rewards, response_mask=masks, index=uids, config=AlgoConfig()
+    )
+    torch.testing.assert_close(wrapped_adv, seam_adv)
+    torch.testing.assert_close(verl_rule_adv, seam_adv)
+    assert seam_adv[12].abs().sum() == 0  # the lone survivor of group 3: no signal either way
+    assert seam_adv[0].abs().sum() > 0
+
+
 def test_install_is_idempotent_and_covers_grpo_module_name():
     group_advantage.install()
     group_advantage.install()

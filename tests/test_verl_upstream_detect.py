@@ -42,6 +42,13 @@ INVALID_SAMPLE_KEY = "invalid_sample"
 def exclude_invalid_sample(outputs, kwargs):
     return kwargs
 """
+# patches/verl-main/0005: NeMo Gym's key, the response mask zeroed, the uid kept.
+TQ_MASK_SAMPLE = """
+MASK_SAMPLE_KEY = "mask_sample"
+
+def mask_flagged_sample(outputs, validate):
+    return False
+"""
 SERVER_OLD = (
     "async def abort(self):\n    await self.engine.pause_generation(wait_for_inflight_requests=False)\n"
 )
@@ -97,6 +104,13 @@ def test_invalid_sample_seam_and_the_flags_our_reward_manager_writes(sources):
     assert upstream.invalid_sample_key() == "invalid_sample"
     assert sample_mask.reward_extra_info_flags(True) == {sample_mask.MASK_KEY: 1, "invalid_sample": 1}
     assert sample_mask.reward_extra_info_flags(False) == {sample_mask.MASK_KEY: 0, "invalid_sample": 0}
+    upstream.invalid_sample_key.cache_clear()
+    sources[upstream.AGENT_LOOP_TQ] = TQ_MASK_SAMPLE
+    assert upstream.invalid_sample_key() == "mask_sample"
+    assert sample_mask.reward_extra_info_flags(True) == {sample_mask.MASK_KEY: 1, "mask_sample": 1}
+    upstream.invalid_sample_key.cache_clear()
+    sources[upstream.AGENT_LOOP_TQ] = TQ_MASK_SAMPLE.replace("MASK_SAMPLE_KEY =", "OTHER_KEY =")
+    assert upstream.invalid_sample_key() is None
 
 
 def test_pause_mode_seam_reads_the_server_call(sources):

@@ -13,6 +13,10 @@ registry (:data:`GROUPED`) is wrapped, once, when ``verl.trainer.ppo.core_algos`
 - every other row gets advantage and return 0.
 
 With no masked rows and no group of one the wrapper returns exactly what verl's estimator does.
+Where verl's GRPO takes a ``valid_mask`` (the upstream form of this rule,
+``patches/verl-main/0005``: invalid rows do not vote, a group they leave with fewer than two
+valid rows gets 0) the wrapper hands it the counted rows only, every one valid, so both give
+the same advantages for every group of two or more samples (``preflight.check_group_size``).
 Registered in verl's registry under the same names (``get_adv_estimator_fn``, which the trainer
 uses for all but GRPO), and as ``core_algos.compute_grpo_outcome_advantage``, the name verl's
 ``compute_advantage`` calls GRPO by (no registry lookup on that path).
@@ -49,9 +53,18 @@ GROUPED = (
     "tir_optimal_token_baseline",
 )
 # Per-row arguments the estimators take (first dimension = rows); the two batch dicts hold
-# per-row entries too (GDPO reads its reward dimensions from them).
+# per-row entries too (GDPO reads its reward dimensions from them). ``valid_mask``: the
+# argument GRPO takes where verl has the masked-sample seam (``patches/verl-main/0005``).
 ROW_ARGS = frozenset(
-    {"token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared", "rollout_is_weights"}
+    {
+        "token_level_rewards",
+        "response_mask",
+        "index",
+        "old_log_probs",
+        "sum_pi_squared",
+        "rollout_is_weights",
+        "valid_mask",
+    }
 )
 ROW_DICTS = frozenset({"non_tensor_batch", "batch"})
 _MARK = "__verl_modal_group_rule__"

@@ -25,15 +25,18 @@ loss, entropy, KL; ``loss_mask = response_mask``) is aggregated over ``response_
 all-zero row adds nothing to numerator or denominator; and GRPO normalises rewards within a
 ``uid`` group, so a row moved to a group of its own does not shift its siblings' mean and
 std (the same two moves verl's own batch padding makes for its synthetic rows,
-``verl/trainer/ppo/padding_utils.py``, and verl's invalid-sample seam for its own). A sibling
+``verl/trainer/ppo/padding_utils.py``). A sibling
 left alone by masked rows is a group of one, which verl would train on its raw score: the group
 rule (``verl_modal.group_advantage``) gives every row without a valid sibling advantage 0,
 whatever uid the masked rows carry. Tested with verl's own advantage and loss functions.
 
-On a verl whose V1 agent loop honours a reward result's own invalid-sample flag (the upstream
-seam ``patches/verl-main/0005``, seen by :func:`verl_modal.upstream.invalid_sample_key`), the
-sandbox half needs no wrapper: :func:`reward_extra_info_flags` adds verl's key next to ours and
-verl excludes the sample itself. The wrapper stays for the engine flag (a replica's flag is not
+On a verl whose V1 agent loop honours a reward result's own flag (the upstream seam
+``patches/verl-main/0005``, key ``mask_sample``, seen by
+:func:`verl_modal.upstream.invalid_sample_key`), the sandbox half needs no wrapper:
+:func:`reward_extra_info_flags` adds verl's key next to ours and verl zeroes the sample's
+response mask itself, keeping its uid; its GRPO then leaves the row out of the group's baseline
+(a ``valid_mask`` read from the response mask), and the group rule does the same for every
+estimator, so the advantages are those of the wrapper path. The wrapper stays for the engine flag (a replica's flag is not
 a reward result) and for the legacy agent loop, which verl's seam does not cover.
 
 Invariants: :func:`install` is idempotent and only wraps (the original always runs first);

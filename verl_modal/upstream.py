@@ -18,9 +18,10 @@ their run-time shim only where the answer is False:
   ``resource_pool_manager_class()``, which reads a subclass's name from an env var
   (``patches/verl-main/0006``, ``patches/verl/0008``) -> :func:`verl_modal.pools.install`
   names our subclass there and swaps nothing;
-- ``invalid_sample``: verl's V1 agent loop excludes a sample whose reward result sets
-  ``reward_extra_info["invalid_sample"]`` (``patches/verl-main/0005``, ``patches/verl/0007``)
-  -> :mod:`verl_modal.sample_mask` leaves sandbox failures to verl;
+- ``invalid_sample``: verl's V1 agent loop masks a sample whose reward result sets
+  ``reward_extra_info["mask_sample"]`` (``patches/verl-main/0005``, NeMo Gym's name; the 0.9.1
+  form, ``patches/verl/0007``, reads ``"invalid_sample"``) -> :mod:`verl_modal.sample_mask`
+  leaves sandbox failures to verl;
 - ``process_group_backend``: verl's default process-group backend gives a CPU platform the
   single backend ``"cpu:gloo"`` (``patches/verl-main/0004``, ``patches/verl/0006``) ->
   :mod:`verl_modal.cpu.patches` does not wrap ``torch.distributed.init_process_group``.
@@ -121,21 +122,27 @@ def checkpoint_manager_class() -> bool:
     return _defines(_tree(TRAINER_BASE), "_create_checkpoint_manager", in_class="PPOTrainer")
 
 
+# (function verl's agent loop calls, module constant naming the key): the default-branch
+# form (patches/verl-main/0005) and the 0.9.1 form (patches/verl/0007)
+_MASK_SEAMS = (("mask_flagged_sample", "MASK_SAMPLE_KEY"), ("exclude_invalid_sample", "INVALID_SAMPLE_KEY"))
+
+
 @functools.cache
 def invalid_sample_key() -> str | None:
-    """The ``reward_extra_info`` key by which a reward result marks its sample invalid, when
-    verl's V1 agent loop honours one (it defines ``exclude_invalid_sample``)."""
+    """The ``reward_extra_info`` key by which a reward result marks its sample as not to be
+    trained on, when verl's V1 agent loop honours one (it defines one of :data:`_MASK_SEAMS`)."""
     tree = _tree(AGENT_LOOP_TQ)
-    if not _defines(tree, "exclude_invalid_sample"):
-        return None
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "INVALID_SAMPLE_KEY" for t in node.targets)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-        ):
-            return node.value.value
+    for function, constant in _MASK_SEAMS:
+        if not _defines(tree, function):
+            continue
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == constant for t in node.targets)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                return node.value.value
     return None
 
 
