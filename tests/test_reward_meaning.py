@@ -7,83 +7,27 @@ real runner."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
-from types import SimpleNamespace
 
+import _reward_frameworks as frameworks
 import pytest
-from _reward_exploits import label, response
 from _reward_meaning import CASES
-from _sandboxes_helpers import needs_bwrap, no_processes_left
+from _sandboxes_helpers import needs_bwrap
 
 pytestmark = [needs_bwrap, pytest.mark.slow]
 TIMEOUT_S = 15.0  # the 300k-item and many-call tests on a loaded 2-core host
-MASKED = "masked"
-
-
-def _verl_value(out):
-    """verl's answer for one sample: its score, or MASKED (a flagged result or a raised error)."""
-    if isinstance(out, BaseException):
-        return MASKED
-    if out.get("sandbox_masked") or out.get("masked"):
-        return MASKED
-    return out["score"]
+MASKED = frameworks.MASKED
 
 
 @functools.cache
 def verl_scores(partial: bool) -> dict:
-    from modal_rl.sandboxes.shared import close_shared_pools
-    from verl_modal.reward import compute_score
-
-    async def main():
-        try:
-            return await asyncio.gather(
-                *(
-                    compute_score(
-                        "code",
-                        response(prog),
-                        label(tests),
-                        {},
-                        exec_timeout_s=TIMEOUT_S,
-                        partial=partial,
-                        backend="local",
-                        max_live=4,
-                    )
-                    for tests, prog, _, _ in CASES.values()
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            await close_shared_pools()
-
-    out = asyncio.run(main())
-    no_processes_left()
-    return {name: _verl_value(o) for name, o in zip(CASES, out, strict=True)}
+    return frameworks.verl_scores(CASES, partial, TIMEOUT_S)
 
 
 @functools.cache
 def slime_scores(partial: bool, batched: bool) -> dict:
-    from slime_modal.config import close_rollout_pools
-    from slime_modal.reward import batched_reward_func, reward_func
-
-    args = SimpleNamespace(modal_rl_reward={"timeout_s": TIMEOUT_S, "partial": partial})
-    samples = [
-        SimpleNamespace(index=i, response=response(p), label=label(t), metadata={}, remove_sample=False)
-        for i, (t, p, _, _) in enumerate(CASES.values())
-    ]
-
-    async def main():
-        try:
-            if batched:
-                return await batched_reward_func(args, samples)
-            return await asyncio.gather(*(reward_func(args, s) for s in samples))
-        finally:
-            await close_rollout_pools()
-
-    out = asyncio.run(main())
-    no_processes_left()
-    return {n: (MASKED if s.remove_sample else v) for n, s, v in zip(CASES, samples, out, strict=True)}
+    return frameworks.slime_scores(CASES, partial, batched, TIMEOUT_S)
 
 
 def _expected(name: str, partial: bool):
