@@ -392,18 +392,6 @@ def decode(data, make_ref=None):
     return Decoder(make_ref=make_ref).decode(data)
 
 
-def recv_exact(sock, count):
-    """``count`` bytes from ``sock`` (honouring its timeout), or ``ValueWireError`` at EOF."""
-    parts = []
-    while count > 0:
-        chunk = sock.recv(min(count, 1 << 20))
-        if not chunk:
-            raise ValueWireError("the other side closed the channel")
-        parts.append(chunk)
-        count -= len(chunk)
-    return b"".join(parts)
-
-
 class Reader:
     """Messages from a socket, read in large pieces (one ``recv`` usually holds a whole small
     message: one system call per message, not two); lengths are checked before the body is."""
@@ -431,15 +419,3 @@ class Reader:
             self._fill(4 + size)
         data, self.buf = self.buf[4 : 4 + size], self.buf[4 + size :]
         return data
-
-
-def send_message(sock, value, ref_of=None):
-    data = encode(value, ref_of)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def recv_message(sock, make_ref=None):
-    (size,) = _LEN.unpack(recv_exact(sock, 4))
-    if size > MAX_MESSAGE:
-        raise ValueWireError("message too large")
-    return decode(recv_exact(sock, size), make_ref)
