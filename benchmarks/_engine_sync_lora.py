@@ -1,4 +1,4 @@
-"""The LoRA trajectory of the ``engine-sync`` suite's LoRA row (and ``tests/test_lora_sync.py``).
+"""The LoRA trajectory of the ``engine-sync`` suite's LoRA row (and ``tests/weightsync/test_lora_sync.py``).
 
 A PEFT LoRA adapter on a Qwen2 made here (no hub: the ``engine-sync`` 22 M model, or with
 ``--quick`` the ~0.4 M tiny one of ``verl_modal.cpu.tiny``), trained with real Adam steps

@@ -11,7 +11,7 @@ cap evicts one slot by aborting its transport (its pending read ends at once):
   and no whole line read. A client that holds the key sends its line at once, so while a
   flood of silent or half-sent sockets from its own address (every local client shares
   127.0.0.1) fills the cap, the flood's sockets are the ones evicted, not the keyed client's
-  (``tests/test_admission_floods.py``). A slot whose line the server answered (a challenge
+  (``tests/core/test_admission_floods.py``). A slot whose line the server answered (a challenge
   sent, ``progressed``) counts as progressing for ``ANSWER_GRACE_S``, while its peer answers.
   Only when every candidate has progressed does the oldest go: a keyless flood of whole,
   well-formed hellos that never prove anything still competes with a keyed client of its own

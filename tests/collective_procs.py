@@ -1,4 +1,4 @@
-"""The processes of tests/test_weightsync_collective.py: one gloo group on 127.0.0.1.
+"""The processes of tests/weightsync/test_weightsync_collective.py: one gloo group on 127.0.0.1.
 
 ``python -m tests.collective_procs RANK WORLD PORT KEYS_JSON``: rank 0 publishes a small
 trajectory through a ``CollectiveSink`` (with a frame given up part way at version 2 and a

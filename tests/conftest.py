@@ -58,7 +58,7 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from modal_rl.run_temp import use_kernel_cache
-    except ImportError:  # this file copied into a bare project (tests/test_tooling_tmpcheck.py)
+    except ImportError:  # this file copied into a bare project (tests/project/test_tooling_tmpcheck.py)
         return
     use_kernel_cache()  # before any test module imports vLLM
 

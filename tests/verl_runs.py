@@ -2,13 +2,13 @@
 
 - ``main_job``: ``scripts/main.sh``'s command, ``python -m verl_modal --backend local --tiny DIR
   -- trainer.total_training_steps=3 'trainer.logger=[console,tensorboard]'`` (a real verl 0.9.1
-  GRPO run on this CPU, ~3 min here), checked by tests/test_verl_cpu_run.py (the launcher's
-  output, the steps, the weight sync) and tests/test_report_verl_run.py (tensorboard, report);
+  GRPO run on this CPU, ~3 min here), checked by tests/e2e/test_verl_cpu_run.py (the launcher's
+  output, the steps, the weight sync) and tests/e2e/test_report_verl_run.py (tensorboard, report);
 - ``sandboxed_job``: the same with ``--tiny-task code`` for 2 steps: every response scored in
   bubblewrap sandboxes by the ``modal_sandbox`` reward manager (found through this checkout's
   ``verl.plugins`` entry point), its counters reaching the run's parts folder; checked by
-  tests/test_verl_sandbox_cpu_run.py (no sandbox leaks, the reward's counters) and
-  tests/test_report_verl_run.py (the pool per step, drawn).
+  tests/e2e/test_verl_sandbox_cpu_run.py (no sandbox leaks, the reward's counters) and
+  tests/e2e/test_report_verl_run.py (the pool per step, drawn).
 
 CI pays for each run once. A failed run fails every test that uses it, with the launcher's
 lines and verl's log tail.
@@ -41,7 +41,7 @@ class Job:
 
 
 def _run(tmp: Path, extra: list[str], overrides: list[str], extra_env: dict | None = None) -> Job:
-    from tests.test_verl_cpu_run import run_launcher
+    from tests.e2e.test_verl_cpu_run import run_launcher
 
     ours: list[str] = []
     code, log = run_launcher(

@@ -3,7 +3,7 @@
 The engine bearer is ``run_key.engine_bearer(run key)``, a key derived for this one use: an
 engine holds it (``MODAL_RL_ENGINE_BEARER``) and never the run key, so whoever reads it (an
 engine's log, a proxy) opens the run's engines and nothing else: no frame-server handshake, no
-frame MAC, no Ray token (``tests/test_capabilities.py``).
+frame MAC, no Ray token (``tests/core/test_capabilities.py``).
 
 vLLM loads it with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth`` (vLLM imports the
 dotted path and, for a class, calls ``app.add_middleware(cls)``; added last, it wraps every

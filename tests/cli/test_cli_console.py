@@ -1,0 +1,94 @@
+"""The local run's own lines: verl's per-step dict -> one compact line; the summary table;
+the watcher that turns verl's ``file`` tracking backend into those lines; the output redirect.
+
+The full path (a real verl run) is checked in ``test_verl_cpu_run.py``; these run in a second.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from verl_modal import console
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STEP = {  # the keys verl 0.9.1 logs, values as its file logger writes them
+    "critic/score/mean": 0.09375,
+    "response_length/mean": 32.0,
+    "timing_s/update_weights": 0.1085,
+    "timing_s/step": 28.64,
+    "training/rollout_actor_probs_pearson_corr": 0.9989,
+    "actor/pg_loss": 0.0,
+}
+
+
+def test_step_line_has_the_few_metrics_that_matter():
+    rec = console.step_record(1, STEP, weights_mb=1.71)
+    assert console.step_line(rec, 3) == (
+        "step 1/3 | reward 0.094 | response 32.0 tok | sync 1.71 MB in 0.11 s | step 28.6 s | rollout/actor corr 0.999"
+    )
+    # a delta checkpoint engine reports its own payload and send time
+    delta = console.step_record(
+        2, {"checkpoint_engine/payload_mbytes": 0.51, "checkpoint_engine/send_s": 0.12}, 1.71
+    )
+    assert (delta.sync_mb, delta.sync_s, delta.reward) == (0.51, 0.12, None)
+    assert "reward n/a" in console.step_line(delta, None) and "step 2 |" in console.step_line(delta, None)
+
+
+def test_summary_table(tmp_path):
+    files = console.RunFiles.make(tmp_path)
+    steps = [console.step_record(i, {**STEP, "critic/score/mean": 0.1 * i}, 1.71) for i in (1, 2, 3)]
+    lines = console.summary_lines(steps, wall_s=214.4, total=3, files=files, checkpoints="none", ok=True)
+    assert lines[0] == "summary" and set(lines[1]) == {"-"} and lines[-1] == lines[1]
+    rows = {line[:18].strip(): line[20:] for line in lines[2:-1]}
+    assert rows["steps"] == "3 of 3" and rows["wall time"] == "3 min 34 s"
+    assert rows["reward mean"] == "0.100 -> 0.200 -> 0.300"
+    assert rows["weight sync / step"] == "1.71 MB in 0.11 s (mean)"
+    assert rows["log"] == str(files.log) and rows["metrics"] == str(files.metrics)
+    assert rows["result"] == "finished"
+
+
+def test_watcher_turns_verls_metrics_file_and_log_into_our_lines(tmp_path):
+    files = console.RunFiles.make(tmp_path)
+    out = io.StringIO()
+    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mb=1.0)
+    files.log.write_text("(CpuTaskRunner pid=1) [verl_modal] TaskRunner on verl platform 'cpu'\nhalf a li")
+    with open(files.metrics, "w") as f:  # verl.utils.tracking.FileLogger's format
+        f.write(json.dumps({"step": 1, "data": STEP}) + "\n" + '{"step": 2, "da')
+    watcher.poll()
+    said = out.getvalue().splitlines()
+    assert len(said) == 2 and "TaskRunner is up" in said[0] and "step 1/2 | reward 0.094" in said[1]
+    with open(files.metrics, "a") as f:
+        f.write('ta": {"critic/score/mean": 0.5}}\n')
+    watcher.poll()
+    assert "step 2/2 | reward 0.500" in out.getvalue().splitlines()[-1]
+    assert [s.step for s in watcher.steps] == [1, 2]
+
+
+def test_output_goes_to_the_log_and_comes_back(tmp_path):
+    log = tmp_path / "run.log"
+    code = (
+        "import os, sys; from pathlib import Path; from verl_modal.console import output_to\n"
+        f"with output_to(Path({str(log)!r})) as terminal:\n"
+        "    print('verl says a lot'); os.system('echo a child says more 1>&2')\n"
+        "    terminal.write('ours\\n')\n"
+        "print('after')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ours\nafter\n" and out.stderr == ""
+    assert log.read_text() == "verl says a lot\na child says more\n"
+
+
+def test_checkpoint_numel_reads_safetensors_headers(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file(
+        {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float16)}, str(tmp_path / "model.safetensors")
+    )
+    assert console.checkpoint_numel(tmp_path) == 17
