@@ -111,12 +111,17 @@ def _receive(server) -> dict:
 
 @pytest.mark.parametrize("kind", sorted(PAYLOADS))
 def test_a_keyed_receiver_gets_in_through_a_same_address_flood_at_a_frame_server(frame_server, kind):
+    # The bar scales with what an unflooded receive costs on this host right now: a starved
+    # receiver waits out its 10 s stage timeout, a loaded host only slows both alike.
+    t0 = time.monotonic()
+    assert same_state(_receive(frame_server), BASE)
+    bar = 5 + 4 * (time.monotonic() - t0)
     with Flooder(frame_server.address, PAYLOADS[kind]) as flood:
         assert flood.opened >= FLOOD
         for _ in range(5):
             t0 = time.monotonic()
             assert same_state(_receive(frame_server), BASE)
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < bar
         assert len(frame_server.unauthenticated) <= 64
 
 
