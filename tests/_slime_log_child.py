@@ -1,4 +1,4 @@
-"""Child process for tests/slime/test_slime_step_metrics.py: slime's real rollout logger
+"""Child process for tests/slime_adapter/test_slime_step_metrics.py: slime's real rollout logger
 (``slime.observability.rollout_metrics.log_rollout_data``, from the checkout on PYTHONPATH)
 called as slime's rollout manager calls it, three rollouts, with our custom rollout log
 function selected by slime's own flag. Between rollouts a weight version is published into

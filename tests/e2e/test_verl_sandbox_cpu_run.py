@@ -4,7 +4,7 @@ by name through our ``verl.plugins`` entry point, running every response in bubb
 sandboxes; the rollout is verl's ``tool_agent`` loop with the sandboxed code tool loaded.
 The run is the session's ``sandboxed_job`` (tests/verl_runs.py), shared with the run report's
 test. An explicit ``+reward.reward_kwargs.metrics_dir`` is covered in
-tests/verl/test_verl_sandbox_registration.py.
+tests/verl_adapter/test_verl_sandbox_registration.py.
 
 Needs the stack from ``scripts/install_verl_cpu.sh`` and bubblewrap.
 """

@@ -23,7 +23,7 @@ from modal_rl.cluster.engine_supervisor import EngineLost, EngineSupervisor, Wei
 from modal_rl.cluster.engines import EngineSpec
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer, new_run_key
 
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 INTERVAL_S, PROBE_S, FAILURES = 0.2, 1.0, 2
 # What the supervisor promises (module docstring), plus slack for a shared 2-core host.
 DEAD_BOUND_S = INTERVAL_S + 3.0

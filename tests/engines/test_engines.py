@@ -16,7 +16,7 @@ from modal_rl.cluster.engines import EngineSpec, EngineStartError, running
 from modal_rl.cluster.spec import ClusterSpecError
 from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, engine_env, new_run_key, ray_token
 
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
 
 @pytest.fixture(autouse=True)

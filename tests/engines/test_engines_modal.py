@@ -19,7 +19,7 @@ from modal_rl.cluster.engine_health import probe
 from modal_rl.cluster.engines import EngineSpec, EngineStartError
 from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, new_run_key
 
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
 
 class FakeTunnel:

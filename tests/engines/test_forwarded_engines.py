@@ -27,7 +27,7 @@ from modal_rl.cluster.engines import EngineSpec
 from modal_rl.cluster.forwarded_engines import ForwardedEngines
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from modal_rl.cluster.engines import EngineSpec, EngineStartError
 from modal_rl.run_key import RUN_KEY_ENV, derive, engine_bearer, engine_env, frame_read_key, new_run_key
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER = str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py"))
+SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 SGLANG = [sys.executable, "-m", "modal_rl.cluster.keyed_launch", "--key-flag=--api-key"]
 SGLANG += ["--key-flag=--admin-api-key", "_sglang_auth_server", "--host", "{host}", "--port", "{port}"]
 SGLANG += ["--model-path", "/models/tiny"]

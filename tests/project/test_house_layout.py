@@ -154,10 +154,17 @@ def test_an_adapter_declared_by_entry_point_ships_in_a_modal_dry_run_plan(tmp_pa
 
 
 def test_tests_mirror_the_packages():
-    """Test files live in a folder named for what they test (``tests/weightsync/``, ``tests/verl/``,
+    """Test files live in a folder named for what they test (``tests/weightsync/``, ``tests/verl_adapter/``,
     ...; ``tests/e2e/`` is the slow tier); only shared helpers sit at the top of ``tests/``."""
     flat = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
     assert not flat, f"move these into a package folder under tests/: {flat}"
     folders = [p for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))]
     missing = [p.name for p in folders if not (p / "__init__.py").exists()]
     assert not missing, f"test folders without __init__.py (their modules' names would clash): {missing}"
+    # A child script in tests/ runs with tests/ first on sys.path: a folder named like a module
+    # it imports (verl, slime, patches, benchmarks, ...) would shadow that module there.
+    probe = "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
+    names = [p.name for p in folders]
+    found = subprocess.run([sys.executable, "-c", probe, *names], cwd=ROOT, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "[]", f"test folders named like importable modules: {found.stdout}"

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import leftovers
 
-HERE = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parents[1]
 
 
 def test_leftovers_skips_what_is_allowed():

@@ -51,7 +51,7 @@ FIELDS = ("score", "passed", "total", "execs", "program_decides", "masked", "cau
 
 @pytest.fixture(scope="module", autouse=True)
 def failing_backend():
-    PROVIDERS.add(FAILING, "_sandboxes_doubles:PermanentlyFailingProvider")
+    PROVIDERS.add(FAILING, "tests._sandboxes_doubles:PermanentlyFailingProvider")
     yield
 
 

@@ -2,7 +2,7 @@
 their settings from slime's --custom-config-path YAML.
 
 slime is not on PyPI; its protocol's signatures are checked as data here (and against the real
-class with isinstance when slime is importable; tests/slime/test_slime_contracts.py runs slime's own
+class with isinstance when slime is importable; tests/slime_adapter/test_slime_contracts.py runs slime's own
 contract tests). Sandboxes are real bubblewrap sandboxes."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from tests._sandboxes_helpers import alive, descendants, needs_bwrap, wait_gone
 
 pytestmark = needs_bwrap
 ROOT = Path(__file__).resolve().parents[2]
-CHILD = Path(__file__).resolve().parents[2].joinpath("_sandboxes_pool_child.py")
+CHILD = Path(__file__).resolve().parents[1].joinpath("_sandboxes_pool_child.py")
 
 
 def start_child(tmp_path, run_id, mode):

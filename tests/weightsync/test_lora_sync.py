@@ -324,7 +324,7 @@ def test_adapter_frames_into_vllm_follow_versions_and_equal_merged_weights(tmp_p
 
     def child(*args: str) -> dict:
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve().parents[2].joinpath("_lora_vllm_child.py")), *args],
+            [sys.executable, str(Path(__file__).resolve().parents[1].joinpath("_lora_vllm_child.py")), *args],
             env=env,
             capture_output=True,
             text=True,

@@ -1,5 +1,5 @@
 """The SGLang package, for slime's rollout modules in the rollout-manager tests (one of the two
-boundaries of ``tests/slime/test_slime_rollout_manager.py``; ``../sitecustomize.py`` is the other).
+boundaries of ``tests/slime_adapter/test_slime_rollout_manager.py``; ``../sitecustomize.py`` is the other).
 
 slime's ``slime.ray.rollout`` and ``slime.backends.sglang_utils.sglang_engine`` import three
 SGLang modules at module level; SGLang's own (``sglang.srt.utils``, ``sglang.srt.server_args``)

@@ -24,7 +24,7 @@ from slime_modal.engines import (
     running_engines,
 )
 
-SERVER = (sys.executable, str(Path(__file__).resolve().parents[2].joinpath("_engine_server.py")))
+SERVER = (sys.executable, str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py")))
 SLIME_MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 ARGV = [
     "--hf-checkpoint",

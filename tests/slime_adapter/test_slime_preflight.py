@@ -12,7 +12,7 @@ import pytest
 
 from slime_modal import preflight as pf
 from tests._slime_lines import glm47_delta, qwen3_4b
-from tests.slime.test_slime_launch import launcher
+from tests.slime_adapter.test_slime_launch import launcher
 
 
 def _probe(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from tests.verl_plugin_helpers import plugin_env, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVER = Path(__file__).resolve().parents[2].joinpath("_engine_server.py")
+SERVER = Path(__file__).resolve().parents[1].joinpath("_engine_server.py")
 EXTENSION = "modal_rl.weightsync.apply.vllm_extension.DeltaWeightsExtension"
 MODEL = "Qwen/Qwen3-0.6B"
 

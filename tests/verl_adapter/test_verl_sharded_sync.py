@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("verl")
 
 from modal_rl.run_key import RUN_KEY_ENV  # noqa: E402
-from tests.verl.test_verl_checkpoint_engine import CorruptNext  # noqa: E402
+from tests.verl_adapter.test_verl_checkpoint_engine import CorruptNext  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY, bits, model_state, perturb  # noqa: E402
 from verl_modal.checkpoint_engine import ModalDeltaCheckpointEngine, ModalDeltaSyncError  # noqa: E402
 from verl_modal.sharded import ShardedExportError, local_pieces, piece_start  # noqa: E402

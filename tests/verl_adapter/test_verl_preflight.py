@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.verl.test_verl_launch import VERL_LINE, launcher
+from tests.verl_adapter.test_verl_launch import VERL_LINE, launcher
 from verl_modal import preflight as pf
 from verl_modal.containers import check_modal_data_paths
 from verl_modal.value_types import value_type_check

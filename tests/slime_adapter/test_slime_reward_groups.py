@@ -4,7 +4,7 @@
 is compared with slime's real ``RolloutManager._post_process_rewards``, run in a child
 interpreter on real ``slime.utils.types.Sample`` objects (slime at the pinned base of
 ``patches/slime``, from ``$SLIME_PATH`` or the fetched mirror; SGLang's client-side names from
-``tests/_slime_cpu_boundary``, as in ``tests/slime/test_slime_rollout_manager.py``). Batches: five
+``tests/_slime_cpu_boundary``, as in ``tests/slime_adapter/test_slime_rollout_manager.py``). Batches: five
 groups of four with 0..4 masked (``remove_sample``, reward 0.0). Siblings must get what slime
 gives the group without its masked samples; masked samples and lone survivors 0.0; a batch with
 nothing masked exactly slime's answer. Skipped (one line) without a slime checkout.

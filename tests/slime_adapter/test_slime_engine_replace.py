@@ -29,7 +29,7 @@ from slime_modal.engines import (
 )
 from slime_modal.weight_hooks import INDEX, newest_version
 
-TESTS = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 KEYED_STAND_IN = (
     sys.executable,
     "-m",

@@ -1,6 +1,6 @@
 """slime's own plugin contract tests, run against our plugins (needs a slime checkout).
 
-    SLIME_PATH=/path/to/slime pytest tests/slime/test_slime_contracts.py
+    SLIME_PATH=/path/to/slime pytest tests/slime_adapter/test_slime_contracts.py
 
 slime is not on PyPI, so without ``SLIME_PATH`` these tests skip; the CI-runnable checks of the
 same signatures are in test_slime_hooks.py and test_sandboxes_slime_glue.py. Each contract file
