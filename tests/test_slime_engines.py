@@ -198,7 +198,7 @@ def test_local_engines_pass_slimes_discovery(tmp_path, monkeypatch):
 
 
 def test_modal_engine_function_offline():
-    from modal_rl.cluster.engines_modal import ModalEnginePool
+    from modal_rl.engines.pool_modal import ModalEnginePool
 
     spec = engine_spec(parse_engines("modal:2:H100"), ARGV, volumes={"models": "/models"})
     plan = ModalEnginePool(spec).describe()

@@ -21,9 +21,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.engines.pool import get_engine_pool  # noqa: E402
+from modal_rl.engines.vllm import local_vllm_spec  # noqa: E402
+from modal_rl.engines.vllm_push import EnginePusher  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.apply.vllm_extension import STAGE_METHOD, pull_request  # noqa: E402
 from tests._vllm_engine import local_inplace_engine  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402

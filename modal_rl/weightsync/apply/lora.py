@@ -162,7 +162,7 @@ class AdapterVersions:
     def __post_init__(self) -> None:
         if int(self.max_resident) < 1:
             raise ValueError(f"max_resident must be >= 1, got {self.max_resident}")
-        from modal_rl.cluster.engine_routes import adapter_name
+        from modal_rl.weightsync.apply.adapter_dir import adapter_name
 
         adapter_name(self.prefix)  # it names a directory on the engine: one safe component
 

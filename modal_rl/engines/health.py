@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
+from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
 
 PROBE_ID_PREFIX = "modal-rl-health-"
 

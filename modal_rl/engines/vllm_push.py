@@ -28,7 +28,7 @@ Invariants:
   server for the frames after the version it holds;
 - ``close`` ends the frame server and the tunnel; it is idempotent.
 
-Engines that come and go (``modal_rl.cluster.engine_supervisor``): ``publish`` only publishes
+Engines that come and go (``modal_rl.engines.supervisor``): ``publish`` only publishes
 and returns the ``WeightSource`` (this server's reachable address and the version);
 ``load_version(url, source)`` has one engine pull that version -- a new engine pulls the
 retained anchor and the deltas after it, one that holds an older version only the deltas -- and
@@ -39,27 +39,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.cluster.netif import ingress_ipv4
+from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.run_key import redact, run_key
 from modal_rl.text_safety import clean
 from modal_rl.weightsync.apply.vllm_extension import (
-    EXTENSION,
     METHOD,
     STAGE_METHOD,
     pull_request,
     pull_results,
 )
-from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.source import WeightSource
 from modal_rl.weightsync.transport.tcp import FrameServer
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
 
@@ -121,8 +119,6 @@ class EnginePusher:
     def publish(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> tuple[Any, dict[str, float]]:
         """Publish the next version on this pusher's frame server (no engine is asked);
         returns ``(WeightSource, numbers)``."""
-        from modal_rl.cluster.engine_state import WeightSource
-
         t0 = time.perf_counter()
         report = self.publisher.publish(tensors)
         numbers = {
@@ -308,61 +304,3 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
     if text.lstrip().startswith(("{", "[")):
         return json.loads(text)
     return text or None  # plain-text answers (vLLM's /v1/load_lora_adapter: "Success: ...")
-
-
-def local_vllm_spec(
-    model_dir: str,
-    *,
-    dtype: str = "bfloat16",
-    max_model_len: int = 256,
-    name: str = "vllm",
-    startup_timeout_s: float = 600.0,
-    inplace: bool = True,
-):
-    """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
-    extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
-    short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
-    linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
-    version can be written into them in place."""
-    from modal_rl.cluster.engines import EngineSpec
-
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model_dir),
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-        "--dtype",
-        dtype,
-        "--enforce-eager",
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        "4",
-        "--seed",
-        "0",
-        "--block-size",
-        "32",
-        "--worker-extension-cls",
-        EXTENSION,
-        "--middleware",
-        "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
-    ]
-    from modal_rl.cluster.engine_health import vllm_generate
-
-    return EngineSpec(
-        command=command,
-        generate=vllm_generate(str(model_dir)),  # healthy = answers a 1-token generation
-        env={
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            **({PLAIN_WEIGHTS_ENV: "1"} if inplace else {}),
-        },
-        startup_timeout_s=startup_timeout_s,
-        name=name,
-    )

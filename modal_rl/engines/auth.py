@@ -5,7 +5,7 @@ engine holds it (``MODAL_RL_ENGINE_BEARER``) and never the run key, so whoever r
 engine's log, a proxy) opens the run's engines and nothing else: no frame-server handshake, no
 frame MAC, no Ray token (``tests/test_capabilities.py``).
 
-vLLM loads it with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth`` (vLLM imports the
+vLLM loads it with ``--middleware modal_rl.engines.auth.RunKeyAuth`` (vLLM imports the
 dotted path and, for a class, calls ``app.add_middleware(cls)``; added last, it wraps every
 route, mounted apps such as ``/metrics`` included, and runs before CORS and vLLM's own
 ``--api-key`` check, which guards only ``/v1``). ``vllm_auth_args()`` gives the flag. The key
@@ -38,7 +38,7 @@ import sys
 import urllib.request
 from urllib.parse import urlparse
 
-from modal_rl.cluster import engine_routes
+from modal_rl.engines import routes as engine_routes
 from modal_rl.run_key import (
     ENGINE_BEARER_ENV,
     MissingRunKeyError,
@@ -48,7 +48,7 @@ from modal_rl.run_key import (
 )
 from modal_rl.text_safety import clean
 
-MIDDLEWARE = "modal_rl.cluster.engine_auth.RunKeyAuth"
+MIDDLEWARE = "modal_rl.engines.auth.RunKeyAuth"
 OPEN_HEALTH_PATH = "/health"
 REFUSED_BODY = b'{"error":"unauthorized: this engine needs Authorization: Bearer <engine bearer>"}'
 # RFC 6455 "policy violation": the close code for a refused websocket handshake.
@@ -127,7 +127,7 @@ class RunKeyAuth:
             except MissingRunKeyError:
                 # vLLM builds the middleware while it starts serving: exit, don't serve unguarded.
                 print(
-                    f"modal_rl.cluster.engine_auth: refusing to serve: {ENGINE_BEARER_ENV} is not "
+                    f"modal_rl.engines.auth: refusing to serve: {ENGINE_BEARER_ENV} is not "
                     "set in the engine's environment (start engines through modal_rl's engine pool, "
                     "which gives each its bearer)",
                     file=sys.stderr,

@@ -237,8 +237,8 @@ class EnginePool(ABC):
 # Engine pools by backend name (``modal_rl.registry``: imported only when chosen; a package
 # adds one through the ``modal_rl.engine_pools`` entry-point group).
 ENGINE_POOLS = Registry("engine pool backend", group="modal_rl.engine_pools")
-ENGINE_POOLS.add("local", "modal_rl.cluster.engine_local:LocalEnginePool")
-ENGINE_POOLS.add("modal", "modal_rl.cluster.engines_modal:ModalEnginePool")
+ENGINE_POOLS.add("local", "modal_rl.engines.pool_local:LocalEnginePool")
+ENGINE_POOLS.add("modal", "modal_rl.engines.pool_modal:ModalEnginePool")
 
 
 def get_engine_pool(spec: EngineSpec, backend: str = "local", **kwargs: Any) -> EnginePool:
