@@ -56,7 +56,7 @@ from urllib.parse import urlparse
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
 from modal_rl.engines import get_engine
 from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
-from modal_rl.engines.sglang import KEY_FLAGS, SERVER, SGLANG_PORT  # noqa: F401  (re-exported)
+from modal_rl.engines.sglang import KEY_FLAGS, SERVER, SGLANG_PORT, DiskReload  # noqa: F401  (re-exported)
 from slime_modal.preflight import SlimeArgs
 
 DEFAULT_GPU = "H100"
@@ -253,14 +253,8 @@ def sglang_engine(path: WeightPath, key: str | None, timeout_s: float = 600.0):
         version = newest_version(path.disk_dir)
         return version, str(version_dir(path.disk_dir, version)) if version > 0 else None
 
-    return get_engine(
-        "sglang",
-        key=key,
-        newest=newest,
-        source_dir=path.disk_dir,
-        local_checkpoint_dir=path.local_checkpoint_dir,
-        timeout_s=timeout_s,
-    )
+    reload = DiskReload(newest, path.disk_dir, path.local_checkpoint_dir)
+    return get_engine("sglang", key=key, reload=reload, timeout_s=timeout_s)
 
 
 class EngineAddresses(list):

@@ -16,7 +16,7 @@ Invariants:
 - the key is never printed by this module, nor put in an error message. The module it runs
   may print it: SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` at
   start, so whatever reads its output must redact (the engine pools do: every line they write
-  or relay goes through ``redaction.Redactor``, in ``engine_local.pump``);
+  or relay goes through ``redaction.Redactor``, in ``pool_local.pump``);
 - a missing key, or a key flag that is already on the command line, stops the launch with one
   line naming the fix (exit 2) before the module is imported;
 - with no ``--key-flag`` the module runs unchanged (only useful for tests and dry runs).

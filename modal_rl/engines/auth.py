@@ -13,7 +13,7 @@ is read from ``MODAL_RL_ENGINE_BEARER`` (else derived from ``MODAL_RL_RUN_KEY``)
 server's environment, never from a flag.
 
 Invariants:
-- the bearer opens only what ``engine_routes`` allows (generation, the control routes the run
+- the bearer opens only what ``routes`` allows (generation, the control routes the run
   calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging directory by a safe
   name); every other route is answered 403 here with the bearer too, and a websocket is closed;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
@@ -158,7 +158,7 @@ class RunKeyAuth:
         await _refuse(scope, receive, send)
 
     async def _allowed(self, scope, receive, send) -> None:
-        """A request with the bearer: only the routes ``engine_routes`` allows reach the
+        """A request with the bearer: only the routes ``routes`` allows reach the
         server; a checked route's body is read and checked first, then replayed to it."""
         if scope["type"] == "websocket":  # no route of the run's is a websocket
             return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})

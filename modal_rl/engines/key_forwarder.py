@@ -138,7 +138,7 @@ def check_listen(host: str, allow_peers: list[str] | None) -> None:
 
 def check_upstream(url: str) -> str:
     """``url`` without its trailing slash; ValueError unless it is an engine base URL the
-    bearer may go to: https, or plain http to loopback only (``engine_auth.key_safe_url``)."""
+    bearer may go to: https, or plain http to loopback only (``auth.key_safe_url``)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
         raise ValueError(f"upstream {url!r}: need http(s)://host[:port] with no path")

@@ -159,7 +159,7 @@ class LocalEnginePool(EnginePool):
         env = self._env()
         if ADAPTER_DIR_ENV not in self.spec.env:
             # Engines of a pool share its TMPDIR; each stages LoRA adapters in a directory of its
-            # own, the one its guard lets /v1/load_lora_adapter read (``engine_routes``).
+            # own, the one its guard lets /v1/load_lora_adapter read (``routes``).
             env[ADAPTER_DIR_ENV] = str(Path(self.temp_dir) / f"lora-{index}-{port}")
         first, *rest = self.spec.argv(self.host, port)
         argv = [program(first, env.get("PATH"), self.spec.name), *rest]

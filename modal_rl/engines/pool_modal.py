@@ -28,7 +28,7 @@ with the bearer.
 engine (mailbox ``stop``, then ``FunctionCall.cancel``) and raises ``EngineStartError``.
 Closing the app is the backstop: Modal stops the app's containers when ``app.run()`` exits.
 
-Replacement (``replace(i)``, asked for by ``engine_supervisor``): the old engine's call is
+Replacement (``replace(i)``, asked for by ``supervisor``): the old engine's call is
 cancelled with its containers, and the function is spawned again for slot ``i`` with the next
 *generation*; that container writes ``addr/<i>.<generation>`` (generation 0 keeps the plain
 ``addr/<i>``), so an address left in the mailbox by the dead engine is never taken for the new

@@ -41,7 +41,7 @@ MAX_CHECKED_BODY = 1 << 20
 OUR_RPC = re.compile(r"modal_rl_[a-z0-9_]{1,64}")
 
 # (method, path) pairs the bearer opens: generation, and the control routes the run calls
-# (verl's replica proxy: sleep/wake/pause/resume/reset; engine_push: pause/resume/reset;
+# (verl's replica proxy: sleep/wake/pause/resume/reset; vllm_push: pause/resume/reset;
 # lora_push: unload). Read-only status routes the run's tests and tools read.
 ALLOWED = frozenset(
     {

@@ -23,6 +23,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from modal_rl.engines.base import Engine
@@ -40,8 +41,23 @@ SERVER = (
 )
 SGLANG_PORT = 30000
 
-# () -> (newest complete version, the directory holding it); version 0: none published yet.
-Newest = Callable[[], tuple[int, str | None]]
+
+@dataclass(frozen=True)
+class DiskReload:
+    """How a new server catches up (slime's disk weight path): ``newest()`` gives the newest
+    complete version and the directory holding it (version 0: none published yet);
+    ``source_dir`` is where versions are published, ``local_checkpoint_dir`` where each
+    server copies one before loading it (None: load the version's directory itself)."""
+
+    newest: Callable[[], tuple[int, str | None]]
+    source_dir: str | None = None
+    local_checkpoint_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.newest):
+            raise ValueError(f"DiskReload newest={self.newest!r}: give a function () -> (version, directory)")
+        if self.local_checkpoint_dir and not self.source_dir:
+            raise ValueError("DiskReload: a local_checkpoint_dir needs the source_dir it pulls versions from")
 
 
 def sglang_argv(
@@ -69,16 +85,13 @@ class SglangEngine(Engine):
         tp: int = 1,
         pp: int = 1,
         flags: Iterable[str] = (),
-        newest: Newest | None = None,
-        source_dir: str | None = None,
-        local_checkpoint_dir: str | None = None,
+        reload: DiskReload | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(key=key)
         self.model, self.server, self.tp, self.pp = model, tuple(server), tp, pp
         self.flags = [str(flag) for flag in flags]
-        self.newest, self.source_dir, self.local_checkpoint_dir = newest, source_dir, local_checkpoint_dir
-        self.timeout_s = timeout_s
+        self.reload, self.timeout_s = reload, timeout_s
 
     def argv(self) -> list[str]:
         return sglang_argv(self.server, self.model, tp=self.tp, pp=self.pp, flags=self.flags)
@@ -87,27 +100,27 @@ class SglangEngine(Engine):
         return sglang_generate()
 
     def catch_up(self, url: str) -> dict[str, Any]:
-        """Bring the server at ``url`` to the newest version ``newest()`` names;
-        ``{"weight_version", "load_s"}`` (``{}`` when this driver has no ``newest``)."""
-        if self.newest is None:
+        """Bring the server at ``url`` to the newest version ``reload.newest()`` names;
+        ``{"weight_version", "load_s"}`` (``{}`` when this driver has no ``reload``)."""
+        if self.reload is None:
             return {}
         t0 = time.monotonic()
-        version, version_dir = self.newest()
+        version, version_dir = self.reload.newest()
         if version > 0:
             self.reload_from_disk(url, version, version_dir)
         return {"weight_version": version, "load_s": round(time.monotonic() - t0, 3)}
 
     def reload_from_disk(self, url: str, version: int, version_dir: str | None) -> None:
         """Load ``version`` from disk as slime's own reload does (module docstring)."""
-        model_path = version_dir
-        if self.local_checkpoint_dir:
+        model_path, reload = version_dir, self.reload
+        if reload is not None and reload.local_checkpoint_dir:
             pull = {
-                "local_checkpoint_dir": self.local_checkpoint_dir,
-                "source_dir": self.source_dir,
+                "local_checkpoint_dir": reload.local_checkpoint_dir,
+                "source_dir": reload.source_dir,
                 "target_version": version,
             }
             self._admin_post(url, "/pull_weights", pull)
-            model_path = self.local_checkpoint_dir
+            model_path = reload.local_checkpoint_dir
         self._admin_post(
             url, "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)}
         )

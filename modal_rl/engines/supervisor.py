@@ -4,7 +4,7 @@
 ``Engine``, the port in ``engines.base``). One monitor thread per engine
 slot checks its engine every ``interval_s``: the process/container is still running
 (``pool.alive``), and, unless a real request on it finished since the last check, it answers
-a 1-token generation (``engine_health.healthy``) within ``probe_timeout_s``. A dead engine
+a 1-token generation (``health.healthy``) within ``probe_timeout_s``. A dead engine
 (exited, container finished) is *lost* at once; one that fails ``failures`` checks in a row
 (hung: SIGSTOP, a wedged model) is lost then. So a loss is detected within ``interval_s`` of a
 process exit (local; Modal: of the call finishing) and within ``failures x (interval_s +
@@ -227,7 +227,7 @@ class EngineSupervisor:
                 self._cond.wait(min(left, 1.0))
 
     async def run(self, send, *, wait_s: float, attempts: int = 3, check_s: float = 0.5, transient=()):
-        """``engine_requests.run``: send a request with retries on the same weight version."""
+        """``request_retry.run``: send a request with retries on the same weight version."""
         from modal_rl.engines.request_retry import run
 
         return await run(self, send, wait_s=wait_s, attempts=attempts, check_s=check_s, transient=transient)

@@ -43,6 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from modal_rl.cluster.netif import ingress_ipv4
@@ -73,7 +74,40 @@ class EnginePushError(RuntimeError):
     """A version did not reach the engine; the engine keeps the weights it had."""
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How an engine loads each version (``load_version``): ``pull_timeout_s`` bounds its pull,
+    ``inplace`` stages while serving and switches in a short pause (else a full reload),
+    ``hold_requests`` brackets the switch with vLLM's pause/resume."""
+
+    pull_timeout_s: float = 600.0
+    inplace: bool = True
+    hold_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pull_timeout_s, bool) or not isinstance(self.pull_timeout_s, int | float):
+            raise ValueError(f"pull_timeout_s={self.pull_timeout_s!r}: give a number of seconds > 0")
+        if not self.pull_timeout_s > 0:
+            raise ValueError(f"pull_timeout_s={self.pull_timeout_s!r}: give a number of seconds > 0")
+        for name in ("inplace", "hold_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: give True or False")
+
+    def with_settings(self, **settings: Any) -> LoadSettings:
+        """These settings with ``settings`` applied; an unknown name is one line listing the known."""
+        unknown = sorted(set(settings) - {f.name for f in fields(self)})
+        if unknown:
+            known = ", ".join(f.name for f in fields(self))
+            raise TypeError(
+                f"unknown EnginePusher setting(s) {', '.join(unknown)}; the settings are: {known}"
+            )
+        return replace(self, **settings)
+
+
 class EnginePusher:
+    """See the module docstring. ``load``: ``LoadSettings``; its fields may also be given as
+    keywords (``EnginePusher(url, inplace=False)``), applied over ``load``."""
+
     def __init__(
         self,
         engine_url: str | None,
@@ -82,11 +116,11 @@ class EnginePusher:
         expose: str = "local",
         bind_host: str = "127.0.0.1",
         anchor_every: int = 16,
-        pull_timeout_s: float = 600.0,
         config: CodecConfig | None = None,
-        inplace: bool = True,
-        hold_requests: bool = False,
+        load: LoadSettings | None = None,
+        **settings: Any,
     ) -> None:
+        load = (load or LoadSettings()).with_settings(**settings)
         if expose not in EXPOSE:
             raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
         if key is FROM_ENV:
@@ -98,8 +132,12 @@ class EnginePusher:
         self._bearer = key
         self.keys = frame_keys(key)
         self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
-        self.pull_timeout_s = pull_timeout_s
-        self.inplace, self.hold_requests = inplace, hold_requests
+        self.settings = load
+        self.pull_timeout_s, self.inplace, self.hold_requests = (
+            load.pull_timeout_s,
+            load.inplace,
+            load.hold_requests,
+        )
         self._stack = contextlib.ExitStack()
         self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
