@@ -14,7 +14,7 @@ replay``, and every other ``--sglang-<flag>`` passed through as SGLang's ``--<fl
 engine's GPU count is its tensor x pipeline size; a GPU count in the flag must agree.
 
 Engine auth (the run's key, ``MODAL_RL_RUN_KEY``): each engine runs SGLang through
-``modal_rl.cluster.keyed_launch``, which adds ``--api-key <key> --admin-api-key <key>`` inside
+``modal_rl.engines.keyed_launch``, which adds ``--api-key <key> --admin-api-key <key>`` inside
 the process, so the key is never on a command line; SGLang then refuses every route without
 ``Authorization: Bearer <key>`` except its ``/health*``, ``/ready*`` and ``/metrics*``. Both
 keys are the run key: our forwarder is the engines' only client and SGLang accepts only the
@@ -54,11 +54,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
-from modal_rl.engines import get_engine
+from modal_rl.engines import ENGINES, get_engine
 from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
-from modal_rl.engines.sglang import KEY_FLAGS, SERVER, SGLANG_PORT, DiskReload  # noqa: F401  (re-exported)
 from slime_modal.preflight import SlimeArgs
 
+SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
+KEY_FLAGS = SGLANG.KEY_FLAGS
+SERVER = SGLANG.SERVER
+SGLANG_PORT = SGLANG.port
 DEFAULT_GPU = "H100"
 DEFAULT_IMAGE = "slimerl/slime:latest"
 ENGINE_JOB = "slime_modal.engine_job"
@@ -196,7 +199,7 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
         "health": engines.health_path,
         "auth": {
             "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
-            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.cluster.keyed_launch "
+            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.engines.keyed_launch "
             "from MODAL_RL_ENGINE_BEARER (never on a command line)",
             "key_required": "every route except SGLang's /health*, /ready*, /metrics*",
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
@@ -253,7 +256,7 @@ def sglang_engine(path: WeightPath, key: str | None, timeout_s: float = 600.0):
         version = newest_version(path.disk_dir)
         return version, str(version_dir(path.disk_dir, version)) if version > 0 else None
 
-    reload = DiskReload(newest, path.disk_dir, path.local_checkpoint_dir)
+    reload = SGLANG.DiskReload(newest, path.disk_dir, path.local_checkpoint_dir)
     return get_engine("sglang", key=key, reload=reload, timeout_s=timeout_s)
 
 

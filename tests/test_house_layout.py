@@ -220,3 +220,12 @@ def test_weight_sync_imports_no_cluster_and_no_engine_module():
         if t.startswith(("modal_rl.cluster", "modal_rl.engines"))
     }
     assert edges - WEIGHTSYNC_TO_ENGINES_ALLOWED == set()
+
+
+def test_adapters_get_engines_from_the_registry_not_from_an_engine_file():
+    """An adapter names its engine (``ENGINES``); the vLLM and SGLang files are the engines' own."""
+    engine_files = {"modal_rl.engines.vllm", "modal_rl.engines.sglang"}
+    reached = {
+        (m, t) for m, ts in import_graph().items() if m.startswith(ADAPTERS) for t in ts if t in engine_files
+    }
+    assert reached == set()

@@ -28,7 +28,7 @@ from modal_rl.run_key import RUN_KEY_ENV, derive, engine_bearer, engine_env, fra
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = str(Path(__file__).with_name("_engine_server.py"))
-SGLANG = [sys.executable, "-m", "modal_rl.cluster.keyed_launch", "--key-flag=--api-key"]
+SGLANG = [sys.executable, "-m", "modal_rl.engines.keyed_launch", "--key-flag=--api-key"]
 SGLANG += ["--key-flag=--admin-api-key", "_sglang_auth_server", "--host", "{host}", "--port", "{port}"]
 SGLANG += ["--model-path", "/models/tiny"]
 

@@ -52,7 +52,7 @@ MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 KEYED_STAND_IN = (
     sys.executable,
     "-m",
-    "modal_rl.cluster.keyed_launch",
+    "modal_rl.engines.keyed_launch",
     "--key-flag=--api-key",
     "--key-flag=--admin-api-key",
     "_sglang_auth_server",

@@ -60,9 +60,8 @@ import weakref
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from modal_rl.adapters import extra_requirements
-from modal_rl.engines import get_engine
+from modal_rl.engines import ENGINES, get_engine
 from modal_rl.engines.pool import EngineSpec
-from modal_rl.engines.vllm import IMAGE_SERVER, LOCAL_SERVER
 from verl_modal.image import engine_image
 from verl_modal.replica_proxy import VLLMHttpProxy
 
@@ -109,7 +108,8 @@ def engine_settings(config) -> dict[str, str]:
 def default_server(backend: str) -> str:
     """The command before the model: locally this run's own interpreter (never a ``vllm`` looked
     up on PATH, which an unactivated venv does not put there); on Modal the image's ``vllm``."""
-    return shlex.join(LOCAL_SERVER if backend == "local" else IMAGE_SERVER)
+    vllm = ENGINES.load("vllm")
+    return shlex.join(vllm.LOCAL_SERVER if backend == "local" else vllm.IMAGE_SERVER)
 
 
 def parse_volumes(text: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """SGLang behind the Engine port: its launch command, health request, and disk weight reload.
 
-The server is ``sglang.launch_server`` started through ``modal_rl.cluster.keyed_launch``, which
+The server is ``sglang.launch_server`` started through ``modal_rl.engines.keyed_launch``, which
 adds ``--api-key``/``--admin-api-key`` inside the process from ``MODAL_RL_ENGINE_BEARER`` (SGLang
 takes its keys only as flags, and a flag on a command line is visible to every local user).
 SGLang then refuses every route without the bearer except its ``/health*``, ``/ready*`` and
@@ -35,7 +35,7 @@ KEY_FLAGS = ("--api-key", "--admin-api-key")
 SERVER = (
     "python3",
     "-m",
-    "modal_rl.cluster.keyed_launch",
+    "modal_rl.engines.keyed_launch",
     *(f"--key-flag={flag}" for flag in KEY_FLAGS),
     SGLANG_MODULE,
 )
@@ -75,6 +75,10 @@ class SglangEngine(Engine):
 
     name = "sglang"
     port = SGLANG_PORT
+    # for users that hold only the class (the adapters get it from the registry)
+    SERVER = SERVER
+    KEY_FLAGS = KEY_FLAGS
+    DiskReload = DiskReload
 
     def __init__(
         self,

@@ -100,6 +100,9 @@ class VllmEngine(Engine):
 
     name = "vllm"
     port = 8000
+    # for users that hold only the class (the adapters get it from the registry)
+    LOCAL_SERVER = LOCAL_SERVER
+    IMAGE_SERVER = IMAGE_SERVER
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Run a Python module with the run's key added to its flags, without the key on a command line.
 
-``python -m modal_rl.cluster.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
+``python -m modal_rl.engines.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
 sglang.launch_server --model-path ...`` reads the engine bearer from ``MODAL_RL_ENGINE_BEARER``
 (an engine holds that, never the run key; ``run_key.engine_bearer``), appends
 ``--api-key <bearer> --admin-api-key <bearer>`` to ``sys.argv`` inside this process and runs
@@ -29,7 +29,7 @@ import sys
 
 from modal_rl.run_key import MissingRunKeyError, engine_bearer_from_env
 
-USAGE = "usage: python -m modal_rl.cluster.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
+USAGE = "usage: python -m modal_rl.engines.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
 PREFIX = "--key-flag="
 
 
