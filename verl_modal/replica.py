@@ -83,7 +83,6 @@ DEFAULTS = {
     "retry_wait_s": "1800",
     "lora_resident": "2",  # LoRA runs: adapter versions kept loaded (>= max staleness + 1)
 }
-VLLM_PORT = 8000
 
 
 def engine_settings(config) -> dict[str, str]:
