@@ -91,7 +91,7 @@ def lora_engine_spec(model_dir: Path):
     many adapters kept on the CPU), rank ``RANK``, adapters loaded at run time over HTTP."""
     import dataclasses
 
-    from modal_rl.weightsync.apply.engine_push import local_vllm_spec
+    from modal_rl.engines.vllm import local_vllm_spec
 
     spec = local_vllm_spec(str(model_dir), max_model_len=256, name="vllm-engine-sync-lora", inplace=False)
     extra = [
@@ -112,9 +112,9 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
     and verifies each version, then ``/v1/load_lora_adapter``); per version: bytes, the pause,
     publish to live; greedy completions of each version, and what the engine lists at the end."""
     from benchmarks.engine_sync import _post, complete
-    from modal_rl.cluster.engines import get_engine_pool
+    from modal_rl.engines.pool import get_engine_pool
+    from modal_rl.engines.vllm_push import EnginePusher
     from modal_rl.run_key import run_key
-    from modal_rl.weightsync.apply.engine_push import EnginePusher
     from modal_rl.weightsync.apply.lora import AdapterVersions
     from modal_rl.weightsync.apply.lora_push import load_adapter_version
 
@@ -161,7 +161,7 @@ def _get(url: str) -> dict:
     import json
     import urllib.request
 
-    from modal_rl.cluster.engine_auth import bearer_header
+    from modal_rl.engines.auth import bearer_header
     from modal_rl.run_key import run_key
 
     with urllib.request.urlopen(
@@ -174,7 +174,7 @@ def merged_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict:
     """The same versions as merged bf16 weights, pushed as lossless deltas in place into an
     engine of the base model (``engine-sync``'s ``inplace`` mode); the final completion."""
     from benchmarks.engine_sync import _post, _rpc, complete, engine_spec, push_all
-    from modal_rl.cluster.engines import get_engine_pool
+    from modal_rl.engines.pool import get_engine_pool
 
     pool = get_engine_pool(engine_spec(model_dir, "vllm-engine-sync-merged"), "local", log_dir=str(log_dir))
     try:

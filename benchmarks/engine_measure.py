@@ -30,9 +30,10 @@ from pathlib import Path
 def measure(model_dir: str, kills: int = 1, interval_s: float = 0.5) -> dict:
     from safetensors.torch import load_file
 
-    from modal_rl.cluster.engine_local import LocalEnginePool
-    from modal_rl.cluster.engine_supervisor import EngineSupervisor
-    from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec
+    from modal_rl.engines.pool_local import LocalEnginePool
+    from modal_rl.engines.supervisor import EngineSupervisor
+    from modal_rl.engines.vllm import VllmEngine, local_vllm_spec
+    from modal_rl.engines.vllm_push import EnginePusher
 
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     weights = {
@@ -42,7 +43,7 @@ def measure(model_dir: str, kills: int = 1, interval_s: float = 0.5) -> dict:
     out: dict = {"model": model_dir, "kills": kills}
     with EnginePusher(None) as pusher:
         source, numbers = pusher.publish(weights)  # v0: an anchor
-        sup = EngineSupervisor(LocalEnginePool(spec), load=pusher.load, interval_s=interval_s)
+        sup = EngineSupervisor(LocalEnginePool(spec), VllmEngine(), interval_s=interval_s)
         sup.source = source
         try:
             sup.start()

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import markdown_table, progress, write_json
-from modal_rl.cluster.engine_auth import bearer_header
+from modal_rl.engines.auth import bearer_header
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key, run_key
 
 SUITE = "engine-sync"
@@ -65,7 +65,7 @@ PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]
 
 
 def engine_spec(model_dir: Path, log_name: str = "vllm-engine-sync"):
-    from modal_rl.weightsync.apply.engine_push import local_vllm_spec
+    from modal_rl.engines.vllm import local_vllm_spec
 
     return local_vllm_spec(str(model_dir), dtype="bfloat16", max_model_len=256, name=log_name, inplace=True)
 
@@ -95,7 +95,7 @@ def complete(url: str, model: str, max_tokens: int = 12) -> dict[str, list]:
 
 
 def push_all(url: str, states: list, mode: str) -> list[dict[str, float]]:
-    from modal_rl.weightsync.apply.engine_push import EnginePusher
+    from modal_rl.engines.vllm_push import EnginePusher
 
     anchor_every, inplace = MODES[mode]
     rows = []
@@ -170,7 +170,7 @@ def identity_check(url: str, model: str, served: dict) -> dict[str, Any]:
 
 def run_case(case: str, model_dir: Path, states: list, out: Path) -> dict[str, Any]:
     """Push ``states`` into one engine of ``model_dir`` in every mode; the rows and checks."""
-    from modal_rl.cluster.engines import get_engine_pool
+    from modal_rl.engines.pool import get_engine_pool
 
     pool = get_engine_pool(engine_spec(model_dir), "local", log_dir=str(out / f"{SUITE}-logs" / case))
     model = str(model_dir)

@@ -6,7 +6,7 @@ in ``SGLangEngine``, the router's proxying, ``discover_external_engines``) is pl
 addresses. So the launcher submits the job through this module, which, on the job's driver
 (rank 0, where Ray runs a job's entrypoint):
 
-1. starts ``modal_rl.cluster.key_forwarder`` as a child process with one port per engine,
+1. starts ``modal_rl.engines.key_forwarder`` as a child process with one port per engine,
    each adding ``Authorization: Bearer <engine bearer>`` (``run_key.engine_bearer``: the only key it holds) and forwarding to that engine's URL
    (the TLS tunnel of a Modal engine);
 2. runs ``ENTRY`` (slime's ``train.py``) in this process as ``__main__`` with ``ARGS`` plus
@@ -91,7 +91,7 @@ def start_forwarder(
     engines: list[str], host: str, peers: list[str] | None, routes: str | None = None
 ) -> tuple[subprocess.Popen, list[str]]:
     """The forwarder child and its addresses (one per engine, same order)."""
-    cmd = [sys.executable, "-m", "modal_rl.cluster.key_forwarder", "--listen", host]
+    cmd = [sys.executable, "-m", "modal_rl.engines.key_forwarder", "--listen", host]
     for url in engines:
         cmd += ["--upstream", url]
     for peer in peers or []:

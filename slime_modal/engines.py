@@ -14,7 +14,7 @@ replay``, and every other ``--sglang-<flag>`` passed through as SGLang's ``--<fl
 engine's GPU count is its tensor x pipeline size; a GPU count in the flag must agree.
 
 Engine auth (the run's key, ``MODAL_RL_RUN_KEY``): each engine runs SGLang through
-``modal_rl.cluster.keyed_launch``, which adds ``--api-key <key> --admin-api-key <key>`` inside
+``modal_rl.engines.keyed_launch``, which adds ``--api-key <key> --admin-api-key <key>`` inside
 the process, so the key is never on a command line; SGLang then refuses every route without
 ``Authorization: Bearer <key>`` except its ``/health*``, ``/ready*`` and ``/metrics*``. Both
 keys are the run key: our forwarder is the engines' only client and SGLang accepts only the
@@ -32,7 +32,7 @@ Replacement (``replacement_problem`` says when it is off): with slime's disk wei
 under an ``EngineSupervisor``. A dead or hung engine is lost; its slot's forwarder port stops
 taking traffic at once (slime's requests to it are held, not failed); the same spec is
 started again and brought to slime's newest published version through slime's own weight
-path (:func:`catch_up`: ``/pull_weights`` into ``--update-weight-local-checkpoint-dir`` then
+path (:func:`sglang_engine`'s ``catch_up``: ``/pull_weights`` into ``--update-weight-local-checkpoint-dir`` then
 ``/update_weights_from_disk``, as slime's own reload does, or the full version directory
 when there is no local checkpoint dir); only then does the forwarder route the slot to it.
 The routes reach the job's key forwarder through a routes file (``--routes``, JSON, written
@@ -47,32 +47,23 @@ import contextlib
 import json
 import os
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from modal_rl.cluster.engine_health import sglang_generate
-from modal_rl.cluster.engines import EngineSpec, get_engine_pool
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
+from modal_rl.engines import ENGINES, get_engine
+from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
 from slime_modal.preflight import SlimeArgs
 
+SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
+KEY_FLAGS = SGLANG.KEY_FLAGS
+SERVER = SGLANG.SERVER
+SGLANG_PORT = SGLANG.port
 DEFAULT_GPU = "H100"
 DEFAULT_IMAGE = "slimerl/slime:latest"
-SGLANG_PORT = 30000
-SGLANG_MODULE = "sglang.launch_server"
-# SGLang takes its keys only as flags (no env var): inserted in-process by keyed_launch.
-KEY_FLAGS = ("--api-key", "--admin-api-key")
-SERVER = (
-    "python3",
-    "-m",
-    "modal_rl.cluster.keyed_launch",
-    *(f"--key-flag={flag}" for flag in KEY_FLAGS),
-    SGLANG_MODULE,
-)
 ENGINE_JOB = "slime_modal.engine_job"
 # slime sets these itself for an external engine, or they are per-engine: never passed through.
 _NOT_PASSED = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config"}
@@ -128,8 +119,8 @@ def _sglang_passthrough(argv: list[str]) -> list[str]:
     return out
 
 
-def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> tuple[list[str], int]:
-    """(SGLang server argv template with ``{host}``/``{port}``, GPUs per engine), from slime's flags."""
+def sglang_server(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> tuple[Any, int]:
+    """(the SGLang engine slime would have launched, GPUs per engine), from slime's flags."""
     argv = list(slime_argv)
     args = SlimeArgs(argv)
     model = args.get("--hf-checkpoint")
@@ -157,16 +148,16 @@ def sglang_command(slime_argv: list[str], server: tuple[str, ...] = SERVER) -> t
         raise ValueError(
             f"--rollout-num-gpus-per-engine {gpus} must be a positive multiple of --sglang-pp-size {pp}"
         )
-    cmd = [*server, "--model-path", model, "--host", "{host}", "--port", "{port}", "--trust-remote-code"]
-    cmd += ["--tp-size", str(gpus // pp), "--pp-size", str(pp), "--skip-server-warmup", "--enable-metrics"]
+    flags = []
     offload = ("--offload" in argv or "--offload-rollout" in argv) and "--no-offload-rollout" not in argv
     if offload:
-        cmd.append("--enable-memory-saver")  # slime checks this field on external engines
+        flags.append("--enable-memory-saver")  # slime checks this field on external engines
     if "--fp16" in argv:
-        cmd += ["--dtype", "float16"]
+        flags += ["--dtype", "float16"]
     if "--use-rollout-routing-replay" in argv:
-        cmd.append("--enable-return-routed-experts")
-    return cmd + _sglang_passthrough(argv), gpus
+        flags.append("--enable-return-routed-experts")
+    flags += _sglang_passthrough(argv)
+    return get_engine("sglang", model=model, server=server, tp=gpus // pp, pp=pp, flags=flags), gpus
 
 
 def engine_spec(
@@ -179,20 +170,16 @@ def engine_spec(
     startup_timeout_s: float = 1800.0,
     server: tuple[str, ...] = SERVER,
 ) -> EngineSpec:
-    command, gpus = sglang_command(slime_argv, server)
+    engine, gpus = sglang_server(slime_argv, server)
     if request.gpu_count is not None and request.gpu_count != gpus:
         raise ValueError(
             f"--rollout-engines {request}: {request.gpu_count} GPUs per engine, but "
             f"--rollout-num-gpus-per-engine is {gpus}; make them agree"
         )
-    return EngineSpec(
-        command=command,
+    return engine.spec(
         count=request.count,
         gpu=f"{request.gpu_type}:{gpus}",
         image=image or DEFAULT_IMAGE,
-        port=SGLANG_PORT,
-        health_path="/health",
-        generate=sglang_generate(),  # up = answers a keyed 1-token generation, not just /health
         volumes=volumes or {},
         env=env or {},
         startup_timeout_s=startup_timeout_s,
@@ -212,11 +199,11 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
         "health": engines.health_path,
         "auth": {
             "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
-            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.cluster.keyed_launch "
+            "SGLang --api-key and --admin-api-key, added in-process by modal_rl.engines.keyed_launch "
             "from MODAL_RL_ENGINE_BEARER (never on a command line)",
             "key_required": "every route except SGLang's /health*, /ready*, /metrics*",
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
-            "forwarder": "modal_rl.cluster.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
+            "forwarder": "modal_rl.engines.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "
             "Authorization: Bearer <engine bearer>",
         },
@@ -259,43 +246,18 @@ def replacement_problem(slime_argv: list[str], backend: str) -> str | None:
     return None
 
 
-def _admin_post(url: str, path: str, body: dict, key: str | None, timeout_s: float) -> dict:
-    from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, check_key_safe_url
-
-    headers = {"Content-Type": "application/json"}
-    if key:
-        check_key_safe_url(url)
-        headers.update(bearer_header(key))  # the engine's bearer, derived from the run key
-    req = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers, method="POST")
-    with KEYED_OPENER.open(req, timeout=timeout_s) as resp:  # no proxy, no redirect
-        answer = json.loads(resp.read() or b"{}")
-    if answer.get("success") is False:
-        raise RuntimeError(f"{path} failed: {str(answer.get('message'))[-300:]}")
-    return answer
-
-
-def catch_up(url: str, path: WeightPath, key: str | None, timeout_s: float = 600.0) -> dict:
-    """Bring the engine at ``url`` to slime's newest complete version under ``path.disk_dir``,
-    the way slime's own reload does; returns ``{"weight_version", "load_s"}``. Version 0 (none
-    published yet) is the engine's own ``--model-path``: nothing to load."""
+def sglang_engine(path: WeightPath, key: str | None, timeout_s: float = 600.0):
+    """The SGLang driver whose ``catch_up`` brings a new engine to slime's newest complete
+    version under ``path.disk_dir``, the way slime's own reload does (version 0, none published
+    yet, is the engine's own ``--model-path``: nothing to load)."""
     from slime_modal.weight_hooks import newest_version, version_dir  # weightsync: a heavy import
 
-    t0 = time.monotonic()
-    version = newest_version(path.disk_dir)
-    if version > 0:
-        if path.local_checkpoint_dir:
-            pull = {
-                "local_checkpoint_dir": path.local_checkpoint_dir,
-                "source_dir": path.disk_dir,
-                "target_version": version,
-            }
-            _admin_post(url, "/pull_weights", pull, key, timeout_s)
-            model_path = path.local_checkpoint_dir
-        else:
-            model_path = str(version_dir(path.disk_dir, version))
-        reload = {"model_path": model_path, "weight_version": str(version)}
-        _admin_post(url, "/update_weights_from_disk", reload, key, timeout_s)
-    return {"weight_version": version, "load_s": round(time.monotonic() - t0, 3)}
+    def newest() -> tuple[int, str | None]:
+        version = newest_version(path.disk_dir)
+        return version, str(version_dir(path.disk_dir, version)) if version > 0 else None
+
+    reload = SGLANG.DiskReload(newest, path.disk_dir, path.local_checkpoint_dir)
+    return get_engine("sglang", key=key, reload=reload, timeout_s=timeout_s)
 
 
 class EngineAddresses(list):
@@ -339,7 +301,7 @@ def running_engines(
             yield EngineAddresses(addresses)
         return
     from modal_rl import run_temp
-    from modal_rl.cluster.engine_supervisor import EngineSupervisor
+    from modal_rl.engines.supervisor import EngineSupervisor
 
     weights = WeightPath.from_argv(slime_argv)
     temp = run_temp.make("routes-")
@@ -347,7 +309,7 @@ def running_engines(
         routes: list[_RoutesFile] = []
         supervisor = EngineSupervisor(
             pool,
-            catch_up=lambda url: catch_up(url, weights, pool._key),
+            sglang_engine(weights, engine_key(engines)),
             on_route=lambda index, url: routes[0].route(index, url),
             **health,
         )

@@ -10,7 +10,7 @@ actor, which the seam makes a Ray actor again). Before slime's own constructor r
 
 1. starts the engines from the config (``modal_rl.cluster``'s engine pool: the same keyed
    SGLang command line as the fallback) under a supervisor, behind a key forwarder in this
-   process (``modal_rl.cluster.forwarded_engines``): one fixed ``http://host:port`` per engine,
+   process (``modal_rl.engines.forwarded``): one fixed ``http://host:port`` per engine,
    which adds the engine bearer slime cannot send;
 2. gives slime those addresses as its external engines (``args.rollout_external_engine_addrs``,
    then slime's own ``apply_external_engine_info_to_args``, which reads each one's
@@ -19,7 +19,7 @@ actor, which the seam makes a Ray actor again). Before slime's own constructor r
 
 While the run goes on, the supervisor watches each engine (process, ``GET /health``); a dead or
 hung one is replaced from the same spec, caught up to slime's newest published version through
-slime's own weight path (``slime_modal.engines.catch_up``: ``/pull_weights`` then
+slime's own weight path (``slime_modal.engines.sglang_engine``, its ``catch_up``: ``/pull_weights`` then
 ``/update_weights_from_disk``), and only then does its port route to it; meanwhile the port
 holds slime's requests. Before each weight update slime calls ``recover_updatable_engines``
 (with ``--use-fault-tolerance``, which the launcher adds); here that waits until every slot
@@ -41,11 +41,11 @@ from typing import Any
 from slime.backends.sglang_utils.external import apply_external_engine_info_to_args
 from slime.ray.rollout import RolloutManager
 
-from modal_rl.cluster.engines import EngineSpec, get_engine_pool
-from modal_rl.cluster.forwarded_engines import ForwardedEngines
+from modal_rl.engines.forwarded import ForwardedEngines
+from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
 from modal_rl.report.parts import parts_dir, record_events
 from slime_modal.engine_job import listen_plan
-from slime_modal.engines import WeightPath, catch_up
+from slime_modal.engines import WeightPath, sglang_engine
 from slime_modal.manager_seam import CONFIG_ENV
 
 # How long a weight update waits for replacements (start + catch-up) before it fails.
@@ -67,7 +67,7 @@ def start_engines(environ: dict[str, str] | None = None) -> ForwardedEngines:
     host, peers = listen_plan(env)
     engines = ForwardedEngines(
         pool,
-        catch_up=lambda url: catch_up(url, weights, pool._key),
+        sglang_engine(weights, engine_key(pool.spec)),
         host=host,
         allow_peers=peers,
         health=config["health"],

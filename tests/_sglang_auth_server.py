@@ -1,6 +1,6 @@
 """A stand-in SGLang server that enforces keys the way SGLang's HTTP server does.
 
-Run as a module (``-m _sglang_auth_server`` or through ``modal_rl.cluster.keyed_launch``):
+Run as a module (``-m _sglang_auth_server`` or through ``modal_rl.engines.keyed_launch``):
 ``--host H --port P [--api-key K] [--admin-api-key A] [--model-path M] [--argv-out FILE]``.
 Rules, as SGLang's ``decide_request_auth``: ``/health*``, ``/ready*``, ``/metrics*`` always
 open; admin routes (``ADMIN`` below, e.g. ``/update_weights_from_disk``, ``/pull_weights``)

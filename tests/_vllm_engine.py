@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from modal_rl.cluster.engines import get_engine_pool
+from modal_rl.engines.pool import get_engine_pool
+from modal_rl.engines.vllm import local_vllm_spec
 from modal_rl.run_key import RUN_KEY_ENV
-from modal_rl.weightsync.apply.engine_push import local_vllm_spec
 from tests.weightsync_helpers import TEST_KEY
 
 

@@ -3,7 +3,7 @@
 ``actor_rollout_ref.rollout.name=modal_vllm`` makes verl's ``LLMServerManager`` build these
 replicas (registered by the ``verl.plugins`` entry point, ``_replica_register``). They are
 standalone replicas only: ``init_standalone`` starts one engine per replica through
-``modal_rl.cluster.engines`` (its own Modal app and GPU function, or a local process), with a
+``modal_rl.engines.pool`` (its own Modal app and GPU function, or a local process), with a
 ``vllm serve`` command built from the rollout config, and allocates nothing on the trainer
 cluster. A small Ray actor, ``VLLMHttpProxy``, is the replica's server handle: verl's agent
 loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, over vLLM's
@@ -17,7 +17,7 @@ loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, over vLLM's
 (sleep and the kv-cache calls only when ``free_cache_engine``, as verl's vLLM server does;
 those endpoints need ``VLLM_SERVER_DEV_MODE=1``, which the engine's env sets.)
 
-Auth: the engine runs with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth``, so every
+Auth: the engine runs with ``--middleware modal_rl.engines.auth.RunKeyAuth``, so every
 route (dev routes included) needs ``Authorization: Bearer <engine bearer>``; the pool gives the
 engine that bearer (derived from the run key, never the run key itself) through its
 environment. The proxy reads the run key with ``run_key()`` (the launcher puts it in every Ray
@@ -55,17 +55,13 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import sys
 import weakref
 
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from modal_rl.adapters import extra_requirements
-from modal_rl.cluster.engine_auth import vllm_auth_args
-from modal_rl.cluster.engine_health import vllm_generate
-from modal_rl.cluster.engines import EngineSpec
-from modal_rl.weightsync.apply.vllm_extension import EXTENSION
-from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
+from modal_rl.engines import ENGINES, get_engine
+from modal_rl.engines.pool import EngineSpec
 from verl_modal.image import engine_image
 from verl_modal.replica_proxy import VLLMHttpProxy
 
@@ -87,7 +83,6 @@ DEFAULTS = {
     "retry_wait_s": "1800",
     "lora_resident": "2",  # LoRA runs: adapter versions kept loaded (>= max staleness + 1)
 }
-VLLM_PORT = 8000
 
 
 def engine_settings(config) -> dict[str, str]:
@@ -112,9 +107,8 @@ def engine_settings(config) -> dict[str, str]:
 def default_server(backend: str) -> str:
     """The command before the model: locally this run's own interpreter (never a ``vllm`` looked
     up on PATH, which an unactivated venv does not put there); on Modal the image's ``vllm``."""
-    if backend == "local":
-        return shlex.join([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"])
-    return "vllm serve"
+    vllm = ENGINES.load("vllm")
+    return shlex.join(vllm.LOCAL_SERVER if backend == "local" else vllm.IMAGE_SERVER)
 
 
 def parse_volumes(text: str) -> dict[str, str]:
@@ -131,37 +125,29 @@ def max_model_len(config) -> int:
     return int(config.max_model_len or config.prompt_length + config.response_length)
 
 
-def vllm_command(
-    config, model_path: str, served_name: str, server: str, trust_remote_code: bool
-) -> list[str]:
-    """``vllm serve`` for one replica, from verl's rollout config (``{host}``/``{port}`` left open)."""
+def vllm_flags(config, trust_remote_code: bool) -> list[str]:
+    """The ``vllm serve`` flags of one replica, from verl's rollout config."""
     memory = config.standalone_gpu_memory_utilization or config.gpu_memory_utilization
-    cmd = [*shlex.split(server), model_path, "--host", "{host}", "--port", "{port}", *vllm_auth_args()]
-    cmd += ["--served-model-name", served_name, "--dtype", str(config.dtype), "--seed", str(config.seed)]
-    cmd += ["--tensor-parallel-size", str(config.tensor_model_parallel_size)]
-    cmd += ["--data-parallel-size", str(config.data_parallel_size)]
-    cmd += ["--pipeline-parallel-size", str(config.pipeline_model_parallel_size)]
-    cmd += ["--gpu-memory-utilization", str(memory), "--max-model-len", str(max_model_len(config))]
-    cmd += [
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(config.max_num_batched_tokens),
-    ]
+    flags = ["--tensor-parallel-size", str(config.tensor_model_parallel_size)]
+    flags += ["--data-parallel-size", str(config.data_parallel_size)]
+    flags += ["--pipeline-parallel-size", str(config.pipeline_model_parallel_size)]
+    flags += ["--gpu-memory-utilization", str(memory), "--max-model-len", str(max_model_len(config))]
+    flags += ["--max-num-seqs", str(config.max_num_seqs)]
+    flags += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if config.load_format:  # verl's default "dummy": the weights come from the trainer's first sync
-        cmd += ["--load-format", str(config.load_format)]
+        flags += ["--load-format", str(config.load_format)]
     if config.enforce_eager:
-        cmd.append("--enforce-eager")
+        flags.append("--enforce-eager")
     if config.free_cache_engine:
-        cmd.append("--enable-sleep-mode")
+        flags.append("--enable-sleep-mode")
     if trust_remote_code:
-        cmd.append("--trust-remote-code")
+        flags.append("--trust-remote-code")
     for key, value in dict((config.engine_kwargs or {}).get("vllm") or {}).items():
         if value is None or value is False:
             continue
         flag = "--" + str(key).replace("_", "-")
-        cmd += [flag] if value is True else [flag, str(value)]
-    return cmd
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 class ModalVLLMReplica(RolloutReplica):
@@ -239,35 +225,30 @@ class ModalVLLMReplica(RolloutReplica):
         }
 
     def engine_spec(self) -> EngineSpec:
-        cmd = vllm_command(
-            self.config,
-            self.model_path,
-            self.served_name,
-            self.settings["server"],
-            bool(getattr(self.model_config, "trust_remote_code", False)),
+        engine = get_engine(
+            "vllm",
+            model=self.model_path,
+            key=None,  # the spec carries no key: the pool gives the engine its bearer
+            server=shlex.split(self.settings["server"]),
+            served_name=self.served_name,  # healthy = answers a 1-token generation of it
+            receives_weights=self.receives_weights,
+            inplace=self.lora is None,  # a LoRA run's base is never written in place
         )
-        env = {"VLLM_SERVER_DEV_MODE": "1"}
-        if self.receives_weights:
-            cmd += ["--worker-extension-cls", EXTENSION]
-            # Plain weights on a CPU engine, so versions are written in place (no effect on GPUs).
-            env[PLAIN_WEIGHTS_ENV] = "1"
+        flags = vllm_flags(self.config, bool(getattr(self.model_config, "trust_remote_code", False)))
+        env = {}
         if self.lora is not None:
             from modal_rl.weightsync.apply.vllm_lora import RUNTIME_LORA_ENV, lora_server_args
 
             # The base is never synced in a LoRA run: it is the model path's, so load it for real.
-            if "--load-format" in cmd:
-                cmd[cmd.index("--load-format") + 1] = "auto"
-            cmd += lora_server_args(int(self.settings["lora_resident"]), self.lora["rank"])
-            env.pop(PLAIN_WEIGHTS_ENV)
+            if "--load-format" in flags:
+                flags[flags.index("--load-format") + 1] = "auto"
+            flags += lora_server_args(int(self.settings["lora_resident"]), self.lora["rank"])
             env.update(RUNTIME_LORA_ENV)
-        return EngineSpec(
-            command=cmd,
+        engine.options = {"dtype": self.config.dtype, "seed": self.config.seed, "flags": flags}
+        return engine.spec(
             count=1,
             gpu=f"{self.settings['gpu']}:{self.world_size}",
             image=self.settings["image"] or engine_image(),
-            port=VLLM_PORT,
-            health_path="/health",
-            generate=vllm_generate(self.served_name),  # healthy = answers a 1-token generation
             volumes=parse_volumes(self.settings["volumes"]),
             env=env,
             pip=extra_requirements("engine-receiver") if self.receives_weights else (),

@@ -6,7 +6,7 @@ verl's agent loop calls ``generate`` on it (token ids in, ``TokenOutput`` out, o
 ``EnginePool`` under an ``EngineSupervisor`` *in this actor*, so the process that routes
 requests is the one that knows which engine serves which weight version.
 
-Failures (``modal_rl.cluster.engine_supervisor``): a dead or hung engine is replaced with the
+Failures (``modal_rl.engines.supervisor``): a dead or hung engine is replaced with the
 same spec; the replacement pulls the replica's current version from the relay worker's frame
 server (``load_weights`` tells this actor where that is) before it takes a request. A request
 whose engine is lost is sent again, to an engine holding the same version; if that cannot
@@ -31,9 +31,10 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from modal_rl.cluster.engine_auth import bearer_header, check_key_safe_url
-from modal_rl.cluster.engine_supervisor import EngineLost, EngineSupervisor, WeightSource
-from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+from modal_rl.engines import get_engine
+from modal_rl.engines.auth import bearer_header, check_key_safe_url
+from modal_rl.engines.pool import EngineSpec, get_engine_pool
+from modal_rl.engines.supervisor import EngineLost, EngineSupervisor, WeightSource
 from modal_rl.run_key import run_key
 
 log = logging.getLogger("verl_modal")
@@ -78,41 +79,24 @@ class VLLMHttpProxy:
         self._session = None
         # LoRA runs: {"prefix", "max_resident", "config"}; each engine's resident adapter versions
         self.lora = dict(lora) if lora else None
-        self._adapters: dict[str, Any] = {}
 
     # -- the engine ---------------------------------------------------------------------------
 
     async def start(self) -> dict:
         """Start the engine (and keep it serving); returns ``{"address", "log_dir"}``."""
-        from modal_rl.weightsync.apply.engine_push import load_version
-
-        def load(url: str, source: WeightSource) -> dict:
-            if self.lora is not None:
-                return self._load_adapter(url, source)
-            return load_version(url, source, key=self._key, pull_timeout_s=self.weights_timeout_s)
-
+        settings = {"key": self._key, "pull_timeout_s": self.weights_timeout_s}
+        if self.lora is None:
+            engine = get_engine("vllm", **settings)
+        else:
+            engine = get_engine("vllm-lora", lora=self.lora, **settings)
         pool = get_engine_pool(self.spec, self.backend, **self.pool_kwargs)
-        self.supervisor = EngineSupervisor(pool, load=load, **self.health)
+        self.supervisor = EngineSupervisor(pool, engine, **self.health)
         (address,) = await asyncio.to_thread(self.supervisor.start)
         check_key_safe_url(address)  # the key goes only over TLS or to loopback
         kept = str(pool.log_dir) if getattr(pool, "keeps_logs", False) else None
         # Local engines' run id: the replica ends them by it if this actor is killed before close()
         # (a parent-death signal reaches the server process, not the engine cores it forked).
         return {"address": address, "log_dir": kept, "run_id": getattr(pool, "run_id", None)}
-
-    def _load_adapter(self, url: str, source: WeightSource) -> dict:
-        """A LoRA run's version: the engine stages it and loads it as adapter ``<prefix>-vN``
-        (``vllm_lora``); an engine seen for the first time (a replacement) starts empty."""
-        from modal_rl.weightsync.apply.lora import AdapterVersions
-        from modal_rl.weightsync.apply.lora_push import load_adapter_version
-
-        versions = self._adapters.get(url)
-        if versions is None:
-            versions = AdapterVersions(int(self.lora["max_resident"]), self.lora["prefix"])
-            self._adapters[url] = versions
-        return load_adapter_version(
-            url, source, versions, self.lora["config"], key=self._key, pull_timeout_s=self.weights_timeout_s
-        )
 
     def model_for(self, version: int | None) -> str:
         """What ``/v1/completions`` names for an engine at ``version``: in a LoRA run that

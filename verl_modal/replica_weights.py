@@ -6,7 +6,7 @@ version through the configured checkpoint engine and hands the ``(name, tensor)`
 its *server adapter*. A ``modal_vllm`` engine runs in a container of its own, so its replica
 gets one such worker on the trainer cluster, with no GPU, whose adapter is
 :class:`EngineWeightsAdapter`: it republishes each version on its own frame server
-(``modal_rl.weightsync.apply.engine_push``, lossless deltas after the first anchor) and has the
+(``modal_rl.engines.vllm_push``, lossless deltas after the first anchor) and has the
 engine pull it through vLLM's ``/collective_rpc`` (``vllm_extension``): the engine stages each
 delta while it serves and writes only the changed words into its parameters in a short pause
 (``vllm_inplace``; its first version is a full load that teaches it where each checkpoint
@@ -78,7 +78,7 @@ class EngineWeightsAdapter:
 
     def _ensure_pusher(self):
         if self._pusher is None:
-            from modal_rl.weightsync.apply.engine_push import EnginePusher
+            from modal_rl.engines.vllm_push import EnginePusher
 
             self._pusher = EnginePusher(None, expose=self.expose, pull_timeout_s=self.pull_timeout_s)
         return self._pusher

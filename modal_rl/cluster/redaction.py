@@ -1,7 +1,7 @@
 """Redaction of the run key and every key derived from it, in text, bytes and streams.
 
 Used wherever something an engine or a server prints leaves our process: the key forwarder's
-answers, and the engine log relays (``engine_local``, ``engines_modal``). Invariant: after
+answers, and the engine log relays (``pool_local``, ``pool_modal``). Invariant: after
 ``Redactor(key)``, no output of ``bytes``, ``text`` or ``feed``/``flush`` contains any of
 ``secret_forms(key)``, even when a stream splits one across chunks.
 """

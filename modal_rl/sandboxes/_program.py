@@ -151,7 +151,7 @@ class Program:
 
     def receive(self):
         data = self.reader.message()
-        decoder = wire.Decoder(_Classes(self), self.new_class, self.make_ref)
+        decoder = wire.Decoder(_ProgramClasses(self), self.new_class, self.make_ref)
         return decoder.decode(data), decoder
 
     def write(self, stream, text):
@@ -303,7 +303,7 @@ def _rebuilt_error(message):
     return cls(message[3] if len(message) > 3 else "")
 
 
-class _Classes:
+class _ProgramClasses:
     """The program's classes by name, looked up only when an object by value arrives."""
 
     def __init__(self, program):

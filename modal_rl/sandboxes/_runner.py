@@ -105,7 +105,7 @@ class Channel:
                 return self.own[ref.num]
             return self.handles.make(ref, trusted)
 
-        classes = _Classes(self)
+        classes = _TestClasses(self)
         return wire.Decoder(classes, None, make_ref, origins)
 
     def send(self, value):
@@ -231,7 +231,7 @@ class Channel:
         return self._checked(reply)
 
 
-class _Classes:
+class _TestClasses:
     """The test's classes by name, for objects by value (looked up when one arrives)."""
 
     def __init__(self, channel):

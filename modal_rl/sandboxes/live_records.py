@@ -52,7 +52,7 @@ class RegistryRefusedError(ProviderUnavailableError):
 
 
 @dataclass
-class Refused:
+class RefusedEntry:
     """A registry entry a sweep would not act on, and why."""
 
     id: str
@@ -62,7 +62,7 @@ class Refused:
 @dataclass
 class SweepResult:
     killed: int = 0
-    refused: list[Refused] = field(default_factory=list)
+    refused: list[RefusedEntry] = field(default_factory=list)
 
 
 def _refuse(path: Path, why: str, fix: str) -> RegistryRefusedError:
@@ -194,7 +194,7 @@ def sweep_report(registry_dir: Path, tags: Mapping[str, str]) -> SweepResult:
             except ProcessLookupError:
                 pass
         elif verdict != "gone":
-            result.refused.append(Refused(path.stem, verdict))
+            result.refused.append(RefusedEntry(path.stem, verdict))
         path.unlink(missing_ok=True)  # by its own path: an entry's "id" field is only data
     return result
 

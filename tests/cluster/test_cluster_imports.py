@@ -2,9 +2,8 @@
 
 Scans every import statement (module level and inside functions) of ``modal_rl/cluster``:
 none names ``verl_modal`` or ``slime_modal`` (adapters import the core, never the reverse),
-and none names the vLLM weight pusher (``modal_rl.weightsync.apply.engine_push`` and the worker
-extension import ``modal_rl.cluster``'s engine pool and supervisor, so the cluster package
-must not import them back).
+and none names an engine or the vLLM weight pusher (``modal_rl.engines`` builds on the
+cluster's spec and process helpers, so the cluster package must not import it back).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 CLUSTER = Path(__file__).resolve().parents[2] / "modal_rl" / "cluster"
 FRAMEWORKS = ("verl_modal", "slime_modal", "verl", "slime")
 PUSHER = (
-    "modal_rl.weightsync.apply.engine_push",
+    "modal_rl.engines",
     "modal_rl.weightsync.apply.vllm_extension",
     "modal_rl.weightsync.apply.vllm_inplace",
 )

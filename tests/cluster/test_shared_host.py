@@ -18,7 +18,8 @@ import time
 import pytest
 
 from modal_rl import run_temp
-from modal_rl.cluster import engine_local, procs
+from modal_rl.cluster import procs
+from modal_rl.engines import pool_local as engine_local
 from modal_rl.weightsync.transport import volumes
 
 NOBODY = 65534

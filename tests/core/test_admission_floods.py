@@ -189,7 +189,7 @@ def test_a_flood_from_outside_the_key_forwarders_allow_list_is_closed_at_accept(
 
     import aiohttp
 
-    from modal_rl.cluster import key_forwarder
+    from modal_rl.engines import key_forwarder
     from tests.engines.test_key_forwarder import _with
 
     monkeypatch.setattr(key_forwarder, "HEADER_DEADLINE_S", 1.0, raising=False)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from modal_rl import run_temp
-from modal_rl.cluster.engine_local import LocalEnginePool
-from modal_rl.cluster.engines import EngineSpec
+from modal_rl.engines.pool import EngineSpec
+from modal_rl.engines.pool_local import LocalEnginePool
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))

@@ -55,7 +55,7 @@ def test_printable_text_passes_unchanged():
 
 
 def test_an_engines_output_in_its_failure_error_is_clean():
-    from modal_rl.cluster.engines import engine_failure
+    from modal_rl.engines.pool import engine_failure
 
     message = engine_failure("vllm", 0, "exited " + ATTACKS["csi-clear"], list(ATTACKS.values()))
     assert not BAD.search(message.replace("\n", ""))
@@ -63,8 +63,8 @@ def test_an_engines_output_in_its_failure_error_is_clean():
 
 
 def test_an_engines_relayed_output_is_clean(capsys):
-    from modal_rl.cluster.engines_modal import relay
     from modal_rl.cluster.redaction import Redactor
+    from modal_rl.engines.pool_modal import relay
 
     read, write = os.pipe()
     payload = ("loading\n" + "".join(ATTACKS.values()) + "\ndone\n").encode()
@@ -89,7 +89,7 @@ def test_a_frame_servers_refusal_line_is_clean_in_the_receivers_error():
 
 
 def test_the_key_forwarders_log_of_a_peers_path_is_clean():
-    from modal_rl.cluster.key_forwarder import KeyForwarder
+    from modal_rl.engines.key_forwarder import KeyForwarder
     from modal_rl.run_key import new_run_key
 
     logs: list[str] = []
@@ -99,8 +99,8 @@ def test_the_key_forwarders_log_of_a_peers_path_is_clean():
 
 
 def test_an_engines_error_answer_is_clean_in_the_push_error():
+    from modal_rl.engines.vllm_push import EnginePushError, _post
     from modal_rl.run_key import new_run_key
-    from modal_rl.weightsync.apply.engine_push import EnginePushError, _post
 
     class Evil(http.server.BaseHTTPRequestHandler):
         def do_POST(self):

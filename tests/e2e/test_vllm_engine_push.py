@@ -22,9 +22,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.engines.pool import get_engine_pool  # noqa: E402
+from modal_rl.engines.vllm import local_vllm_spec  # noqa: E402
+from modal_rl.engines.vllm_push import EnginePusher, EnginePushError  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import EnginePusher, EnginePushError, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.apply.vllm_extension import LOG_PREFIX, pull_request  # noqa: E402
 from modal_rl.weightsync.publisher import Publisher  # noqa: E402
 from modal_rl.weightsync.transport.tcp import FrameServer  # noqa: E402
@@ -213,7 +214,8 @@ def test_a_killed_engine_is_replaced_catches_up_and_serves_the_request_it_had(en
     again, by v1, and so is every later one."""
     from safetensors.torch import load_file
 
-    from modal_rl.cluster.engine_supervisor import EngineSupervisor
+    from modal_rl.engines.supervisor import EngineSupervisor
+    from modal_rl.engines.vllm import VllmEngine
 
     url, pool = engine
     model = str(tiny_model)
@@ -222,7 +224,7 @@ def test_a_killed_engine_is_replaced_catches_up_and_serves_the_request_it_had(en
     zeroed = {**original, head: original[head].clone().zero_()}
     flipped = {n: (t * -8 if n.endswith("v_proj.weight") else t) for n, t in original.items()}
     with EnginePusher(None) as pusher:
-        sup = EngineSupervisor(pool, load=pusher.load, interval_s=0.5, probe_timeout_s=30.0)
+        sup = EngineSupervisor(pool, VllmEngine(), interval_s=0.5, probe_timeout_s=30.0)
         sup.start()  # takes over the running engine
         try:
             disk_answer = complete(url, model)  # the engine holds the weights on disk (last test)

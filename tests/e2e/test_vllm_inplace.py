@@ -21,9 +21,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modal_rl.cluster.engines import get_engine_pool  # noqa: E402
+from modal_rl.engines.pool import get_engine_pool  # noqa: E402
+from modal_rl.engines.vllm import local_vllm_spec  # noqa: E402
+from modal_rl.engines.vllm_push import EnginePusher  # noqa: E402
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import EnginePusher, local_vllm_spec  # noqa: E402
 from modal_rl.weightsync.apply.vllm_extension import STAGE_METHOD, pull_request  # noqa: E402
 from tests._vllm_engine import local_inplace_engine  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402
@@ -112,6 +113,40 @@ def test_in_place_versions_are_bit_identical_to_a_full_load(engine, tiny_model):
     assert in_place == full  # every parameter, bit for bit
     assert complete(url, model) == served
     assert served != complete_of(url, model, base)  # the versions did change the engine
+
+
+def test_the_engine_port_stages_while_serving_and_commits_in_place(engine, tiny_model):
+    """``VllmEngine.stage`` leaves the live weights as they were; ``commit`` (inside the port's
+    ``pause``/``resume``) makes the staged version live, bit for bit a full load of it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from modal_rl.engines.vllm import VllmEngine
+    from modal_rl.engines.vllm_push import EnginePushError
+
+    url = engine
+    base = {n: t.to(torch.bfloat16) for n, t in load_file(str(tiny_model / "model.safetensors")).items()}
+    port = VllmEngine(str(tiny_model), key=TEST_KEY)
+    with EnginePusher(None, key=TEST_KEY) as pusher:
+        port.load(url, pusher.publish(base)[0])  # a fresh chain: the version the next one builds on
+        live = rpc(url, "modal_rl_param_digests")[0]
+        source = pusher.publish(nudged(base, seed=31))[0]
+        assert port.stage(url, source)["staged"] == 1.0
+        assert rpc(url, "modal_rl_param_digests")[0] == live  # staged, not live
+        with pytest.raises(EnginePushError, match="is not the staged one"):
+            port.commit(url, source.version + 1)
+        port.stage(url, source)
+        port.pause(url)
+        try:
+            port.commit(url, source.version)
+        finally:
+            port.resume(url)
+    in_place = rpc(url, "modal_rl_param_digests")[0]
+    assert in_place != live
+    (reloaded,) = rpc(url, "modal_rl_reload_staged")
+    assert reloaded["version"] == source.version
+    port.reset_prefix_cache(url)
+    assert rpc(url, "modal_rl_param_digests")[0] == in_place
 
 
 def complete_of(url: str, model: str, state: dict) -> dict:

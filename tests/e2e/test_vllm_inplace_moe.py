@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from modal_rl.engines.vllm_push import EnginePusher  # noqa: E402
 from modal_rl.run_key import engine_bearer  # noqa: E402
-from modal_rl.weightsync.apply.engine_push import EnginePusher  # noqa: E402
 from tests._vllm_engine import local_inplace_engine  # noqa: E402
 from tests.weightsync_helpers import TEST_KEY  # noqa: E402
 

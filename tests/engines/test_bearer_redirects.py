@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from modal_rl.cluster.engine_auth import key_safe_url
-from modal_rl.cluster.engine_health import generation_probe, probe
+from modal_rl.engines.auth import key_safe_url
+from modal_rl.engines.health import generation_probe, probe
+from modal_rl.engines.vllm_push import EnginePushError, _post
 from modal_rl.run_key import engine_bearer
-from modal_rl.weightsync.apply.engine_push import EnginePushError, _post
 from tests.weightsync_helpers import TEST_KEY
 
 

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from modal_rl.cluster.backend_local import free_ports
-from modal_rl.cluster.engine_auth import MIDDLEWARE, RunKeyAuth, check_key_safe_url, key_safe_url
+from modal_rl.engines.auth import MIDDLEWARE, RunKeyAuth, check_key_safe_url, key_safe_url
 from modal_rl.run_key import engine_bearer, new_run_key
 
 KEY = new_run_key()

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from modal_rl.cluster import engine_routes
-from modal_rl.cluster.engine_auth import RunKeyAuth
+from modal_rl.engines import routes as engine_routes
+from modal_rl.engines.auth import RunKeyAuth
 from modal_rl.run_key import engine_bearer, new_run_key
 
 KEY = new_run_key()
@@ -284,7 +284,7 @@ def test_each_local_engine_stages_adapters_in_a_directory_of_its_own(tmp_path, m
     guard loads adapters from) must not be shared, or one engine's pruning removes another's."""
     import sys
 
-    from modal_rl.cluster.engines import EngineSpec, get_engine_pool
+    from modal_rl.engines.pool import EngineSpec, get_engine_pool
 
     monkeypatch.delenv(engine_routes.ADAPTER_DIR_ENV, raising=False)
     serve = (

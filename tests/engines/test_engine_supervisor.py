@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
-from modal_rl.cluster.engine_health import PROBE_ID_PREFIX, generation_probe, vllm_generate
-from modal_rl.cluster.engine_local import LocalEnginePool
-from modal_rl.cluster.engine_supervisor import EngineLost, EngineSupervisor, WeightSource
-from modal_rl.cluster.engines import EngineSpec
+from modal_rl.engines.base import Engine
+from modal_rl.engines.health import PROBE_ID_PREFIX, generation_probe, vllm_generate
+from modal_rl.engines.pool import EngineSpec
+from modal_rl.engines.pool_local import LocalEnginePool
+from modal_rl.engines.supervisor import EngineLost, EngineSupervisor, WeightSource
 from modal_rl.run_key import RUN_KEY_ENV, engine_bearer, new_run_key
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
@@ -49,13 +50,20 @@ def post(url: str, path: str, body: dict, key: str, timeout: float = 10.0) -> di
         return json.load(resp)
 
 
-class Loads:
-    """The weight-load step as a real keyed call to the engine (the stand-in records it)."""
+class StandInEngine(Engine):
+    """The stand-in server behind the Engine port: a weight load is a real keyed call to it
+    (the stand-in records it)."""
+
+    name = "stand-in"
 
     def __init__(self, key: str):
-        self.key, self.calls = key, []
+        super().__init__(key=key)
+        self.calls = []
 
-    def __call__(self, url: str, source: WeightSource) -> dict:
+    def argv(self) -> list[str]:
+        return [sys.executable, SERVER, "--host", "{host}", "--port", "{port}"]
+
+    def load(self, url: str, source: WeightSource) -> dict:
         post(url, "/collective_rpc", {"method": "load", "version": source.version}, self.key, 3.0)
         self.calls.append((url, source.version, time.time()))
         return {"version": float(source.version)}
@@ -66,7 +74,7 @@ def supervised(tmp_path, key, count=1) -> EngineSupervisor:
     spec = EngineSpec(command=[*command, "--require-key"], count=count, generate=vllm_generate("m"))
     pool = LocalEnginePool(spec, log_dir=str(tmp_path / "logs"))
     return EngineSupervisor(
-        pool, load=Loads(key), interval_s=INTERVAL_S, probe_timeout_s=PROBE_S, failures=FAILURES
+        pool, StandInEngine(key), interval_s=INTERVAL_S, probe_timeout_s=PROBE_S, failures=FAILURES
     )
 
 
@@ -108,7 +116,7 @@ def test_a_lost_engine_is_replaced_and_serves_only_after_it_holds_the_current_ve
         sup.set_source(WeightSource("127.0.0.1", 1, version=3))
         (old_url,) = sup.pool.addresses
         old_pid = sup.pool.pid(0)
-        assert sup.acquire(1.0).version == 3 and sup.load.calls[-1][:2] == (old_url, 3)
+        assert sup.acquire(1.0).version == 3 and sup.engine.calls[-1][:2] == (old_url, 3)
         mark = len(sup.events)
         killed_at = time.monotonic()
         os.kill(old_pid, sig)
@@ -123,7 +131,7 @@ def test_a_lost_engine_is_replaced_and_serves_only_after_it_holds_the_current_ve
         assert lease.url == new_url != old_url and lease.version == 3 and lease.generation == 1
         assert sup.pool.pid(0) != old_pid and procs.alive([old_pid]) == []  # the hung one too
         # The replacement loaded v3 before it was declared serving.
-        (load,) = [c for c in sup.load.calls if c[0] == new_url]
+        (load,) = [c for c in sup.engine.calls if c[0] == new_url]
         assert load[1] == 3 and load[2] <= serving["t"]
         assert serving["recovery_s"] > 0 and [e["kind"] for e in sup.events[mark:]][:2] == [
             "lost",
@@ -183,8 +191,8 @@ def test_local_pools_leave_no_temp_folder_and_keep_logs_asked_for(tmp_path, key)
     assert (tmp_path / "asked" / "engine-0.log").exists()
     # A process that never calls stop() (it crashes out) still removes its folder at exit.
     script = (
-        "import sys; from modal_rl.cluster.engine_local import LocalEnginePool\n"
-        "from modal_rl.cluster.engines import EngineSpec\n"
+        "import sys; from modal_rl.engines.pool_local import LocalEnginePool\n"
+        "from modal_rl.engines.pool import EngineSpec\n"
         f"pool = LocalEnginePool(EngineSpec(command={command!r}))\n"
         "print(pool.log_dir, flush=True); pool.start(); sys.exit(3)\n"
     )

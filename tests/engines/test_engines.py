@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
-from modal_rl.cluster.engine_health import probe
-from modal_rl.cluster.engine_local import LocalEnginePool
-from modal_rl.cluster.engines import EngineSpec, EngineStartError, running
 from modal_rl.cluster.spec import ClusterSpecError
+from modal_rl.engines.health import probe
+from modal_rl.engines.pool import EngineSpec, EngineStartError, running
+from modal_rl.engines.pool_local import LocalEnginePool
 from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, engine_env, new_run_key, ray_token
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
@@ -189,7 +189,7 @@ def modal_closure(fn) -> dict:
 
 
 def test_modal_engine_function_spec_offline(key):
-    from modal_rl.cluster.engines_modal import ModalEnginePool, build_function, engine_container_main
+    from modal_rl.engines.pool_modal import ModalEnginePool, build_function, engine_container_main
 
     spec = EngineSpec(
         command=["vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "{host}", "--port", "{port}"],
@@ -230,7 +230,7 @@ def secret_envs(fn) -> list[dict]:
 
 
 def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
-    from modal_rl.cluster.engines_modal import ModalEnginePool, build_function
+    from modal_rl.engines.pool_modal import ModalEnginePool, build_function
 
     spec = EngineSpec(
         command=["vllm", "serve", "m", "--port", "{port}"],
@@ -257,7 +257,7 @@ def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
 
 
 def test_modal_pool_start_needs_the_run_key(monkeypatch):
-    from modal_rl.cluster.engines_modal import ModalEnginePool
+    from modal_rl.engines.pool_modal import ModalEnginePool
 
     monkeypatch.delenv(RUN_KEY_ENV)
     pool = ModalEnginePool(EngineSpec(command=["x"], gpu="H100:1", image="python:3.11"))
@@ -266,7 +266,7 @@ def test_modal_pool_start_needs_the_run_key(monkeypatch):
 
 
 def test_modal_pool_needs_an_image():
-    from modal_rl.cluster.engines_modal import build_function
+    from modal_rl.engines.pool_modal import build_function
 
     with pytest.raises(ValueError, match="needs an image"):
         build_function(EngineSpec(command=["x"], gpu="H100:1"), key="k")
@@ -312,7 +312,7 @@ def test_engines_outlive_the_thread_that_started_them(tmp_path):
 def test_a_bare_program_is_this_environments_and_a_missing_one_is_one_line(tmp_path, monkeypatch):
     """A venv that was never activated is not on PATH: ``python3`` (or ``vllm``) must still be
     the environment's own, and a program that is nowhere fails before anything starts."""
-    from modal_rl.cluster.engine_local import program
+    from modal_rl.engines.pool_local import program
 
     own_bin = Path(sys.executable).parent
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as a shell that never activated the venv

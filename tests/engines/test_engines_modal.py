@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
-from modal_rl.cluster.engine_health import probe
-from modal_rl.cluster.engines import EngineSpec, EngineStartError
+from modal_rl.engines import pool_modal as engines_modal
+from modal_rl.engines.health import probe
+from modal_rl.engines.pool import EngineSpec, EngineStartError
 from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, new_run_key
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
@@ -229,7 +229,7 @@ class SpawningFunction:
 def test_replace_cancels_the_old_container_and_spawns_the_same_spec_as_the_next_generation(
     container, tmp_path, key
 ):
-    from modal_rl.cluster.engine_health import vllm_generate
+    from modal_rl.engines.health import vllm_generate
 
     spec = spec_for(tmp_path, count=1, generate=vllm_generate("m"), startup_timeout_s=30)
     mailbox: dict = {}

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from modal_rl.cluster.engine_health import vllm_generate
-from modal_rl.cluster.engine_local import LocalEnginePool
-from modal_rl.cluster.engines import EngineSpec
-from modal_rl.cluster.forwarded_engines import ForwardedEngines
+from modal_rl.engines.base import Engine
+from modal_rl.engines.forwarded import ForwardedEngines
+from modal_rl.engines.health import vllm_generate
+from modal_rl.engines.pool import EngineSpec
+from modal_rl.engines.pool_local import LocalEnginePool
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
@@ -54,12 +55,20 @@ def test_a_fixed_keyed_port_per_engine_held_across_a_replacement(tmp_path):
     pool = LocalEnginePool(spec, log_dir=str(tmp_path / "logs"))
     caught: list[tuple[str, float]] = []
 
-    def catch_up(url: str) -> dict:
-        time.sleep(0.5)  # a catch-up takes a while; the port must hold meanwhile
-        caught.append((url, time.monotonic()))
-        return {"weight_version": 7}
+    class SlowCatchUp(Engine):
+        """The stand-in behind the Engine port, with a catch-up that takes a while."""
 
-    engines = ForwardedEngines(pool, catch_up=catch_up, health={"interval_s": 0.2, "probe_timeout_s": 2.0})
+        name = "stand-in"
+
+        def argv(self) -> list[str]:
+            return command
+
+        def catch_up(self, url: str) -> dict:
+            time.sleep(0.5)  # a catch-up takes a while; the port must hold meanwhile
+            caught.append((url, time.monotonic()))
+            return {"weight_version": 7}
+
+    engines = ForwardedEngines(pool, SlowCatchUp(), health={"interval_s": 0.2, "probe_timeout_s": 2.0})
     with engines:
         ports = list(engines.addresses)
         upstream = [e["url"] for e in engines.supervisor.snapshot()]

@@ -1,4 +1,4 @@
-"""modal_rl.cluster.key_forwarder: a real upstream on 127.0.0.1 that requires the Bearer key,
+"""modal_rl.engines.key_forwarder: a real upstream on 127.0.0.1 that requires the Bearer key,
 reached directly (refused) and through the forwarder (allowed), streaming both ways."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from modal_rl.cluster.key_forwarder import KeyForwarder, check_listen
+from modal_rl.engines.key_forwarder import KeyForwarder, check_listen
 from modal_rl.run_key import engine_bearer
 
 KEY = "k3y-" + "x" * 40

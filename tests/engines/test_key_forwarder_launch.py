@@ -1,4 +1,4 @@
-"""The key off the command line (modal_rl.cluster.keyed_launch) and slime's job through the
+"""The key off the command line (modal_rl.engines.keyed_launch) and slime's job through the
 forwarder (slime_modal.engine_job): real processes, real sockets on 127.0.0.1."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SLIME_MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 KEYED_SERVER = (
     sys.executable,
     "-m",
-    "modal_rl.cluster.keyed_launch",
+    "modal_rl.engines.keyed_launch",
     *(f"--key-flag={f}" for f in KEY_FLAGS),
     "_sglang_auth_server",
 )
@@ -54,7 +54,7 @@ def test_keyed_launch_adds_the_key_in_process_only(tmp_path):
             """
         )
     )
-    cmd = [sys.executable, "-m", "modal_rl.cluster.keyed_launch", "--key-flag=--api-key"]
+    cmd = [sys.executable, "-m", "modal_rl.engines.keyed_launch", "--key-flag=--api-key"]
     cmd += ["--key-flag=--admin-api-key", "show_argv", "--port", "1"]
     proc = subprocess.Popen(cmd, env=_env(tmp_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -87,7 +87,7 @@ def test_keyed_launch_adds_the_key_in_process_only(tmp_path):
 )
 def test_keyed_launch_refuses_in_one_line(tmp_path, args, key, needle):
     out = subprocess.run(
-        [sys.executable, "-m", "modal_rl.cluster.keyed_launch", *args],
+        [sys.executable, "-m", "modal_rl.engines.keyed_launch", *args],
         env=_env(tmp_path, key),
         capture_output=True,
         text=True,
@@ -224,7 +224,7 @@ def test_a_key_that_starts_with_a_dash_reaches_argparse_whole():
     # and the engine exited with "expected one argument" (seen in the suite).
     import argparse
 
-    from modal_rl.cluster.keyed_launch import keyed_args
+    from modal_rl.engines.keyed_launch import keyed_args
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--api-key")

@@ -18,8 +18,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modal_rl.cluster.key_forwarder import BUFFER_BYTES, KeyForwarder, path_problem
 from modal_rl.cluster.redaction import DERIVED_PURPOSES, Redactor, secret_forms
+from modal_rl.engines.key_forwarder import BUFFER_BYTES, KeyForwarder, path_problem
 from modal_rl.run_key import derive, engine_bearer, new_run_key
 
 KEY = new_run_key()

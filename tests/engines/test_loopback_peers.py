@@ -67,7 +67,7 @@ def test_peer_creds_tell_our_listener_from_another_users():
 
 def test_the_readiness_probe_sends_no_bearer_to_a_port_another_user_squatted(monkeypatch, tmp_path):
     from modal_rl.cluster import backend_local
-    from modal_rl.cluster.engines import EngineSpec, EngineStartError, get_engine_pool
+    from modal_rl.engines.pool import EngineSpec, EngineStartError, get_engine_pool
 
     monkeypatch.setenv(RUN_KEY_ENV, new_run_key())
     squatter = as_nobody(SQUATTER)

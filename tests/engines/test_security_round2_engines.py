@@ -20,15 +20,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from modal_rl.cluster import engines_modal
 from modal_rl.cluster.backend_local import free_ports
-from modal_rl.cluster.engine_local import LocalEnginePool
-from modal_rl.cluster.engines import EngineSpec, EngineStartError
+from modal_rl.engines import pool_modal as engines_modal
+from modal_rl.engines.pool import EngineSpec, EngineStartError
+from modal_rl.engines.pool_local import LocalEnginePool
 from modal_rl.run_key import RUN_KEY_ENV, derive, engine_bearer, engine_env, frame_read_key, new_run_key
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
-SGLANG = [sys.executable, "-m", "modal_rl.cluster.keyed_launch", "--key-flag=--api-key"]
+SGLANG = [sys.executable, "-m", "modal_rl.engines.keyed_launch", "--key-flag=--api-key"]
 SGLANG += ["--key-flag=--admin-api-key", "_sglang_auth_server", "--host", "{host}", "--port", "{port}"]
 SGLANG += ["--model-path", "/models/tiny"]
 
@@ -185,7 +185,7 @@ def test_engine_pushers_tunnel_side_frame_server_is_ipv4_only_and_keyed(monkeypa
     import modal
 
     from modal_rl.cluster.netif import ingress_ipv4
-    from modal_rl.weightsync.apply.engine_push import EnginePusher
+    from modal_rl.engines.vllm_push import EnginePusher
     from tests.weightsync_helpers import TEST_KEY
 
     forwarded: list = []

@@ -10,7 +10,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modal_rl.cluster import engine_routes
+from modal_rl.engines import routes as engine_routes
 from modal_rl.text_safety import clean
 
 CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("modal_rl", "verl_modal", "slime_modal")
 CORE, ADAPTERS = "modal_rl", ("verl_modal", "slime_modal")
@@ -168,3 +170,79 @@ def test_tests_mirror_the_packages():
     found = subprocess.run([sys.executable, "-c", probe, *names], cwd=ROOT, capture_output=True, text=True)
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip() == "[]", f"test folders named like importable modules: {found.stdout}"
+
+
+def classes_by_name() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / CORE).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(module_name(path))
+    return found
+
+
+def test_one_meaning_per_class_name_in_the_core():
+    """Two classes of one name in two modules are two meanings for one word (private ones too:
+    a reader greps for the name)."""
+    assert len(classes_by_name()) > 100  # the walk found the classes
+    assert {name: where for name, where in classes_by_name().items() if len(where) > 1} == {}
+
+
+# A constructor takes at most this many parameters (self, *args and **kwargs not counted); more
+# settings go in a frozen config object validated where it is made (``sandboxes.pool_config``).
+MAX_INIT_PARAMETERS = 8
+LONG_INIT_ALLOWED = {"modal_rl.weightsync.publisher.Publisher"}  # its settings object is pending
+
+
+def test_no_constructor_over_eight_parameters_in_the_core():
+    long = {}
+    for path in sorted((ROOT / CORE).rglob("*.py")):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    a = fn.args
+                    count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1
+                    where = f"{module_name(path)}.{cls.name}"
+                    if count > MAX_INIT_PARAMETERS and where not in LONG_INIT_ALLOWED:
+                        long[where] = count
+    assert long == {}
+
+
+def test_the_finders_see_a_repeated_name_and_a_long_constructor(tmp_path, monkeypatch):
+    """The two scans above catch what they are for (run on a copy of the rules' inputs)."""
+    pkg = tmp_path / CORE
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "class Lease:\n    def __init__(self, a, b, c, d, e, f, g, h, i):\n        pass\n"
+    )
+    (pkg / "b.py").write_text("class Lease:\n    pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert classes_by_name() == {"Lease": [f"{CORE}.a", f"{CORE}.b"]}
+    with pytest.raises(AssertionError, match="Lease"):
+        test_no_constructor_over_eight_parameters_in_the_core()
+
+
+# Weight sync is the lower layer: the engine side imports it, never the reverse, and it knows
+# nothing of clusters. The one edge left is the LoRA pusher, whose vLLM HTTP calls are shared
+# with the full-weight pusher in ``engines.vllm_push``.
+WEIGHTSYNC_TO_ENGINES_ALLOWED = {("modal_rl.weightsync.apply.lora_push", "modal_rl.engines.vllm_push")}
+
+
+def test_weight_sync_imports_no_cluster_and_no_engine_module():
+    edges = {
+        (m, t)
+        for m, ts in import_graph().items()
+        if m.startswith("modal_rl.weightsync")
+        for t in ts
+        if t.startswith(("modal_rl.cluster", "modal_rl.engines"))
+    }
+    assert edges - WEIGHTSYNC_TO_ENGINES_ALLOWED == set()
+
+
+def test_adapters_get_engines_from_the_registry_not_from_an_engine_file():
+    """An adapter names its engine (``ENGINES``); the vLLM and SGLang files are the engines' own."""
+    engine_files = {"modal_rl.engines.vllm", "modal_rl.engines.sglang"}
+    reached = {
+        (m, t) for m, ts in import_graph().items() if m.startswith(ADAPTERS) for t in ts if t in engine_files
+    }
+    assert reached == set()

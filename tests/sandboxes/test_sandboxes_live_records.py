@@ -77,12 +77,12 @@ def test_planted_entries_kill_nothing_and_are_reported(tmp_path, procs, caplog):
     assert [p.stem for p in tmp_path.glob("*.json")] == ["other-tags"]
 
 
-def _refused(caplog) -> list[live_records.Refused]:
+def _refused(caplog) -> list[live_records.RefusedEntry]:
     out = []
     for rec in caplog.records:
         _, _, rest = rec.getMessage().partition("refused entry ")
         name, _, reason = rest.partition(": ")
-        out.append(live_records.Refused(name, reason))
+        out.append(live_records.RefusedEntry(name, reason))
     return out
 
 

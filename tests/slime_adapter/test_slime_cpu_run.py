@@ -125,7 +125,7 @@ def _engine_groups(marker: str) -> list[int]:
             continue
         pid = int(proc.name)
         if (
-            b"modal_rl.cluster.keyed_launch" in cmdline
+            b"modal_rl.engines.keyed_launch" in cmdline
             and marker.encode() in environ
             and os.getpgid(pid) == pid
         ):

@@ -33,7 +33,7 @@ TESTS = Path(__file__).resolve().parents[1]
 KEYED_STAND_IN = (
     sys.executable,
     "-m",
-    "modal_rl.cluster.keyed_launch",
+    "modal_rl.engines.keyed_launch",
     *(f"--key-flag={flag}" for flag in KEY_FLAGS),
     "_sglang_auth_server",
 )

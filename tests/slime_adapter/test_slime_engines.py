@@ -77,7 +77,7 @@ def test_engine_command_follows_slime_flags():
     assert cmd[:6] == [
         "python3",
         "-m",
-        "modal_rl.cluster.keyed_launch",
+        "modal_rl.engines.keyed_launch",
         "--key-flag=--api-key",
         "--key-flag=--admin-api-key",
         "sglang.launch_server",
@@ -198,7 +198,7 @@ def test_local_engines_pass_slimes_discovery(tmp_path, monkeypatch):
 
 
 def test_modal_engine_function_offline():
-    from modal_rl.cluster.engines_modal import ModalEnginePool
+    from modal_rl.engines.pool_modal import ModalEnginePool
 
     spec = engine_spec(parse_engines("modal:2:H100"), ARGV, volumes={"models": "/models"})
     plan = ModalEnginePool(spec).describe()
@@ -232,7 +232,7 @@ def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
     assert key not in out.stdout and key not in out.stderr
     engines = json.loads(out.stdout)["rollout_engines"]
     assert engines["count"] == 2
-    assert "modal_rl.cluster.keyed_launch" in engines["command"]
+    assert "modal_rl.engines.keyed_launch" in engines["command"]
     assert not any(a in engines["command"] for a in ("--api-key", "--admin-api-key"))
     auth = engines["auth"]
     assert "TLS" in auth["tunnel"] and "every route" in auth["key_required"]

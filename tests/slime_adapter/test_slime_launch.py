@@ -91,7 +91,7 @@ def test_rollout_engines_are_planned_off_the_cluster():
     assert engines["count"] == 4 and engines["rollout_engines"] == "modal:4:H100"
     assert engines["gpu_per_engine"] == "H100:8"  # --rollout-num-gpus-per-engine 8 in the line
     assert engines["image"] == L.SLIME_IMAGE  # the cluster's image
-    assert engines["command"][:3] == ["python3", "-m", "modal_rl.cluster.keyed_launch"]
+    assert engines["command"][:3] == ["python3", "-m", "modal_rl.engines.keyed_launch"]
     assert "sglang.launch_server" in engines["command"]
     # Disk delta into a Volume: the engines' SGLang reloads the Volume before each read.
     hook = engines["command"].index("--custom-pull-weights-pre-read-hook")

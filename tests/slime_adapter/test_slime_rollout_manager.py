@@ -52,7 +52,7 @@ MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 KEYED_STAND_IN = (
     sys.executable,
     "-m",
-    "modal_rl.cluster.keyed_launch",
+    "modal_rl.engines.keyed_launch",
     "--key-flag=--api-key",
     "--key-flag=--admin-api-key",
     "_sglang_auth_server",
@@ -203,7 +203,7 @@ def test_the_manager_flags_and_its_engine_config():
     for bad in (["--rollout-num-gpus", "4"], ["--rollout-manager-path", "x.Y"]):
         with pytest.raises(ValueError, match=bad[0]):
             manager_seam.manager_argv([*line, *bad])
-    from modal_rl.cluster.engines import EngineSpec
+    from modal_rl.engines.pool import EngineSpec
     from slime_modal.engines import engine_spec
 
     config = json.loads(manager_seam.manager_env(EnginesRequest(2, "H100"), line)[manager_seam.CONFIG_ENV])

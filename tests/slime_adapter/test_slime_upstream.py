@@ -121,10 +121,11 @@ def _assert_series_then_sources(layers, first: str):
 def test_cluster_and_engine_images_carry_the_series_as_extra_steps():
     """The series reaches both images through the builders' ``extra_steps`` parameter: the
     builders themselves are never replaced, and without the steps an image has no series."""
-    from modal_rl.cluster import backend_modal, engines_modal
-    from modal_rl.cluster.engines import EngineSpec
-    from modal_rl.cluster.engines_modal import ModalEnginePool
+    from modal_rl.cluster import backend_modal
     from modal_rl.cluster.spec import ClusterSpec
+    from modal_rl.engines import pool_modal as engines_modal
+    from modal_rl.engines.pool import EngineSpec
+    from modal_rl.engines.pool_modal import ModalEnginePool
 
     cluster = ClusterSpec(nodes=2, gpu="H100:8", image=L.SLIME_IMAGE)
     engine = EngineSpec(

@@ -85,9 +85,9 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     assert {p.split(">=")[0] for p in spec.pip} == {"numpy", "zstandard", "xxhash", "numba"}
 
     from modal_rl.cluster.backend_modal import inspect_function
-    from modal_rl.cluster.engines_modal import build_function
+    from modal_rl.engines.pool_modal import build_function
 
-    assert cmd[cmd.index("--middleware") + 1] == "modal_rl.cluster.engine_auth.RunKeyAuth"
+    assert cmd[cmd.index("--middleware") + 1] == "modal_rl.engines.auth.RunKeyAuth"
     assert spec.auth == "bearer"  # the pool hands the engine the run key (never in the spec)
 
     _, fn = build_function(spec, key="k")
@@ -200,7 +200,7 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
 
 
 def is_probe(record: dict) -> bool:
-    from modal_rl.cluster.engine_health import PROBE_ID_PREFIX
+    from modal_rl.engines.health import PROBE_ID_PREFIX
 
     return str((record["body"] or {}).get("request_id", "")).startswith(PROBE_ID_PREFIX)
 

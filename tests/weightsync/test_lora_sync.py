@@ -223,7 +223,7 @@ def test_a_lora_replica_serves_the_real_base_with_lora_on_and_versioned_adapters
 
 
 def test_the_proxy_names_the_adapter_of_the_version_its_engine_holds(monkeypatch):
-    from modal_rl.cluster.engines import EngineSpec
+    from modal_rl.engines.pool import EngineSpec
     from modal_rl.run_key import RUN_KEY_ENV, new_run_key
     from verl_modal.replica_proxy import VLLMHttpProxy
 

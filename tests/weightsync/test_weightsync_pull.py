@@ -130,7 +130,7 @@ def test_engine_pusher_over_a_modal_tunnel_is_tls_keyed_and_signed(tmp_path, mon
     import modal
 
     from modal_rl.cluster.netif import ingress_ipv4
-    from modal_rl.weightsync.apply.engine_push import EnginePusher
+    from modal_rl.engines.vllm_push import EnginePusher
 
     certfile, keyfile = self_signed_cert(tmp_path)
     monkeypatch.setenv("SSL_CERT_FILE", certfile)  # the engine trusts the "tunnel" certificate

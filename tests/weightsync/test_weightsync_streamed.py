@@ -16,7 +16,7 @@ from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode
 from modal_rl.weightsync.chain import frame_bytes
 from modal_rl.weightsync.errors import FrameInterruptedError, StaleVersionError
 from modal_rl.weightsync.subscriber import Subscriber, copy_into
-from modal_rl.weightsync.transport.tcp_source import TcpSource
+from modal_rl.weightsync.transport.tcp_source import Dial, TcpSource
 from modal_rl.weightsync.wire.frames import split_records
 from tests.weightsync_helpers import clone_state, model_state, perturb, same_state
 
@@ -127,7 +127,7 @@ def test_a_dropped_connection_mid_frame_is_asked_again_and_not_refused():
     live: dict = {}
     seen: list[bytes] = []
     source = TcpSource(
-        "127.0.0.1", server.port, key=None, backoff_s=0.01, on_record=lambda t, r: seen.append(r)
+        "127.0.0.1", server.port, key=None, dial=Dial(backoff_s=0.01), on_record=lambda t, r: seen.append(r)
     )
     subscriber = Subscriber(source, copy_into(live), CONFIG)
     try:

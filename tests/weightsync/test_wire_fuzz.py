@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from modal_rl import wire_json
 from modal_rl.cluster import control
-from modal_rl.cluster.key_forwarder import path_problem
+from modal_rl.engines.key_forwarder import path_problem
 from modal_rl.run_key import RUN_KEY_ENV
 from modal_rl.weightsync.codec.decode_costs import from_hello
 from modal_rl.weightsync.errors import WeightSyncError

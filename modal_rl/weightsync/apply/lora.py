@@ -138,7 +138,7 @@ def resident_for_staleness(max_staleness: int) -> int:
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdapterAdmission:
     """Where version ``version`` goes: its name, its vLLM LoRA id, whether it replaces the
     version that held that id (``inplace``), and that evicted version (None: a free id)."""
 
@@ -162,14 +162,14 @@ class AdapterVersions:
     def __post_init__(self) -> None:
         if int(self.max_resident) < 1:
             raise ValueError(f"max_resident must be >= 1, got {self.max_resident}")
-        from modal_rl.cluster.engine_routes import adapter_name
+        from modal_rl.weightsync.apply.adapter_dir import adapter_name
 
         adapter_name(self.prefix)  # it names a directory on the engine: one safe component
 
     def name(self, version: int) -> str:
         return f"{self.prefix}-v{int(version)}"
 
-    def plan(self, version: int, epoch: int = 0) -> Admission:
+    def plan(self, version: int, epoch: int = 0) -> AdapterAdmission:
         """Where ``version`` would go; nothing changes until :meth:`commit`. Raises
         ``ValueError`` for a version not newer than the last one admitted."""
         if self._last is not None and (epoch, version) <= self._last:
@@ -178,15 +178,15 @@ class AdapterVersions:
                 f"{self._last[1]} (epoch {self._last[0]:x})"
             )
         if version in self._resident:  # a new epoch reusing a number: replace it in place
-            return Admission(version, self.name(version), self._resident[version], True, version)
+            return AdapterAdmission(version, self.name(version), self._resident[version], True, version)
         if len(self._resident) < self.max_resident:
             used = set(self._resident.values())
             free = next(i for i in range(1, self.max_resident + 1) if i not in used)
-            return Admission(version, self.name(version), free, False, None)
+            return AdapterAdmission(version, self.name(version), free, False, None)
         oldest, lora_id = next(iter(self._resident.items()))
-        return Admission(version, self.name(version), lora_id, True, oldest)
+        return AdapterAdmission(version, self.name(version), lora_id, True, oldest)
 
-    def commit(self, admission: Admission, epoch: int = 0) -> None:
+    def commit(self, admission: AdapterAdmission, epoch: int = 0) -> None:
         if admission.evicted is not None:
             self._resident.pop(admission.evicted, None)
         self._resident[admission.version] = admission.lora_id

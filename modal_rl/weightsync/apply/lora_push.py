@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from modal_rl.weightsync.apply.engine_push import EnginePushError, _blocked_s, _post, _rpc
+from modal_rl.engines.vllm_push import EnginePushError, _blocked_s, _post, _rpc
 from modal_rl.weightsync.apply.lora import AdapterVersions
 from modal_rl.weightsync.apply.vllm_extension import pull_request
 from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD

@@ -29,13 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modal_rl.cluster import engine_routes
-from modal_rl.cluster.engine_routes import adapter_name, adapter_root
+from modal_rl.weightsync.apply.adapter_dir import adapter_name, adapter_root
 from modal_rl.weightsync.apply.lora import write_adapter
 
 ADAPTER_METHOD = "modal_rl_stage_adapter"
 LOG_PREFIX = "[modal_rl.weightsync] vllm staged adapter"  # one line per version rank 0 writes
-ADAPTER_DIR_ENV = engine_routes.ADAPTER_DIR_ENV  # where an engine writes adapters
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 

@@ -25,6 +25,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from modal_rl.weightsync.codec.decode_costs import measured as measured_costs
 from modal_rl.weightsync.errors import FrameInterruptedError, HandshakeError
@@ -44,6 +45,23 @@ MAX_LINE = 4096
 # A frame in flight with no byte for this long is given up (and asked for again): records
 # of one frame follow each other as fast as the publisher encodes them.
 FRAME_STALL_S = 60.0
+
+
+@dataclass(frozen=True)
+class Dial:
+    """How a ``TcpSource`` dials: ``connect_timeout_s`` bounds a connect (and each read of the
+    handshake), ``backoff_s`` is the pause before dialing again after a refused or failed try."""
+
+    connect_timeout_s: float = 10.0
+    backoff_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"Dial {name}={value!r}: give a number of seconds >= 0")
+        if self.connect_timeout_s == 0:
+            raise ValueError("Dial connect_timeout_s=0: give a number of seconds > 0")
 
 
 class TcpSource(FrameSource):
@@ -70,17 +88,17 @@ class TcpSource(FrameSource):
         tls: bool = False,
         cafile: str | None = None,
         server_hostname: str | None = None,
-        connect_timeout_s: float = 10.0,
-        backoff_s: float = 0.1,
+        dial: Dial | None = None,
         on_record=None,
     ) -> None:
+        dial = dial or Dial()
         self.keys = frame_keys(key)
         self.addr = (host, port)
         self.tls = tls
         self._ssl = ssl.create_default_context(cafile=cafile) if tls else None
         self.server_hostname = server_hostname or host
-        self.connect_timeout = connect_timeout_s
-        self.backoff = backoff_s
+        self.connect_timeout = dial.connect_timeout_s
+        self.backoff = dial.backoff_s
         self.on_record = on_record
         self.sock: socket.socket | None = None
         self.buf = bytearray()

@@ -1,13 +1,15 @@
 """What the engine supervisor tracks per engine, and the values its users hold: an engine's
-state and status names, a request's lease, the weight source engines pull from, and the error
-a request gets when no engine of its version answers. A module of its own so that the request
-path (``engine_requests``) and the weight pusher (``weightsync.apply.engine_push``) need not import
-the supervisor.
+state and status names, a request's lease, and the error a request gets when no engine of
+its version answers. A module of its own so that the request path (``request_retry``) need not
+import the supervisor. The weight source engines pull from is weight sync's
+(``modal_rl.weightsync.source``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from modal_rl.weightsync.source import WeightSource  # noqa: F401  (re-exported)
 
 SERVING, LOADING, LOST, REPLACING, FAILED = "serving", "loading", "lost", "replacing", "failed"
 EVENT_KINDS = (
@@ -24,17 +26,6 @@ EVENT_KINDS = (
 
 class EngineLost(RuntimeError):
     """No engine of the right weight version could answer a request in time: drop and mask it."""
-
-
-@dataclass(frozen=True)
-class WeightSource:
-    """Where engines pull the pool's current weights from (a ``FrameServer``), and which version."""
-
-    host: str
-    port: int
-    version: int
-    tls: bool = False
-    epoch: int | None = None  # the publisher's epoch: signed into the pull (engines' floor)
 
 
 @dataclass

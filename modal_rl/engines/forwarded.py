@@ -1,12 +1,12 @@
 """Supervised engines behind fixed keyed ports, in one process: for a client that holds neither
 the key nor a way to follow a replaced engine (slime's rollout manager).
 
-``ForwardedEngines(pool, catch_up=...)`` starts ``pool`` under an ``EngineSupervisor`` and a
+``ForwardedEngines(pool, engine)`` starts ``pool`` under an ``EngineSupervisor`` and a
 ``KeyForwarder`` with one port per engine, whose event loop runs on a daemon thread of this
 process. The client gets ``addresses`` (the forwarder's ``http://host:port``, one per engine)
 and keeps them for the whole run. The supervisor's ``on_route`` points a port at its engine
 directly (``KeyForwarder.route``): a lost engine's port holds its requests at once, and is
-pointed at the replacement only after ``catch_up(url)`` brought that one to the framework's
+pointed at the replacement only after ``engine.catch_up(url)`` brought that one to the framework's
 newest weights. No routes file is involved: supervisor and forwarder share this process, so the
 same works wherever the process runs, whatever the pool's backend.
 
@@ -27,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from modal_rl.cluster.engine_state import FAILED, SERVING, EngineLost
-from modal_rl.cluster.engine_supervisor import EngineSupervisor
-from modal_rl.cluster.engines import EnginePool
-from modal_rl.cluster.key_forwarder import KeyForwarder
+from modal_rl.engines.base import Engine
+from modal_rl.engines.key_forwarder import KeyForwarder
+from modal_rl.engines.pool import EnginePool
+from modal_rl.engines.state import FAILED, SERVING, EngineLost
+from modal_rl.engines.supervisor import EngineSupervisor
 
 STOP_TIMEOUT_S = 30.0
 
@@ -42,8 +42,8 @@ class ForwardedEngines:
     def __init__(
         self,
         pool: EnginePool,
+        engine: Engine | None,
         *,
-        catch_up: Callable[[str], dict] | None,
         host: str = "127.0.0.1",
         allow_peers: list[str] | None = None,
         key: str | None = None,
@@ -51,7 +51,7 @@ class ForwardedEngines:
     ) -> None:
         self.pool = pool
         self.host, self.allow_peers, self.key = host, allow_peers, key
-        self.supervisor = EngineSupervisor(pool, catch_up=catch_up, on_route=self._route, **(health or {}))
+        self.supervisor = EngineSupervisor(pool, engine, on_route=self._route, **(health or {}))
         self.supervisor.paused = True  # see the module docstring: process + GET health only
         self.forwarder: KeyForwarder | None = None
         self.addresses: list[str] = []

@@ -28,7 +28,7 @@ Invariants:
   server for the frames after the version it holds;
 - ``close`` ends the frame server and the tunnel; it is idempotent.
 
-Engines that come and go (``modal_rl.cluster.engine_supervisor``): ``publish`` only publishes
+Engines that come and go (``modal_rl.engines.supervisor``): ``publish`` only publishes
 and returns the ``WeightSource`` (this server's reachable address and the version);
 ``load_version(url, source)`` has one engine pull that version -- a new engine pulls the
 retained anchor and the deltas after it, one that holds an older version only the deltas -- and
@@ -39,27 +39,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.cluster.netif import ingress_ipv4
+from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.run_key import redact, run_key
 from modal_rl.text_safety import clean
 from modal_rl.weightsync.apply.vllm_extension import (
-    EXTENSION,
     METHOD,
     STAGE_METHOD,
     pull_request,
     pull_results,
 )
-from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.publisher import Publisher
+from modal_rl.weightsync.source import WeightSource
 from modal_rl.weightsync.transport.tcp import FrameServer
 from modal_rl.weightsync.wire.auth import FROM_ENV, frame_keys
 
@@ -75,7 +74,40 @@ class EnginePushError(RuntimeError):
     """A version did not reach the engine; the engine keeps the weights it had."""
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How an engine loads each version (``load_version``): ``pull_timeout_s`` bounds its pull,
+    ``inplace`` stages while serving and switches in a short pause (else a full reload),
+    ``hold_requests`` brackets the switch with vLLM's pause/resume."""
+
+    pull_timeout_s: float = 600.0
+    inplace: bool = True
+    hold_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pull_timeout_s, bool) or not isinstance(self.pull_timeout_s, int | float):
+            raise ValueError(f"pull_timeout_s={self.pull_timeout_s!r}: give a number of seconds > 0")
+        if not self.pull_timeout_s > 0:
+            raise ValueError(f"pull_timeout_s={self.pull_timeout_s!r}: give a number of seconds > 0")
+        for name in ("inplace", "hold_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: give True or False")
+
+    def with_settings(self, **settings: Any) -> LoadSettings:
+        """These settings with ``settings`` applied; an unknown name is one line listing the known."""
+        unknown = sorted(set(settings) - {f.name for f in fields(self)})
+        if unknown:
+            known = ", ".join(f.name for f in fields(self))
+            raise TypeError(
+                f"unknown EnginePusher setting(s) {', '.join(unknown)}; the settings are: {known}"
+            )
+        return replace(self, **settings)
+
+
 class EnginePusher:
+    """See the module docstring. ``load``: ``LoadSettings``; its fields may also be given as
+    keywords (``EnginePusher(url, inplace=False)``), applied over ``load``."""
+
     def __init__(
         self,
         engine_url: str | None,
@@ -84,11 +116,11 @@ class EnginePusher:
         expose: str = "local",
         bind_host: str = "127.0.0.1",
         anchor_every: int = 16,
-        pull_timeout_s: float = 600.0,
         config: CodecConfig | None = None,
-        inplace: bool = True,
-        hold_requests: bool = False,
+        load: LoadSettings | None = None,
+        **settings: Any,
     ) -> None:
+        load = (load or LoadSettings()).with_settings(**settings)
         if expose not in EXPOSE:
             raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
         if key is FROM_ENV:
@@ -100,8 +132,12 @@ class EnginePusher:
         self._bearer = key
         self.keys = frame_keys(key)
         self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
-        self.pull_timeout_s = pull_timeout_s
-        self.inplace, self.hold_requests = inplace, hold_requests
+        self.settings = load
+        self.pull_timeout_s, self.inplace, self.hold_requests = (
+            load.pull_timeout_s,
+            load.inplace,
+            load.hold_requests,
+        )
         self._stack = contextlib.ExitStack()
         self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
@@ -121,8 +157,6 @@ class EnginePusher:
     def publish(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> tuple[Any, dict[str, float]]:
         """Publish the next version on this pusher's frame server (no engine is asked);
         returns ``(WeightSource, numbers)``."""
-        from modal_rl.cluster.engine_state import WeightSource
-
         t0 = time.perf_counter()
         report = self.publisher.publish(tensors)
         numbers = {
@@ -308,61 +342,3 @@ def _post(engine_url: str, path: str, body: dict, timeout: float, key: str) -> A
     if text.lstrip().startswith(("{", "[")):
         return json.loads(text)
     return text or None  # plain-text answers (vLLM's /v1/load_lora_adapter: "Success: ...")
-
-
-def local_vllm_spec(
-    model_dir: str,
-    *,
-    dtype: str = "bfloat16",
-    max_model_len: int = 256,
-    name: str = "vllm",
-    startup_timeout_s: float = 600.0,
-    inplace: bool = True,
-):
-    """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
-    extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
-    short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
-    linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
-    version can be written into them in place."""
-    from modal_rl.cluster.engines import EngineSpec
-
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model_dir),
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-        "--dtype",
-        dtype,
-        "--enforce-eager",
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        "4",
-        "--seed",
-        "0",
-        "--block-size",
-        "32",
-        "--worker-extension-cls",
-        EXTENSION,
-        "--middleware",
-        "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
-    ]
-    from modal_rl.cluster.engine_health import vllm_generate
-
-    return EngineSpec(
-        command=command,
-        generate=vllm_generate(str(model_dir)),  # healthy = answers a 1-token generation
-        env={
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            **({PLAIN_WEIGHTS_ENV: "1"} if inplace else {}),
-        },
-        startup_timeout_s=startup_timeout_s,
-        name=name,
-    )

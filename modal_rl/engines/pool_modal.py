@@ -28,7 +28,7 @@ with the bearer.
 engine (mailbox ``stop``, then ``FunctionCall.cancel``) and raises ``EngineStartError``.
 Closing the app is the backstop: Modal stops the app's containers when ``app.run()`` exits.
 
-Replacement (``replace(i)``, asked for by ``engine_supervisor``): the old engine's call is
+Replacement (``replace(i)``, asked for by ``supervisor``): the old engine's call is
 cancelled with its containers, and the function is spawned again for slot ``i`` with the next
 *generation*; that container writes ``addr/<i>.<generation>`` (generation 0 keeps the plain
 ``addr/<i>``), so an address left in the mailbox by the dead engine is never taken for the new
@@ -52,16 +52,16 @@ from typing import Any
 
 from modal_rl.adapters import shipped_packages
 from modal_rl.cluster.backend_modal import ImageStep, inspect_function
-from modal_rl.cluster.engine_health import probe, ready
-from modal_rl.cluster.engine_local import pump
-from modal_rl.cluster.engines import (
+from modal_rl.cluster.redaction import Redactor, held_secrets
+from modal_rl.engines.health import probe, ready
+from modal_rl.engines.pool import (
     EnginePool,
     EngineSpec,
     EngineStartError,
     engine_failure,
     engine_key,
 )
-from modal_rl.cluster.redaction import Redactor, held_secrets
+from modal_rl.engines.pool_local import pump
 from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
 from modal_rl.text_safety import clean
 

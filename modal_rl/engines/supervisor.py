@@ -1,21 +1,22 @@
 """Keeping a pool's engines serving the current weights: probe, replace, catch up, route.
 
-``EngineSupervisor(pool, load=...)`` wraps an ``EnginePool``. One monitor thread per engine
+``EngineSupervisor(pool, engine)`` wraps an ``EnginePool`` of ``engine``'s servers (an
+``Engine``, the port in ``engines.base``). One monitor thread per engine
 slot checks its engine every ``interval_s``: the process/container is still running
 (``pool.alive``), and, unless a real request on it finished since the last check, it answers
-a 1-token generation (``engine_health.healthy``) within ``probe_timeout_s``. A dead engine
+a 1-token generation (``health.healthy``) within ``probe_timeout_s``. A dead engine
 (exited, container finished) is *lost* at once; one that fails ``failures`` checks in a row
 (hung: SIGSTOP, a wedged model) is lost then. So a loss is detected within ``interval_s`` of a
 process exit (local; Modal: of the call finishing) and within ``failures x (interval_s +
 probe_timeout_s)`` of a hang.
 
 A lost engine is replaced in its slot's thread: ``pool.replace(i)`` (same spec; a new process
-or function call), then ``load(url, source)`` brings it to the pool's current weight version
+or function call), then ``engine.load(url, source)`` brings it to the pool's current weight version
 (``WeightSource``: the frame server the engines pull from, and the version) -- an anchor plus
 the deltas after it, through the weight-sync path -- and only then is it *serving*.
 
 Engines whose weights the framework drives itself (slime pushes every version to its engines;
-the supervisor never learns them) get ``catch_up(url)`` instead: called for a replacement
+the supervisor never learns them) have ``engine.catch_up(url)`` instead: called for a replacement
 before it serves, it brings the engine to the framework's newest version through the
 framework's own weight path. ``on_route(index, url | None)`` tells a router outside the
 supervisor (slime's key forwarder) when a slot stops taking traffic (lost: None) and where
@@ -34,7 +35,7 @@ Observability (for benchmarks and chaos tests): ``events`` (dicts with wall-cloc
 
 Invariants:
 - an engine whose version differs from the pool's current version is never handed out;
-- a replacement takes traffic only after ``load`` returned for the current version (checked
+- a replacement takes traffic only after ``engine.load`` returned for the current version (checked
   again under the lock, so a version published during its catch-up is loaded too);
 - a slot's loads are serialized (one catch-up or update at a time per engine), and probes
   pause while its engine loads weights (a load blocks the engine's steps);
@@ -50,8 +51,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from modal_rl.cluster.engine_health import healthy
-from modal_rl.cluster.engine_state import (  # noqa: F401  (EngineLost, WeightSource: re-exported)
+from modal_rl.engines.base import Engine
+from modal_rl.engines.health import healthy
+from modal_rl.engines.pool import EnginePool, EngineStartError
+from modal_rl.engines.state import (  # noqa: F401  (EngineLost, WeightSource: re-exported)
     EVENT_KINDS,
     FAILED,
     LOADING,
@@ -63,27 +66,22 @@ from modal_rl.cluster.engine_state import (  # noqa: F401  (EngineLost, WeightSo
     EngineState,
     WeightSource,
 )
-from modal_rl.cluster.engines import EnginePool, EngineStartError
-
-Loader = Callable[[str, WeightSource], dict]
 
 
 class EngineSupervisor:
     def __init__(
         self,
         pool: EnginePool,
+        engine: Engine | None = None,
         *,
-        load: Loader | None = None,
         interval_s: float = 2.0,
         probe_timeout_s: float = 30.0,
         failures: int = 2,
         max_replacements: int = 3,
-        catch_up: Callable[[str], dict] | None = None,
         on_route: Callable[[int, str | None], None] | None = None,
     ) -> None:
         self.pool = pool
-        self.load = load
-        self.catch_up = catch_up
+        self.engine = engine  # None: servers without weight versions (never set_source)
         self.on_route = on_route
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
@@ -187,9 +185,9 @@ class EngineSupervisor:
                         self._cond.notify_all()
                         return result
                     engine.status = LOADING
-                if self.load is None:
-                    raise RuntimeError("a weight version was set but the supervisor has no load function")
-                result = dict(self.load(engine.url, source) or {})
+                if self.engine is None:
+                    raise RuntimeError("a weight version was set but the supervisor has no engine to load it")
+                result = dict(self.engine.load(engine.url, source) or {})
                 with self._cond:
                     if engine.generation == generation:
                         engine.version = source.version
@@ -229,8 +227,8 @@ class EngineSupervisor:
                 self._cond.wait(min(left, 1.0))
 
     async def run(self, send, *, wait_s: float, attempts: int = 3, check_s: float = 0.5, transient=()):
-        """``engine_requests.run``: send a request with retries on the same weight version."""
-        from modal_rl.cluster.engine_requests import run
+        """``request_retry.run``: send a request with retries on the same weight version."""
+        from modal_rl.engines.request_retry import run
 
         return await run(self, send, wait_s=wait_s, attempts=attempts, check_s=check_s, transient=transient)
 
@@ -296,7 +294,7 @@ class EngineSupervisor:
             engine.progress, engine.failures = 0, 0
             return
         if self.paused:  # paused/asleep engines hold generations: check the server only
-            from modal_rl.cluster.engine_health import probe
+            from modal_rl.engines.health import probe
 
             ok, what = probe(engine.url + self.pool.spec.health_path, self.probe_timeout_s, self.pool._key)
         else:
@@ -334,8 +332,8 @@ class EngineSupervisor:
         self._event("replaced", engine, up_s=time.monotonic() - t0, url=url)
         t1 = time.monotonic()
         try:
-            if self.catch_up is not None:
-                caught = self.catch_up(url) or {}
+            caught = self.engine.catch_up(url) if self.engine is not None else {}
+            if caught:
                 self._event("caught_up", engine, **caught)
             self._bring_to_current(engine)
         except Exception as exc:

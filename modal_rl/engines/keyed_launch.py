@@ -1,6 +1,6 @@
 """Run a Python module with the run's key added to its flags, without the key on a command line.
 
-``python -m modal_rl.cluster.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
+``python -m modal_rl.engines.keyed_launch --key-flag=--api-key --key-flag=--admin-api-key
 sglang.launch_server --model-path ...`` reads the engine bearer from ``MODAL_RL_ENGINE_BEARER``
 (an engine holds that, never the run key; ``run_key.engine_bearer``), appends
 ``--api-key <bearer> --admin-api-key <bearer>`` to ``sys.argv`` inside this process and runs
@@ -16,7 +16,7 @@ Invariants:
 - the key is never printed by this module, nor put in an error message. The module it runs
   may print it: SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` at
   start, so whatever reads its output must redact (the engine pools do: every line they write
-  or relay goes through ``redaction.Redactor``, in ``engine_local.pump``);
+  or relay goes through ``redaction.Redactor``, in ``pool_local.pump``);
 - a missing key, or a key flag that is already on the command line, stops the launch with one
   line naming the fix (exit 2) before the module is imported;
 - with no ``--key-flag`` the module runs unchanged (only useful for tests and dry runs).
@@ -29,7 +29,7 @@ import sys
 
 from modal_rl.run_key import MissingRunKeyError, engine_bearer_from_env
 
-USAGE = "usage: python -m modal_rl.cluster.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
+USAGE = "usage: python -m modal_rl.engines.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
 PREFIX = "--key-flag="
 
 

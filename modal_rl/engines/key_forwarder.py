@@ -7,7 +7,7 @@ the client sent (the engine bearer derived from it, ``run_key.engine_bearer``). 
 relayed chunk by chunk as they arrive), so large weight-sync payloads and streamed generations
 pass through at their own pace; a client that goes away closes the upstream request too.
 
-``python -m modal_rl.cluster.key_forwarder --listen HOST --upstream URL [--upstream URL]...
+``python -m modal_rl.engines.key_forwarder --listen HOST --upstream URL [--upstream URL]...
 [--allow-peer ADDR]... [--routes FILE]`` runs one until SIGTERM; it prints one JSON line
 ``{"addresses": ["http://HOST:PORT", ...]}`` (upstream order) on stdout once it listens, and
 logs only to stderr. It holds only the engine bearer (``run_key.engine_bearer``), from
@@ -58,8 +58,8 @@ from urllib.parse import unquote, urlparse
 
 from modal_rl.admission import Admission, peer_host
 from modal_rl.cluster import peer_creds
-from modal_rl.cluster.engine_auth import key_safe_url
 from modal_rl.cluster.redaction import Redactor
+from modal_rl.engines.auth import key_safe_url
 from modal_rl.run_key import MissingRunKeyError, engine_bearer, engine_bearer_from_env
 from modal_rl.text_safety import clean
 
@@ -138,7 +138,7 @@ def check_listen(host: str, allow_peers: list[str] | None) -> None:
 
 def check_upstream(url: str) -> str:
     """``url`` without its trailing slash; ValueError unless it is an engine base URL the
-    bearer may go to: https, or plain http to loopback only (``engine_auth.key_safe_url``)."""
+    bearer may go to: https, or plain http to loopback only (``auth.key_safe_url``)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
         raise ValueError(f"upstream {url!r}: need http(s)://host[:port] with no path")
@@ -460,7 +460,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m modal_rl.cluster.key_forwarder", description=__doc__.split("\n")[0]
+        prog="python -m modal_rl.engines.key_forwarder", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--listen", default="127.0.0.1", help="address to listen on (never a wildcard)")
     ap.add_argument("--upstream", action="append", required=True, help="engine base URL; one port each")

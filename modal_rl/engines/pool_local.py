@@ -43,9 +43,9 @@ from typing import Any
 
 from modal_rl import run_temp
 from modal_rl.cluster import peer_creds, procs
-from modal_rl.cluster.engine_health import ready
-from modal_rl.cluster.engine_routes import ADAPTER_DIR_ENV
-from modal_rl.cluster.engines import (
+from modal_rl.cluster.redaction import Redactor
+from modal_rl.engines.health import ready
+from modal_rl.engines.pool import (
     KEY_ENVS,
     EnginePool,
     EngineSpec,
@@ -54,7 +54,7 @@ from modal_rl.cluster.engines import (
     engine_key,
     tail_of,
 )
-from modal_rl.cluster.redaction import Redactor
+from modal_rl.engines.routes import ADAPTER_DIR_ENV
 from modal_rl.run_key import ENGINE_BEARER_ENV, engine_env, run_key_or_none
 
 TEMP_PREFIX = f"{run_temp.PREFIX}engines-"
@@ -159,7 +159,7 @@ class LocalEnginePool(EnginePool):
         env = self._env()
         if ADAPTER_DIR_ENV not in self.spec.env:
             # Engines of a pool share its TMPDIR; each stages LoRA adapters in a directory of its
-            # own, the one its guard lets /v1/load_lora_adapter read (``engine_routes``).
+            # own, the one its guard lets /v1/load_lora_adapter read (``routes``).
             env[ADAPTER_DIR_ENV] = str(Path(self.temp_dir) / f"lora-{index}-{port}")
         first, *rest = self.spec.argv(self.host, port)
         argv = [program(first, env.get("PATH"), self.spec.name), *rest]

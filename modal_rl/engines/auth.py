@@ -5,7 +5,7 @@ engine holds it (``MODAL_RL_ENGINE_BEARER``) and never the run key, so whoever r
 engine's log, a proxy) opens the run's engines and nothing else: no frame-server handshake, no
 frame MAC, no Ray token (``tests/core/test_capabilities.py``).
 
-vLLM loads it with ``--middleware modal_rl.cluster.engine_auth.RunKeyAuth`` (vLLM imports the
+vLLM loads it with ``--middleware modal_rl.engines.auth.RunKeyAuth`` (vLLM imports the
 dotted path and, for a class, calls ``app.add_middleware(cls)``; added last, it wraps every
 route, mounted apps such as ``/metrics`` included, and runs before CORS and vLLM's own
 ``--api-key`` check, which guards only ``/v1``). ``vllm_auth_args()`` gives the flag. The key
@@ -13,7 +13,7 @@ is read from ``MODAL_RL_ENGINE_BEARER`` (else derived from ``MODAL_RL_RUN_KEY``)
 server's environment, never from a flag.
 
 Invariants:
-- the bearer opens only what ``engine_routes`` allows (generation, the control routes the run
+- the bearer opens only what ``routes`` allows (generation, the control routes the run
   calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging directory by a safe
   name); every other route is answered 403 here with the bearer too, and a websocket is closed;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
@@ -38,7 +38,7 @@ import sys
 import urllib.request
 from urllib.parse import urlparse
 
-from modal_rl.cluster import engine_routes
+from modal_rl.engines import routes as engine_routes
 from modal_rl.run_key import (
     ENGINE_BEARER_ENV,
     MissingRunKeyError,
@@ -48,7 +48,7 @@ from modal_rl.run_key import (
 )
 from modal_rl.text_safety import clean
 
-MIDDLEWARE = "modal_rl.cluster.engine_auth.RunKeyAuth"
+MIDDLEWARE = "modal_rl.engines.auth.RunKeyAuth"
 OPEN_HEALTH_PATH = "/health"
 REFUSED_BODY = b'{"error":"unauthorized: this engine needs Authorization: Bearer <engine bearer>"}'
 # RFC 6455 "policy violation": the close code for a refused websocket handshake.
@@ -127,7 +127,7 @@ class RunKeyAuth:
             except MissingRunKeyError:
                 # vLLM builds the middleware while it starts serving: exit, don't serve unguarded.
                 print(
-                    f"modal_rl.cluster.engine_auth: refusing to serve: {ENGINE_BEARER_ENV} is not "
+                    f"modal_rl.engines.auth: refusing to serve: {ENGINE_BEARER_ENV} is not "
                     "set in the engine's environment (start engines through modal_rl's engine pool, "
                     "which gives each its bearer)",
                     file=sys.stderr,
@@ -158,7 +158,7 @@ class RunKeyAuth:
         await _refuse(scope, receive, send)
 
     async def _allowed(self, scope, receive, send) -> None:
-        """A request with the bearer: only the routes ``engine_routes`` allows reach the
+        """A request with the bearer: only the routes ``routes`` allows reach the
         server; a checked route's body is read and checked first, then replayed to it."""
         if scope["type"] == "websocket":  # no route of the run's is a websocket
             return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})

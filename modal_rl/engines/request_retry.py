@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from modal_rl.cluster.engine_state import EngineLost
+from modal_rl.engines.state import EngineLost
 
 
 async def run(supervisor, send, *, wait_s: float, attempts: int = 3, check_s: float = 0.5, transient=()):

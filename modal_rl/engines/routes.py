@@ -23,22 +23,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-from pathlib import Path
+
+from modal_rl.weightsync.apply.adapter_dir import (  # noqa: F401  (re-exported for the guard's users)
+    ADAPTER_DIR_ENV,
+    SAFE_NAME,
+    adapter_name,
+    adapter_root,
+)
+from modal_rl.weightsync.apply.adapter_dir import show as _show
 
 OPEN = "open"  # no bearer needed (GET /health: status only)
 ALLOW = "allow"  # the bearer opens it
 CHECK = "check"  # the bearer opens it if its body passes ``body_refusal``
 REFUSE = "refuse"  # refused even with the bearer
 
-ADAPTER_DIR_ENV = "MODAL_RL_LORA_DIR"  # the engine's LoRA staging directory
 MAX_CHECKED_BODY = 1 << 20
 OUR_RPC = re.compile(r"modal_rl_[a-z0-9_]{1,64}")
-# One path component: no separator, no leading dot (so no "." or ".."), bounded.
-SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 # (method, path) pairs the bearer opens: generation, and the control routes the run calls
-# (verl's replica proxy: sleep/wake/pause/resume/reset; engine_push: pause/resume/reset;
+# (verl's replica proxy: sleep/wake/pause/resume/reset; vllm_push: pause/resume/reset;
 # lora_push: unload). Read-only status routes the run's tests and tools read.
 ALLOWED = frozenset(
     {
@@ -83,24 +86,6 @@ def verdict(method: str, path: str) -> str:
     return ALLOW if (method, path) in ALLOWED else REFUSE
 
 
-def adapter_name(name: object) -> str:
-    """``name`` if it is one safe path component; ``ValueError`` naming the rule otherwise."""
-    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
-        raise ValueError(
-            f"adapter name {_show(name)}: use one path component of letters, digits, '_', '.', '-' "
-            "(no '/', no leading '.', no '..', at most 128 characters)"
-        )
-    return name
-
-
-def adapter_root() -> Path:
-    """The engine's LoRA staging directory: ``MODAL_RL_LORA_DIR``, else ``modal_rl-lora`` in
-    the engine's own temp dir (its pool gives each engine one). The API server and the
-    workers share the environment, so both name the same directory."""
-    given = os.environ.get(ADAPTER_DIR_ENV)
-    return Path(given) if given else Path(tempfile.gettempdir()) / "modal_rl-lora"
-
-
 def body_refusal(path: str, headers: list, body: bytes) -> str | None:
     """Why a ``CHECK`` route's request is refused, or ``None`` when it may run."""
     if any(k.lower() == b"content-encoding" for k, _ in headers):
@@ -136,9 +121,3 @@ def _no_duplicates(pairs: list) -> dict:
     if len(set(keys)) != len(keys):
         raise ValueError("duplicate keys")
     return dict(pairs)
-
-
-def _show(value: object) -> str:
-    from modal_rl.text_safety import clean
-
-    return repr(clean(str(value)[:80]))

@@ -7,7 +7,7 @@ token, e.g. vLLM's ``/v1/completions`` with ``max_tokens=1``, SGLang's ``/genera
 ``max_new_tokens=1``), answered 2xx within ``timeout_s``, with the run's key.
 
 Invariants:
-- the key goes only over https or to loopback (``engine_auth.key_safe_url``), as for ``probe``;
+- the key goes only over https or to loopback (``auth.key_safe_url``), as for ``probe``;
 - every probe is bounded by ``timeout_s`` (connect and answer), so a hung engine costs at most
   that long per check; a refused connection or a dead process answers at once;
 - probes never use an environment proxy (engines are reached directly).
@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
+from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url, token_header
 
 PROBE_ID_PREFIX = "modal-rl-health-"
 

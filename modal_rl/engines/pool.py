@@ -6,18 +6,18 @@
 and starts a new one from the same spec (its address may change); ``stop()`` ends every one.
 ``running(spec, backend)`` is the context manager the adapters use.
 
-Implementations: ``LocalEnginePool`` (``engine_local.py``: processes on 127.0.0.1) and
-``ModalEnginePool`` (``engines_modal.py``: one Modal GPU container per engine, a TLS tunnel
+Implementations: ``LocalEnginePool`` (``pool_local.py``: processes on 127.0.0.1) and
+``ModalEnginePool`` (``pool_modal.py``: one Modal GPU container per engine, a TLS tunnel
 each). Keeping engines *healthy* during a run (probing, replacing, bringing a replacement to
-the current weights before it takes traffic) is ``engine_supervisor.EngineSupervisor``'s job.
+the current weights before it takes traffic) is ``supervisor.EngineSupervisor``'s job.
 
-Health (``engine_health``): an engine is up when ``GET spec.health_path`` answers 2xx *and*,
+Health (``health``): an engine is up when ``GET spec.health_path`` answers 2xx *and*,
 when ``spec.generate`` names a request, that request (a 1-token generation) answers 2xx; an
 open port or a 200 on ``/health`` alone does not count then.
 
 Auth (``spec.auth``): ``"bearer"`` (the default) says the server refuses requests without
 ``Authorization: Bearer <engine bearer>`` and reads the bearer from ``MODAL_RL_ENGINE_BEARER``
-in its own environment (vLLM through ``engine_auth.RunKeyAuth``; SGLang through
+in its own environment (vLLM through ``auth.RunKeyAuth``; SGLang through
 ``keyed_launch``). The pool then needs the run's key to start (``run_key()``) and hands each
 engine only what it needs, derived from it (``run_key.engine_env``: the bearer and the
 frame-read key, never the run key or the Ray token), through the environment only (local: the
@@ -74,7 +74,7 @@ class EngineSpec:
     ``auth``: ``"bearer"`` (server needs the run key, given through ``MODAL_RL_RUN_KEY``) or
     ``None`` (keyless: only for servers that must not see the key); see the module docstring.
     ``generate``: ``{"path": "/v1/completions", "body": {...}}``, a JSON POST asking for one
-    token: what "healthy" means for this server (``engine_health``); None: ``GET health_path``
+    token: what "healthy" means for this server (``health``); None: ``GET health_path``
     only (servers that cannot generate, e.g. stand-ins).
     """
 
@@ -208,7 +208,7 @@ class EnginePool(ABC):
     @abstractmethod
     def replace(self, index: int) -> str:
         """End engine ``index`` (dead, hung or alive) and start a new one from the same spec;
-        returns its address once it is up (``engine_health.ready``), else raises
+        returns its address once it is up (``health.ready``), else raises
         ``EngineStartError`` (the slot is then left without an engine)."""
 
     def alive(self, index: int) -> bool | None:
@@ -237,8 +237,8 @@ class EnginePool(ABC):
 # Engine pools by backend name (``modal_rl.registry``: imported only when chosen; a package
 # adds one through the ``modal_rl.engine_pools`` entry-point group).
 ENGINE_POOLS = Registry("engine pool backend", group="modal_rl.engine_pools")
-ENGINE_POOLS.add("local", "modal_rl.cluster.engine_local:LocalEnginePool")
-ENGINE_POOLS.add("modal", "modal_rl.cluster.engines_modal:ModalEnginePool")
+ENGINE_POOLS.add("local", "modal_rl.engines.pool_local:LocalEnginePool")
+ENGINE_POOLS.add("modal", "modal_rl.engines.pool_modal:ModalEnginePool")
 
 
 def get_engine_pool(spec: EngineSpec, backend: str = "local", **kwargs: Any) -> EnginePool:

@@ -1,0 +1,25 @@
+"""Inference engines: the ``Engine`` port (``base``), one file per kind of server (``vllm``,
+``sglang``), and the engine lifecycle: pools that start servers (``pool``, ``pool_local``,
+``pool_modal``), the supervisor that keeps them serving the current weights (``supervisor``),
+their health checks, auth, route guard and key forwarder.
+
+``ENGINES`` maps an engine name to its ``Engine`` class (``modal_rl.registry``: imported only
+when chosen; a package adds one through the ``modal_rl.engines`` entry-point group). Adding a
+kind of server is one file and one ``ENGINES.add`` line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modal_rl.registry import Registry
+
+ENGINES = Registry("engine", group="modal_rl.engines")
+ENGINES.add("vllm", "modal_rl.engines.vllm:VllmEngine")
+ENGINES.add("vllm-lora", "modal_rl.engines.vllm:VllmLoraEngine")
+ENGINES.add("sglang", "modal_rl.engines.sglang:SglangEngine")
+
+
+def get_engine(name: str, **settings: Any):
+    """The ``Engine`` registered as ``name``, made with ``settings``."""
+    return ENGINES.load(name)(**settings)
