@@ -3,7 +3,7 @@
 Layout under ``root``:
 
     frames/<epoch:016x>-<version:012d>.<anchor|delta>   one frame per version (and kind)
-    latest                                              JSON {"run", "epoch", "version", "kind", "anchor", "at", "mac"}
+    latest                                              JSON {"run", "epoch", "version", "kind", "anchor", "at", "sig"}
     lease                                               the publisher's lease (``lease``)
 
 Invariants:
@@ -191,7 +191,7 @@ class DirectoryStore(FrameSink, FrameSource):
         size = self._write_atomic(path, sign_records(records, self.keys))
         self._written.append((header.epoch, header.version, "anchor", path))
         self.after_write()
-        mine = {k: v for k, v in self._pointer.items() if k not in ("at", "mac")}
+        mine = {k: v for k, v in self._pointer.items() if k not in ("at", "sig")}
         if mine.get("epoch") == header.epoch and mine.get("version") == header.version:
             self._write_pointer(mine | {"anchor": header.version})
         self._prune()
