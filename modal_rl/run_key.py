@@ -130,9 +130,13 @@ def trainer_public_key(key: str) -> bytes:
     return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def engine_env(key: str) -> dict[str, str]:
-    """What an engine process gets in place of the run key: its bearer and the frame-read key."""
-    return {ENGINE_BEARER_ENV: engine_bearer(key), FRAME_READ_ENV: frame_read_key(key)}
+def engine_env(key: str, frames: bool = True) -> dict[str, str]:
+    """What an engine process gets in place of the run key: its bearer, and the frame-read key
+    when it pulls modal_rl weight frames (``frames``; an SGLang engine does not)."""
+    env = {ENGINE_BEARER_ENV: engine_bearer(key)}
+    if frames:
+        env[FRAME_READ_ENV] = frame_read_key(key)
+    return env
 
 
 def engine_bearer_from_env(environ: dict[str, str] | None = None) -> str:
@@ -169,11 +173,11 @@ def secret_texts(key: str) -> tuple[str, ...]:
     return (key, engine_bearer(key), ray_token(key), frame_read_key(key))
 
 
-def engine_secret(key: str):
-    """The Modal Secret an engine container gets: ``engine_env(key)`` only."""
+def engine_secret(key: str, frames: bool = True):
+    """The Modal Secret an engine container gets: ``engine_env(key, frames)`` only."""
     import modal
 
-    return modal.Secret.from_dict(engine_env(key))
+    return modal.Secret.from_dict(engine_env(key, frames))
 
 
 def redact(text: str, key: str | None = None) -> str:

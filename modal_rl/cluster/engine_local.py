@@ -111,7 +111,8 @@ class LocalEnginePool(EnginePool):
         for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only its capabilities
             env.pop(name, None)
         if self._key is not None:
-            env.update(engine_env(self._key))  # bearer + frame-read key; never the run key
+            # bearer (+ the frame-read key if it pulls frames); never the run key
+            env.update(engine_env(self._key, self.spec.pulls_frames))
         return env
 
     def describe(self) -> dict[str, Any]:
