@@ -219,6 +219,15 @@ class LocalEnginePool(EnginePool):
                 f"(uid {uid}), not by the engine; the engine bearer was not sent (start the pool again "
                 "for a fresh port)"
             )
+        held = peer_creds.held_by_tree(self.host, self.ports[index], self.procs[index].pid)
+        if held is None:
+            return False, "nothing listens on its port yet"
+        if not held:
+            raise EngineStartError(
+                f"{self.spec.name} {index}: {self.host}:{self.ports[index]} is held by a process that is "
+                "not the engine nor one of its children; the engine bearer was not sent (start the pool "
+                "again for a fresh port)"
+            )
         return True, ""
 
     def _wait_all(self, indices) -> None:
