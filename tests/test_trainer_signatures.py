@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from modal_rl.run_key import (
     FRAME_READ_ENV,
@@ -38,7 +40,7 @@ from modal_rl.weightsync.transport.lease import read_pointer
 from modal_rl.weightsync.transport.store import DirectoryStore
 from modal_rl.weightsync.transport.tcp import FrameServer
 from modal_rl.weightsync.wire import auth
-from modal_rl.weightsync.wire.auth import FrameKeys, Signer, sign_json, sign_records
+from modal_rl.weightsync.wire.auth import FrameKeys, Signer, sign_json, sign_records, verify_json
 from modal_rl.weightsync.wire.epoch import MAX_EPOCH
 from modal_rl.weightsync.wire.frames import stamp
 from tests.weightsync_helpers import TEST_KEY, perturb, same_state
@@ -286,3 +288,53 @@ def test_a_hello_claiming_a_newer_epoch_does_not_stop_the_live_trainer(epoch):
 def test_the_engine_bearer_is_no_frame_read_key():
     with pytest.raises(ValueError, match="no trainer public key"):
         FrameKeys.reading(engine_bearer(TEST_KEY))
+
+
+# -- fuzz: the new parsers take anything and answer with a refusal, never a crash ---------------
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=120))
+def test_fuzz_a_frame_read_key_text_is_keys_or_one_clear_refusal(text):
+    try:
+        keys = FrameKeys.reading(text)
+    except ValueError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert keys.signer is None and not keys.writer  # whatever it parsed, it signs nothing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), JSONISH, max_size=6), st.one_of(JSONISH, st.text(max_size=140)))
+def test_fuzz_a_signed_record_that_the_trainer_did_not_sign_never_verifies(body, sig):
+    record = {k: v for k, v in body.items() if k != "sig"} | {"sig": sig}
+    for purpose in ("lease", "pointer"):
+        assert verify_json(READER, record, purpose) is False
+        assert verify_json(TRAINER, record, purpose) is False
+
+
+_SIGNED: list[bytes] = []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=100))
+def test_fuzz_an_end_record_with_any_other_trailer_is_refused(trailer):
+    if not _SIGNED:
+        frame = stamp(encode_anchor(_states(1)[0], version=0, config=CONFIG), TRAINER.run_id, EPOCH)
+        _SIGNED.extend(sign_records(frame, TRAINER))
+    verifier = auth.Verifier(READER)
+    for rec in _SIGNED[:-1]:
+        verifier.check(rec)
+    end = _SIGNED[-1]
+    kept = len(end) - auth.SIG_SIZE  # tag, length, body, digest and MAC; the signature replaced
+    if end[kept:] == trailer:
+        return
+    with pytest.raises((RecordMacError, CorruptFrameError)):
+        verifier.check(end[:kept] + trailer)
