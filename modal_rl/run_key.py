@@ -169,8 +169,10 @@ def modal_secret(key: str):
 
 
 def secret_texts(key: str) -> tuple[str, ...]:
-    """The key and every capability text made from it (what ``redact`` replaces)."""
-    return (key, engine_bearer(key), ray_token(key), frame_read_key(key))
+    """The key and every capability text made from it (what ``redact`` replaces): the whole
+    frame-read key first, then its secret part alone (the public part is no secret)."""
+    reader = frame_read_key(key)
+    return (key, engine_bearer(key), ray_token(key), reader, reader.partition(".")[0])
 
 
 def engine_secret(key: str, frames: bool = True):

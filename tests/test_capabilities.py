@@ -143,6 +143,8 @@ def test_every_capability_is_redacted_wherever_the_run_key_is():
     text = f"a {BEARER} b {ray_token(TEST_KEY)} c {frame_read_key(TEST_KEY)} d {TEST_KEY}"
     assert redact(text, TEST_KEY) == "a <redacted> b <redacted> c <redacted> d <redacted>"
     assert Redactor(TEST_KEY).text(text) == "a <redacted> b <redacted> c <redacted> d <redacted>"
+    secret = frame_read_key(TEST_KEY).partition(".")[0]  # the frame-read key's secret part alone
+    assert redact(f"x {secret} y", TEST_KEY) == Redactor(TEST_KEY).text(f"x {secret} y") == "x <redacted> y"
     # An engine container holds only its capabilities: it redacts them and their derived keys.
     held = Redactor(None, (BEARER, frame_read_key(TEST_KEY)))
     mac = derive(frame_read_key(TEST_KEY).partition(".")[0], "weightsync-frame-mac").hex()
