@@ -83,6 +83,7 @@ ATTACKERS = {
     "no signature": None,
     "a key the engine made": Ed25519PrivateKey.generate(),
     "another run's trainer": OTHER_RUN.signer,
+    "the engine bearer as a run key": FrameKeys(engine_bearer(TEST_KEY)).signer,
 }
 
 
@@ -161,9 +162,14 @@ def _pull_args(signed_by: FrameKeys, **fields) -> tuple[str, str]:
     return request, auth.sign(signed_by, "pull", request.encode()).hex()
 
 
-@pytest.mark.parametrize("who", ["reader", "another run's trainer", "unsigned"])
+@pytest.mark.parametrize("who", ["reader", "another run's trainer", "the engine bearer", "unsigned"])
 def test_a_pull_not_signed_by_the_trainer_is_refused_before_dialling(engine, who):
-    keys = {"reader": READER, "another run's trainer": OTHER_RUN, "unsigned": TRAINER}[who]
+    keys = {
+        "reader": READER,
+        "another run's trainer": OTHER_RUN,
+        "the engine bearer": FrameKeys(engine_bearer(TEST_KEY)),  # another part's key, as a run key
+        "unsigned": TRAINER,
+    }[who]
     request, signature = _pull_args(keys, epoch=MAX_EPOCH)
     if who == "unsigned":
         signature = ""
