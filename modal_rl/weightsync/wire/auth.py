@@ -107,6 +107,8 @@ class FrameKeys:
         else:
             raise ValueError("FrameKeys needs the run key or the frame-read key")
         secret, _, public = reader.partition(".")
+        if not secret:
+            raise ValueError(f"the frame-read key ({FRAME_READ_ENV}) has no secret part before its '.'")
         self.public = _public_key(public)
         self.mac = derive(secret, "weightsync-frame-mac")
         self.handshake = derive(secret, "weightsync-handshake")
