@@ -22,7 +22,9 @@ memory; every tensor is still verified against its checksum); they add a ``v2`` 
 wherever it is smaller, whatever the link) for the bytes.
 
 Every small scenario also runs full and delta keyless, so the cost of authentication is
-measured side by side in one run (``delta auth/keyless``, ``full auth/keyless``).
+measured side by side in one run (``delta auth/keyless``, ``full auth/keyless``). Its parts
+are timed beside every scenario's steady delta (``_weight_sync_crypto``): the record MACs over
+the delta's bytes, and the trainer's one Ed25519 signature per version and its check.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._weight_sync_crypto import crypto_costs
 from benchmarks._weight_sync_data import adam_trajectory, tiled_size, tiled_state
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
@@ -190,6 +193,16 @@ def _same_file(path: Path, state) -> bool:
     )
 
 
+def _crypto(row: dict[str, Any]) -> dict[str, Any]:
+    """The MAC and signature costs of one of ``row``'s steady delta versions, beside it."""
+    costs = crypto_costs(row["bytes_delta"], row["receivers"])
+    steady = row["delta_steady_s"]
+    return costs | {
+        "mac_over_steady": costs["mac_s"] / steady,
+        "sig_over_steady": costs["signature_s"] / steady,
+    }
+
+
 def _row(receivers: int, link: float, fanout: str, runs: dict) -> dict[str, Any]:
     delta = runs["delta", True]
     row = {
@@ -269,9 +282,8 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         runs = {}
         for mode, keyed in SMALL_ORDER:
             runs[mode, keyed] = _settled(run_mode, states, mode, receivers, link, fanout, workdir, keyed)
-        rows.append(
-            _row(receivers, link, fanout, runs) | {"state_gb": _gb(states[0]), "bytes_slime_own": slime_bytes}
-        )
+        row = _row(receivers, link, fanout, runs)
+        rows.append(row | _crypto(row) | {"state_gb": _gb(states[0]), "bytes_slime_own": slime_bytes})
     # Model scale: (receivers, GB); 4 receivers at a smaller state so that all copies fit
     # the host's memory (each receiver holds its own and, for an anchor, the next; the
     # publisher two, plus the retained anchor).
@@ -288,8 +300,10 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
             "peak_rss_gb_publisher_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
             "peak_rss_gb_receiver": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6,
         }
+        row = _row(receivers, 1, "direct", runs)
         rows.append(
-            _row(receivers, 1, "direct", runs)
+            row
+            | _crypto(row)
             | {"state_gb": tiles * _gb(states[0]), "bytes_slime_own": own, "tiles": tiles}
             | peaks
         )
@@ -389,11 +403,50 @@ def render(rows: list[dict[str, Any]]) -> str:
             for r in keyed
         ],
     )
+    crypto = markdown_table(
+        [
+            "receivers",
+            "fan-out",
+            "state GB",
+            "steady delta s",
+            "bytes delta",
+            "MAC s (one side)",
+            "MAC/steady",
+            "sign s",
+            "verify s",
+            "sign+verify/steady",
+            "sign+verifies CPU s",
+        ],
+        [
+            [
+                r["receivers"],
+                r["fanout"],
+                f"{r['state_gb']:.3g}",
+                r["delta_steady_s"],
+                f"{r['bytes_delta']:,.0f}",
+                r["mac_s"],
+                r["mac_over_steady"],
+                r["sign_s"],
+                r["verify_s"],
+                r["sig_over_steady"],
+                r["signature_cpu_s"],
+            ]
+            for r in rows
+            if "mac_s" in r
+        ],
+    )
     ratios = [(r["full_s"] / r["full_keyless_s"], r["delta_s"] / r["delta_keyless_s"]) for r in keyed]
     summary = (
-        f"Authentication cost (run key: handshake + HMAC-SHA256 per record, vs keyless), mean over "
-        f"scenarios: full anchor {statistics.mean(f for f, _ in ratios):.3f}x, "
-        f"delta {statistics.mean(d for _, d in ratios):.3f}x."
+        f"Authentication cost (run key: handshake, HMAC-SHA256 per record and the trainer's Ed25519 "
+        f"signature per version, vs keyless), mean over scenarios: full anchor "
+        f"{statistics.mean(f for f, _ in ratios):.3f}x, delta {statistics.mean(d for _, d in ratios):.3f}x."
+    )
+    sig_worst = max((r["sig_over_steady"] for r in rows if "mac_s" in r), default=0.0)
+    summary += (
+        f"\n\nPer steady delta version, timed on this host beside the run: the trainer's signature and "
+        f"one receiver's check add at most {100 * sig_worst:.3f}% of the version's time (size-independent);"
+        f" the record MACs, one side, {100 * max((r['mac_over_steady'] for r in rows if 'mac_s' in r), default=0.0):.2f}%"
+        f" at most.\n\n{crypto}"
     )
     return (
         f"# weight-sync-e2e\n\nSeconds per version, publish() to the last receiver's activation "

@@ -10,7 +10,7 @@ Invariants:
 - each use gets its own derived key (``derive``), so a key leaked from one place (say, an
   engine's bearer token in a proxy log) does not forge another (weight-frame MACs);
 - capabilities, not a shared secret: the raw key stays with the launcher and the trainer
-  (which signs leases). Every other part gets only the derived key it needs (``engine_bearer``, ``ray_token``, ``frame_read_key``):
+  (which signs frames, pulls, leases and ``latest`` with an Ed25519 key derived from it). Every other part gets only the derived key it needs (``engine_bearer``, ``ray_token``, ``frame_read_key``):
   engines ``ENGINE_BEARER_ENV`` and ``FRAME_READ_ENV`` (``engine_env``), Ray ``ray_token``;
   none of them gives back the run key or another part's key (``docs/security.md``);
 - comparisons are constant-time (``hmac.compare_digest``).
@@ -31,7 +31,8 @@ RUN_KEY_ENV = "MODAL_RL_RUN_KEY"
 # Ray 2.60 token authentication reads the token from this variable (and RAY_AUTH_MODE=token).
 RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
 # What an engine process holds instead of the run key: its bearer token (the one header its
-# guard accepts) and the frame-read key (frame-server handshake, frame MAC check, signed pulls).
+# guard accepts) and the frame-read key (frame-server handshake and record MACs, and the
+# trainer's public key, which checks its signed frames, pulls and store records).
 ENGINE_BEARER_ENV = "MODAL_RL_ENGINE_BEARER"
 FRAME_READ_ENV = "MODAL_RL_FRAME_READ_KEY"
 # Every variable that carries the key or a capability: stripped from child environments that
@@ -107,14 +108,35 @@ def ray_token(key: str) -> str:
 
 
 def frame_read_key(key: str) -> str:
-    """The frame-read key: passes the frame-server handshake, checks frame MACs and signed
-    pulls; it cannot sign a lease (``auth.FrameKeys``)."""
-    return _text(derive(key, "weightsync-reader"))
+    """The frame-read capability, ``<read secret>.<trainer public key>``: the secret passes the
+    frame-server handshake and checks record MACs; the public key checks the trainer's
+    signatures (frames, pulls, ``latest``, leases). It signs nothing (``auth.FrameKeys``)."""
+    return _text(derive(key, "weightsync-reader")) + "." + _text(trainer_public_key(key))
 
 
-def engine_env(key: str) -> dict[str, str]:
-    """What an engine process gets in place of the run key: its bearer and the frame-read key."""
-    return {ENGINE_BEARER_ENV: engine_bearer(key), FRAME_READ_ENV: frame_read_key(key)}
+def trainer_signing_seed(key: str) -> bytes:
+    """The 32-byte Ed25519 seed of the trainer's signing key, derived from the run key: a
+    relaunched trainer signs with the same key, so nothing new is handed out. Only the
+    holders of the run key (launcher, trainer) can make it."""
+    return derive(key, "weightsync-ed25519-seed")
+
+
+def trainer_public_key(key: str) -> bytes:
+    """The raw 32-byte Ed25519 public key that checks the trainer's signatures."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    private = Ed25519PrivateKey.from_private_bytes(trainer_signing_seed(key))
+    return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def engine_env(key: str, frames: bool = True) -> dict[str, str]:
+    """What an engine process gets in place of the run key: its bearer, and the frame-read key
+    when it pulls modal_rl weight frames (``frames``; an SGLang engine does not)."""
+    env = {ENGINE_BEARER_ENV: engine_bearer(key)}
+    if frames:
+        env[FRAME_READ_ENV] = frame_read_key(key)
+    return env
 
 
 def engine_bearer_from_env(environ: dict[str, str] | None = None) -> str:
@@ -147,15 +169,17 @@ def modal_secret(key: str):
 
 
 def secret_texts(key: str) -> tuple[str, ...]:
-    """The key and every capability text made from it (what ``redact`` replaces)."""
-    return (key, engine_bearer(key), ray_token(key), frame_read_key(key))
+    """The key and every capability text made from it (what ``redact`` replaces): the whole
+    frame-read key first, then its secret part alone (the public part is no secret)."""
+    reader = frame_read_key(key)
+    return (key, engine_bearer(key), ray_token(key), reader, reader.partition(".")[0])
 
 
-def engine_secret(key: str):
-    """The Modal Secret an engine container gets: ``engine_env(key)`` only."""
+def engine_secret(key: str, frames: bool = True):
+    """The Modal Secret an engine container gets: ``engine_env(key, frames)`` only."""
     import modal
 
-    return modal.Secret.from_dict(engine_env(key))
+    return modal.Secret.from_dict(engine_env(key, frames))
 
 
 def redact(text: str, key: str | None = None) -> str:

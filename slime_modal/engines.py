@@ -184,6 +184,7 @@ def engine_spec(
         env=env or {},
         startup_timeout_s=startup_timeout_s,
         name="sglang-engine",
+        pulls_frames=False,  # slime moves SGLang's weights itself: no frame-read key
     )
 
 

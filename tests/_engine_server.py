@@ -126,7 +126,9 @@ def _log_args(args, key: str) -> None:
 
     from modal_rl.run_key import derive
 
-    pull = derive(os.environ.get("MODAL_RL_FRAME_READ_KEY", ""), "weightsync-pull")
+    # What an engine derives from what it holds: the record-MAC key, from the frame-read secret.
+    reader = os.environ.get("MODAL_RL_FRAME_READ_KEY", "").partition(".")[0]
+    pull = derive(reader, "weightsync-frame-mac")
     line = (
         f"server_args=ServerArgs(model_path={args.model_path!r}, host={args.host!r}, port={args.port}, "
         f"api_key={key!r}, admin_api_key={key!r}) pull_key={pull.hex()} b64={base64.b64encode(pull).decode()}\n"

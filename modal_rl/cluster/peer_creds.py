@@ -4,7 +4,9 @@ Loopback is not a trust boundary: every local user reaches 127.0.0.1. Before we 
 credential to a loopback listener (an engine's readiness probe) or accept a loopback client
 as one of ours (the key forwarder), we ask the kernel which user owns that socket
 (``/proc/net/tcp`` and ``tcp6``, the ``uid`` column) and deal only with our own. A process of
-our own user can read our keys anyway, so the uid is the boundary that counts.
+our own user can read our keys anyway, so the uid is the boundary that counts against other
+users; against our own processes that are not the engine (one that bound a reserved port
+first), ``held_by_tree`` asks whether the listening socket belongs to the engine's process tree.
 
 Invariants: a socket the table does not show (gone, or no ``/proc``) is ``None``, never ours;
 addresses are compared exactly (an IPv4-mapped IPv6 address as its IPv4 form).
@@ -43,8 +45,8 @@ def _rows():
             if len(parts) < 8:
                 continue
             try:
-                yield _address(parts[1]), _address(parts[2]), parts[3], int(parts[7])
-            except ValueError:
+                yield _address(parts[1]), _address(parts[2]), parts[3], int(parts[7]), parts[9]
+            except (ValueError, IndexError):
                 continue
 
 
@@ -59,16 +61,57 @@ def listener_uid(host: str, port: int) -> int | None:
     """The uid owning the socket listening on ``host:port`` (or on a wildcard at ``port``)."""
     want = _norm(host)
     wildcard = {"0.0.0.0", "::"}
-    for (lip, lport), _, state, uid in _rows():
+    for (lip, lport), _, state, uid, _inode in _rows():
         if state == LISTEN and lport == int(port) and (lip == want or lip in wildcard):
             return uid
     return None
 
 
+def listener_inodes(host: str, port: int) -> set[str]:
+    """The socket inodes listening on ``host:port`` (or on a wildcard at ``port``)."""
+    want, wildcard = _norm(host), {"0.0.0.0", "::"}
+    return {
+        inode
+        for (lip, lport), _, state, _uid, inode in _rows()
+        if state == LISTEN and lport == int(port) and (lip == want or lip in wildcard)
+    }
+
+
+def held_by_tree(host: str, port: int, pid: int) -> bool | None:
+    """Whether the listener on ``host:port`` is a socket of process ``pid`` or one of its
+    descendants (None: nothing listens there yet). Our own user's processes are not all the
+    engine: a process of ours that bound the port first is not it, and gets no credential.
+    A socket is known by its inode (the table's ``inode`` column, ``socket:[N]`` in
+    ``/proc/<pid>/fd``); a process whose descriptors cannot be read holds nothing."""
+    inodes = listener_inodes(host, port)
+    if not inodes:
+        return None
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    links = {f"socket:[{inode}]" for inode in inodes}
+    for proc in tree:
+        try:
+            fds = os.listdir(f"/proc/{proc.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{proc.pid}/fd/{fd}") in links:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def peer_uid(ours: tuple, theirs: tuple) -> int | None:
     """The uid owning the far end of our connection ``ours`` (local) <-> ``theirs`` (peer)."""
     mine, peer = (_norm(ours[0]), int(ours[1])), (_norm(theirs[0]), int(theirs[1]))
-    for local, remote, state, uid in _rows():
+    for local, remote, state, uid, _inode in _rows():
         if state == ESTABLISHED and local == peer and remote == mine:
             return uid
     return None

@@ -19,16 +19,15 @@ from modal_rl.run_key import ENGINE_BEARER_ENV, FRAME_READ_ENV, REDACTED, derive
 DERIVED_PURPOSES = (
     "weightsync-frame-mac",
     "weightsync-handshake",
-    "weightsync-pull",
-    "weightsync-lease",
-    "weightsync-latest",
     "weightsync-reader",
+    "weightsync-ed25519-seed",
     "engine-bearer",
     "ray-token",
     "control",
 )
-# The purposes derived from the frame-read key (``auth.FrameKeys``), not from the run key.
-READER_PURPOSES = ("weightsync-frame-mac", "weightsync-handshake", "weightsync-pull", "weightsync-latest")
+# The purposes derived from the frame-read key's secret part (``auth.FrameKeys``), not from
+# the run key. (Its other part, the trainer's public key, is no secret.)
+READER_PURPOSES = ("weightsync-frame-mac", "weightsync-handshake")
 
 
 def _printed(raw: bytes) -> set[bytes]:
@@ -55,10 +54,11 @@ def secret_forms(key: str | None, held: tuple[str, ...] = ()) -> tuple[bytes, ..
             forms |= _printed(derive(key, purpose))
         readers.append(frame_read_key(key))
     for text in readers:
-        forms.add(text.encode())
-        forms |= _printed(_raw_of(text))
+        secret = text.partition(".")[0]  # a frame-read key is <secret>.<public key>
+        forms |= {text.encode(), secret.encode()}
+        forms |= _printed(_raw_of(secret))
         for purpose in READER_PURPOSES:
-            forms |= _printed(derive(text, purpose))
+            forms |= _printed(derive(secret, purpose))
     return tuple(sorted(forms, key=len, reverse=True))
 
 

@@ -95,6 +95,9 @@ class EngineSpec:
     name: str = "engine"
     auth: str | None = "bearer"
     generate: dict[str, Any] | None = None
+    # Whether the server pulls modal_rl weight frames (vLLM with our extension): only then does
+    # it get the frame-read key beside its bearer (least privilege: SGLang's do not).
+    pulls_frames: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))

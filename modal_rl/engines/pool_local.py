@@ -111,7 +111,8 @@ class LocalEnginePool(EnginePool):
         for name in KEY_ENVS:  # a keyless server gets no key; a keyed one only its capabilities
             env.pop(name, None)
         if self._key is not None:
-            env.update(engine_env(self._key))  # bearer + frame-read key; never the run key
+            # bearer (+ the frame-read key if it pulls frames); never the run key
+            env.update(engine_env(self._key, self.spec.pulls_frames))
         return env
 
     def describe(self) -> dict[str, Any]:
@@ -217,6 +218,15 @@ class LocalEnginePool(EnginePool):
                 f"{self.spec.name} {index}: {self.host}:{self.ports[index]} is held by another user "
                 f"(uid {uid}), not by the engine; the engine bearer was not sent (start the pool again "
                 "for a fresh port)"
+            )
+        held = peer_creds.held_by_tree(self.host, self.ports[index], self.procs[index].pid)
+        if held is None:
+            return False, "nothing listens on its port yet"
+        if not held:
+            raise EngineStartError(
+                f"{self.spec.name} {index}: {self.host}:{self.ports[index]} is held by a process that is "
+                "not the engine nor one of its children; the engine bearer was not sent (start the pool "
+                "again for a fresh port)"
             )
         return True, ""
 

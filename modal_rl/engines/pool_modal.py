@@ -122,7 +122,8 @@ def build_function(
     }
     secrets = [modal.Secret.from_name(s) for s in spec.secrets]
     if spec.auth is not None:
-        secrets.append(engine_secret(key))  # the bearer and frame-read key, never the run key
+        # the bearer (+ the frame-read key if it pulls frames), never the run key
+        secrets.append(engine_secret(key, spec.pulls_frames))
     fn = app.function(
         image=build_image(spec, image_steps),
         volumes=volumes,

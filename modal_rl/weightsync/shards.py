@@ -13,8 +13,9 @@ Invariants:
 - a rank's ``Publisher`` holds a snapshot of its own pieces only, never the full model;
 - each rank publishes through its own sink as an ordinary stream (anchors, deltas, recovery
   anchors, checksums per piece); the ranks share one epoch (rank 0 draws it);
-- a ``ShardedReceiver`` activates version v only when every rank's stream has staged v and
-  the pieces of every tensor tile it exactly (no gap, no overlap, one dtype, one full
+- a ``ShardedReceiver`` activates version v only when every rank's stream has staged v **of
+  one epoch** (checked whether or not the caller names an epoch: a version made of rank 0 at
+  one trainer start and rank 1 at another is no state of any trainer) and the pieces of every tensor tile it exactly (no gap, no overlap, one dtype, one full
   shape); until then its live weights stay at the version before: all ranks or none;
 - a piece name that does not parse, or pieces that do not tile, are refused
   (``ShardLayoutError``) before anything is activated.
@@ -37,6 +38,7 @@ from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import WeightSyncError
 from modal_rl.weightsync.subscriber import Subscriber
 from modal_rl.weightsync.transport.base import FrameSource
+from modal_rl.weightsync.wire.epoch import position
 
 _PIECE = re.compile(
     r"(?P<name>.+)@(?P<start>[0-9]{1,19}):\((?P<shape>(?:[0-9]{1,19}(?:,[0-9]{1,19}){0,15})?)\)"
@@ -220,6 +222,10 @@ class ShardedReceiver:
     def staged(self) -> list[int | None]:
         return [s.chain.version for s in self.subscribers]
 
+    def staged_positions(self) -> list[tuple[int | None, int | None]]:
+        """Each rank's staged (epoch, version): a version is activated only when all agree."""
+        return [(s.chain.epoch, s.chain.version) for s in self.subscribers]
+
     def run_until(
         self, version: int, timeout: float, epoch: int | None = None, max_refusals: int | None = None
     ) -> bool:
@@ -239,15 +245,17 @@ class ShardedReceiver:
             done = self._each(target, remaining, epoch, max_refusals)
             if not all(done):
                 return False
-            staged = self.staged()
+            staged = self.staged_positions()
             if len(set(staged)) == 1:
                 break
-            target = max(v for v in staged if v is not None)  # a rank jumped ahead: follow it
+            # A rank moved on (a later version, or a newer trainer's epoch): follow it. Ranks at
+            # one version of two epochs are two states, never one: the others must reach it.
+            epoch, target = max(staged, key=lambda at: position(*at))
         pieces, layout = tile([s.chain.state for s in self.subscribers])
         t0 = time.monotonic()
-        self.activate(pieces, layout, staged[0])
+        self.activate(pieces, layout, staged[0][1])
         self.pause_s.append(time.monotonic() - t0)
-        self.live_version = staged[0]
+        self.live_version = staged[0][1]
         return True
 
     def _each(self, target: int, timeout: float, epoch: int | None, max_refusals: int | None) -> list[bool]:

@@ -42,6 +42,12 @@ from tests.weightsync_helpers import TEST_KEY, model_state, same_state
 CONFIG = CodecConfig(chunk_elems=4096, threads=2)
 BASE = model_state()
 BEARER = engine_bearer(TEST_KEY)
+PUBLIC = frame_read_key(TEST_KEY).partition(".")[2]  # the trainer's public key: no secret
+
+
+def _as(what: str, text: str) -> FrameKeys:
+    """Keys made from ``text`` as the run key, or as a frame-read secret beside the public key."""
+    return FrameKeys(text) if what == "run key" else FrameKeys.reading(f"{text}.{PUBLIC}")
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +75,7 @@ def _pull(server, keys) -> dict:
 
 @pytest.mark.parametrize("as_what", ["run key", "frame-read key"])
 def test_a_leaked_engine_bearer_reads_no_weight(server, as_what):
-    keys = FrameKeys(BEARER) if as_what == "run key" else FrameKeys.reading(BEARER)
+    keys = _as(as_what, BEARER)
     with pytest.raises(VersionNotReachedError, match="HandshakeError"):
         _pull(server, keys)
     assert server.receivers == 0
@@ -82,8 +88,14 @@ def test_the_frame_read_key_an_engine_holds_reads_weights(server):
 
 @pytest.mark.parametrize("as_what", ["run key", "frame-read key"])
 def test_a_leaked_engine_bearer_signs_no_frame_a_receiver_accepts(as_what):
-    keys = FrameKeys(BEARER) if as_what == "run key" else FrameKeys.reading(BEARER)
-    forged = frame_bytes(sign_records(encode_anchor(BASE, version=0, config=CONFIG), keys))
+    if as_what == "run key":
+        forged = frame_bytes(
+            sign_records(encode_anchor(BASE, version=0, config=CONFIG), _as(as_what, BEARER))
+        )
+    else:  # a reader signs no frame at all
+        with pytest.raises(PermissionError, match="frame-read key only"):
+            frame_bytes(sign_records(encode_anchor(BASE, version=0, config=CONFIG), _as(as_what, BEARER)))
+        return
     chain = VersionChain(CONFIG, key=TEST_KEY)
     with pytest.raises(RecordMacError):
         chain.apply(forged)
@@ -108,7 +120,9 @@ def test_a_frame_read_key_cannot_sign_a_lease():
     with pytest.raises(PermissionError, match="frame-read key only"):
         sign_json(reader, {"epoch": 2}, "lease")
     assert verify_json(writer, sign_json(writer, {"epoch": 2}, "lease"))
-    assert not verify_json(reader, sign_json(writer, {"epoch": 2}, "lease"))
+    # The reader checks the trainer's lease (public key) but its own claims pass nowhere.
+    assert verify_json(reader, sign_json(writer, {"epoch": 2}, "lease"))
+    assert not verify_json(writer, {"epoch": 2, "sig": "00" * 64}, "lease")
 
 
 def test_an_engine_environment_resolves_to_reader_keys(monkeypatch):
@@ -129,7 +143,9 @@ def test_every_capability_is_redacted_wherever_the_run_key_is():
     text = f"a {BEARER} b {ray_token(TEST_KEY)} c {frame_read_key(TEST_KEY)} d {TEST_KEY}"
     assert redact(text, TEST_KEY) == "a <redacted> b <redacted> c <redacted> d <redacted>"
     assert Redactor(TEST_KEY).text(text) == "a <redacted> b <redacted> c <redacted> d <redacted>"
+    secret = frame_read_key(TEST_KEY).partition(".")[0]  # the frame-read key's secret part alone
+    assert redact(f"x {secret} y", TEST_KEY) == Redactor(TEST_KEY).text(f"x {secret} y") == "x <redacted> y"
     # An engine container holds only its capabilities: it redacts them and their derived keys.
     held = Redactor(None, (BEARER, frame_read_key(TEST_KEY)))
-    pull = derive(frame_read_key(TEST_KEY), "weightsync-pull").hex()
-    assert held.text(f"{BEARER} {pull}") == "<redacted> <redacted>"
+    mac = derive(frame_read_key(TEST_KEY).partition(".")[0], "weightsync-frame-mac").hex()
+    assert held.text(f"{BEARER} {mac}") == "<redacted> <redacted>"

@@ -14,7 +14,16 @@ from modal_rl.cluster.spec import ClusterSpecError
 from modal_rl.engines.health import probe
 from modal_rl.engines.pool import EngineSpec, EngineStartError, running
 from modal_rl.engines.pool_local import LocalEnginePool
-from modal_rl.run_key import RAY_TOKEN_ENV, RUN_KEY_ENV, engine_bearer, engine_env, new_run_key, ray_token
+from modal_rl.run_key import (
+    FRAME_READ_ENV,
+    RAY_TOKEN_ENV,
+    RUN_KEY_ENV,
+    engine_bearer,
+    engine_env,
+    frame_read_key,
+    new_run_key,
+    ray_token,
+)
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
@@ -115,6 +124,22 @@ def test_spec_argv_and_roundtrip():
 
 def records(tmp_path, port: int) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / f"{port}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("pulls_frames", [True, False])
+def test_an_engine_gets_the_frame_read_key_only_if_it_pulls_frames(tmp_path, key, pulls_frames):
+    """Least privilege: an engine that pulls no modal_rl frames (SGLang's) holds its bearer
+    alone; one that does (vLLM with our extension) also the frame-read key."""
+    import dataclasses
+
+    spec = dataclasses.replace(fake_spec(tmp_path, count=1), pulls_frames=pulls_frames)
+    assert (FRAME_READ_ENV in engine_env(key, pulls_frames)) is pulls_frames
+    pool = LocalEnginePool(spec, log_dir=str(tmp_path / "logs"))
+    with pool:
+        environ = Path(f"/proc/{pool.procs[0].pid}/environ").read_bytes()
+        assert engine_bearer(key).encode() in environ
+        assert (frame_read_key(key).encode() in environ) is pulls_frames
+        assert (FRAME_READ_ENV.encode() + b"=" in environ) is pulls_frames
 
 
 def test_keyed_engines_get_the_key_in_their_env_and_health_checks_send_it(tmp_path, key):

@@ -23,7 +23,7 @@ from modal_rl.engines.key_forwarder import BUFFER_BYTES, KeyForwarder, path_prob
 from modal_rl.run_key import derive, engine_bearer, new_run_key
 
 KEY = new_run_key()
-PULL = derive(KEY, "weightsync-pull")
+SEED = derive(KEY, "weightsync-ed25519-seed")  # the trainer's signing key
 # An engine holds its bearer, never the run key (round 3): what a careless engine could print is
 # the bearer, and the key under it in the forms code prints keys in.
 SECRET = engine_bearer(KEY)
@@ -184,7 +184,7 @@ def test_normal_form():
 
 
 def test_the_redactor_catches_a_secret_split_anywhere_and_holds_nothing_else():
-    text = f"a {KEY} b {PULL.hex()} c\n".encode()
+    text = f"a {KEY} b {SEED.hex()} c\n".encode()
     for cut in range(len(text)):
         r = Redactor(KEY)
         out = r.feed(text[:cut]) + r.feed(text[cut:]) + r.flush()
@@ -206,7 +206,7 @@ def test_every_derived_secret_of_the_project_is_redacted():
                     arg = node.args[1] if len(node.args) > 1 else None
                     assert isinstance(arg, ast.Constant), f"{path}: derive() with a computed purpose"
                     purposes.add(arg.value)
-    assert "weightsync-pull" in purposes  # the scan found the derive() calls
+    assert "weightsync-ed25519-seed" in purposes  # the scan found the derive() calls
     missing = purposes - {"weightsync-run-id"} - set(DERIVED_PURPOSES)  # run-id: a public fingerprint
     assert not missing, f"add {sorted(missing)} to redaction.DERIVED_PURPOSES"
     forms = secret_forms(KEY)

@@ -120,3 +120,38 @@ def test_the_key_forwarder_closes_another_users_loopback_connection_at_accept():
     t0 = time.monotonic()
     asyncio.run(asyncio.wait_for(_with(body), 120))
     assert time.monotonic() - t0 < 60
+
+
+def test_the_readiness_probe_sends_no_bearer_to_our_own_process_that_is_not_the_engine(monkeypatch, tmp_path):
+    """A process of our own user (not the engine, nor its child) bound the reserved port first:
+    its uid passes, but the listening socket is not the engine's, so no bearer goes to it."""
+    from modal_rl.cluster import backend_local
+    from modal_rl.engines.pool import EngineSpec, EngineStartError, get_engine_pool
+
+    monkeypatch.setenv(RUN_KEY_ENV, new_run_key())
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        port = int(squatter.stdout.readline().split()[1])
+        assert peer_creds.is_ours(peer_creds.listener_uid("127.0.0.1", port))
+        assert peer_creds.held_by_tree("127.0.0.1", port, squatter.pid) is True
+        sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert peer_creds.held_by_tree("127.0.0.1", port, sibling.pid) is False
+        finally:
+            sibling.kill()
+            sibling.wait()
+        monkeypatch.setattr(backend_local, "free_ports", lambda n, host: [port] * n)
+        slow_engine = (sys.executable, "-c", "import time; time.sleep(60)", "{host}", "{port}")
+        spec = EngineSpec(command=slow_engine, name="slow", startup_timeout_s=5.0)
+        pool = get_engine_pool(spec, "local", log_dir=str(tmp_path / "logs"))
+        try:
+            with pytest.raises(EngineStartError, match="not the engine"):
+                pool.start()
+        finally:
+            pool.stop()
+    finally:
+        squatter.kill()
+        out = squatter.communicate()[0]
+    assert "AUTH" not in out

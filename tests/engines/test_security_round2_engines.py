@@ -44,7 +44,8 @@ def key(monkeypatch) -> str:
 
 def leaks(text: str, key: str) -> list[str]:
     """Which of the key and its derived keys (as an engine could print them) are in ``text``."""
-    pull = derive(frame_read_key(key), "weightsync-pull")  # what an engine derives from what it holds
+    # what an engine derives from what it holds: the record-MAC key, from the frame-read secret
+    pull = derive(frame_read_key(key).partition(".")[0], "weightsync-frame-mac")
     forms = [
         key,
         engine_bearer(key),

@@ -72,6 +72,7 @@ def test_parse_engines_errors(text, needle):
 
 def test_engine_command_follows_slime_flags():
     spec = engine_spec(parse_engines("modal:3:H100"), ARGV)
+    assert spec.pulls_frames is False  # slime moves SGLang's weights: no frame-read key
     cmd = list(spec.command)
     # SGLang runs under our keyed launcher: its keys come from the env, not the command line.
     assert cmd[:6] == [

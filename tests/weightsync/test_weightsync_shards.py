@@ -102,6 +102,29 @@ def test_a_version_is_activated_only_when_every_rank_staged_it(tmp_path):
     assert receiver.run_until(1, timeout=30) and same_state(live, states[1])
 
 
+def test_ranks_at_one_version_of_two_epochs_are_not_activated(tmp_path):
+    """Rank 0 is still the replaced trainer's (epoch 7), rank 1 the new one's (epoch 9), both at
+    v0: no epoch named by the caller, yet nothing goes live until rank 0 reaches epoch 9."""
+    states = trajectory(2)
+    live: dict[str, torch.Tensor] = {}
+    receiver = ShardedReceiver(
+        [DirectoryStore(tmp_path / f"rank{r}") for r in range(2)], assemble_into(live), CONFIG
+    )
+    old = Publisher(DirectoryStore(tmp_path / "rank0"), anchor_every=None, config=CONFIG, epoch=7 << 20)
+    old.publish(dim0_pieces(states[0].items(), 0, 2), 0)
+    old.sink.close()  # the replaced trainer's lease goes: the new one may take the store
+    new = Publisher(DirectoryStore(tmp_path / "rank1"), anchor_every=None, config=CONFIG, epoch=9 << 20)
+    new.publish(dim0_pieces(states[1].items(), 1, 2), 0)
+    assert not receiver.run_until(0, timeout=1.5)
+    assert receiver.live_version is None and live == {}
+    assert sorted(e for e, _ in receiver.staged_positions()) == [7 << 20, 9 << 20]
+    rank0 = Publisher(DirectoryStore(tmp_path / "rank0"), anchor_every=None, config=CONFIG, epoch=9 << 20)
+    rank0.publish(dim0_pieces(states[1].items(), 0, 2), 0)
+    assert receiver.run_until(0, timeout=30) and same_state(live, states[1])
+    assert set(receiver.staged_positions()) == {(9 << 20, 0)}
+    receiver.close()
+
+
 def test_pieces_that_do_not_tile_are_refused_by_name():
     w = torch.zeros(4, 3)
     good = dict(dim0_pieces([("w", w)], 0, 2)) | dict(dim0_pieces([("w", w)], 1, 2))

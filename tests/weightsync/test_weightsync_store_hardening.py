@@ -191,14 +191,15 @@ def test_a_frame_file_that_is_a_link_or_a_fifo_is_refused(tmp_path):
 def test_latest_is_signed_and_an_unsigned_or_altered_pointer_is_refused(tmp_path):
     publisher, states = published(tmp_path)
     pointer = json.loads((tmp_path / "latest").read_text())
-    assert {"run", "epoch", "version", "kind", "anchor", "at", "mac"} <= set(pointer)
+    assert {"run", "epoch", "version", "kind", "anchor", "at", "sig"} <= set(pointer)
     assert pointer["version"] == 1 and abs(pointer["at"] - time.time()) < 60
     cases = {
         # what a store written before signed pointers holds (and what anyone can write)
-        "not signed": {k: v for k, v in pointer.items() if k not in ("at", "mac")},
-        "fails its MAC": pointer | {"version": 0},
-        # a lease record is signed with another derived key: it cannot pass for a pointer
-        "fails its MAC ": json.loads((tmp_path / "lease").read_text()) | {"version": 1, "kind": "delta"},
+        "not signed": {k: v for k, v in pointer.items() if k not in ("at", "sig")},
+        "fails its signature": pointer | {"version": 0},
+        # a lease record is signed for another purpose: it cannot pass for a pointer
+        "fails its signature ": json.loads((tmp_path / "lease").read_text())
+        | {"version": 1, "kind": "delta"},
     }
     for why, forged in cases.items():
         (tmp_path / "latest").write_text(json.dumps(forged))
@@ -211,7 +212,7 @@ def test_latest_is_signed_and_an_unsigned_or_altered_pointer_is_refused(tmp_path
 
     plain = tmp_path / "keyless"  # keyless stays keyless: an unsigned pointer, read by keyless readers
     Publisher(DirectoryStore(plain, key=None), config=CONFIG).publish(states[0])
-    assert "mac" not in json.loads((plain / "latest").read_text())
+    assert "sig" not in json.loads((plain / "latest").read_text())
     assert Subscriber(DirectoryStore(plain, key=None), copy_into({}), CONFIG).run_until(0, timeout=10)
 
 

@@ -8,8 +8,9 @@ a version with vLLM's own ``POST /collective_rpc``::
 
 REQUEST is a JSON string (vLLM passes only string arguments to ``collective_rpc``):
 ``host``, ``port``, ``tls``, ``version``, the publisher's ``epoch``, ``timeout_s``,
-``max_refusals``, ``issued`` (unix time) and a random ``nonce``; SIGNATURE is the hex HMAC-SHA256 of REQUEST's bytes under the
-run key's ``weightsync-pull`` key (``auth.FrameKeys.pull``). Every worker process of the engine
+``max_refusals``, ``issued`` (unix time) and a random ``nonce``; SIGNATURE is the trainer's
+Ed25519 signature of REQUEST's bytes, hex (``auth.sign``, purpose ``"pull"``): engines hold
+only the public key, so no engine can sign a pull another accepts. Every worker process of the engine
 (one per tensor/pipeline-parallel rank) runs the call: it verifies the signature, connects
 to the frame server at host:port (``modal_rl.weightsync.transport.tcp``, TLS if asked; the
 handshake proves the server holds the run key too), stages and verifies version N, and
@@ -44,8 +45,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import sys
@@ -53,6 +52,7 @@ import time
 from typing import Any
 
 from modal_rl.run_key import MissingRunKeyError
+from modal_rl.text_safety import clean
 from modal_rl.weightsync.apply.vllm_cpu_moe import keep_plain_cpu_moe
 from modal_rl.weightsync.apply.vllm_inplace import (
     LOG_PREFIX,
@@ -65,7 +65,8 @@ from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD, AdapterStageMixi
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import PullRefusedError
 from modal_rl.weightsync.subscriber import tcp_subscriber
-from modal_rl.weightsync.wire.auth import FROM_ENV, FrameKeys, frame_keys, new_nonce
+from modal_rl.weightsync.wire.auth import FROM_ENV, FrameKeys, frame_keys, new_nonce, sign, signed_by_trainer
+from modal_rl.weightsync.wire.epoch import MAX_CLOCK_SKEW_S, from_the_future
 
 if os.environ.get(PLAIN_WEIGHTS_ENV) == "1" and "vllm" in sys.modules:
     # Imported by a vLLM worker, before its model loads: keep weights where a write reaches them.
@@ -81,7 +82,15 @@ PULL_MAX_AGE_S = 300.0  # a request older (or issued further ahead, clock skew) 
 
 
 def _signature(keys: FrameKeys, request: str) -> str:
-    return hmac.new(keys.pull, request.encode(), hashlib.sha256).hexdigest()
+    return sign(keys, "pull", request.encode()).hex()
+
+
+def _trainer_signed(keys: FrameKeys, request: str, signature: str) -> bool:
+    try:
+        raw = bytes.fromhex(signature)
+    except ValueError:
+        return False
+    return signed_by_trainer(keys, "pull", request.encode(), raw)
 
 
 def pull_request(
@@ -133,15 +142,21 @@ def verify_pull(request: Any, signature: Any, keys: FrameKeys, seen: dict[str, f
     issue time) remembers accepted nonces for ``PULL_MAX_AGE_S``. Raises ``PullRefusedError``."""
     if not isinstance(request, str) or not isinstance(signature, str) or not signature:
         raise PullRefusedError("weight pull refused: the request is not signed with the run's key")
-    if not hmac.compare_digest(_signature(keys, request).encode(), signature.encode()):
+    if not _trainer_signed(keys, request, signature):
         raise PullRefusedError(
-            "weight pull refused: bad signature (altered, or signed with another run's key)"
+            "weight pull refused: bad signature (altered, or not signed by this run's trainer)"
         )
     req = json.loads(request)
     issued = float(req["issued"])
     if abs(now - issued) > PULL_MAX_AGE_S:
         raise PullRefusedError(
             f"weight pull refused: issued {now - issued:.0f}s from this engine's clock (limit {PULL_MAX_AGE_S:.0f}s)"
+        )
+    epoch = req.get("epoch")
+    if epoch is not None and (not isinstance(epoch, int) or from_the_future(epoch, now)):
+        raise PullRefusedError(
+            f"weight pull refused: its epoch {clean(str(epoch))[:40]} is not a trainer start before "
+            f"this engine's clock plus {MAX_CLOCK_SKEW_S:.0f}s"
         )
     for nonce in [n for n, t in seen.items() if abs(now - t) > PULL_MAX_AGE_S]:
         del seen[nonce]

@@ -1,9 +1,9 @@
 """A store's signed records: the publisher's lease (one trainer at a time) and ``latest``.
 
 A store's ``lease`` file is a JSON record ``{run, holder, epoch, renewed_at, expires_at, ttl_s,
-after, mac}``: ``holder`` names the publisher (host, pid and a random tag), ``epoch`` the trainer
-start it publishes, ``mac`` an HMAC-SHA256 of the rest under a key derived from the run key
-(``auth.sign_json``). It is written like every store file (temporary name, fsync, rename; on a
+after, sig}``: ``holder`` names the publisher (host, pid and a random tag), ``epoch`` the trainer
+start it publishes, ``sig`` the trainer's Ed25519 signature of the rest (``auth.sign_json``;
+readers hold only the public key, so no receiver can write a lease). It is written like every store file (temporary name, fsync, rename; on a
 Modal Volume, then ``commit()``), so a reader sees either the old record or the new one.
 
 Invariants:
@@ -27,9 +27,11 @@ Invariants:
   needed to copy a file back) or a predecessor's late write. It is logged and overwritten
   with the holder's own, and never stops the holder. So is a copy of the holder's own
   earlier record, and one that is missing or unreadable;
-- a record whose MAC does not match (written without the run's key), a symbolic link, a
-  non-regular file or one over ``MAX_LEASE_BYTES`` does not count: it is logged and
-  overwritten;
+- a record whose signature does not match (written without the run's key), a symbolic link,
+  a non-regular file or one over ``MAX_LEASE_BYTES`` does not count: it is logged and
+  overwritten; so does one claiming an epoch not yet started, a ttl over ``MAX_TTL_S`` or an
+  expiry beyond now + ttl (+ ``MAX_CLOCK_SKEW_S``): such a record would hold the store for
+  as long as it claims;
 - a store whose signed ``latest`` was written less than a ttl ago by a newer epoch than the
   lease record's is held (by that epoch's publisher, whose record was replaced by a replay or
   removed): a second trainer is refused (``LeaseHeldError``) even then.
@@ -38,10 +40,10 @@ Two publishers that write the record in the same instant both pass their first r
 reads the record back after writing it and only the one that finds its own name proceeds.
 
 The ``latest`` pointer (``signed_pointer``, ``read_pointer``) is ``{run, epoch, version, kind,
-anchor, at, mac}``: the newest published version, the newest anchor's version in its epoch,
-and when it was written (``time.time()``), with ``mac`` an HMAC-SHA256 under
-``derive(run_key, "weightsync-latest")`` — a key of its own, so a lease record cannot pass for
-a pointer. A reader accepts only a pointer signed with its key (keyless: only an unsigned
+anchor, at, sig}``: the newest published version, the newest anchor's version in its epoch,
+and when it was written (``time.time()``), with ``sig`` the trainer's signature for the
+purpose ``"pointer"`` — so a lease record cannot pass for a pointer. An epoch or an ``at``
+beyond the reader's clock plus ``MAX_CLOCK_SKEW_S`` is refused. A reader accepts only a pointer signed with its key (keyless: only an unsigned
 one); an unsigned pointer is a store written before pointers were signed, refused by name
 until the trainer's next publish rewrites it.
 """
@@ -72,7 +74,7 @@ from modal_rl.weightsync.errors import (
 )
 from modal_rl.weightsync.transport.volumes import read_regular
 from modal_rl.weightsync.wire.auth import FrameKeys, sign_json, verify_json
-from modal_rl.weightsync.wire.epoch import describe, new_epoch
+from modal_rl.weightsync.wire.epoch import MAX_CLOCK_SKEW_S, MAX_EPOCH, describe, from_the_future, new_epoch
 
 log = logging.getLogger(__name__)
 LEASE_FILE = "lease"
@@ -128,6 +130,22 @@ def _well_typed(r: LeaseRecord) -> bool:
     )
 
 
+MAX_TTL_S = 3600.0  # a lease renews every ttl/4: an hour is far beyond any heartbeat
+
+
+def _bounded(r: LeaseRecord, now: float) -> bool:
+    """Claims a lease may make: an epoch already started, a ttl within ``MAX_TTL_S``, and times
+    within that ttl (plus the clock skew) of now, so no record holds a store for years."""
+    ahead = now + MAX_CLOCK_SKEW_S
+    return (
+        0 < r.epoch <= MAX_EPOCH
+        and not from_the_future(r.epoch, now)
+        and 0 < r.ttl_s <= MAX_TTL_S
+        and r.renewed_at <= ahead
+        and r.expires_at <= ahead + r.ttl_s
+    )
+
+
 class StoreLease:
     """The lease of one store. ``write(path, data)`` writes atomically and durably;
     ``refresh()`` makes other writers' records visible (a Modal Volume's ``reload``)."""
@@ -173,11 +191,20 @@ class StoreLease:
             log.warning("lease record %s is not signed with this run's key; ignoring it", self.path)
             return None
         try:
-            record = LeaseRecord(**{k: v for k, v in raw.items() if k != "mac"})
+            record = LeaseRecord(**{k: v for k, v in raw.items() if k != "sig"})
         except TypeError:
             record = None
         if record is None or not _well_typed(record):  # keyless records are anyone's to write
             log.warning("lease record %s is malformed; ignoring it", self.path)
+            return None
+        if not _bounded(record, time.time()):
+            log.warning(
+                "lease record %s claims a start or an expiry beyond this clock's reach (epoch %s, "
+                "expires %.0fs from now); ignoring it",
+                self.path,
+                describe(record.epoch),
+                record.expires_at - time.time(),
+            )
             return None
         return record
 
@@ -234,6 +261,8 @@ class StoreLease:
         epoch, at = pointer.get("epoch"), pointer.get("at")
         ttl = max(self.ttl_s, held.ttl_s if held else 0.0)
         if not isinstance(at, int | float) or epoch <= (held.epoch if held else -1) or now - at >= ttl:
+            return None
+        if at > now + MAX_CLOCK_SKEW_S:  # read_pointer refuses these; kept here for the message
             return None
         return (
             f"{self.path.with_name(POINTER_FILE)} was signed {now - at:.0f}s ago by epoch {describe(epoch)}, "
@@ -338,18 +367,25 @@ def read_pointer(path: Path, keys: FrameKeys | None) -> dict:
         raise CorruptFrameError(f"{path} is not a JSON pointer; refused") from None
     if not isinstance(data, dict):
         raise CorruptFrameError(f"{path} is not a JSON object; refused")
-    if keys is not None and "mac" not in data:
+    if keys is not None and "sig" not in data:
         raise UnsignedFrameError(
-            f"{path} is not signed (written by a modal-rl before signed pointers, or by someone without "
-            "the run's key); refused: the trainer's next publish to this store signs it"
+            f"{path} is not signed by the trainer (written by a modal-rl before signed pointers, or by "
+            "someone without the run's key); refused: the trainer's next publish to this store signs it"
         )
-    if keys is None and "mac" in data:
+    if keys is None and ("sig" in data or "mac" in data):
         raise SignedFrameError(f"{path} is signed with a run key, but this reader is keyless (key=None)")
     if not verify_json(keys, data, "pointer"):
-        raise RecordMacError(f"{path} fails its MAC: altered, or signed with another run's key")
+        raise RecordMacError(f"{path} fails its signature: altered, or not signed by this run's trainer")
     numbers = [data.get(k) for k in ("epoch", "version")]
     if data.get("kind") not in ("anchor", "delta") or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in numbers
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_EPOCH for x in numbers
     ):
         raise CorruptFrameError(f"{path} does not name an epoch, a version and a kind; refused")
+    at, now = data.get("at"), time.time()
+    if from_the_future(data["epoch"], now) or (
+        isinstance(at, int | float) and not isinstance(at, bool) and at > now + MAX_CLOCK_SKEW_S
+    ):
+        raise CorruptFrameError(
+            f"{path} claims an epoch or a time beyond this clock plus {MAX_CLOCK_SKEW_S:.0f}s; refused"
+        )
     return data

@@ -3,7 +3,7 @@
 Layout under ``root``:
 
     frames/<epoch:016x>-<version:012d>.<anchor|delta>   one frame per version (and kind)
-    latest                                              JSON {"run", "epoch", "version", "kind", "anchor", "at", "mac"}
+    latest                                              JSON {"run", "epoch", "version", "kind", "anchor", "at", "sig"}
     lease                                               the publisher's lease (``lease``)
 
 Invariants:
@@ -29,10 +29,10 @@ Invariants:
   names) — a directory, link, fifo or socket — is moved aside (``volumes.move_aside``) and
   logged, never a stop;
 - with a key (the default: the run's key from the environment) every frame, the lease and
-  ``latest`` are written signed (``latest``: HMAC-SHA256 under ``derive(key,
-  "weightsync-latest")`` over its version, epoch, kind, anchor and write time ``at``), and a
-  reader accepts only a pointer and frames whose MACs match that key — a file altered on the
-  disk or volume, even with its checksums recomputed, is refused; ``key=None`` is the
+  ``latest`` are written signed by the trainer (Ed25519: a frame once, in its end record;
+  ``latest`` over its version, epoch, kind, anchor and write time ``at``), and a reader
+  accepts only a pointer and frames whose MACs and signature match — a file altered on the
+  disk or volume, even with its checksums recomputed, or written by a reader, is refused; ``key=None`` is the
   explicit keyless mode (nothing signed, nothing to trust);
 - a reader trusts no file of the store: it never follows a symbolic link, refuses anything
   but a regular file, reads a frame record by record — each record's length checked against
@@ -191,7 +191,7 @@ class DirectoryStore(FrameSink, FrameSource):
         size = self._write_atomic(path, sign_records(records, self.keys))
         self._written.append((header.epoch, header.version, "anchor", path))
         self.after_write()
-        mine = {k: v for k, v in self._pointer.items() if k not in ("at", "mac")}
+        mine = {k: v for k, v in self._pointer.items() if k not in ("at", "sig")}
         if mine.get("epoch") == header.epoch and mine.get("version") == header.version:
             self._write_pointer(mine | {"anchor": header.version})
         self._prune()

@@ -31,9 +31,11 @@ Invariants of ``FrameServer``:
 Epochs (``epoch``): a publishing server holds its publisher's epoch (``open_epoch``). A
 receiver's hello names the epoch it holds; a receiver that holds a *newer* epoch of the run
 than the server's is refused — the server belongs to a trainer that a newer one replaced —
-and from then on the server's ``send`` raises ``LeaseLostError``: over TCP the epoch is the
-lease, so a replaced trainer that is still running stops publishing as soon as one receiver
-that moved on reaches it. Receivers of an older epoch (or none) get the newest anchor.
+and so is one naming an epoch that starts beyond this clock (``from_the_future``). A hello
+never changes the server's state: it is a peer's unsigned claim (any holder of the read key
+can make it), so it cannot stop a trainer; a replaced trainer's frames are refused by every
+receiver that moved on, and a store's signed lease is what stops it. Receivers of an older
+epoch (or none) get the newest anchor.
 
 Recovery anchors (``send_recovery``) are retained, never broadcast: a receiver that catches
 up gets the newest anchor — wire or recovery — and the deltas after it, or the deltas after
@@ -57,7 +59,6 @@ from modal_rl.admission import Admission
 from modal_rl.ratelimit import TokenBucket
 from modal_rl.text_safety import clean
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts, from_hello, slowest
-from modal_rl.weightsync.errors import LeaseLostError
 from modal_rl.weightsync.transport import hello as lines
 from modal_rl.weightsync.transport.base import FrameSink
 from modal_rl.weightsync.transport.retention import Kept, kept_since, trim
@@ -72,7 +73,7 @@ from modal_rl.weightsync.wire.auth import (
     server_proof,
     sign_records,
 )
-from modal_rl.weightsync.wire.epoch import describe
+from modal_rl.weightsync.wire.epoch import describe, from_the_future
 from modal_rl.weightsync.wire.frames import TAG_END, TAG_VERSION, VersionHeader, record_body
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,6 @@ class FrameServer(FrameSink):
         self.retained: list[Kept] = []
         self.run: str | None = None
         self.epoch: int | None = None  # the publisher's epoch (None: a relay, or no publisher yet)
-        self.superseded_by: int | None = None  # a newer epoch a receiver reported
         self.active: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.dropped = 0
@@ -224,11 +224,14 @@ class FrameServer(FrameSink):
         return have, epoch, costs
 
     def _check_epoch(self, epoch: int | None) -> None:
-        """Refuse a receiver that holds a newer epoch than this publisher's: this server's
-        trainer was replaced, so it must stop (``send`` raises from now on)."""
+        """Refuse a receiver that holds a newer epoch than this publisher's (this server's
+        trainer was replaced) or claims one that has not started; the server is unchanged."""
+        if epoch is not None and from_the_future(epoch):
+            raise lines.Refused(
+                f"the hello claims epoch {describe(epoch)}, which starts beyond this server's clock"
+            )
         if self.epoch is None or epoch is None or epoch <= self.epoch:
             return
-        self.superseded_by = max(epoch, self.superseded_by or 0)
         raise lines.Refused(
             f"this frame server publishes epoch {describe(self.epoch)}, older than the receiver's "
             f"{describe(epoch)}: its trainer was replaced by a newer one"
@@ -318,15 +321,10 @@ class FrameServer(FrameSink):
 
     def open_epoch(self, run: str, epoch: int) -> int:
         """A publisher starts on this server: it publishes ``epoch`` of ``run`` from now on."""
-        self.run, self.epoch, self.superseded_by = run, epoch, None
+        self.run, self.epoch = run, epoch
         return epoch
 
     def _check_lease(self, header: VersionHeader) -> None:
-        if self.superseded_by is not None:
-            raise LeaseLostError(
-                f"a receiver holds epoch {describe(self.superseded_by)} of this run, newer than this "
-                f"trainer's {describe(self.epoch)}: a newer trainer is publishing, so this one stops"
-            )
         if self.epoch is not None and header.epoch != self.epoch:
             raise ValueError(f"frame of epoch {header.epoch:x} on a server of epoch {self.epoch:x}")
 

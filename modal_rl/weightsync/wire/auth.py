@@ -1,9 +1,11 @@
-"""Authenticated weight frames: the keys, record MACs, and the frame-server handshake.
+"""Authenticated weight frames: the keys, record MACs, the trainer's signatures, and the
+frame-server handshake.
 
 Everything here is keyed by the run's secret (``modal_rl.run_key``) through keys derived
-per purpose (``derive``), so the frame MAC key, the handshake key and the pull-request key
-are three different keys, none of them is the run key, and none is the engines' bearer
-token or the Ray token (``run_key.engine_bearer``, ``ray_token``).
+per purpose (``derive``): the record-MAC and handshake keys (from the frame-read key every
+receiver holds) and the trainer's Ed25519 signing key (from the run key, which only the
+launcher and the trainer hold). None of them is the run key, the engines' bearer token or
+the Ray token (``run_key.engine_bearer``, ``ray_token``).
 
 Record MACs (format: ``docs/weight-sync-format.md``, "Signed frames"). A signed record is
 
@@ -15,10 +17,20 @@ the previous one binds a record to its exact frame (and, through record 0, the v
 header, to the frame's kind, version and base); the key binds it to the run. So a record
 cannot be moved, dropped, duplicated or spliced in from another frame or run.
 
+Signatures. Every receiver holds the MAC key, so a MAC only keeps out those without it.
+What one receiver must not be able to make for another is signed by the trainer, Ed25519:
+a signed frame's end record carries, after its MAC, a 64-byte signature over that MAC (the
+last link of a chain over every record, so one signature per version and verification stays
+one pass); pulls, ``latest`` and leases carry one over their canonical JSON. Each signature
+is over ``"MRLW-sig1" 0 purpose 0 data``, so one purpose's never passes for another's.
+
 Invariants:
 - keyless mode is only ever chosen by a caller (``key=None``); an omitted key means the
   run's key from the environment (``FROM_ENV``), which raises when it is not set;
-- a ``Verifier`` returns a record's body only after its checksum and its MAC matched;
+- a ``Verifier`` returns a record's body only after its checksum and its MAC matched, and
+  the end record's only after the trainer's signature did (so a frame is used only once the
+  trainer's signature covers all of it: the decoders stage until the end record);
+- only a holder of the run key signs (``sign``, ``Signer``: ``PermissionError`` for a reader);
   all comparisons of MACs and proofs are constant-time;
 - derived keys never appear in ``repr``, logs or error messages.
 """
@@ -34,7 +46,14 @@ import struct
 import xxhash
 
 from modal_rl import wire_json
-from modal_rl.run_key import FRAME_READ_ENV, RUN_KEY_ENV, derive, frame_read_key, run_key
+from modal_rl.run_key import (
+    FRAME_READ_ENV,
+    RUN_KEY_ENV,
+    derive,
+    frame_read_key,
+    run_key,
+    trainer_signing_seed,
+)
 from modal_rl.text_safety import clean
 from modal_rl.weightsync.errors import (
     CorruptFrameError,
@@ -54,6 +73,7 @@ _HEADER = struct.Struct("<cI")  # = frames.RECORD_HEADER (not imported: frames i
 _XXH = struct.Struct("<Q")
 UNSIGNED_TAGS = frozenset(b"VGCSE")
 SIGNED_TAGS = frozenset(b"vgcse")
+_SIGNED_END = ord("e")
 
 
 class _FromEnv:
@@ -68,30 +88,33 @@ class FrameKeys:
     """Keys derived for weight sync; the run key itself is not kept.
 
     Two capabilities (``run_key.frame_read_key``): a *reader* (an engine, a receiver) holds
-    only the frame-read key, from which the handshake, frame-MAC, pull and ``latest`` keys
-    are derived; it can pass the frame server's handshake, check frames, pulls and ``latest``
-    records, and nothing else. A *writer* (the trainer, from the run key) also holds the lease
-    key: only it can sign a store's lease. Neither is an engine bearer or the Ray token.
-    (HMACs are symmetric: a reader's key also makes frames that other readers accept; it
-    never makes a lease, a bearer or a Ray token. See docs/security.md.)"""
+    the frame-read key: a secret, from which the handshake and record-MAC keys are derived,
+    and the trainer's Ed25519 public key. It passes the frame server's handshake and checks
+    frames, pulls, ``latest`` and leases. A *writer* (the trainer, from the run key) also holds
+    the Ed25519 private key (``run_key.trainer_signing_seed``): only it signs a frame, a pull,
+    a ``latest`` record or a lease. Record MACs are symmetric (a reader can make them); they
+    keep bytes of anyone without the read key out before a record is used, and the trainer's
+    one signature per frame (``Signer``) is what a reader cannot make. See docs/security.md."""
 
-    __slots__ = ("mac", "handshake", "pull", "lease", "pointer", "run_id")
+    __slots__ = ("mac", "handshake", "signer", "public", "run_id")
 
     def __init__(self, key: str | None, *, reader: str | None = None) -> None:
         if key is not None:
             reader = frame_read_key(key)
-            self.lease: bytes | None = derive(key, "weightsync-lease")
+            self.signer = _private_key(trainer_signing_seed(key))
         elif reader:
-            self.lease = None  # a reader signs no lease
+            self.signer = None  # a reader signs nothing
         else:
             raise ValueError("FrameKeys needs the run key or the frame-read key")
-        self.mac = derive(reader, "weightsync-frame-mac")
-        self.handshake = derive(reader, "weightsync-handshake")
-        self.pull = derive(reader, "weightsync-pull")
-        self.pointer = derive(reader, "weightsync-latest")  # a store's ``latest`` record
+        secret, _, public = reader.partition(".")
+        if not secret:
+            raise ValueError(f"the frame-read key ({FRAME_READ_ENV}) has no secret part before its '.'")
+        self.public = _public_key(public)
+        self.mac = derive(secret, "weightsync-frame-mac")
+        self.handshake = derive(secret, "weightsync-handshake")
         # The run's public name in frames and leases: a fingerprint of the key (one-way, so
         # it reveals nothing of it); a restarted trainer of the same run has the same id.
-        self.run_id = "run-" + derive(reader, "weightsync-run-id")[:8].hex()
+        self.run_id = "run-" + derive(secret, "weightsync-run-id")[:8].hex()
 
     @classmethod
     def reading(cls, reader: str) -> FrameKeys:
@@ -100,7 +123,7 @@ class FrameKeys:
 
     @property
     def writer(self) -> bool:
-        return self.lease is not None
+        return self.signer is not None
 
     def __repr__(self) -> str:
         return "FrameKeys(<redacted>)"
@@ -134,34 +157,98 @@ def run_id_of(keys: FrameKeys | None) -> str:
     return os.environ.get("MODAL_RL_RUN_ID") or "keyless"
 
 
+SIG_SIZE = 64
+SIG_DOMAIN = b"MRLW-sig1"
+SIGNED_PURPOSES = ("lease", "pointer", "pull", "frame")  # what the trainer's key signs
 JSON_PURPOSES = ("lease", "pointer")  # the store records signed with ``sign_json``
 
 
+def _private_key(seed: bytes):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.from_private_bytes(seed)
+
+
+def _public_key(text: str):
+    """The trainer's public key from its text in the frame-read key; one line naming the fix
+    for a frame-read key without one (made by a modal-rl before signatures)."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(
+            f"the frame-read key ({FRAME_READ_ENV}) carries no trainer public key: relaunch the "
+            "engines with this modal-rl's launcher, which hands out <read key>.<public key>"
+        )
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def _message(purpose: str, data: bytes) -> bytes:
+    if purpose not in SIGNED_PURPOSES:
+        raise ValueError(f"unknown signed-record purpose {purpose!r}")
+    return SIG_DOMAIN + b"\0" + purpose.encode() + b"\0" + data  # one purpose's never passes for another's
+
+
+def sign(keys: FrameKeys, purpose: str, data: bytes) -> bytes:
+    """The trainer's Ed25519 signature of ``data`` for ``purpose``; ``PermissionError`` for a
+    reader (it holds no private key)."""
+    if keys.signer is None:
+        raise PermissionError(
+            f"this process holds the frame-read key only: it cannot sign a {purpose} record "
+            "(only the trainer, which holds the run key, signs)"
+        )
+    return keys.signer.sign(_message(purpose, data))
+
+
+def signed_by_trainer(keys: FrameKeys, purpose: str, data: bytes, signature) -> bool:
+    """Whether ``signature`` is the trainer's over ``data`` for ``purpose``."""
+    from cryptography.exceptions import InvalidSignature
+
+    if not isinstance(signature, bytes | bytearray | memoryview) or len(signature) != SIG_SIZE:
+        return False
+    try:
+        keys.public.verify(bytes(signature), _message(purpose, data))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
 def sign_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> dict:
-    """``obj`` plus ``mac`` (HMAC-SHA256 over its canonical JSON under the key derived for
+    """``obj`` plus ``sig`` (the trainer's Ed25519 signature, hex, over its canonical JSON for
     ``purpose``: ``"lease"`` or ``"pointer"``, so one record cannot pass for the other);
     keyless: ``obj`` unchanged."""
     if purpose not in JSON_PURPOSES:
         raise ValueError(f"unknown signed-record purpose {purpose!r}")
     if keys is None:
         return dict(obj)
-    if getattr(keys, purpose) is None:
-        raise PermissionError(
-            f"this process holds the frame-read key only: it cannot sign a {purpose} record"
-        )
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    return {**obj, "mac": hmac.new(getattr(keys, purpose), canonical, hashlib.sha256).hexdigest()}
+    return {**obj, "sig": sign(keys, purpose, _canonical(obj)).hex()}
 
 
 def verify_json(keys: FrameKeys | None, obj: dict, purpose: str = "lease") -> bool:
-    """Whether ``obj`` (from ``sign_json`` with ``purpose``) carries a matching MAC (keyless:
-    it carries none)."""
+    """Whether ``obj`` (from ``sign_json`` with ``purpose``) carries the trainer's signature
+    (keyless: it carries none, nor an older record's ``mac``)."""
+    if purpose not in JSON_PURPOSES:
+        raise ValueError(f"unknown signed-record purpose {purpose!r}")
     if keys is None:
-        return "mac" not in obj
-    if getattr(keys, purpose) is None:
-        return False  # a reader cannot check a lease (nor does it need to)
-    body = {k: v for k, v in obj.items() if k != "mac"}
-    return same_proof(sign_json(keys, body, purpose)["mac"], obj.get("mac"))
+        return "sig" not in obj and "mac" not in obj
+    sig = obj.get("sig")
+    if not isinstance(sig, str) or len(sig) != 2 * SIG_SIZE:
+        return False
+    try:
+        raw = bytes.fromhex(sig)
+    except ValueError:
+        return False
+    body = {k: v for k, v in obj.items() if k != "sig"}
+    return signed_by_trainer(keys, purpose, _canonical(body), raw)
 
 
 def is_signed_tag(tag: bytes) -> bool:
@@ -169,8 +256,11 @@ def is_signed_tag(tag: bytes) -> bool:
 
 
 def trailer_size(tag: bytes) -> int:
-    """Bytes after a record's body: the xxh3 digest, and the MAC for a signed record."""
-    return _XXH.size + (MAC_SIZE if tag[0] in SIGNED_TAGS else 0)
+    """Bytes after a record's body: the xxh3 digest; the MAC for a signed record; and the
+    trainer's signature after a signed frame's end record's MAC."""
+    if tag[0] not in SIGNED_TAGS:
+        return _XXH.size
+    return _XXH.size + MAC_SIZE + (SIG_SIZE if tag[0] == _SIGNED_END else 0)
 
 
 def _mac(keys: FrameKeys, index: int, prev: bytes, header: bytes, body) -> bytes:
@@ -187,6 +277,11 @@ class Signer:
     version header."""
 
     def __init__(self, keys: FrameKeys) -> None:
+        if keys.signer is None:
+            raise PermissionError(
+                "this process holds the frame-read key only: it cannot sign frames (only the "
+                "trainer, which holds the run key, publishes)"
+            )
         self.keys = keys
         self.index = 0
         self.prev = _ZERO_MAC
@@ -203,7 +298,11 @@ class Signer:
         mac = _mac(self.keys, self.index, self.prev, header, body)
         self.index += 1
         self.prev = mac
-        return b"".join((header, body, _XXH.pack(digest.intdigest()), mac))
+        # The end record's MAC ends a chain over every record of the frame: the trainer's one
+        # signature over it covers them all (a chained HMAC under a key the readers hold is
+        # still a collision-resistant digest, so nothing else has the same last MAC).
+        sig = sign(self.keys, "frame", mac) if tag == b"E" else b""
+        return b"".join((header, body, _XXH.pack(digest.intdigest()), mac, sig))
 
 
 def sign_records(records, keys: FrameKeys | None):
@@ -251,10 +350,18 @@ class Verifier:
             raise CorruptFrameError(f"checksum mismatch in a {name} record")
         if signed:
             mac = _mac(self.keys, self.index, self.prev, bytes(header), body)
-            if not hmac.compare_digest(mac, view[end + _XXH.size :]):
+            at = end + _XXH.size
+            if not hmac.compare_digest(mac, view[at : at + MAC_SIZE]):
                 raise RecordMacError(
                     f"record {self.index} ({name}) fails its MAC: altered, out of place, or signed "
                     "with another run's key"
+                )
+            if tag[0] == _SIGNED_END and not signed_by_trainer(
+                self.keys, "frame", mac, view[at + MAC_SIZE :]
+            ):
+                raise RecordMacError(
+                    f"the frame's end record (record {self.index}) does not carry the trainer's "
+                    "signature: made by a holder of the read key, not by the run's trainer; refused"
                 )
             self.prev = mac
         self.index += 1

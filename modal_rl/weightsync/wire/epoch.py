@@ -11,6 +11,8 @@ a trainer's restart time (seconds; Modal hosts keep NTP time).
 Receivers order what they hold by ``position = (epoch, version)``, lexicographically: a newer
 epoch wins whatever its version (a trainer restarted from a checkpoint at version 3 replaces
 one that reached 7), an older epoch is refused, and within an epoch versions increase.
+An epoch whose start lies beyond the reader's clock plus ``MAX_CLOCK_SKEW_S`` is refused
+wherever it is claimed (``from_the_future``): it could only hold later starts below it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import time
 
 RANDOM_BITS = 20
 MAX_EPOCH = (1 << 64) - 1
+# How far ahead of a reader's clock a signed claim's time (an epoch's start, a record's
+# ``at``) may be: hosts keep NTP time, so more is a claim to refuse, not a clock to trust.
+MAX_CLOCK_SKEW_S = 300.0
 
 
 def new_epoch(after: int | None = None) -> int:
@@ -38,13 +43,24 @@ def started_at(epoch: int) -> float:
     return (epoch >> RANDOM_BITS) / 1000.0
 
 
+def from_the_future(epoch: int, now: float | None = None) -> bool:
+    """Whether ``epoch`` claims a start beyond ``now`` (default: this clock) plus
+    ``MAX_CLOCK_SKEW_S``: no trainer drew it yet (say 2**64-1, which would hold every later
+    epoch below it). Epoch 0, the unstamped one, is not."""
+    now = time.time() if now is None else now
+    return started_at(epoch) > now + MAX_CLOCK_SKEW_S
+
+
 def describe(epoch: int | None) -> str:
     """``<hex> (started <UTC time>)`` for messages; epoch 0 is the codec's unstamped frames."""
     if epoch is None:
         return "none"
     if epoch == 0:
         return "0 (unstamped)"
-    when = datetime.datetime.fromtimestamp(started_at(epoch), datetime.UTC)
+    try:
+        when = datetime.datetime.fromtimestamp(started_at(epoch), datetime.UTC)
+    except (OverflowError, ValueError, OSError):  # a claimed epoch no calendar reaches
+        return f"{epoch:016x} (a start beyond any date)"
     return f"{epoch:016x} (started {when:%Y-%m-%d %H:%M:%S} UTC)"
 
 
