@@ -110,6 +110,20 @@ class SampleVersions:
         return cls(tuple(data["versions"]), tuple(data.get("switch_at") or ())).check(n_tokens)
 
 
+def finalize(record: object, n_tokens: int) -> SampleVersions:
+    """The checked record of a sample that ended with ``n_tokens`` tokens: switches at or
+    after its last token (commits that landed after it ended) are dropped."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("versions"), list | tuple):
+        raise VersionContractError(
+            f"a version record is a {{versions, switch_at}} object, got {record!r:.200}"
+        )
+    versions, switch_at = list(record["versions"]), list(record.get("switch_at") or ())
+    while switch_at and len(versions) > 1 and switch_at[-1] >= n_tokens:
+        switch_at.pop()
+        versions.pop()
+    return SampleVersions(tuple(versions), tuple(switch_at)).check(max(n_tokens, 1))
+
+
 def require(committed: int, min_version: int | None) -> None:
     """``VersionTooOldError`` when an engine holding ``committed`` must not serve a request
     that requires ``min_version``."""
@@ -169,12 +183,14 @@ class VersionLedger:
         self.commits += 1
         return switched
 
+    def live_records(self) -> list[tuple[str, dict]]:
+        """Every live request's record so far (for a caller that knows a request ended
+        before the engine reported it: :func:`finalize` with its token count)."""
+        return [(r, {"versions": list(v), "switch_at": list(s)}) for r, (v, s) in self._live.items()]
+
     def finish(self, req_id: str, n_tokens: int) -> SampleVersions:
         versions, switch_at = self._live.pop(req_id)
-        while switch_at and switch_at[-1] >= n_tokens:  # a commit after the last token
-            switch_at.pop()
-            versions.pop()
-        record = SampleVersions(tuple(versions), tuple(switch_at)).check(max(n_tokens, 1))
+        record = finalize({"versions": versions, "switch_at": switch_at}, n_tokens)
         self._seq += 1
         self._done[self._seq] = (req_id, record.to_json())
         while len(self._done) > self._retain:

@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
+from modal_rl.asyncrl.kv_policy import check_running
 from modal_rl.cluster.engine_auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.cluster.netif import ingress_ipv4
 from modal_rl.run_key import redact, run_key
@@ -88,6 +89,7 @@ class EnginePusher:
         config: CodecConfig | None = None,
         inplace: bool = True,
         hold_requests: bool = False,
+        running: str = "recompute",
     ) -> None:
         if expose not in EXPOSE:
             raise ValueError(f"expose={expose!r}: choose one of {EXPOSE}")
@@ -102,6 +104,7 @@ class EnginePusher:
         self.engine_url = engine_url.rstrip("/") if engine_url else None  # None: publish/load only
         self.pull_timeout_s = pull_timeout_s
         self.inplace, self.hold_requests = inplace, hold_requests
+        self.running = check_running(running)
         self._stack = contextlib.ExitStack()
         self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
@@ -154,6 +157,7 @@ class EnginePusher:
             pull_timeout_s=self.pull_timeout_s,
             inplace=self.inplace,
             hold_requests=self.hold_requests,
+            running=self.running,
         )
 
     def close(self) -> None:
@@ -174,6 +178,7 @@ def load_version(
     pull_timeout_s: float = 600.0,
     inplace: bool = True,
     hold_requests: bool = False,
+    running: str = "recompute",
 ) -> dict[str, float]:
     """Have the vLLM engine at ``engine_url`` pull and load ``source.version`` from the frame
     server ``source`` names (a signed pull), then reset its prefix cache; the numbers, or
@@ -213,15 +218,17 @@ def load_version(
         # bound (as vLLM's own for a full pull) only catches a worker that never answers.
         blocked += _wait_staged(engine_url, source.version, key, t1 + float(body["timeout"]))
         t_pause = time.perf_counter()
-        if hold_requests:
-            _post(engine_url, "/pause?mode=keep", {}, 60.0, key)
+        pause = "abort" if running == "abort" else "keep" if hold_requests else None
+        if pause:
+            _post(engine_url, f"/pause?mode={pause}", {}, 60.0, key)
         try:
             switch = {"method": "modal_rl_switch_weights", "args": [source.version], "timeout": 300.0}
             results = _rpc(engine_url, switch, source.version, key)
             blocked.append(_blocked_s(results))
-            _reset_prefix_cache(engine_url, source.version, key)
+            if running == "recompute":
+                _reset_prefix_cache(engine_url, source.version, key)
         finally:
-            if hold_requests:
+            if pause:
                 _post(engine_url, "/resume", {}, 60.0, key)
         pause_wall_s = time.perf_counter() - t_pause
     else:
@@ -237,7 +244,7 @@ def load_version(
         "engine_workers": float(len(results)),
         "inplace": 1.0 if all(r.get("mode") == "inplace" for r in results) else 0.0,
     }
-    for k in ("fallback_params", "changed_words", "map_s", "diff_s"):
+    for k in ("fallback_params", "changed_words", "map_s", "diff_s", "switched_requests"):
         if any(k in r for r in results):
             numbers[k] = float(max(float(r.get(k, 0.0)) for r in results))
     return numbers
@@ -318,12 +325,15 @@ def local_vllm_spec(
     name: str = "vllm",
     startup_timeout_s: float = 600.0,
     inplace: bool = True,
+    prefix_caching: bool = True,
+    max_num_seqs: int = 4,
 ):
     """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
     extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
     short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
     linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
-    version can be written into them in place."""
+    version can be written into them in place. ``prefix_caching=False`` for runs that keep
+    running requests' KV cache across a commit (``asyncrl.kv_policy``: ``keep``)."""
     from modal_rl.cluster.engines import EngineSpec
 
     command = [
@@ -342,7 +352,7 @@ def local_vllm_spec(
         "--max-model-len",
         str(max_model_len),
         "--max-num-seqs",
-        "4",
+        str(max_num_seqs),
         "--seed",
         "0",
         "--block-size",
@@ -351,6 +361,7 @@ def local_vllm_spec(
         EXTENSION,
         "--middleware",
         "modal_rl.cluster.engine_auth.RunKeyAuth",  # every route needs the run key
+        *([] if prefix_caching else ["--no-enable-prefix-caching"]),
     ]
     from modal_rl.cluster.engine_health import vllm_generate
 

@@ -156,6 +156,7 @@ class InPlaceMixin:
             except BaseException:
                 undo(self._modal_rl_map, staged)  # the scattered words go back; see the docstring
                 raise
+        switched = self._modal_rl_committed(staged.version)  # the next token is the new version's
         switch_s = time.perf_counter() - t0
         self._modal_rl_stage_job = None
         print(
@@ -174,6 +175,7 @@ class InPlaceMixin:
             "changed_words": written,
             "fallback_params": len(self._modal_rl_map.fallback),
             "fallback_tensors": len(staged.fallback),
+            "switched_requests": switched,
             "rpc_s": time.perf_counter() - t_rpc,
         }
 
@@ -203,8 +205,10 @@ class InPlaceMixin:
         t0 = time.perf_counter()
         self._modal_rl_load(sub.chain.state)
         self._modal_rl_generation += 1
+        switched = self._modal_rl_committed(sub.live_version)
         return {
             "version": sub.live_version,
+            "switched_requests": switched,
             "frames": len(timings),
             "payload_bytes": sum(t.bytes for t in timings),
             "fetch_s": sum(t.fetch_s for t in timings),
