@@ -10,7 +10,10 @@ asynchronous, with the same engine, prompts and trainer step -- so the two can b
 
 ``train(step, samples)`` is the trainer: it returns the new weights (a name -> tensor dict)
 that become version ``step + 1``. Every consumed sample is stamped with the versions its
-tokens came from (read from the engine) and its staleness is ``step - first version``.
+tokens came from (read from the engine) and its staleness is ``step - first version``;
+``commits_during_generation`` counts the versions that landed inside a consumed sample (from
+the samples' records, not from the engine's count of requests it held at the commit, which
+includes requests that had just made their last token).
 
 Invariants: in ``async`` mode no consumed group started more than ``max_staleness`` versions
 behind the step that consumes it (the pacer's bound; the loop checks each sample's measured
@@ -109,7 +112,7 @@ def run_loop(
     v0 = engine.committed  # the trainer's version 0 is what the engine holds now
     source = SampleSource(engine, prompts, cfg)
     bound = 0 if mode == "sync" else cfg.max_staleness
-    stats: dict[str, Any] = {"staleness": [], "samples": 0, "with_versions": 0, "commits_during": 0}
+    stats: dict[str, Any] = {"staleness": [], "samples": 0, "with_versions": 0, "switched_to": set()}
     stats |= {"trainer_wait_s": 0.0, "pause_s": [], "switched_requests": 0}
 
     def consume(step: int, samples: list[Sample]) -> None:
@@ -121,11 +124,10 @@ def run_loop(
                 if lag > bound:
                     raise RuntimeError(f"a sample started {lag} versions behind step {step} (bound {bound})")
                 stats["staleness"].append(lag)
+                stats["switched_to"].update(s.versions.versions[1:])  # commits inside this sample
         numbers = engine.commit(pusher, train(step, samples))
         stats["pause_s"].append(float(numbers["pause_s"]))
-        switched = int(numbers.get("switched_requests", 0))
-        stats["switched_requests"] += switched
-        stats["commits_during"] += 1 if switched > 0 else 0
+        stats["switched_requests"] += int(numbers.get("switched_requests", 0))
 
     t0 = time.monotonic()
     try:
@@ -155,7 +157,7 @@ def run_loop(
         "staleness_mean": sum(lags) / len(lags) if lags else None,
         "samples": stats["samples"],
         "samples_with_versions": stats["with_versions"],
-        "commits_during_generation": stats["commits_during"],
+        "commits_during_generation": len(stats["switched_to"]),
         "switched_requests": stats["switched_requests"],
         "pause_s_max": max(stats["pause_s"]) if stats["pause_s"] else None,
         "wall_s": wall,
