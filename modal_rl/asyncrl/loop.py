@@ -113,7 +113,7 @@ def run_loop(
     source = SampleSource(engine, prompts, cfg)
     bound = 0 if mode == "sync" else cfg.max_staleness
     stats: dict[str, Any] = {"staleness": [], "samples": 0, "with_versions": 0, "switched_to": set()}
-    stats |= {"trainer_wait_s": 0.0, "pause_s": [], "switched_requests": 0}
+    stats |= {"trainer_wait_s": 0.0, "pause_s": [], "switched_requests": 0, "train_s": 0.0, "commit_s": 0.0}
 
     def consume(step: int, samples: list[Sample]) -> None:
         stats["with_versions"] += engine.stamp(samples)
@@ -125,7 +125,12 @@ def run_loop(
                     raise RuntimeError(f"a sample started {lag} versions behind step {step} (bound {bound})")
                 stats["staleness"].append(lag)
                 stats["switched_to"].update(s.versions.versions[1:])  # commits inside this sample
-        numbers = engine.commit(pusher, train(step, samples))
+        t_train = time.monotonic()
+        state = train(step, samples)
+        t_commit = time.monotonic()
+        numbers = engine.commit(pusher, state)
+        stats["train_s"] += t_commit - t_train
+        stats["commit_s"] += time.monotonic() - t_commit
         stats["pause_s"].append(float(numbers["pause_s"]))
         stats["switched_requests"] += int(numbers.get("switched_requests", 0))
 
@@ -160,6 +165,8 @@ def run_loop(
         "commits_during_generation": len(stats["switched_to"]),
         "switched_requests": stats["switched_requests"],
         "pause_s_max": max(stats["pause_s"]) if stats["pause_s"] else None,
+        "train_s": stats["train_s"],
+        "commit_s": stats["commit_s"],
         "wall_s": wall,
     }
 
