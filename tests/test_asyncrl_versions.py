@@ -127,3 +127,20 @@ def test_finished_records_are_read_by_cursor_and_bounded():
     seq, records = ledger.finished_since(0)
     assert seq == 5 and [r for r, _ in records] == ["r2", "r3", "r4"]  # the oldest two are gone
     assert ledger.finished_since(seq) == (5, [])
+
+
+def test_finalize_drops_commits_after_the_last_token():
+    from modal_rl.asyncrl.versions import finalize
+
+    live = {"versions": [2, 3, 4], "switch_at": [4, 9]}  # read while the engine still held it
+    assert finalize(live, 9) == SampleVersions((2, 3), (4,))
+    assert finalize(live, 10) == SampleVersions((2, 3, 4), (4, 9))
+    assert finalize(live, 0) == SampleVersions((2,))
+
+
+def test_engine_request_ids_map_back_to_the_clients():
+    from modal_rl.asyncrl.engine_client import _request_of
+
+    assert _request_of("cmpl-mrl0123abcd-0-1a2b3c4d") == "mrl0123abcd"
+    assert _request_of("chatcmpl-x-0-1a2b3c4d") is None
+    assert _request_of("cmpl-short") is None

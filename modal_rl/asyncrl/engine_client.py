@@ -60,7 +60,8 @@ class VersionedEngine:
         self.url, self.model, self._key = url.rstrip("/"), model, key
         self.running = check_running(running)
         self._cursor = 0
-        self._records: dict[str, dict] = {}
+        self._records: dict[str, dict] = {}  # finished records of requests this client sent
+        self._issued: set[str] = set()  # sent and not yet stamped: the only records kept
         self._lock = threading.Lock()
         info = self.versions()  # also starts the engine's ledger if no weight rpc has yet
         if not info.get("tracked"):
@@ -95,7 +96,7 @@ class VersionedEngine:
                 return info
             for internal, rec in info["records"]:
                 ours = _request_of(internal)
-                if ours is not None:
+                if ours in self._issued:  # other clients' requests share the engine's ledger
                     self._records[ours] = rec
             self._cursor = int(info["seq"])
             self._live = {_request_of(r): rec for r, rec in info.get("live_records", [])}
@@ -129,6 +130,8 @@ class VersionedEngine:
         if min_version is not None:
             self.wait_version(min_version)
         request_id = f"mrl{uuid.uuid4().hex}"
+        with self._lock:
+            self._issued.add(request_id)
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -158,7 +161,9 @@ class VersionedEngine:
         self.versions()
         got = 0
         for s in samples:
-            rec = self._records.pop(s.request_id, None) or self._live.get(s.request_id)
+            with self._lock:
+                self._issued.discard(s.request_id)
+                rec = self._records.pop(s.request_id, None) or self._live.get(s.request_id)
             if rec is not None:
                 s.versions = finalize(rec, len(s.tokens))
                 got += 1
