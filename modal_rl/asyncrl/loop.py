@@ -18,8 +18,9 @@ includes requests that had just made their last token).
 Invariants: in ``async`` mode no consumed group started more than ``max_staleness`` versions
 behind the step that consumes it (the pacer's bound; the loop checks each sample's measured
 first version against it and raises if the engine's record says otherwise); ``sync`` is
-``max_staleness = 0``. Groups still generating when the last step is taken are finished
-and dropped from the report (not part of any step).
+``max_staleness = 0``. A run's time (and the engine's busy time) ends with the last step's
+commit; groups still generating then are finished and dropped from the report (not part of
+any step).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class BusyClock:
             self._open -= 1
             if self._open == 0:
                 self.busy_s += time.monotonic() - self._since
+
+    def now(self) -> float:
+        """Busy seconds so far, the request in flight now included."""
+        with self._lock:
+            return self.busy_s + (time.monotonic() - self._since if self._open else 0.0)
 
 
 class SampleSource:
@@ -131,6 +137,7 @@ def run_loop(
         numbers = engine.commit(pusher, state)
         stats["train_s"] += t_commit - t_train
         stats["commit_s"] += time.monotonic() - t_commit
+        stats["end"], stats["busy_s"] = time.monotonic(), source.clock.now()  # the run ends at a commit
         stats["pause_s"].append(float(numbers["pause_s"]))
         stats["switched_requests"] += int(numbers.get("switched_requests", 0))
 
@@ -149,13 +156,13 @@ def run_loop(
             _run_async(engine, source, train, cfg, v0, stats, consume)
     finally:
         source.close()
-    wall = time.monotonic() - t0
+    wall = stats["end"] - t0  # not the producers' leftover groups, finished after the last step
     lags = stats["staleness"]
     return {
         "mode": mode,
         "steps": cfg.steps,
         "step_s": wall / cfg.steps,
-        "engine_busy_fraction": min(1.0, source.clock.busy_s / wall) if wall > 0 else 0.0,
+        "engine_busy_fraction": min(1.0, stats["busy_s"] / wall) if wall > 0 else 0.0,
         "trainer_wait_s": stats["trainer_wait_s"],
         "max_staleness": bound,
         "staleness_max": max(lags) if lags else None,
