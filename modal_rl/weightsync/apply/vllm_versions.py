@@ -20,7 +20,9 @@ response may find its record still live and ``finalize`` it with the token count
 Invariants: the runner's token counts are exact at a commit because the CPU backend (and
 any backend without asynchronous scheduling) appends each sampled token to the request's
 state in the step that sampled it; with asynchronous scheduling a count could trail by one
-step, so :meth:`_modal_rl_track` refuses to track then (records are absent, never wrong).
+step, so :meth:`_modal_rl_track` refuses to track then (records are absent, never wrong);
+a ledger error at a commit stops tracking (``modal_rl_versions`` says why) and never fails
+the switch, whose weights are already in.
 Versions are compared within one publisher epoch; a version at or below the committed one
 (a new trainer restarting at 0, or a reload of the same version) leaves the ledger as it
 is and is counted in ``unordered_commits``.
@@ -79,15 +81,22 @@ class VersionLogMixin:
         if int(version) <= ledger.committed:
             self._modal_rl_unordered += 1
             return 0
-        held = self.model_runner.requests
-        for req_id in held:
-            if req_id not in ledger._live:
-                ledger.start(req_id)
-        tokens = {r: len(held[r].output_token_ids) for r in held}
-        for req_id in ledger.live():
-            if req_id not in tokens:  # gone from the runner without a finish report
-                ledger.finish(req_id, 0)
-        return ledger.commit(int(version), tokens)
+        try:
+            held = self.model_runner.requests
+            for req_id in held:
+                if req_id not in ledger._live:
+                    ledger.start(req_id)
+            tokens = {r: len(held[r].output_token_ids) for r in held}
+            for req_id in ledger.live():
+                if req_id not in tokens:  # gone from the runner without a finish report
+                    ledger.finish(req_id, 0)
+            return ledger.commit(int(version), tokens)
+        except Exception as exc:  # noqa: BLE001 -- the weights are in: a record must not fail the switch
+            self._modal_rl_ledger, self._modal_rl_untracked = (
+                None,
+                f"ledger stopped: {type(exc).__name__}: {exc}",
+            )
+            return 0
 
     def modal_rl_versions(self, since: int = 0) -> dict:
         ledger = self._modal_rl_track()
