@@ -21,7 +21,9 @@ Invariants:
 - ``push`` returns only after every engine worker reported the version loaded and the
   engine's prefix cache was reset (cached prefixes hold attention keys/values computed with
   the old weights; running requests are preempted and recomputed, as vLLM's
-  ``reset_running_requests`` does); on any error it raises, and an engine that did not load
+  ``reset_running_requests`` does) -- except that an in-place push with ``running="keep"``
+  keeps running requests' keys/values and resets nothing (the engine runs without a prefix
+  cache), and one with ``running="abort"`` aborts them and lets vLLM's pause clear the cache; on any error it raises, and an engine that did not load
   the version keeps the weights it had (it loads only verified versions);
 - the frame server retains the last anchor and the deltas after it, so an engine that
   missed a version (a failed push, a restart) catches up on the next push: it asks the

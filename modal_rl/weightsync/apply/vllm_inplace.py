@@ -79,7 +79,8 @@ def keep_plain_cpu_weights() -> bool:
 class InPlaceMixin:
     """The in-place rpc methods (see the module docstring). Needs ``self.model_runner`` (vLLM)
     and the pull machinery of ``DeltaWeightsExtension`` (``_modal_rl_verified_subscriber``,
-    ``_modal_rl_load``)."""
+    ``_modal_rl_load``), and ``vllm_versions``' ``_modal_rl_committed`` (every weight change
+    is recorded in the worker's version ledger)."""
 
     _modal_rl_map = None
     _modal_rl_generation = 0
