@@ -21,7 +21,9 @@ Invariants:
 - ``push`` returns only after every engine worker reported the version loaded and the
   engine's prefix cache was reset (cached prefixes hold attention keys/values computed with
   the old weights; running requests are preempted and recomputed, as vLLM's
-  ``reset_running_requests`` does); on any error it raises, and an engine that did not load
+  ``reset_running_requests`` does) -- except that an in-place push with ``running="keep"``
+  keeps running requests' keys/values and resets nothing (the engine runs without a prefix
+  cache), and one with ``running="abort"`` aborts them and lets vLLM's pause clear the cache; on any error it raises, and an engine that did not load
   the version keeps the weights it had (it loads only verified versions);
 - the frame server retains the last anchor and the deltas after it, so an engine that
   missed a version (a failed push, a restart) catches up on the next push: it asks the
@@ -46,6 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from modal_rl.asyncrl.kv_policy import check_running
 from modal_rl.cluster.netif import ingress_ipv4
 from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url
 from modal_rl.run_key import redact, run_key
@@ -78,13 +81,16 @@ class EnginePushError(RuntimeError):
 class LoadSettings:
     """How an engine loads each version (``load_version``): ``pull_timeout_s`` bounds its pull,
     ``inplace`` stages while serving and switches in a short pause (else a full reload),
-    ``hold_requests`` brackets the switch with vLLM's pause/resume."""
+    ``hold_requests`` brackets the switch with vLLM's pause/resume; ``running`` is what a commit
+    does to requests still generating (``asyncrl.kv_policy``: keep, recompute or abort)."""
 
     pull_timeout_s: float = 600.0
     inplace: bool = True
     hold_requests: bool = False
+    running: str = "recompute"
 
     def __post_init__(self) -> None:
+        check_running(self.running)
         if isinstance(self.pull_timeout_s, bool) or not isinstance(self.pull_timeout_s, int | float):
             raise ValueError(f"pull_timeout_s={self.pull_timeout_s!r}: give a number of seconds > 0")
         if not self.pull_timeout_s > 0:
@@ -138,6 +144,7 @@ class EnginePusher:
             load.inplace,
             load.hold_requests,
         )
+        self.running = load.running
         self._stack = contextlib.ExitStack()
         self._server = FrameServer(ingress_ipv4() if expose == "modal" else bind_host, 0, key=self.keys)
         self._stack.callback(self._server.close)
@@ -188,6 +195,7 @@ class EnginePusher:
             pull_timeout_s=self.pull_timeout_s,
             inplace=self.inplace,
             hold_requests=self.hold_requests,
+            running=self.running,
         )
 
     def close(self) -> None:
@@ -208,6 +216,7 @@ def load_version(
     pull_timeout_s: float = 600.0,
     inplace: bool = True,
     hold_requests: bool = False,
+    running: str = "recompute",
 ) -> dict[str, float]:
     """Have the vLLM engine at ``engine_url`` pull and load ``source.version`` from the frame
     server ``source`` names (a signed pull), then reset its prefix cache; the numbers, or
@@ -247,15 +256,17 @@ def load_version(
         # bound (as vLLM's own for a full pull) only catches a worker that never answers.
         blocked += _wait_staged(engine_url, source.version, key, t1 + float(body["timeout"]))
         t_pause = time.perf_counter()
-        if hold_requests:
-            _post(engine_url, "/pause?mode=keep", {}, 60.0, key)
+        pause = "abort" if running == "abort" else "keep" if hold_requests else None
+        if pause:
+            _post(engine_url, f"/pause?mode={pause}", {}, 60.0, key)
         try:
             switch = {"method": "modal_rl_switch_weights", "args": [source.version], "timeout": 300.0}
             results = _rpc(engine_url, switch, source.version, key)
             blocked.append(_blocked_s(results))
-            _reset_prefix_cache(engine_url, source.version, key)
+            if running == "recompute":
+                _reset_prefix_cache(engine_url, source.version, key)
         finally:
-            if hold_requests:
+            if pause:
                 _post(engine_url, "/resume", {}, 60.0, key)
         pause_wall_s = time.perf_counter() - t_pause
     else:
@@ -271,7 +282,7 @@ def load_version(
         "engine_workers": float(len(results)),
         "inplace": 1.0 if all(r.get("mode") == "inplace" for r in results) else 0.0,
     }
-    for k in ("fallback_params", "changed_words", "map_s", "diff_s"):
+    for k in ("fallback_params", "changed_words", "map_s", "diff_s", "switched_requests"):
         if any(k in r for r in results):
             numbers[k] = float(max(float(r.get(k, 0.0)) for r in results))
     return numbers

@@ -62,6 +62,7 @@ from modal_rl.weightsync.apply.vllm_inplace import (
     keep_plain_cpu_weights,
 )
 from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD, AdapterStageMixin
+from modal_rl.weightsync.apply.vllm_versions import VersionLogMixin
 from modal_rl.weightsync.codec.encode import CodecConfig
 from modal_rl.weightsync.errors import PullRefusedError
 from modal_rl.weightsync.subscriber import tcp_subscriber
@@ -198,10 +199,11 @@ def pull_results(answer: Any, version: int) -> list[dict]:
     return results
 
 
-class DeltaWeightsExtension(InPlaceMixin, AdapterStageMixin):
+class DeltaWeightsExtension(InPlaceMixin, AdapterStageMixin, VersionLogMixin):
     """Mixed into vLLM's worker class (``--worker-extension-cls``); see the module docstring
     (full loads), ``vllm_inplace`` (stage while serving, switch in place) and ``vllm_lora``
-    (LoRA adapters, adapter-only frames)."""
+    (LoRA adapters, adapter-only frames) and ``vllm_versions`` (which version made each
+    token: ``modal_rl_versions``)."""
 
     def modal_rl_pull_weights(self, request: str = "", signature: str = "") -> dict:
         t_rpc = time.perf_counter()

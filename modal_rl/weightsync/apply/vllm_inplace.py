@@ -79,7 +79,8 @@ def keep_plain_cpu_weights() -> bool:
 class InPlaceMixin:
     """The in-place rpc methods (see the module docstring). Needs ``self.model_runner`` (vLLM)
     and the pull machinery of ``DeltaWeightsExtension`` (``_modal_rl_verified_subscriber``,
-    ``_modal_rl_load``)."""
+    ``_modal_rl_load``), and ``vllm_versions``' ``_modal_rl_committed`` (every weight change
+    is recorded in the worker's version ledger)."""
 
     _modal_rl_map = None
     _modal_rl_generation = 0
@@ -156,6 +157,7 @@ class InPlaceMixin:
             except BaseException:
                 undo(self._modal_rl_map, staged)  # the scattered words go back; see the docstring
                 raise
+        switched = self._modal_rl_committed(staged.version)  # the next token is the new version's
         switch_s = time.perf_counter() - t0
         self._modal_rl_stage_job = None
         print(
@@ -174,6 +176,7 @@ class InPlaceMixin:
             "changed_words": written,
             "fallback_params": len(self._modal_rl_map.fallback),
             "fallback_tensors": len(staged.fallback),
+            "switched_requests": switched,
             "rpc_s": time.perf_counter() - t_rpc,
         }
 
@@ -203,8 +206,10 @@ class InPlaceMixin:
         t0 = time.perf_counter()
         self._modal_rl_load(sub.chain.state)
         self._modal_rl_generation += 1
+        switched = self._modal_rl_committed(sub.live_version)
         return {
             "version": sub.live_version,
+            "switched_requests": switched,
             "frames": len(timings),
             "payload_bytes": sum(t.bytes for t in timings),
             "fetch_s": sum(t.fetch_s for t in timings),
