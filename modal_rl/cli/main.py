@@ -62,7 +62,11 @@ def version() -> str:
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    rows = "\n".join(f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items())
+    summary = max(len(cmd.summary) for cmd in COMMANDS.values())
+    rows = "\n".join(
+        f"  {name:<{width}}  {cmd.summary:<{summary}}  (python -m {cmd.python_m})"
+        for name, cmd in COMMANDS.items()
+    )
     return (
         f"usage: {PROG} [--version] <command> [args...]\n\n"
         f"Modal infrastructure for slime and verl RL post-training.\n\ncommands:\n{rows}\n\n"

@@ -137,8 +137,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     need_file(args.delta, "a frame written by `encode`")
     data = args.delta.read_bytes()
     check_is_frame(args.delta, data)
-    header = _first_header(data, keys)
-    missing = sorted(set(frame_tensors(data)) - set(state)) if header.kind == "delta" else []
+    try:
+        header = _first_header(data, keys)
+        missing = sorted(set(frame_tensors(data)) - set(state)) if header.kind == "delta" else []
+    except WeightSyncError as exc:
+        raise frame_problem(args.delta, exc) from None
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CliError(
