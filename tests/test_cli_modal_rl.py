@@ -168,3 +168,14 @@ def test_live_status_of_an_unknown_run_is_one_line():
         timeout=120,
     )
     assert r.returncode == 2 and "no Modal app named" in r.stderr, r.stderr
+
+
+def test_bench_finds_the_checkouts_suites_from_any_directory(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "modal_rl", "bench", "list"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "weight-sync" in r.stdout.split(), r.stderr

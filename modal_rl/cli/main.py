@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from modal_rl.cli_errors import missing_extra
 
+    if name == "bench":
+        _find_checkout_benchmarks()
     try:
         module = importlib.import_module(command.module)
     except ModuleNotFoundError as exc:
@@ -107,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     if name in RUN_COMMANDS:
         return int(module.main(name, rest) or 0)
     return int(module.main(rest) or 0)
+
+
+def _find_checkout_benchmarks() -> None:
+    """Make ``benchmarks`` importable from the checkout this package runs from (an editable
+    install) or the current directory, when either holds it: a console script's path has
+    neither."""
+    from pathlib import Path
+
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "benchmarks" / "__main__.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            return
 
 
 def entry() -> None:
