@@ -82,10 +82,57 @@ def remote_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+# The extra of pyproject.toml that brings each optional top-level module (what a missing
+# import tells the user to install). Torch is the user's build to choose (CPU or CUDA).
+EXTRA_OF_MODULE = {
+    "modal": "modal",
+    "synchronicity": "modal",
+    "grpclib": "modal",
+    "ray": "local",
+    "aiohttp": "local",
+    "yarl": "local",
+    "verl": "verl",
+    "hydra": "verl",
+    "omegaconf": "verl",
+    "pandas": "verl",
+    "tensordict": "verl",
+    "transformers": "verl",
+    "tokenizers": "verl",
+    "tensorboard": "verl",
+    "matplotlib": "verl",
+    "pytest": "verl",
+    "peft": "bench",
+}
+OWN_PACKAGES = ("modal_rl", "verl_modal", "slime_modal", "benchmarks", "patches")
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """One line naming the missing module and the install command that brings it, for a
+    ``ModuleNotFoundError`` of an optional dependency; ``None`` for anything else (a module
+    of this project itself missing is a broken install, not a missing extra)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    if top in OWN_PACKAGES:
+        return None
+    if top == "torch":
+        how = "pip install torch (the CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+    elif top in ("slime", "sglang", "megatron"):
+        how = "bash scripts/install_slime_cpu.sh in a modal-rl checkout (docs/quickstart-slime.md), or SLIME_PATH"
+    elif top in EXTRA_OF_MODULE:
+        how = f"pip install 'modal-rl[{EXTRA_OF_MODULE[top]}]'"
+    else:
+        how = f"pip install {top}"
+    return f"this command needs the Python module {top!r}, which is not installed; install it with: {how}"
+
+
 def describe(exc: BaseException) -> tuple[str, int]:
     """``(line, exit code)`` for an exception that reached the top of a launcher."""
     if isinstance(exc, UserError):
         return one_line(str(exc)), exc.code
+    missing = missing_extra(exc)
+    if missing is not None:
+        return missing, EXIT_BAD_INPUT
     if remote_cause(exc) is not exc:
         return describe(remote_cause(exc))
     kind = type(exc)

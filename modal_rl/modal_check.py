@@ -69,7 +69,9 @@ def credential_problem(offline_hint: str = OFFLINE_HINT) -> str | None:
         return (
             f"Modal's configuration could not be read ({' '.join(str(exc).split())[:200]}); fix or remove it"
         )
-    if mc._is_remote():  # inside a Modal container the client authenticates as the container
+    import modal
+
+    if not modal.is_local():  # inside a Modal container the client authenticates as the container
         return None
     cfg = mc.config
     token_id, token_secret = cfg.get("token_id"), cfg.get("token_secret")
@@ -78,8 +80,8 @@ def credential_problem(offline_hint: str = OFFLINE_HINT) -> str | None:
     if token_id and token_secret:
         return None
     path = mc.user_config_path
-    profile = getattr(mc, "_profile", "default")
-    if os.environ.get("MODAL_PROFILE") and profile not in mc.config_profiles():
+    profile = os.environ.get("MODAL_PROFILE")
+    if profile and profile not in mc.config_profiles():
         return (
             f"Modal profile {profile!r} (MODAL_PROFILE) is not in {path}; run `modal profile list`, "
             f"or `modal token new --profile {profile}` to make it"

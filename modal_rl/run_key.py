@@ -163,9 +163,9 @@ def key_env(key: str) -> dict[str, str]:
 
 def modal_secret(key: str):
     """A Modal Secret made for this run; attach it to every function the run defines."""
-    import modal
+    from modal_rl.modal_calls import secret_from_dict
 
-    return modal.Secret.from_dict(key_env(key))
+    return secret_from_dict(key_env(key))
 
 
 def secret_texts(key: str) -> tuple[str, ...]:
@@ -177,9 +177,9 @@ def secret_texts(key: str) -> tuple[str, ...]:
 
 def engine_secret(key: str, frames: bool = True):
     """The Modal Secret an engine container gets: ``engine_env(key, frames)`` only."""
-    import modal
+    from modal_rl.modal_calls import secret_from_dict
 
-    return modal.Secret.from_dict(engine_env(key, frames))
+    return secret_from_dict(engine_env(key, frames))
 
 
 def redact(text: str, key: str | None = None) -> str:

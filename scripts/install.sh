@@ -38,14 +38,14 @@ fi
 ensure_venv
 # What this install depends on: a change to any of these reinstalls.
 stamp=$VENV/.modal-rl-install
-want="$ROOT $(cat pyproject.toml constraints.txt scripts/install.sh | sha256sum)"
+want="$ROOT $(cat pyproject.toml setup.py constraints.txt scripts/cpu-pins.txt scripts/install.sh | sha256sum)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   say "modal-rl [dev,bench] already installed in $VENV"
   exit 0
 fi
 t0=$SECONDS
 say "installing modal-rl (editable) + dev and bench extras into $VENV with $INSTALLER ..."
-# constraints.txt keeps torch on the CPU build (an unpinned torch pulls CUDA).
-venv_install -c constraints.txt -e ".[dev,bench]"
+# scripts/cpu-pins.txt keeps torch on the CPU build (an unpinned torch pulls CUDA).
+venv_install -c constraints.txt -c scripts/cpu-pins.txt -e ".[dev,bench]"
 echo "$want" >"$stamp"
 say "modal-rl [dev,bench] installed in $((SECONDS - t0)) s"

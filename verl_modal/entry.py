@@ -48,7 +48,8 @@ def _module_file(module: str) -> str:
     top, _, rest = module.partition(".")
     spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
-        raise EntryError(f"-m {module}: {top} is not installed here")
+        hint = "; install it with: pip install 'modal-rl[verl]'" if top == "verl" else ""
+        raise EntryError(f"-m {module}: {top} is not installed here{hint}")
     base = os.path.join(list(spec.submodule_search_locations)[0], *rest.split(".")) if rest else ""
     for candidate in (base + ".py", os.path.join(base, "__main__.py")):
         if rest and os.path.isfile(candidate):

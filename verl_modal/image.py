@@ -19,9 +19,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from modal_rl import package_data
 from modal_rl.cluster.images import ImageRecipe, unchecked_image_note
 
-SERIES_DIR = Path(__file__).resolve().parents[1] / "patches" / "verl"
+SERIES_DIR = package_data.series_dir("verl")  # packaged with the wheel, else the checkout's patches/verl
 REMOTE_DIR = "/opt/modal_rl/patches/verl"
 ENGINE_EXTRAS = {"vllm": "vllm", "sglang": "sglang", "modal_vllm": "vllm"}
 STRATEGY_EXTRAS = {"fsdp": "fsdp", "fsdp2": "fsdp", "megatron": "megatron", "veomni": "veomni-sft"}

@@ -171,7 +171,10 @@ def verl_config_dir() -> str:
 
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise VerlPreflightError("verl is not installed here; preflight composes verl's own config")
+        raise VerlPreflightError(
+            "verl is not installed here (preflight composes verl's own config); "
+            "install it with: pip install 'modal-rl[verl]'"
+        )
     return str(Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config")
 
 

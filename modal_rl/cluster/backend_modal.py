@@ -36,6 +36,13 @@ from modal_rl.cluster.local_inputs import LocalInput
 from modal_rl.cluster.plan import BootstrapPlan
 from modal_rl.cluster.raynode import node_environment
 from modal_rl.cluster.spec import ClusterSpec, ClusterSpecError
+from modal_rl.modal_calls import (
+    attach_local,
+    define_function,
+    image_local_files,
+    inspect_function,
+    secret_from_name,
+)
 from modal_rl.modal_limits import MAX_MODAL_TIMEOUT_S
 from modal_rl.run_key import (
     RAY_TOKEN_ENV,
@@ -104,40 +111,8 @@ def with_local_files(image, local_files: Sequence[LocalInput]):
     """``image`` plus the job's local input files at their own paths, attached at container
     start (``copy=False``: a changed config needs no image rebuild; mount layers come last)."""
     for item in local_files:
-        if item.is_dir:
-            image = image.add_local_dir(item.path, item.path, copy=False)
-        else:
-            image = image.add_local_file(item.path, item.path, copy=False)
+        image = attach_local(image, item.path, item.path, is_dir=item.is_dir)
     return image
-
-
-def image_local_files(image) -> list[dict[str, str]]:
-    """The local files and directories a built image attaches, ``{"local", "remote"}`` each,
-    read back from its (lazy, offline) layers; this project's Python source is not listed."""
-    found: list[dict[str, str]] = []
-    seen: set[int] = set()
-    pending = [image]
-    while pending:
-        obj = _unwrap(pending.pop())
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        for entry in getattr(obj, "_entries", None) or []:
-            local = getattr(entry, "local_file", None) or getattr(entry, "local_dir", None)
-            remote = getattr(entry, "remote_path", None)
-            if (
-                local is not None
-                and remote is not None
-                and type(entry).__name__ in ("_MountFile", "_MountDir")
-            ):
-                found.append({"local": str(local), "remote": str(remote)})
-        deps = getattr(obj, "_deps", None)
-        pending.extend(deps() if callable(deps) else [])
-    return sorted(found, key=lambda item: item["remote"])
-
-
-def _unwrap(obj):
-    return next((v for k, v in vars(obj).items() if k.startswith("_sync_original")), obj)
 
 
 RUN_SECRET_NOTE = f"run secret ({RUN_KEY_ENV}, {RAY_TOKEN_ENV}): made for this run"
@@ -262,10 +237,7 @@ class ModalBackend(ClusterBackend):
 
         validate_for_modal(spec)
         app = modal.App(self.app_name)
-        volumes = {
-            path: modal.Volume.from_name(name, create_if_missing=True) for name, path in spec.volumes.items()
-        }
-        secrets = [modal.Secret.from_name(name) for name in spec.secrets]
+        secrets = [secret_from_name(name) for name in spec.secrets]
         secrets.append(modal_secret(key if key is not None else ensure_run_key()))
         kwargs = function_kwargs(spec)
         self.last_kwargs = {
@@ -275,18 +247,20 @@ class ModalBackend(ClusterBackend):
             "volumes": dict(spec.volumes),
             "secrets": [*spec.secrets, RUN_SECRET_NOTE],
         }
-        clustered = modal.clustered(size=spec.nodes, rdma=spec.rdma)(container_main)
         image = with_local_files(build_image(spec, self.image_steps, self.image_recipe), self.local_files)
         self.last_image = image
         try:
-            fn = app.function(
+            fn = define_function(
+                app,
+                container_main,
                 image=image,
-                volumes=volumes,
+                volumes=spec.volumes,
                 secrets=secrets,
-                env=dict(spec.env),
-                serialized=True,
+                env=spec.env,
+                cluster_size=spec.nodes,
+                rdma=spec.rdma,
                 **kwargs,
-            )(clustered)
+            )
         except modal.exception.InvalidError as exc:
             # Modal's own refusal of a setting the spec passed (a mount point, a GPU string):
             # bad input, named in one line.
@@ -298,6 +272,7 @@ class ModalBackend(ClusterBackend):
         _, fn = self.build_function(spec)
         return {
             "backend": self.name,
+            "app": self.app_name,
             "spec": spec.to_dict(),
             "image": self.image_description(spec),
             "modal_function": {**self.last_kwargs, "inspected": inspect_function(fn)},
@@ -350,40 +325,3 @@ class ModalBackend(ClusterBackend):
         with app.run(detach=True):
             call = fn.spawn(plan.to_json())
         return call.object_id
-
-
-def inspect_function(fn) -> dict[str, Any]:
-    """What the built function will ask Modal for, read back from the function object.
-
-    GPU, volumes, secrets, cloud and region are on its public-ish ``_spec_``; cluster size,
-    RDMA, timeout and retries live only in the loader's closure, read here best-effort
-    (``None`` when a Modal release moves them). Offline tests compare both with the flags.
-    """
-    inner = next((v for k, v in vars(fn).items() if k.startswith("_sync_original")), fn)
-    out: dict[str, Any] = {}
-    spec = getattr(inner, "_spec_", None)
-    if spec is not None:
-        out["gpu"] = spec.gpus
-        out["volumes"] = {
-            str(path): getattr(vol, "_name", None) or repr(vol) for path, vol in spec.volumes.items()
-        }
-        # Each secret as Modal describes it: a name, or the variable names of a from_dict one
-        # (never values).
-        out["secrets"] = [
-            str(getattr(secret, "_rep", None) or type(secret).__name__) for secret in spec.secrets
-        ]
-        out["cloud"] = spec.cloud
-    load = getattr(inner, "_load", None)
-    cells = {}
-    if load is not None and load.__closure__:
-        for name, cell in zip(load.__code__.co_freevars, load.__closure__, strict=False):
-            try:
-                cells[name] = cell.cell_contents
-            except ValueError:
-                continue
-    out["cluster_size"] = cells.get("cluster_size")
-    out["rdma"] = cells.get("rdma")
-    out["timeout"] = cells.get("timeout")
-    policy = cells.get("retry_policy")
-    out["retries"] = getattr(policy, "retries", None) if policy is not None else 0
-    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json as jsonlib
 import sys
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
@@ -121,6 +122,13 @@ def add_cluster_args(parser: argparse.ArgumentParser, defaults: ClusterSpec | No
     )
     g.add_argument("--detach", action="store_true", help="Modal: start the run and return (it keeps running)")
     g.add_argument(
+        "--name",
+        default=None,
+        type=run_name,
+        help="Modal: the run's app name, what `modal-rl status|logs|stop NAME` take (default: "
+        "modal-rl-cluster, or modal-rl-<id> with --detach)",
+    )
+    g.add_argument(
         "--dashboard",
         action="store_true",
         help="Modal: forward Ray's dashboard through a TLS tunnel (token required; the launcher "
@@ -164,7 +172,17 @@ def run_options(args: argparse.Namespace) -> dict[str, Any]:
         "preflight_only": args.preflight_only,
         "detach": args.detach,
         "collective_check": args.collective_check,
+        "name": getattr(args, "name", None),
     }
+
+
+def run_name(text: str) -> str:
+    """``--name``'s check: a Modal app name (letters, digits, '.', '_', '-'; at most 64)."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '.', '_', '-' only, at most 64")
+    return text
 
 
 def run_job(
@@ -183,6 +201,7 @@ def run_job(
     preflight_only: bool = False,
     detach: bool = False,
     collective_check: bool = False,
+    name: str | None = None,
     out: TextIO | None = None,
     local_files: Sequence[LocalInput] = (),
     image_steps: Sequence[Any] = (),
@@ -212,6 +231,9 @@ def run_job(
         "image_steps": tuple(image_steps),
         "image_recipe": image_recipe,
     }
+    if backend == "modal" and (name or detach):
+        # A detached run gets a name of its own, so status/logs/stop can find it later.
+        modal_only["app_name"] = name or f"modal-rl-{uuid.uuid4().hex[:8]}"
     impl = get_backend(backend, **(modal_only if backend == "modal" else {}))
     if detach and not impl.can_detach:
         print(f"--detach is not available with --backend {impl.name}: {impl.detach_note}", file=sys.stderr)
@@ -243,6 +265,12 @@ def run_job(
         return 0
     if detach:
         call_id = impl.spawn(spec, job)
-        out.write(jsonlib.dumps({"detached": True, "function_call_id": call_id}) + "\n")
+        run = modal_only["app_name"]
+        out.write(jsonlib.dumps({"detached": True, "name": run, "function_call_id": call_id}) + "\n")
+        print(
+            f"modal_rl.cluster: detached run {run}: follow with `modal-rl logs {run}`, "
+            f"check with `modal-rl status {run}`, stop with `modal-rl stop {run}`",
+            file=sys.stderr,
+        )
         return 0
     return impl.run(spec, job)

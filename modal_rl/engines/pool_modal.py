@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from modal_rl.adapters import shipped_packages
-from modal_rl.cluster.backend_modal import ImageStep, inspect_function
+from modal_rl.cluster.backend_modal import ImageStep
 from modal_rl.cluster.redaction import Redactor, held_secrets
 from modal_rl.engines.health import probe, ready
 from modal_rl.engines.pool import (
@@ -62,6 +62,7 @@ from modal_rl.engines.pool import (
     engine_key,
 )
 from modal_rl.engines.pool_local import pump
+from modal_rl.modal_calls import define_function, inspect_function, secret_from_name
 from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
 from modal_rl.text_safety import clean
 
@@ -117,21 +118,19 @@ def build_function(
             f"{spec.name}: its server needs the run key (auth='bearer'); build_function got none"
         )
     app = modal.App(app_name)
-    volumes = {
-        path: modal.Volume.from_name(name, create_if_missing=True) for name, path in spec.volumes.items()
-    }
-    secrets = [modal.Secret.from_name(s) for s in spec.secrets]
+    secrets = [secret_from_name(s) for s in spec.secrets]
     if spec.auth is not None:
         # the bearer (+ the frame-read key if it pulls frames), never the run key
         secrets.append(engine_secret(key, spec.pulls_frames))
-    fn = app.function(
+    fn = define_function(
+        app,
+        engine_container_main,
         image=build_image(spec, image_steps),
-        volumes=volumes,
+        volumes=spec.volumes,
         secrets=secrets,
-        env=dict(spec.env),
-        serialized=True,
+        env=spec.env,
         **function_kwargs(spec),
-    )(engine_container_main)
+    )
     return app, fn
 
 

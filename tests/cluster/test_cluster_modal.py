@@ -55,7 +55,7 @@ def test_dry_run_plan_matches_the_flags(monkeypatch, capsys):
     assert code == 0, captured.err
     plan = json.loads(captured.out)
     fn = plan["modal_function"]
-    for view in (fn, fn["inspected"]):  # what we passed, and what the built function holds
+    for view in (fn, fn["inspected"]):  # what we derived, and what Modal was handed
         assert view["gpu"] == "H100:8"
         assert view["cluster_size"] == 4
         assert view["rdma"] is True

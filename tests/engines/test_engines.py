@@ -24,6 +24,7 @@ from modal_rl.run_key import (
     new_run_key,
     ray_token,
 )
+from modal_rl.modal_calls import inspect_function
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
@@ -206,13 +207,6 @@ def test_an_engine_log_tail_never_shows_the_key(tmp_path, key):
     assert "<redacted>" in str(info.value)
 
 
-def modal_closure(fn) -> dict:
-    inner = next((v for k, v in vars(fn).items() if k.startswith("_sync_original")), fn)
-    return dict(
-        zip(inner._load.__code__.co_freevars, [c.cell_contents for c in inner._load.__closure__], strict=True)
-    )
-
-
 def test_modal_engine_function_spec_offline(key):
     from modal_rl.engines.pool_modal import ModalEnginePool, build_function, engine_container_main
 
@@ -227,13 +221,14 @@ def test_modal_engine_function_spec_offline(key):
         min_containers=1,
     )
     app, fn = build_function(spec, key=key)
-    cells = modal_closure(fn)
+    passed = inspect_function(fn)  # what Modal's public app.function was handed
     assert app.name == "modal-rl-engines"
-    assert cells["gpu"] == "H100:1"
-    assert cells["timeout"] == 7200 and cells["startup_timeout"] == 600
-    assert cells["max_containers"] == 3 and cells["min_containers"] == 1
-    assert cells["cluster_size"] is None  # not a clustered function: engines scale on their own
-    assert cells["info"].raw_f is engine_container_main
+    assert passed["gpu"] == "H100:1"
+    settings = passed["settings"]
+    assert settings["timeout"] == 7200 and settings["startup_timeout"] == 600
+    assert settings["max_containers"] == 3 and settings["min_containers"] == 1
+    assert passed["cluster_size"] is None  # not a clustered function: engines scale on their own
+    assert passed["body"] == engine_container_main.__qualname__
     plan = ModalEnginePool(spec).describe()
     assert plan["commands"][0][-4:] == ["--host", "0.0.0.0", "--port", "8000"]
     assert plan["modal_function"]["inspected"]["volumes"] == {"/root/.cache/huggingface": "hf-cache"}
@@ -243,15 +238,6 @@ def test_modal_engine_function_spec_offline(key):
     assert plan["modal_function"]["inspected"]["secrets"] == [
         "Secret.from_dict([MODAL_RL_ENGINE_BEARER, MODAL_RL_FRAME_READ_KEY])"
     ]
-
-
-def secret_envs(fn) -> list[dict]:
-    inner = next((v for k, v in vars(fn).items() if k.startswith("_sync_original")), fn)
-    out = []
-    for secret in inner._spec_.secrets:
-        s = next((v for k, v in vars(secret).items() if k.startswith("_sync_original")), secret)
-        out.append(s._load_env_dict() if s._load_env_dict else {"named": s._name})
-    return out
 
 
 def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
@@ -265,19 +251,22 @@ def test_modal_engine_function_carries_the_run_key_as_a_secret_only(key):
         env={"VLLM_SERVER_DEV_MODE": "1"},
     )
     _, fn = build_function(spec, key=key)
-    # Modal turns the plain env into a secret of its own: the key is only in the run's secret.
-    envs = secret_envs(fn)
-    assert {"named": "hf-token"} in envs and engine_env(key) in envs
-    assert not any(RUN_KEY_ENV in e or RAY_TOKEN_ENV in e for e in envs)  # an engine holds no run key
-    assert {"VLLM_SERVER_DEV_MODE": "1"} in envs and len(envs) == 3
+    # The plain env travels as env; the key only in the run's secret, described by names.
+    passed = inspect_function(fn)
+    assert passed["secrets"] == [
+        "Secret.from_name('hf-token')",
+        f"Secret.from_dict([{', '.join(engine_env(key))}])",
+    ]
+    assert not any(RUN_KEY_ENV in s or RAY_TOKEN_ENV in s for s in passed["secrets"])  # no run key
+    assert passed["env"] == ["VLLM_SERVER_DEV_MODE"]
     with pytest.raises(ValueError, match="needs the run key"):
         build_function(spec)
     # Keyless: no run secret at all.
     _, fn = build_function(EngineSpec(command=["x"], gpu="H100:1", image="python:3.11", auth=None))
-    assert secret_envs(fn) == []
+    assert inspect_function(fn)["secrets"] == []
     # The dry run: no key anywhere in it (a placeholder stands in for the secret).
     plan = ModalEnginePool(spec).describe()
-    assert key not in json.dumps(plan) and len(plan["modal_function"]["inspected"]["secrets"]) == 3
+    assert key not in json.dumps(plan) and len(plan["modal_function"]["inspected"]["secrets"]) == 2
     assert key not in json.dumps(spec.to_dict())
 
 

@@ -1,7 +1,8 @@
 """Every third-party package the code imports is declared in pyproject.toml, in the part
-that needs it: the base dependencies for ``modal_rl`` / ``slime_modal`` / ``patches``, plus an
-extra for ``verl_modal`` (``verl``), ``benchmarks`` (``bench``) and ``tests`` (``dev``, and the
-others the suite exercises). Imports are read with ``ast`` (lazy ones inside functions too)
+that needs it: the base dependencies for ``patches``; the base plus the extras that bring
+Modal, Ray and the frameworks for ``modal_rl`` and the adapters (each such import is lazy, and
+a missing one is one install line: ``modal_rl.cli_errors.missing_extra``); ``benchmarks``
+(``bench``) and ``tests`` (``dev``, and the others the suite exercises). Imports are read with ``ast`` (lazy ones inside functions too)
 and mapped to distributions with ``importlib.metadata.packages_distributions()``.
 """
 
@@ -22,10 +23,10 @@ PROJECT = {"modal_rl", "verl_modal", "slime_modal", "benchmarks", "patches", "te
 
 # Which declared parts each source tree may rely on.
 GROUPS = {
-    "modal_rl": (),
-    "slime_modal": ("slime",),
+    "modal_rl": ("modal", "local", "verl", "slime"),
+    "slime_modal": ("slime", "modal", "local"),
     "patches": (),
-    "verl_modal": ("verl",),
+    "verl_modal": ("verl", "modal", "local"),
     "benchmarks": ("bench", "verl"),  # the chaos suite runs verl itself
     "tests": ("dev", "verl", "bench", "slime"),
 }
@@ -40,6 +41,9 @@ NOT_DECLARED = {
     # Megatron-LM likewise (its megatron.training is in no package); slime_modal.cpu's layer
     # spec imports it only inside slime's trainer, beside the checkout.
     "megatron": "a Megatron-LM source checkout",
+    # The torch build (CPU or a CUDA version) is the user's, brought by the framework; our code
+    # imports it lazily where tensors are handed over (scripts/cpu-pins.txt holds the CPU one).
+    "torch": "the framework's torch build",
 }
 
 

@@ -57,7 +57,7 @@ def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
         "/root/datasets": "datasets",
         "/shared/fs": "glm-delta",
     }
-    inspected = plan["modal_function"]["inspected"]  # read back from the built modal.Function
+    inspected = plan["modal_function"]["inspected"]  # what Modal's app.function was handed
     assert inspected["gpu"] == "H100:8" and inspected["cluster_size"] == 4
     assert inspected["volumes"] == volumes
     # slime's 2 x 8 actor GPUs + its 16-GPU rollout pool (not colocated: delta mode forbids it)

@@ -164,7 +164,8 @@ def test_upstream_replaces_no_module_attribute():
 
 def test_missing_series_is_one_line_not_a_traceback(tmp_path):
     assert upstream.problems(_args(), series_dir=tmp_path) == [
-        f"{tmp_path / 'series.toml'} not found: run from a modal-rl checkout, or pass --no-slime-patches"
+        f"{tmp_path / 'series.toml'} not found: reinstall modal-rl from a wheel or a checkout "
+        "(both carry the series), or pass --no-slime-patches"
     ]
     assert upstream.problems(_args(no_slime_patches=True), series_dir=tmp_path) == []
 

@@ -85,7 +85,7 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     assert image["chosen_by"]["vllm"] == "actor_rollout_ref.rollout.name=vllm"
     assert any("git apply" in c for c in image["build_commands"])  # patches/verl
     fn = plan["modal_function"]
-    for view in (fn, fn["inspected"]):  # what we asked for, and what the built function holds
+    for view in (fn, fn["inspected"]):  # what we asked for, and what Modal was handed
         assert view["gpu"] == "H100:8"
         assert view["cluster_size"] == 2
         assert view["rdma"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -261,3 +262,45 @@ def test_usage_and_non_frame_errors_are_one_line(files, argv, says):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and lines[0].startswith("error: "), out.stderr
+
+
+def test_messages_name_the_file_the_tensor_and_the_fix(files):
+    tmp, base, _ = files
+    a, b, d = tmp / "A.safetensors", tmp / "B.safetensors", tmp / "D"
+    r = cli("encode", "--base", a, "--new", b, "--out", d)
+    # encode: one summary line (versions, tensors, changed words, bytes, ratio)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stdout
+    assert f"delta 0 -> 1, {len(base)} tensors" in r.stdout and "words changed" in r.stdout
+    assert "ratio" in r.stdout and str(d) in r.stdout
+    # a directory where a file belongs is called a directory
+    line = one_error_line(cli("apply", "--base", tmp, "--delta", d, "--out", tmp / "C.safetensors"))
+    assert f"{tmp} is a directory" in line
+    # a base without a tensor the delta changes: the tensor, both files and the fix
+    dropped = sorted(base)[0]
+    save_file({k: v for k, v in base.items() if k != dropped}, tmp / "short.safetensors")
+    line = one_error_line(cli("apply", "--base", tmp / "short.safetensors", "--delta", d, "--out", tmp / "C"))
+    assert repr(dropped) in line and "short.safetensors" in line and "pass the base" in line
+    # a truncated frame: the file and what to do
+    (tmp / "cut").write_bytes(d.read_bytes()[: d.stat().st_size * 2 // 3])
+    line = one_error_line(cli("apply", "--base", a, "--delta", tmp / "cut", "--out", tmp / "C"))
+    assert str(tmp / "cut") in line and "cut short" in line and "encode" in line
+    assert not (tmp / "C").exists()
+    # inspect reads the headers without the key, and says it did not check signatures
+    env = {k: v for k, v in os.environ.items() if k != RUN_KEY_ENV}
+    r = cli("inspect", d, env=env)
+    assert r.returncode == 0 and "without checking signatures" in r.stdout, r.stderr
+    # a reader that goes away (`| head`) ends the command quietly
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        quiet = subprocess.run(
+            [sys.executable, "-m", "modal_rl.weightsync", "inspect", str(d)],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert quiet.returncode == 0 and quiet.stderr == ""

@@ -5,8 +5,9 @@
     python -m modal_rl.weightsync apply --base A.safetensors --delta D --out C.safetensors
     python -m modal_rl.weightsync inspect D
 
-Frames are signed (encode) and verified (apply, inspect, receive) with the run's key from
-``MODAL_RL_RUN_KEY``; ``--keyless`` reads and writes unsigned frames instead. The key is
+Frames are signed (encode) and verified (apply, receive) with the run's key from
+``MODAL_RL_RUN_KEY``; ``--keyless`` reads and writes unsigned frames instead. ``inspect``
+verifies too when the key is set; without it, it reads the headers as they are and says so. The key is
 never taken from the command line (it would show in ``ps``).
 
 Every failure is one line on stderr, no traceback: bad input (a missing file or output
@@ -51,6 +52,7 @@ from modal_rl.weightsync.wire.frames import (
     GroupHeader,
     VersionHeader,
     read_records,
+    split_records,
 )
 
 
@@ -58,12 +60,28 @@ def load_safetensors(path: Path) -> dict[str, Any]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if not path.is_file():
-        raise CliError(f"{path}: no such file")
+    need_file(path, "a safetensors file")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CliError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def need_file(path: Path, what: str) -> None:
+    """One line when ``path`` is not a readable file: missing, or a directory."""
+    if path.is_dir():
+        raise CliError(f"{path} is a directory; pass {what} (e.g. {path}/model.safetensors)")
+    if not path.is_file():
+        raise CliError(f"{path}: no such file; pass {what}")
+
+
+def frame_problem(path: Path, exc: Exception) -> CliError:
+    """A frame the codec refused, named with the file and what to do about it."""
+    from modal_rl.weightsync.errors import TruncatedFrameError
+
+    if isinstance(exc, TruncatedFrameError):
+        return CliError(f"{path}: the frame is cut short ({exc}); copy it again or re-run `encode`")
+    return CliError(f"{path}: {exc}")
 
 
 def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
@@ -100,7 +118,13 @@ def cmd_encode(args: argparse.Namespace) -> int:
                 f.write(rec)
 
     write_atomically(args.out, write)
-    print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+    info = inspect_frame(args.out.read_bytes(), keys)
+    versions = f"{args.base_version} -> {args.version}" if args.base is not None else f"anchor {args.version}"
+    print(
+        f"wrote {args.out}: {info['kind']} {versions}, {info['tensors']} tensors, "
+        f"{info['changed']} of {info['elements']} words changed ({info['density']:.2%}), "
+        f"{info['frame_bytes']} bytes for {info['raw_bytes']} raw (ratio {info['ratio']:.1f}x)"
+    )
     return 0
 
 
@@ -110,22 +134,34 @@ def cmd_apply(args: argparse.Namespace) -> int:
     check_out(args.out)
     keys = keys_of(args)
     state = load_safetensors(args.base)
-    if not args.delta.is_file():
-        raise CliError(f"{args.delta}: no such file")
+    need_file(args.delta, "a frame written by `encode`")
     data = args.delta.read_bytes()
     check_is_frame(args.delta, data)
-    header = _first_header(data, keys)
+    try:
+        header = _first_header(data, keys)
+        missing = sorted(set(frame_tensors(data)) - set(state)) if header.kind == "delta" else []
+    except WeightSyncError as exc:
+        raise frame_problem(args.delta, exc) from None
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CliError(
+            f"{args.base} has no tensor {missing[0]!r}{more}, which {args.delta} changes; "
+            "pass the base the delta was encoded against"
+        )
     # The base file carries no version; the base checksums in the delta decide whether it fits.
     held = {name: NumpyDiffer().checksum(NumpyDiffer().prepare(t)) for name, t in state.items()}
     config = CodecConfig(threads=args.threads)
-    result = apply_frame(
-        state,
-        io.BytesIO(data),
-        held_version=header.base_version,
-        held_checksums=held,
-        config=config,
-        key=keys,
-    )
+    try:
+        result = apply_frame(
+            state,
+            io.BytesIO(data),
+            held_version=header.base_version,
+            held_checksums=held,
+            config=config,
+            key=keys,
+        )
+    except WeightSyncError as exc:
+        raise frame_problem(args.delta, exc) from None
     out_state = result.state if result.state is not None else state
     write_atomically(args.out, lambda tmp: save_file(out_state, str(tmp)))
     print(f"wrote {args.out}: version {header.version}, {result.changed_words} words changed, verified")
@@ -140,13 +176,32 @@ def _first_header(data: bytes, keys: FrameKeys | None) -> VersionHeader:
     raise CliError("not a weight-sync frame (no version header)")
 
 
-def inspect_frame(data: bytes, keys: FrameKeys | None) -> dict[str, Any]:
+def unverified_records(data: bytes):
+    """``(tag, body)`` of each record, signatures and checksums not checked: for reading a
+    frame's headers without the run key (``inspect``); never used to apply anything."""
+    for tag, raw in split_records(io.BytesIO(data)):
+        _, length = RECORD_HEADER.unpack_from(raw, 0)
+        yield tag.upper(), raw[RECORD_HEADER.size : RECORD_HEADER.size + length]
+
+
+def frame_tensors(data: bytes) -> list[str]:
+    """The tensor names a frame's group headers list (read without verifying)."""
+    return [
+        t.name
+        for tag, body in unverified_records(data)
+        if tag == TAG_GROUP
+        for t in GroupHeader.from_body(body).tensors
+    ]
+
+
+def inspect_frame(data: bytes, keys: FrameKeys | None, verify: bool = True) -> dict[str, Any]:
     """Sizes and densities of a frame, read from its headers (no decoding; every record
-    verified, see ``read_records``). One row per group: a large tensor is a group of its
-    own; small neighbours share one."""
+    verified, see ``read_records``, unless ``verify`` is false). One row per group: a large
+    tensor is a group of its own; small neighbours share one."""
     header, groups, current = None, [], None
     overhead = RECORD_HEADER.size + (trailer_size(data[:1]) if data else 0)
-    for tag, body in read_records(io.BytesIO(data), keys=keys):
+    records = read_records(io.BytesIO(data), keys=keys) if verify else unverified_records(data)
+    for tag, body in records:
         if tag == TAG_VERSION:
             header = VersionHeader.from_body(body)
         elif tag == TAG_GROUP:
@@ -187,11 +242,19 @@ def inspect_frame(data: bytes, keys: FrameKeys | None) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    if not args.frame.is_file():
-        raise CliError(f"{args.frame}: no such file")
+    from modal_rl.run_key import RUN_KEY_ENV
+
+    need_file(args.frame, "a frame written by `encode`")
     data = args.frame.read_bytes()
     check_is_frame(args.frame, data)
-    info = inspect_frame(data, keys_of(args))
+    # Headers need no key: with the run key in the environment (or --keyless) every record is
+    # verified; without it the headers are read as they are and the output says so.
+    verify = args.keyless or bool(os.environ.get(RUN_KEY_ENV))
+    try:
+        info = inspect_frame(data, keys_of(args) if verify else None, verify=verify)
+    except WeightSyncError as exc:
+        raise frame_problem(args.frame, exc) from None
+    info["verified"] = verify
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -208,6 +271,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"total: {info['elements']} elements, density {info['density']:.4%}, "
         f"{info['frame_bytes']} bytes for {info['raw_bytes']} raw (ratio {info['ratio']:.1f}x)"
     )
+    if not verify:
+        print(f"(headers read without checking signatures: {RUN_KEY_ENV} is not set)")
     return 0
 
 
@@ -275,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # usage errors: argparse's one line, exit 2
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say. Point stdout at /dev/null so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
@@ -287,3 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:  # torch, for the safetensors files of encode and apply
+        from modal_rl.cli_errors import missing_extra
+
+        line = missing_extra(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return BAD_INPUT
