@@ -14,6 +14,7 @@ from modal_rl.cluster.spec import ClusterSpecError
 from modal_rl.engines.health import probe
 from modal_rl.engines.pool import EngineSpec, EngineStartError, running
 from modal_rl.engines.pool_local import LocalEnginePool
+from modal_rl.modal_calls import inspect_function
 from modal_rl.run_key import (
     FRAME_READ_ENV,
     RAY_TOKEN_ENV,
@@ -24,7 +25,6 @@ from modal_rl.run_key import (
     new_run_key,
     ray_token,
 )
-from modal_rl.modal_calls import inspect_function
 
 SERVER = str(Path(__file__).resolve().parents[1].joinpath("_engine_server.py"))
 
