@@ -1,7 +1,8 @@
 """The LoRA trajectory of the ``engine-sync`` suite's LoRA row (and ``tests/weightsync/test_lora_sync.py``).
 
-A PEFT LoRA adapter on a Qwen2 made here (no hub: the ``engine-sync`` 22 M model, or with
-``--quick`` the ~0.4 M tiny one of ``verl_modal.cpu.tiny``), trained with real Adam steps
+A PEFT LoRA adapter on a Qwen2 made here (no hub: the suite's row uses the ``engine-sync`` 22 M
+model with rank 16 on every linear layer, an adapter/model ratio a real run has; the tests'
+child uses the ~0.4 M tiny one of ``verl_modal.cpu.tiny`` at rank 8), trained with real Adam steps
 (fp32, as trainers keep adapters) on random token batches with the causal LM loss; the base
 stays frozen. Per version: the adapter alone (cast to bf16, the engine's LoRA dtype, under
 PEFT's saved names: what an adapter-only sync publishes) and the merged weights (base + B·A·alpha/r, cast to bf16: what a
@@ -22,17 +23,22 @@ import torch
 
 RANK, ALPHA = 8, 16
 TARGETS = ("q_proj", "v_proj", "gate_proj", "down_proj")
+# The suite's row: rank 16 on every linear layer of the 22 M model (~4% of its parameters).
+ROW_RANK = 16
+ROW_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LR = 1e-4  # LoRA RL runs use larger rates than full fine-tuning (1e-5 .. 1e-4)
 BATCH, SEQ = 4, 32
 
 
-def lora_config_dict(model_dir: Path) -> dict:
+def lora_config_dict(model_dir: Path, rank: int = RANK, targets: tuple = TARGETS) -> dict:
     from modal_rl.weightsync.apply.lora import adapter_config
 
-    return adapter_config(RANK, ALPHA, list(TARGETS), base_model=str(model_dir))
+    return adapter_config(rank, ALPHA, list(targets), base_model=str(model_dir))
 
 
-def lora_versions(model_dir: Path, versions: int, lr: float = LR, seed: int = 0) -> list[dict]:
+def lora_versions(
+    model_dir: Path, versions: int, lr: float = LR, seed: int = 0, rank: int = RANK, targets: tuple = TARGETS
+) -> list[dict]:
     """``versions`` dicts ``{"adapter": {name: bf16}, "merged": {name: bf16}}``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -43,7 +49,7 @@ def lora_versions(model_dir: Path, versions: int, lr: float = LR, seed: int = 0)
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = get_peft_model(
-        base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
+        base, LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0)
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -86,9 +92,9 @@ LOGPROB_TOL = 0.05  # LoRA kernels (B·A applied at run time) vs bf16 merged wei
 ADAPTER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
-def lora_engine_spec(model_dir: Path):
+def lora_engine_spec(model_dir: Path, rank: int = ROW_RANK):
     """One local ``vllm serve`` of the base model with LoRA on: ``MAX_RESIDENT`` slots (and as
-    many adapters kept on the CPU), rank ``RANK``, adapters loaded at run time over HTTP."""
+    many adapters kept on the CPU), up to ``rank``, adapters loaded at run time over HTTP."""
     import dataclasses
 
     from modal_rl.engines.vllm import local_vllm_spec
@@ -101,15 +107,16 @@ def lora_engine_spec(model_dir: Path):
         "--max-cpu-loras",
         str(MAX_RESIDENT),
         "--max-lora-rank",
-        str(RANK),
+        str(rank),
     ]
     return dataclasses.replace(spec, command=[*spec.command, *extra], env={**spec.env, **ADAPTER_ENV})
 
 
 def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict:
     """Adapter-only frames published on a frame server (``EnginePusher.publish``) and loaded
-    by the engine as versioned adapters (``vllm_lora.load_adapter_version``: its worker stages
-    and verifies each version, then ``/v1/load_lora_adapter``); per version: bytes, the pause,
+    by the engine as versioned adapters (``lora_push.load_adapter_version``: its workers stage
+    and verify each version while the engine serves, then ``/v1/load_lora_adapter``); per
+    version: bytes, the pause,
     publish to live; greedy completions of each version, and what the engine lists at the end."""
     from benchmarks.engine_sync import _post, complete
     from modal_rl.engines.pool import get_engine_pool
@@ -129,7 +136,7 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
                 t0 = time.perf_counter()
                 source, numbers = pusher.publish(state["adapter"])
                 loaded = load_adapter_version(
-                    url, source, versions, lora_config_dict(model_dir), key=run_key()
+                    url, source, versions, lora_config_dict(model_dir, ROW_RANK, ROW_TARGETS), key=run_key()
                 )
                 rows.append({**numbers, **loaded, "engine_s": time.perf_counter() - t0})
                 completions.append(complete(url, versions.name(source.version)))
@@ -198,30 +205,27 @@ def run_lora(quick: bool, out: Path) -> dict:
     import tempfile
 
     from benchmarks._engine_sync_model import make_model_dir
-    from verl_modal.cpu.tiny import make
 
     versions = 4 if quick else 9
     logs = out / "engine-sync-logs"
     with tempfile.TemporaryDirectory(prefix="engine-sync-lora-") as tmp:
-        if quick:
-            make(Path(tmp) / "tiny", seed=0)
-            model_dir = Path(tmp) / "tiny" / "model"
-        else:
-            model_dir = make_model_dir(Path(tmp))  # the suite's 22 M model
-        trajectory = lora_versions(model_dir, versions)
+        model_dir = make_model_dir(Path(tmp))  # the suite's 22 M model, in both modes
+        trajectory = lora_versions(model_dir, versions, rank=ROW_RANK, targets=ROW_TARGETS)
         adapter = adapter_path(model_dir, trajectory, logs / "lora-adapter")
         merged = merged_path(model_dir, trajectory, logs / "lora-merged")
     final = adapter["completions"][-1]
     diff = _max_diff(final, merged["final"])
     result = {
         "versions": versions,
-        "rank": RANK,
+        "rank": ROW_RANK,
         "alpha": ALPHA,
-        "targets": list(TARGETS),
+        "targets": list(ROW_TARGETS),
         "lr": LR,
         "max_resident": MAX_RESIDENT,
         "adapter_params": sum(t.numel() for t in trajectory[0]["adapter"].values()),
         "model_params": sum(t.numel() for t in trajectory[0]["merged"].values()),
+        "adapter_ratio": sum(t.numel() for t in trajectory[0]["adapter"].values())
+        / sum(t.numel() for t in trajectory[0]["merged"].values()),
         "bytes_per_version": _median(adapter["rows"], "payload_mbytes") * (1 << 20),
         "full_bytes_per_version": _median(merged["rows"], "payload_mbytes") * (1 << 20),
         "pause_s": _median(adapter["rows"], "pause_s"),

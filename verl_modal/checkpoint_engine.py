@@ -36,7 +36,12 @@ Invariants:
   private network, so it is not encrypted (see docs/weight-sync.md);
 - ``sharded=True``: every actor rank runs its own keyed frame server and publishes only the
   parameters it holds (verl's shard export, no gather); every rollout worker reads all of
-  them and yields a version only when every rank staged it (``verl_modal.sharded``).
+  them and yields a version only when every rank staged it (``verl_modal.sharded``);
+- a relay (``modal_vllm``'s relay worker, ``verl_modal.replica_weights``) calls
+  :func:`keep_verified_frames` in its process; receivers there then keep each frame's raw
+  records as they arrive and, once a sync's target is staged, hand the frames the chain
+  accepted (those it refused are dropped) to :func:`take_verified_frames`, so the relay
+  forwards the trainer's frames to its engines instead of encoding them again.
 """
 
 from __future__ import annotations
@@ -61,6 +66,30 @@ log = logging.getLogger(__name__)
 
 BACKEND = "modal_delta"
 METRIC_PREFIX = "checkpoint_engine/"
+
+
+_relaying = False  # keep_verified_frames() ran in this process
+_receivers: list = []  # receiver engines of this process (weak references), for take_verified_frames
+
+
+def keep_verified_frames() -> None:
+    """From now on, receivers in this process keep the frames they verify (a relay)."""
+    global _relaying
+    _relaying = True
+
+
+def take_verified_frames() -> list[list[tuple[bytes, bytes]]]:
+    """The frames receivers in this process verified since the last call, in order, each as
+    its ``(tag, raw record)`` pairs."""
+    out = []
+    for ref in list(_receivers):
+        engine = ref()
+        if engine is None:
+            _receivers.remove(ref)
+            continue
+        out += engine._verified
+        engine._verified = []
+    return out
 
 
 class ModalDeltaSyncError(WeightSyncError):
@@ -152,6 +181,9 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         self._subscriber: Subscriber | None = None
         self._shadow: Publisher | None = None  # measure(): a publisher whose frames go nowhere
         self._pull = None  # sharded receivers: a verl_modal.sharded.ShardedPull over every actor rank
+        self._frame: list[tuple[bytes, bytes]] = []  # relays: the frame arriving now, raw records
+        self._complete: list[list[tuple[bytes, bytes]]] = []  # relays: whole frames, not yet verified
+        self._verified: list[list[tuple[bytes, bytes]]] = []  # relays: accepted, not yet taken
 
     # -- topology ----------------------------------------------------------------------
     def _ensure_server(self) -> None:
@@ -245,6 +277,42 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         self._subscriber = tcp_subscriber(
             self._subscriber, addr, endpoint["version"], self.config, epoch=endpoint.get("epoch")
         )
+        if _relaying:
+            self._keep_records()
+
+    def _keep_records(self) -> None:
+        import weakref
+
+        if not any(ref() is self for ref in _receivers):
+            _receivers.append(weakref.ref(self))
+        self._subscriber.source.on_record = self._on_record  # a new source when the server moved
+
+    def _on_record(self, tag: bytes, raw: bytes) -> None:
+        from modal_rl.weightsync.wire.frames import TAG_END, TAG_VERSION
+
+        if tag.upper() == TAG_VERSION:
+            self._frame = []
+        self._frame.append((tag, raw))
+        if tag.upper() == TAG_END:
+            self._complete.append(self._frame)
+            self._frame = []
+
+    def _keep_accepted(self, timings) -> None:
+        """Move the frames the chain accepted (one per timing, the last whole frame of that
+        version: an earlier one of the same version was refused) to ``_verified``."""
+        from modal_rl.weightsync.wire.frames import VersionHeader, record_body
+
+        def position(frame) -> tuple[int, int]:
+            header = VersionHeader.from_body(record_body(frame[0][1]))
+            return (header.epoch, header.version)
+
+        complete, self._complete = self._complete, []
+        by_position = {position(f): f for f in complete}  # later frames of a position win
+        for t in timings:
+            frame = by_position.get((t.epoch, t.version))
+            if frame is None:  # received before relaying began: what the relay lacks stays unforwarded
+                continue
+            self._verified.append(frame)
 
     def finalize(self) -> None:
         """Per-sync cleanup: nothing to free — the server's retained frames and the receivers'
@@ -369,10 +437,14 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         else:
             target, epoch = (0 if held is None else held + 1), None
         refused_before = len(sub.refused)
+        if _relaying:
+            self._keep_records()
         try:
             timings = sub.stage_until(target, self.receive_timeout_s, self.max_refusals, epoch=epoch)
         except VersionNotReachedError as exc:
             raise ModalDeltaSyncError(f"{BACKEND}: {exc}") from exc
+        if _relaying:
+            self._keep_accepted(timings)
         self.metrics = {
             f"{METRIC_PREFIX}version": float(sub.live_version),
             f"{METRIC_PREFIX}frames": float(len(timings)),

@@ -81,9 +81,13 @@ def _num(data: dict, key: str) -> float | None:
 
 def step_record(step: int, data: dict, weights_mb: float | None) -> StepRecord:
     """The few metrics that matter, from verl's per-step dict. Weight sync: the delta engine's
-    payload when it reports one (``checkpoint_engine/payload_mbytes``), else the full weights
-    (verl's colocated ``naive`` sync sends them all)."""
+    payload when it reports one (``checkpoint_engine/payload_mbytes``), else what this step's
+    syncs sent (``modal_rl/weight_sync/sent_mib``: the colocated sync's anchor and deltas,
+    ``verl_modal.colocated_sync``), else the full weights (a sync that reports nothing sends
+    them all)."""
     payload = _num(data, "checkpoint_engine/payload_mbytes")
+    if payload is None:
+        payload = _num(data, "modal_rl/weight_sync/sent_mib")
     return StepRecord(
         step=step,
         reward=_num(data, "critic/score/mean"),

@@ -5,8 +5,10 @@ replica's ``workers`` — stock ``CheckpointEngineWorker`` actors, each of which
 version through the configured checkpoint engine and hands the ``(name, tensor)`` stream to
 its *server adapter*. A ``modal_vllm`` engine runs in a container of its own, so its replica
 gets one such worker on the trainer cluster, with no GPU, whose adapter is
-:class:`EngineWeightsAdapter`: it republishes each version on its own frame server
-(``modal_rl.engines.vllm_push``, lossless deltas after the first anchor) and has the
+:class:`EngineWeightsAdapter`: it forwards the frames its ``modal_delta`` receiver verified,
+record for record, on its own frame server (``modal_rl.engines.vllm_push.EnginePusher.forward``: no second
+encode, the trainer's MACs kept; with a sharded trainer, whose pieces the receiver puts
+together, it encodes the whole version again: ``EnginePusher.publish``) and has the
 engine pull it through vLLM's ``/collective_rpc`` (``vllm_extension``): the engine stages each
 delta while it serves and writes only the changed words into its parameters in a short pause
 (``vllm_inplace``; its first version is a full load that teaches it where each checkpoint
@@ -72,9 +74,14 @@ class EngineWeightsAdapter:
         self.pull_timeout_s = pull_timeout_s
         self.metrics: dict[str, float] = {}
         self._pusher = None
+        self._published = False  # this pusher published (encoded) a version: it never forwards
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pusher": None}  # sockets and tunnels stay where they were opened
+        return {
+            **self.__dict__,
+            "_pusher": None,
+            "_published": False,
+        }  # sockets and tunnels stay where they were opened
 
     def _ensure_pusher(self):
         if self._pusher is None:
@@ -88,6 +95,9 @@ class EngineWeightsAdapter:
     ) -> None:
         if wire_format != "named_tensors":
             raise ValueError(f"modal_vllm: checkpoint engine wire format {wire_format!r}; need named_tensors")
+        from verl_modal import checkpoint_engine
+
+        checkpoint_engine.keep_verified_frames()  # before the receiver stages this version
         state: dict[str, Any] = {}
         if hasattr(weights, "__aiter__"):
             async for name, tensor in weights:
@@ -98,14 +108,20 @@ class EngineWeightsAdapter:
         from dataclasses import asdict
 
         pusher = self._ensure_pusher()
-        source, numbers = await asyncio.to_thread(pusher.publish, state)
+        frames = checkpoint_engine.take_verified_frames()
+        if frames and not self._published:
+            raw = sum(t.numel() * t.element_size() for t in state.values())
+            source, numbers = await asyncio.to_thread(pusher.forward, frames, raw)
+        else:  # nothing to forward (a sharded trainer's pieces): encode the version here
+            source, numbers = await asyncio.to_thread(pusher.publish, state)
+            self._published = True
         # As verl's own adapters do, outputs carry their policy's step: the proxy tags each
         # sample with the step of the version its engine held.
         loaded = await self.server_handle.load_weights.remote(asdict(source), global_steps)
         self.metrics = {**numbers, **loaded}
         log.info(
             "modal_vllm replica %d: engine loaded v=%d (global_steps=%s) %.2f MiB in %.2fs, "
-            "%s, serving paused %.3fs",
+            "%s, serving paused %.3fs%s",
             self.replica_rank,
             int(self.metrics["version"]),
             global_steps,
@@ -113,6 +129,7 @@ class EngineWeightsAdapter:
             self.metrics["engine_s"],
             "in place" if self.metrics.get("inplace") else "full load",
             self.metrics.get("pause_s", 0.0),
+            " (frames forwarded)" if "forwarded_frames" in self.metrics else "",
         )
 
 

@@ -56,6 +56,22 @@ def _worker_numbers(worker) -> dict:
     }
 
 
+def _colocated_numbers(worker) -> dict:
+    """Runs inside a colocated actor/rollout worker (``__ray_call__``): its rollout adapter's
+    numbers of the last sync (``verl_modal.colocated_sync``), found on the worker itself or on
+    the role it fuses (verl's colocated worker classes keep roles in ``worker_dict``)."""
+    candidates = [worker, *list((getattr(worker, "worker_dict", None) or {}).values())]
+    for w in candidates:
+        adapter = getattr(w, "rollout", None)
+        numbers = getattr(adapter, "metrics", None)
+        if numbers:
+            return {
+                "replica": getattr(adapter, "replica_rank", None),
+                "numbers": {k: float(v) for k, v in numbers.items() if isinstance(v, int | float)},
+            }
+    return {}
+
+
 class Collector:
     """What happened since the last logged step, in the TaskRunner process."""
 
@@ -76,10 +92,12 @@ class Collector:
             log.warning("modal_rl step metrics: %s unavailable (%s: %s)", what, type(exc).__name__, exc)
 
     async def after_sync(self, manager, seconds: float, sender: dict | None) -> None:
-        rec = numbers.SyncRecord(seconds=seconds, sender=dict(sender or {}), full_mib=self.full_mib)
-        if getattr(manager, "backend", "naive") != "naive":
-            import asyncio
+        import asyncio
 
+        rec = numbers.SyncRecord(seconds=seconds, sender=dict(sender or {}), full_mib=self.full_mib)
+        if getattr(manager, "backend", "naive") == "naive":
+            await self._colocated(manager, rec)
+        else:
             workers = [
                 w for r in list(getattr(manager, "replicas", [])) for w in list(getattr(r, "workers", []))
             ]
@@ -111,6 +129,28 @@ class Collector:
             self.syncs.append(rec)
             self.events += new_events
         record_events(self.parts, new_events)  # the report's timeline
+
+    async def _colocated(self, manager, rec: numbers.SyncRecord) -> None:
+        """A colocated sync: the sender's numbers are on the rollout adapters beside the
+        trainer ranks (verl's manager returns none for ``naive``); without them the sync
+        counts as a full copy."""
+        import asyncio
+
+        workers = list(getattr(getattr(manager, "actor_wg", None), "workers", None) or [])
+        try:
+            answers = await asyncio.gather(*(w.__ray_call__.remote(_colocated_numbers) for w in workers))
+        except Exception as exc:
+            self._warn_once("colocated sync numbers", exc)
+            return
+        for got in answers:
+            if not got:
+                continue
+            got_numbers = dict(got["numbers"])
+            pause = got_numbers.pop("pause_s", None)
+            if not rec.sender:
+                rec.sender = {k: v for k, v in got_numbers.items() if k.startswith("checkpoint_engine/")}
+            if pause is not None and got["replica"] is not None:
+                rec.adapters[int(got["replica"])] = {"pause_s": pause}
 
     def drain(self) -> dict[str, float]:
         """This step's ``modal_rl/`` numbers; resets the per-step counters."""

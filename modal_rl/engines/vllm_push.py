@@ -177,6 +177,40 @@ class EnginePusher:
         where = (str(self.address[0]), int(self.address[1]))
         return WeightSource(*where, report.version, self.tls, self.publisher.epoch), numbers
 
+    def forward(
+        self, frames: list[list[tuple[bytes, bytes]]], raw_bytes: int = 0
+    ) -> tuple[Any, dict[str, float]]:
+        """Re-serve frames that were verified upstream, record for record (a relay): signed
+        records keep their MACs, so engines verify them with the run key as they would the
+        trainer's, and nothing is decoded or encoded again. The server takes the frames'
+        epoch (``open_epoch``); a pusher forwards or publishes, not both. Returns
+        ``(WeightSource, numbers)`` for the last frame's version (``raw_bytes``: the state's
+        size, for the numbers)."""
+        from modal_rl.engines.state import WeightSource
+        from modal_rl.weightsync.wire.frames import VersionHeader, record_body
+
+        if not frames:
+            raise ValueError("forward() needs at least one frame")
+        t0, size = time.perf_counter(), 0
+        for records in frames:
+            header = VersionHeader.from_body(record_body(records[0][1]))
+            if (self._server.run, self._server.epoch) != (header.run, header.epoch):
+                self._server.open_epoch(header.run, header.epoch)
+            for tag, raw in records:
+                self._server.forward(tag, raw)
+                size += len(raw)
+        numbers = {
+            "version": float(header.version),
+            "anchor": 1.0 if header.kind == "anchor" else 0.0,
+            "payload_mbytes": size / (1 << 20),
+            "raw_mbytes": raw_bytes / (1 << 20),
+            "compression_ratio": raw_bytes / max(size, 1),
+            "encode_s": time.perf_counter() - t0,  # forwarding: no encode, the records' copy
+            "forwarded_frames": float(len(frames)),
+        }
+        where = (str(self.address[0]), int(self.address[1]))
+        return WeightSource(*where, header.version, self.tls, header.epoch), numbers
+
     def push(self, tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, float]:
         """Publish the next version and have the engine load it; returns the numbers."""
         if not self.engine_url:

@@ -71,9 +71,13 @@ def test_tensorboard_holds_the_modal_rl_scalars_of_every_step(run):
         assert sorted(points) == list(range(1, STEPS + 1)), (name, points)
         for step, value in points.items():  # tensorboard keeps float32
             assert value == pytest.approx(logged[step][name], rel=1e-6, abs=1e-6), (name, step)
-    # the colocated run's syncs are verl's naive full copies: the weights' size, every step
-    full = [logged[s]["modal_rl/weight_sync/sent_mib"] for s in range(1, STEPS + 1)]
-    assert all(v > 0 for v in full) and full[1] == full[2]
+    # the colocated run syncs in place from deltas (verl_modal.colocated_sync): the start-up
+    # anchor in step 1, then one delta per step, far smaller than the weights
+    sent = [logged[s]["modal_rl/weight_sync/sent_mib"] for s in range(1, STEPS + 1)]
+    raw = [logged[s]["modal_rl/weight_sync/raw_mib"] for s in range(1, STEPS + 1)]
+    assert all(v > 0 for v in sent) and all(
+        0 < s < 0.2 * r for s, r in zip(sent[1:], raw[1:], strict=True)
+    ), (sent, raw)
     assert logged[1]["modal_rl/weight_sync/syncs"] == 2  # the start-up sync, and step 1's
     assert all(logged[s]["modal_rl/weight_sync/syncs"] == 1 for s in range(2, STEPS + 1))
 

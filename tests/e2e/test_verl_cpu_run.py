@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from modal_rl.weightsync.apply.vllm_inplace import LOG_PREFIX as INPLACE_LOG_PREFIX
 from tests.verl_runs import MAIN_STEPS
 from verl_modal.cpu.patches import RELOAD_LOG_PREFIX
 
@@ -106,10 +107,25 @@ def test_main_job_runs_grpo_steps_with_weight_sync(main_job):
         assert float(step["training/rollout_probs_diff_max"]) < 0.01, n
 
     # Weight sync before the first step and after every update: vLLM starts from dummy (random)
-    # weights, so the actor's weights reach it only through verl's update path (our layer-wise
-    # reload).
-    reloads = [line for line in log.splitlines() if RELOAD_LOG_PREFIX in line]
-    assert len(reloads) >= steps + 1, reloads
+    # weights, so the actor's weights reach it only through the colocated sync
+    # (verl_modal.colocated_sync): the start-up anchor is the one full load (which learns the
+    # engine map), every later version is written in place; verl's reload never runs.
+    loads = [line for line in log.splitlines() if INPLACE_LOG_PREFIX in line]
+    assert len(loads) == steps + 1 and "full load" in loads[0], loads
+    assert all(" words in place in " in line for line in loads[1:]), loads
+    assert [line for line in log.splitlines() if RELOAD_LOG_PREFIX in line] == []
+    # ... and the report shows it: an anchor at start, then deltas far smaller than the state.
+    ws = "modal_rl/weight_sync/"
+    ours = {n: {k: float(v) for k, v in step.items() if k.startswith(ws)} for n, step in metrics.items()}
+    assert (ours[1][ws + "anchors"], ours[1][ws + "deltas"]) == (1, 1), ours[1]
+    small = [
+        n
+        for n in range(2, steps + 1)
+        if ours[n][ws + "anchors"] == 0
+        and ours[n][ws + "deltas"] == 1
+        and 0 < ours[n][ws + "sent_mib"] < 0.2 * ours[n][ws + "raw_mib"]
+    ]
+    assert len(small) >= 2, ours
 
 
 # Expected on a CPU run, silenced where they are raised (verl_modal/cpu/quiet.py).

@@ -154,17 +154,22 @@ def test_verl_process_group_fails_without_the_fix():
 
 @pytest.mark.slow
 def test_vllm_extension_wrapped_when_verl_imports_it():
+    # ... and the colocated sync goes in place: verl's extension has our rpc methods and
+    # verl's ServerAdapter hands full-model updates to verl_modal.colocated_sync.
     out = run_py(
         """
         from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as ext
+        from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
         from verl_modal.cpu import patches
         print(patches.installed()["vllm_update_weights"], ext._update_weights.__name__)
+        print(patches.installed()["vllm_colocated_inplace"], callable(ext.modal_rl_apply_weights),
+              callable(ext.modal_rl_switch_weights), ServerAdapter.update_weights.__modal_rl_inplace__)
         """,
         env=CPU_ENV,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True _update_weights"
+    assert out.stdout.strip().splitlines()[-2:] == ["True _update_weights", "True True True True"]
 
 
 @pytest.mark.slow

@@ -353,3 +353,56 @@ def test_adapter_frames_into_vllm_follow_versions_and_equal_merged_weights(tmp_p
         abs(a - b) for (_, x), (_, y) in zip(final, merged, strict=True) for a, b in zip(x, y, strict=True)
     )
     assert diff < 0.05, diff
+
+
+def test_an_adapter_is_staged_off_the_engines_loop_and_only_then_reported_ready(tmp_path, monkeypatch):
+    # The staging call answers before the version even exists (fetch, decode, verify and the
+    # adapter's directory happen in a thread while the engine serves); the status call says
+    # "ready" with the adapter's path once the version arrived verified.
+    import time
+
+    from modal_rl.engines.routes import ADAPTER_DIR_ENV
+    from modal_rl.run_key import RUN_KEY_ENV
+    from modal_rl.weightsync.apply.vllm_lora import AdapterStageMixin
+    from modal_rl.weightsync.codec.encode import CodecConfig
+    from modal_rl.weightsync.publisher import Publisher
+    from modal_rl.weightsync.subscriber import tcp_subscriber
+    from modal_rl.weightsync.transport.tcp import FrameServer
+    from tests.weightsync_helpers import TEST_KEY
+
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
+    monkeypatch.setenv(ADAPTER_DIR_ENV, str(tmp_path / "adapters"))
+    server = FrameServer("127.0.0.1", 0)
+    publisher = Publisher(server)
+    sub = tcp_subscriber(None, tuple(server.address[:2]), 0, CodecConfig(), epoch=publisher.epoch)
+
+    class Worker(AdapterStageMixin):
+        rank = 0
+        _modal_rl_stage_job = None
+
+        def _modal_rl_verified_subscriber(self, request, signature):
+            sub.target_epoch = publisher.epoch
+            return sub, json.loads(request)
+
+    adapter = {"prefix": "policy", "keep": 2, "config": adapter_config(2, 4, ["q_proj"])}
+    request = json.dumps({"version": 0, "timeout_s": 30.0, "max_refusals": 0, "adapter": adapter})
+    worker = Worker()
+    try:
+        t0 = time.perf_counter()
+        answer = worker.modal_rl_stage_adapter(request, "")
+        assert answer["mode"] == "staging" and answer["version"] == 0
+        assert time.perf_counter() - t0 < 5.0  # it did not wait for the frame
+        assert worker.modal_rl_adapter_status(0)["state"] == "staging"  # nothing published yet
+        assert worker.modal_rl_adapter_status(1)["state"] == "failed"  # not this version
+        publisher.publish({A: torch.full((2, 4), 0.5).bfloat16(), B: torch.full((4, 2), 0.25).bfloat16()})
+        deadline = time.monotonic() + 30
+        while (status := worker.modal_rl_adapter_status(0))["state"] == "staging":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert status["state"] == "ready", status
+        assert status["version"] == 0 and status["frames"] == 1 and status["refused"] == 0
+        path = tmp_path / "adapters" / "policy-v0"
+        assert status["path"] == str(path) and (path / "adapter_config.json").is_file()
+    finally:
+        sub.source.close()
+        server.close()

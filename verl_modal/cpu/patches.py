@@ -25,6 +25,13 @@ process that needs it (installed files are never edited):
   keyword onto ``mode`` (False -> "abort", True -> "wait") and passes everything else through.
   Not installed where verl itself picks the keyword (``patches/verl/0002``, detected by
   :func:`verl_modal.upstream.pause_mode_aware`).
+- Colocated weight sync in place (:mod:`verl_modal.colocated_sync`): verl's colocated
+  ``ServerAdapter.update_weights`` hands every tensor to vLLM for a full reload, and verl has
+  no hook between the trainer's tensors and the engine. :func:`_patch_vllm_rollout` wraps it
+  to publish a delta and have vLLM's workers write the changed words in place;
+  :func:`_patch_vllm_extension` gives verl's worker extension the in-place rpc methods and
+  keeps vLLM's CPU linear weights as plain parameters a write reaches (before the model
+  loads). ``MODAL_RL_COLOCATED_SYNC=reload`` keeps verl's path (then only blocker 8's fix).
 
 Invariants: :func:`install` is idempotent and only ever wraps; each wrapper calls the
 original; the module wrappers are applied once their module is imported in a process where
@@ -41,6 +48,7 @@ from typing import Any
 
 VLLM_EXTENSION_MODULE = "verl.workers.rollout.vllm_rollout.utils"
 VLLM_ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+VLLM_ROLLOUT_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout"
 _MARK = "__verl_modal_cpu_patch__"
 RELOAD_LOG_PREFIX = "[verl_modal.cpu] vLLM layer-wise weight reload:"
 
@@ -111,9 +119,26 @@ def _reloading_update_weights(original):
 
 
 def _patch_vllm_extension(module: Any) -> None:
+    from verl_modal import colocated_sync
+
     ext = module.vLLMColocateWorkerExtension
     if not getattr(ext._update_weights, _MARK, False):
         ext._update_weights = _reloading_update_weights(ext._update_weights)
+    if colocated_sync.mode() == "inplace":
+        from modal_rl.weightsync.apply.vllm_inplace import keep_plain_cpu_weights
+
+        keep_plain_cpu_weights()  # a vLLM worker imports this before its model loads
+        colocated_sync.graft_extension(ext)
+
+
+def _patch_vllm_rollout(module: Any) -> None:
+    from verl_modal import colocated_sync
+
+    adapter = module.ServerAdapter
+    if not getattr(adapter.update_weights, _MARK, False):
+        wrapped = colocated_sync.wrap_update_weights(adapter.update_weights)
+        setattr(wrapped, _MARK, True)
+        adapter.update_weights = wrapped
 
 
 def _accepting_wait_keyword(original):
@@ -152,6 +177,7 @@ def _patch_vllm_async_llm(module: Any) -> None:
 _MODULE_PATCHES = {
     VLLM_EXTENSION_MODULE: _patch_vllm_extension,
     VLLM_ASYNC_LLM_MODULE: _patch_vllm_async_llm,
+    VLLM_ROLLOUT_MODULE: _patch_vllm_rollout,
 }
 
 
@@ -183,6 +209,7 @@ def installed() -> dict[str, bool]:
 
     ext = sys.modules.get(VLLM_EXTENSION_MODULE)
     async_llm = sys.modules.get(VLLM_ASYNC_LLM_MODULE)
+    rollout = sys.modules.get(VLLM_ROLLOUT_MODULE)
     return {
         "init_process_group": bool(getattr(dist.init_process_group, _MARK, False)),
         "vllm_hook": _hooked,
@@ -191,5 +218,8 @@ def installed() -> dict[str, bool]:
         ),
         "vllm_pause_generation": bool(
             async_llm is not None and getattr(async_llm.AsyncLLM.pause_generation, _MARK, False)
+        ),
+        "vllm_colocated_inplace": bool(
+            rollout is not None and getattr(rollout.ServerAdapter.update_weights, _MARK, False)
         ),
     }

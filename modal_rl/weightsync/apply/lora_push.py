@@ -1,7 +1,9 @@
 """The pushing side of LoRA adapter versions into a vLLM server (protocol: ``vllm_lora``).
 
 Invariants: an adapter version is loaded only after every engine worker staged and verified
-it (the signed ``modal_rl_stage_adapter`` call answered with rank 0's adapter path); the
+it (the signed ``modal_rl_stage_adapter`` call starts the staging, ``modal_rl_adapter_status``
+answers ``ready`` with rank 0's adapter path); the engine serves while it stages, so the
+engine's loop is held only by those short calls and the load itself; the
 resident set (``lora.AdapterVersions``) moves only after vLLM loaded the new version, and
 the version it evicts is unloaded by name after that.
 """
@@ -45,6 +47,9 @@ def load_adapter_version(
     )
     t0 = time.perf_counter()
     results = _rpc(engine_url, body, source.version, key)
+    blocked = [_blocked_s(results)]
+    if all(r.get("mode") == "staging" for r in results):
+        results = _wait_adapter(engine_url, source.version, key, t0 + float(body["timeout"]), blocked)
     paths = [r["path"] for r in results if r.get("path")]
     if not paths:
         raise EnginePushError(f"{engine_url}: no worker wrote adapter version {source.version}")
@@ -60,12 +65,12 @@ def load_adapter_version(
         )
     return {
         "engine_s": time.perf_counter() - t0,
-        # The engine's loop is held by the staging call (an adapter's frames: milliseconds)
-        # and by the adapter load.
-        "pause_s": _blocked_s(results) + pause_wall_s,
+        # The engine's loop is held by the short staging calls (the staging itself runs
+        # while it serves) and by the adapter load.
+        "pause_s": sum(blocked) + pause_wall_s,
         "pause_wall_s": pause_wall_s,
         "stage_s": t_pause - t0,
-        "stage_rpc_s": _blocked_s(results),
+        "stage_rpc_s": sum(blocked),
         "engine_load_s": pause_wall_s,
         "engine_fetch_s": max(float(r.get("fetch_s", 0.0)) for r in results),
         "engine_frames": float(max(int(r.get("frames", 0)) for r in results)),
@@ -73,3 +78,22 @@ def load_adapter_version(
         "adapter": 1.0,
         "inplace": 0.0,
     }
+
+
+def _wait_adapter(engine_url: str, version: int, key, deadline: float, blocked: list[float]) -> list[dict]:
+    """Poll every worker's staging of adapter ``version`` until all are ready; each poll's
+    blocked time goes into ``blocked``. Returns the ready answers (rank 0's has the path)."""
+    delay = 0.002
+    while True:
+        body = {"method": "modal_rl_adapter_status", "args": [version], "timeout": 60.0}
+        states = _rpc(engine_url, body, version, key)
+        blocked.append(_blocked_s(states))
+        failed = [s["error"] for s in states if s.get("state") == "failed"]
+        if failed:
+            raise EnginePushError(f"{engine_url}: adapter version {version} failed to stage: {failed[0]}")
+        if all(s.get("state") == "ready" for s in states):
+            return states
+        if time.perf_counter() > deadline:
+            raise EnginePushError(f"{engine_url}: adapter version {version} was not staged in time")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -2,7 +2,7 @@
 
 Mixed into ``DeltaWeightsExtension``; every method runs in each worker process (one per
 tensor/pipeline-parallel rank) through vLLM's ``collective_rpc``. The protocol, driven by
-``engine_push.load_version(..., inplace=True)``:
+``modal_rl.engines.vllm_push.load_version(..., inplace=True)``:
 
 1. ``modal_rl_stage_weights(REQUEST, SIGNATURE)`` (the signed pull request of
    ``vllm_extension``). A worker without an engine map loads the version the old way (a full

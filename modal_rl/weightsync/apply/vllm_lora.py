@@ -7,10 +7,12 @@ a LoRA run trains the adapter on a frozen base). Per version N, ``lora_push.load
 
 1. ``POST /collective_rpc`` ``modal_rl_stage_adapter`` (the signed pull request of
    ``vllm_extension``, with the adapter's PEFT config inside what is signed): each worker
-   stages and verifies N from the frame server -- adapter tensors only, anchors and deltas like
-   any version -- and rank 0 writes it as a PEFT adapter directory (``lora.write_adapter``) on
-   the engine's host. The call runs between scheduler steps (an adapter's frames take
-   milliseconds; counted in ``pause_s``) and changes nothing the engine serves;
+   checks the request and starts a staging thread, and answers at once (``mode:
+   "staging"``); the thread stages and verifies N from the frame server -- adapter tensors
+   only, anchors and deltas like any version -- and rank 0 writes it as a PEFT adapter
+   directory (``lora.write_adapter``) on the engine's host. All of that runs while the
+   engine serves and changes nothing it serves; ``modal_rl_adapter_status`` (a short call)
+   says ``staging``, ``ready`` (with rank 0's adapter path) or ``failed``;
 2. ``POST /v1/load_lora_adapter`` under the name ``<prefix>-vN``: the pause (vLLM's engine loop
    loads the adapter between steps); requests that name ``<prefix>-vN`` sample from version N;
 3. ``POST /v1/unload_lora_adapter`` for the version that leaves the resident bound
@@ -25,6 +27,7 @@ name and path, and every version has its own).
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,17 +57,47 @@ class AdapterStageMixin:
     """Mixed into ``DeltaWeightsExtension``: the worker side of step 1 above."""
 
     def modal_rl_stage_adapter(self, request: str = "", signature: str = "") -> dict:
-        t_rpc = time.perf_counter()
-        sub, req = self._modal_rl_verified_subscriber(request, signature)
+        t_rpc = time.perf_counter()  # the engine loop is held only for the checks below
+        sub, req = self._modal_rl_verified_subscriber(request, signature)  # refuses while staging
         target = int(req["version"])
+        adapter = req.get("adapter") or {}
+        # The prefix names one directory under the root, never a path (``/abs``, ``..``).
+        prefix = adapter_name(adapter.get("prefix"))
+        job: dict[str, Any] = {"kind": "adapter", "version": target, "state": "staging", "error": None}
+
+        def work() -> None:
+            try:
+                job["result"] = self._modal_rl_stage_adapter_now(sub, req, prefix, adapter)
+                job["state"] = "ready"
+            except Exception as exc:  # noqa: BLE001 -- reported to the pusher; nothing was loaded
+                job["error"], job["state"] = f"{type(exc).__name__}: {exc}", "failed"
+
+        job["thread"] = threading.Thread(target=work, name="modal-rl-stage-adapter", daemon=True)
+        self._modal_rl_stage_job = job
+        job["thread"].start()
+        return {"version": target, "mode": "staging", "rpc_s": time.perf_counter() - t_rpc}
+
+    def modal_rl_adapter_status(self, version: int = -1) -> dict:
+        """``staging``, ``ready`` (with the staging's numbers, and on rank 0 the adapter's
+        ``path``) or ``failed`` (with the error) for adapter ``version``."""
+        t_rpc = time.perf_counter()
+        job = getattr(self, "_modal_rl_stage_job", None)
+        if job is None or job.get("kind") != "adapter" or job["version"] != int(version):
+            return {"version": int(version), "state": "failed", "error": "no adapter staging of this version"}
+        out = {"version": job["version"], "state": job["state"], "error": job["error"]}
+        if job["state"] == "ready":
+            out.update(job["result"])
+        return {**out, "rpc_s": time.perf_counter() - t_rpc}
+
+    def _modal_rl_stage_adapter_now(self, sub, req: dict, prefix: str, adapter: dict) -> dict:
+        """Stage and verify the version, and on rank 0 write it as an adapter directory."""
         refused_before = len(sub.refused)
         timings = sub.stage_until(
-            target,
+            int(req["version"]),
             float(req.get("timeout_s", 600.0)),
             int(req.get("max_refusals", 2)),
             epoch=sub.target_epoch,
         )
-        adapter = req.get("adapter") or {}
         out: dict[str, Any] = {
             "version": sub.live_version,
             "frames": len(timings),
@@ -75,8 +108,7 @@ class AdapterStageMixin:
         if getattr(self, "rank", 0) == 0:  # one copy on the host; vLLM shards it per rank itself
             from modal_rl.weightsync.apply.lora import adapter_state
 
-            # The prefix names one directory under the root, never a path (``/abs``, ``..``).
-            name = adapter_name(f"{adapter_name(adapter.get('prefix'))}-v{sub.live_version}")
+            name = adapter_name(f"{prefix}-v{sub.live_version}")
             t0 = time.perf_counter()
             tensors, _ = adapter_state(sub.chain.state)
             root = self._modal_rl_adapter_root()
@@ -84,7 +116,6 @@ class AdapterStageMixin:
             self._modal_rl_prune_adapters(root, path, int(adapter["keep"]))
             out.update({"path": str(path), "write_s": time.perf_counter() - t0})
             print(f"{LOG_PREFIX} version {sub.live_version}: {len(tensors)} tensors, {path.name}", flush=True)
-        out["rpc_s"] = time.perf_counter() - t_rpc
         return out
 
     def _modal_rl_adapter_root(self) -> Path:
