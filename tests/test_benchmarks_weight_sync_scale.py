@@ -93,7 +93,7 @@ def test_the_one_core_bounds_read_both_states_and_emit_every_change():
     prev = {"w": torch.randn(1000, 64, generator=gen).to(torch.bfloat16)}
     new = perturb(prev, 0.01, seed=3)
     bounds = one_core_bounds(prev, new, gb=0.01)
-    assert 0 < bounds["read_bound_s_per_gb"] and 0 < bounds["fused_kernel_s_per_gb"]
+    assert bounds["read_bound_s_per_gb"] > 0 and bounds["fused_kernel_s_per_gb"] > 0
     changed = bounds["bound_changed_fraction"]
     assert 0.005 < changed < 0.02
     assert bounds["bound_emitted_words"] == round(changed * (int(0.01e9) // 2 // 32 * 32))
