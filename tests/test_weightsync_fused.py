@@ -66,3 +66,34 @@ def test_write_changed_puts_the_changes_into_the_pieces():
     fused.write_changed(pieces, got[0], got[2])
     for b, n, at, c, _ in pieces:
         assert np.array_equal(b[at : at + c], n[at : at + c])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("xor", [True, False])
+def test_apply_sparse_matches_scatter_and_its_moves(dtype, xor):
+    from modal_rl.weightsync.codec.chunk_sums import chunk_moves
+    from modal_rl.weightsync.codec.codings.chunks import SUB_SPARSE, XOR_SPARSE, DecodedChunk
+
+    rng = np.random.default_rng(7)
+    sizes = [13, 200, 9, 1030]  # a group's tensors; the chunk covers words 8..1200 of them
+    held = [rng.integers(0, np.iinfo(dtype).max, s, dtype=dtype, endpoint=True) for s in sizes]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    lo, count = 8, 1200
+    positions = np.sort(rng.choice(count, 150, replace=False)).astype(np.int64)
+    values = rng.integers(1, np.iinfo(dtype).max, 150, dtype=dtype, endpoint=True)
+    encoding = XOR_SPARSE if xor else SUB_SPARSE
+    chunk = DecodedChunk(1, lo, count, 150, encoding, positions, values)
+    want = [h.copy() for h in held]
+    want_segments = list(zip(offsets, want, strict=True))
+    chunk.apply(want_segments)
+    want_moves = chunk_moves(chunk, want_segments)
+    segments = list(zip(offsets, held, strict=True))
+    got_moves = fused.apply_sparse(segments, lo, positions, values, xor)
+    assert all(np.array_equal(g, w) for g, w in zip(held, want, strict=True))
+    assert got_moves == [(k, m) for k, m in want_moves if m != linsum.EMPTY]
+
+
+def test_apply_sparse_leaves_a_position_past_the_tensors_to_the_checked_path():
+    words = np.zeros(16, np.uint16)
+    assert fused.apply_sparse([(0, words)], 8, np.array([9], np.int64), np.ones(1, np.uint16), True) is None
+    assert not words.any()

@@ -118,8 +118,44 @@ def _write_kernel(addr_b, counts, starts, positions, words):
     return i
 
 
+def _apply_kernel(addrs, counts, offsets, per, positions, values, xor, move_a, move_c):
+    """A receiver's sparse chunk in one pass: ``words[p][positions - offsets[p]] ^= values``
+    (``xor``) or ``+= values`` segment by segment, each changed block's sum move taken from
+    its value before and after (``linsum``). ``values`` give the word type; positions sorted,
+    chunk-local; returns how many were applied (all of them, unless one lies past the last
+    segment)."""
+    i = 0
+    n = positions.size
+    shift = 64 // per
+    for p in range(counts.size):
+        size = counts[p]
+        w = _carray(_ptr(addrs[p], values), size)
+        off = offsets[p]
+        a = np.uint64(0)
+        c = np.uint64(0)
+        while i < n and positions[i] - off < size:
+            blk = (positions[i] - off) // per
+            lo = blk * per
+            hi = min(lo + per, size)
+            x = _blockv(w, lo, hi, shift)
+            while i < n and positions[i] - off < hi:
+                j = positions[i] - off
+                if xor:
+                    w[j] ^= values[i]
+                else:
+                    w[j] += values[i]
+                i += 1
+            y = _blockv(w, lo, hi, shift)
+            bb = np.uint64(blk)
+            a += _m1(y ^ (bb * P1 + S1)) - _m1(x ^ (bb * P1 + S1))
+            c += _m2(y + ((bb * P2) ^ S2)) - _m2(x + ((bb * P2) ^ S2))
+        move_a[p] = a
+        move_c[p] = c
+    return i
+
+
 _m1 = _m2 = _ptr = _carray = _blockv = None  # bound before the kernel is first compiled (``_bind``)
-FUSED, WRITE = Kernel(_fused_kernel), Kernel(_write_kernel)
+FUSED, WRITE, APPLY = Kernel(_fused_kernel), Kernel(_write_kernel), Kernel(_apply_kernel)
 
 
 def _bind() -> bool:
@@ -229,6 +265,48 @@ def write_changed(pieces: list[tuple[np.ndarray, np.ndarray, int, int, int]], po
     del keep
     if done != positions.size:
         raise AssertionError(f"{positions.size - done} changes lie outside the chunk's pieces")
+
+
+def apply_sparse(segments, lo: int, positions: np.ndarray, values: np.ndarray, xor: bool):
+    """Apply a sparse chunk (chunk-local sorted ``positions``, residual ``values``; the chunk
+    starts at word ``lo`` of the group) to host ``segments`` — (offset in the group's word
+    space, the tensor's flat words) — and return (segment index, sum move) for each segment
+    it changed; None where it does not apply (no numba, a segment that is not contiguous
+    host words of the values' type, or a position past the last segment): the caller's
+    per-segment path runs then."""
+    if not _bind() or positions.size == 0:
+        return None
+    end = lo + int(positions[-1]) + 1
+    picked = []
+    for k, (start, words) in enumerate(segments):
+        if start + _size(words) <= lo + int(positions[0]) or start >= end:
+            continue
+        if not isinstance(words, np.ndarray) or words.dtype != values.dtype or not words.flags.c_contiguous:
+            return None
+        picked.append((k, start - lo, words))
+    kernel = APPLY.get()
+    if kernel is None or not picked or int(positions[-1]) >= picked[-1][1] + picked[-1][2].size:
+        return None  # (past the last tensor: the per-segment path refuses it before writing)
+    per = max(1, 8 // values.dtype.itemsize)
+    move_a, move_c = np.empty(len(picked), np.uint64), np.empty(len(picked), np.uint64)
+    done = kernel(
+        np.array([_address(w) for _, _, w in picked], np.int64),
+        np.array([w.size for _, _, w in picked], np.int64),
+        np.array([off for _, off, _ in picked], np.int64),
+        per,
+        positions,
+        values,
+        xor,
+        move_a,
+        move_c,
+    )
+    if done != positions.size:  # unreachable: the last position was checked above
+        raise IndexError(f"{positions.size - done} changes lie past the chunk's tensors")
+    return [(k, lanes_hex(a, c)) for (k, _, _), a, c in zip(picked, move_a, move_c, strict=True) if a or c]
+
+
+def _size(words: Any) -> int:
+    return int(words.size) if isinstance(words, np.ndarray) else int(words.numel())
 
 
 def lanes_hex(a: Any, c: Any) -> str:
