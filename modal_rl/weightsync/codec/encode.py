@@ -102,7 +102,7 @@ class CodecConfig:
 
 
 def shape_of(tensor: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in tensor.shape)
+    return tuple(map(int, tensor.shape))
 
 
 def chunk_specs(numel: int, chunk_elems: int) -> list[ChunkSpec]:
