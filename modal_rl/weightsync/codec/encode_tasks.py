@@ -125,9 +125,10 @@ def delta_chunk(
     config: Any,  # encode.CodecConfig (not imported: encode imports this module)
     v2: bool,
     update_base: bool,
-) -> tuple[GroupSums, bytes, list[tuple[int, str]]]:
+) -> tuple[GroupSums, bytes, Any]:
     """(``sums``, one delta chunk's record, how it moves its members' sums: (member index,
-    move)); with ``update_base``, the base's words of this chunk take the new ones once it is coded
+    move) pairs, or the fused pass's (member indices, lane a, lane c); ``GroupSums.add``
+    takes either); with ``update_base``, the base's words of this chunk take the new ones once it is coded
     (only this task ever touches them)."""
     d, level = members[0].differ, config.zstd_level
     pieces = list(chunk_pieces(members, spec))
