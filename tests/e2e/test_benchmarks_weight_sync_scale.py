@@ -29,6 +29,13 @@ FIELDS = {
     "stages",
     "publisher_fixed_gb",
     "receiver_fixed_gb",
+    "pinned",
+    "anchor_every",
+    "tensors",
+    "publisher_cpu_s_per_gb",
+    "receiver_cpu_s_per_gb",
+    "per_tensor_us_publisher",
+    "per_tensor_us_receiver",
 }
 
 
@@ -59,3 +66,34 @@ def test_a_tiny_sharded_run_is_bit_exact_and_reports_every_field(tmp_path, monke
         # the fixed part (held before any version) is a part of the peak, on both sides
         assert 0 < row["publisher_fixed_gb"] <= row["publisher_extra_gb"]
         assert 0 < row["receiver_fixed_gb"] <= row["peak_rss_receiver_gb"]
+
+
+def test_a_pinned_row_with_anchors_every_four_versions(tmp_path, monkeypatch):
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("pinned rows need cores 0 and 1")
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
+    gen = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(256, 32, generator=gen).to(torch.bfloat16)}
+    for v in range(6):
+        torch.save(state, tmp_path / f"v{v}.pt")
+        state = perturb(state, 0.02, seed=v + 1)
+    small_gb = sum(t.numel() * 2 for t in state.values()) / 1e9
+    (row,) = run_scenario(tmp_path, 2 * small_gb, 2, 1, 1, [25.0], 5, pinned=True, anchor_every=4)
+    assert row["pinned"] is True and row["anchor_every"] == 4 and row["bit_exact"] is True
+    assert row["kinds"] == ["delta", "delta", "delta", "anchor", "delta"]
+    assert row["tensors"] == 2 and row["publisher_cpu_s_per_gb"] > 0
+
+
+def test_the_one_core_bounds_read_both_states_and_emit_every_change():
+    from benchmarks._sync_bound import one_core_bounds
+
+    gen = torch.Generator().manual_seed(2)
+    prev = {"w": torch.randn(1000, 64, generator=gen).to(torch.bfloat16)}
+    new = perturb(prev, 0.01, seed=3)
+    bounds = one_core_bounds(prev, new, gb=0.01)
+    assert bounds["read_bound_s_per_gb"] > 0 and bounds["fused_kernel_s_per_gb"] > 0
+    changed = bounds["bound_changed_fraction"]
+    assert 0.005 < changed < 0.02
+    assert bounds["bound_emitted_words"] == round(changed * (int(0.01e9) // 2 // 32 * 32))

@@ -21,8 +21,16 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from modal_rl.weightsync.codec import fused
 from modal_rl.weightsync.codec.chunk_sums import chunk_moves, held_sums
-from modal_rl.weightsync.codec.codings.chunks import CTX_SPARSE, FULL, DecodedChunk, decode_chunk
+from modal_rl.weightsync.codec.codings.chunks import (
+    CTX_SPARSE,
+    FULL,
+    SUB_SPARSE,
+    XOR_SPARSE,
+    DecodedChunk,
+    decode_chunk,
+)
 from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
 from modal_rl.weightsync.codec.differ import TorchDiffer, sum_of
 from modal_rl.weightsync.codec.dtypes import dtype_name, empty_like_spec, is_torch, words_of
@@ -156,12 +164,18 @@ class _Applier:
                 raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
             if is_anchor != (chunk.encoding == FULL):
                 raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
-            chunk.apply(job.segments)
+            moves = None
+            if chunk.encoding in (XOR_SPARSE, SUB_SPARSE):  # applied and summed in one pass
+                xor = chunk.encoding == XOR_SPARSE
+                moves = fused.apply_sparse(job.segments, chunk.elem_start, chunk.positions, chunk.values, xor)
+            if moves is None:
+                chunk.apply(job.segments)
         except BaseException:
             if chunk.host_written:  # the host words it already holds go back
                 chunk.apply([(s, w) for s, w in job.segments if isinstance(w, np.ndarray)], undo=True)
             raise
-        moves = [] if is_anchor else chunk_moves(chunk, job.segments)
+        if moves is None:
+            moves = [] if is_anchor else chunk_moves(chunk, job.segments)
         with self.lock:
             self.changed += chunk.nchanged
             for i, move in moves:

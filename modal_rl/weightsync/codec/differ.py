@@ -175,8 +175,11 @@ class TorchDiffer:
         return linsum.delta_sum(words, compact, old, block_ids=blocks)
 
 
+_NUMPY = NumpyDiffer()  # stateless: one for every host tensor
+
+
 def default_differ(tensor: Any) -> Differ:
     """Torch on accelerators, numpy on the CPU (no per-call torch overhead there)."""
     if is_torch(tensor) and tensor.device.type != "cpu":
         return TorchDiffer()
-    return NumpyDiffer()
+    return _NUMPY

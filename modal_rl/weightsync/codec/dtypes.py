@@ -15,12 +15,19 @@ from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
 WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+_NAMES: dict[Any, str] = {}  # dtype object -> its name (a dtype's str() costs a call per tensor)
+
+
 def dtype_name(tensor: Any) -> str:
     """'bfloat16', 'float32', ... for a torch tensor or a numpy array."""
     dtype = tensor.dtype
+    name = _NAMES.get(dtype)
+    if name is not None:
+        return name
     name = str(dtype).removeprefix("torch.")
     if name not in ITEMSIZE:
         raise TypeError(f"unsupported dtype {name!r}; supported: {', '.join(sorted(ITEMSIZE))}")
+    _NAMES[dtype] = name
     return name
 
 

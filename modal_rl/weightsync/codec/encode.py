@@ -21,7 +21,7 @@ from modal_rl.weightsync.codec.codings.chunks import (
     ChunkSpec,
 )
 from modal_rl.weightsync.codec.decode_costs import DecodeCosts
-from modal_rl.weightsync.codec.differ import Differ, default_differ
+from modal_rl.weightsync.codec.differ import Differ, NumpyDiffer, default_differ
 from modal_rl.weightsync.codec.dtypes import dtype_name
 from modal_rl.weightsync.codec.encode_tasks import (
     GroupSums,
@@ -102,7 +102,7 @@ class CodecConfig:
 
 
 def shape_of(tensor: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in tensor.shape)
+    return tuple(map(int, tensor.shape))
 
 
 def chunk_specs(numel: int, chunk_elems: int) -> list[ChunkSpec]:
@@ -162,10 +162,18 @@ def _items(tensors: Tensors) -> Iterator[tuple[str, Any]]:
     return iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
 
 
-def _groups(new: Tensors, base: Mapping[str, Any] | None, chunk_elems: int, differ: Differ | None):
+def _groups(
+    new: Tensors,
+    base: Mapping[str, Any] | None,
+    chunk_elems: int,
+    differ: Differ | None,
+    base_words: Mapping[str, Any] | None = None,
+):
     """Yield runs of tensors to code as one word space (see ``GroupHeader``), streaming:
     a group is yielded as soon as the next tensor cannot join it. With an iterator of
-    named tensors, layout is checked tensor by tensor; a mismatch aborts the frame."""
+    named tensors, layout is checked tensor by tensor; a mismatch aborts the frame.
+    ``base_words``: the base's host word views (``words_of``), made once by their holder,
+    used for a tensor the numpy differ diffs (so the base is not re-viewed per version)."""
     group: list[Member] = []
     total = 0
     seen: set[str] = set()
@@ -177,8 +185,11 @@ def _groups(new: Tensors, base: Mapping[str, Any] | None, chunk_elems: int, diff
             raise LayoutMismatchError(f"tensor {name!r} given twice")
         seen.add(name)
         if base is not None:
-            _check_tensor_layout(name, base.get(name), tensor)
-            m.base = d.prepare(base[name])
+            b = base.get(name)
+            if b is None or type(b) is not type(tensor) or b.dtype != tensor.dtype or b.shape != tensor.shape:
+                _check_tensor_layout(name, b, tensor)
+            held = base_words.get(name) if base_words is not None and isinstance(d, NumpyDiffer) else None
+            m.base = held if held is not None else d.prepare(b)
         fits = (
             group
             and ITEMSIZE[group[0].dtype] == ITEMSIZE[m.dtype]
@@ -205,6 +216,7 @@ def _encode(
     differ: Differ | None,
     update_base: bool = False,
     base_sums: Mapping[str, str] | None = None,
+    base_words: Mapping[str, Any] | None = None,
 ) -> Iterator[bytes]:
     yield header.to_record()
     pool = _OrderedPool(config.threads, config.in_flight)
@@ -226,7 +238,7 @@ def _encode(
             yield rec
 
     try:
-        for members in _groups(new, base, config.chunk_elems, differ):
+        for members in _groups(new, base, config.chunk_elems, differ, base_words):
             ntensors += len(members)
             total = sum(m.numel for m in members)
             specs = chunk_specs(total, config.chunk_elems)
@@ -286,12 +298,17 @@ def encode_delta(
     checksums_out: dict[str, str] | None = None,
     differ: Differ | None = None,
     update_base: bool = False,
+    base_words: Mapping[str, Any] | None = None,
 ) -> Iterator[bytes]:
     """Records of the delta ``base`` (at ``base_version``) → ``new`` (at ``version``).
 
     ``update_base``: each chunk, once coded, writes its changed words into ``base`` (the
     publisher's snapshot then holds ``new`` without a second copy of the state; a frame
     abandoned part way leaves ``base`` mixed, so its holder must send an anchor next).
+
+    ``base_words``: the host word views of ``base``'s tensors (``words_of``), kept by a
+    holder that encodes many deltas against the same buffers (the publisher), so they are
+    not made again per version; they must view ``base``'s own memory.
 
     ``base_checksums`` (from the previous encode's ``checksums_out``) saves hashing the base,
     whose digest goes into the version header so a receiver refuses a delta for another base
@@ -315,7 +332,7 @@ def encode_delta(
         base_digest=state_digest(dict(base_checksums)),
         codec=config.wire_params(),
     )
-    return _encode(new, base, header, config, checksums_out, differ, update_base, base_checksums)
+    return _encode(new, base, header, config, checksums_out, differ, update_base, base_checksums, base_words)
 
 
 def _checksums(state: Mapping[str, Any], config: CodecConfig, differ: Differ | None) -> dict[str, str]:

@@ -18,8 +18,9 @@ from modal_rl.weightsync.codec.codings.chunks import (
     encode_delta_chunk,
     encode_delta_chunk_v2,
     encode_full_chunk,
+    pick_by_time,
 )
-from modal_rl.weightsync.codec.differ import Differ
+from modal_rl.weightsync.codec.differ import Differ, NumpyDiffer
 from modal_rl.weightsync.codec.diffwords import join_diffs
 from modal_rl.weightsync.codec.linsum import add_sums
 from modal_rl.weightsync.wire.dtype_codes import ITEMSIZE
@@ -58,13 +59,34 @@ class GroupSums:
     def __init__(self, base: list[str], members: list[Member]) -> None:
         self.base, self.members = base, members
         self.new = list(base)
+        self._lanes: np.ndarray | None = None  # moves added as lanes (``add_lanes``), not yet in ``new``
 
-    def add(self, moves: list[tuple[int, str]]) -> None:
+    def add(self, moves) -> None:
+        """A chunk's moves: (member index, hex move) pairs, or (member indices, lane a, lane c)
+        from the fused pass (``add_lanes``)."""
+        if isinstance(moves, tuple):
+            self.add_lanes(*moves)
+            return
         for i, move in moves:
             self.new[i] = add_sums(self.new[i], move)
 
+    def add_lanes(self, members: list[int], a: np.ndarray, c: np.ndarray) -> None:
+        """Moves as their two uint64 lanes (``fused``), one per listed member: kept as lanes
+        and turned into hex once per member, at ``finish``."""
+        if self._lanes is None:
+            self._lanes = np.zeros((2, len(self.members)), np.uint64)
+        with np.errstate(over="ignore"):
+            self._lanes[0, members] += a
+            self._lanes[1, members] += c
+
     def finish(self, checksums_out: dict[str, str] | None) -> list[tuple[str, str]]:
         """(name, new sum) of every member, also written into ``checksums_out``."""
+        if self._lanes is not None:
+            for i in np.flatnonzero(self._lanes[0] | self._lanes[1]).tolist():
+                self.new[i] = add_sums(
+                    self.new[i], f"{int(self._lanes[0, i]):016x}{int(self._lanes[1, i]):016x}"
+                )
+            self._lanes = None
         named = [(m.name, s) for m, s in zip(self.members, self.new, strict=True)]
         if checksums_out is not None:
             checksums_out.update(named)
@@ -103,14 +125,21 @@ def delta_chunk(
     config: Any,  # encode.CodecConfig (not imported: encode imports this module)
     v2: bool,
     update_base: bool,
-) -> tuple[GroupSums, bytes, list[tuple[int, str]]]:
+) -> tuple[GroupSums, bytes, Any]:
     """(``sums``, one delta chunk's record, how it moves its members' sums: (member index,
-    move)); with ``update_base``, the base's words of this chunk take the new ones once it is coded
+    move) pairs, or the fused pass's (member indices, lane a, lane c); ``GroupSums.add``
+    takes either); with ``update_base``, the base's words of this chunk take the new ones once it is coded
     (only this task ever touches them)."""
     d, level = members[0].differ, config.zstd_level
     pieces = list(chunk_pieces(members, spec))
     starts = [start for *_, start in pieces]
-    if v2 and ITEMSIZE[members[0].dtype] == 2:
+    two_byte = v2 and ITEMSIZE[members[0].dtype] == 2
+    by_time = two_byte and config.link_bytes_per_s is not None
+    if isinstance(d, NumpyDiffer) and (by_time or not two_byte):
+        done = _fused_delta_chunk(sums, pieces, spec, config, by_time, update_base)
+        if done is not None:
+            return done
+    if two_byte:
         # v2 models every held word of the chunk, so it reads the whole chunk on the host
         # (a copy from the device for TorchDiffer), tensor by tensor
         base_parts = [d.read(m.base, at, n).view(np.uint16) for _, m, at, n, _ in pieces]
@@ -132,6 +161,41 @@ def delta_chunk(
     positions, old_words, new_words = join_diffs(diffs, starts)
     dense_xor = config.coding == 0
     body = encode_delta_chunk(spec, positions, old_words, new_words, level, dense_xor)
+    return sums, record(TAG_CHUNK, body), moves
+
+
+def _fused_delta_chunk(
+    sums: GroupSums, pieces, spec: ChunkSpec, config: Any, by_time: bool, update_base: bool
+):
+    """``delta_chunk`` in one compiled pass over the chunk's host pieces (``fused``): compare,
+    emit, write the changed blocks into the base, move the sums. Coded for time on a known
+    link (``by_time``), the base is written after the coding is picked: v2 reads the old
+    words. None where the pass does not apply (the caller's per-piece path runs)."""
+    from modal_rl.weightsync.codec import fused
+
+    write = update_base and not by_time
+    host = [(m.base, m.new, at, n, start) for _, m, at, n, start in pieces]
+    done = fused.diff_chunk(host, spec.elem_count, write)
+    if done is None:
+        return None
+    positions, old, new, move_a, move_c = done
+    moves = ([i for i, *_ in pieces], move_a, move_c)  # added by the one emitting thread
+    level = config.zstd_level
+    if not by_time:
+        body = encode_delta_chunk(spec, positions, old, new, level, config.coding == 0)
+        return sums, record(TAG_CHUNK, body), moves
+    base_parts = [base[at : at + n].view(np.uint16) for base, _, at, n, _ in host]
+    new_parts = [new_words[at : at + n].view(np.uint16) for _, new_words, at, n, _ in host]
+    starts = [start for *_, start in pieces]
+    link, costs = config.link_bytes_per_s, config.receiver_costs
+    body, v2_picked = pick_by_time(
+        spec, base_parts, new_parts, starts, positions, old, new, level, link, costs
+    )
+    if update_base and v2_picked:  # v2 read every word of the chunk: one copy while it is hot
+        for base, new_words, at, n, _ in host:
+            np.copyto(base[at : at + n], new_words[at : at + n])
+    elif update_base and positions.size:
+        fused.write_changed(host, positions, new)
     return sums, record(TAG_CHUNK, body), moves
 
 

@@ -39,7 +39,7 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             from modal_rl.weightsync.codec.workers import shared_pool
 
             shared_pool(threads)
-        from modal_rl.weightsync.codec import linsum
+        from modal_rl.weightsync.codec import fused, linsum
         from modal_rl.weightsync.codec.codings import chunks_v2
         from modal_rl.weightsync.codec.diffwords import diff_and_move, diff_words
         from modal_rl.weightsync.codec.scatter import scatter
@@ -55,6 +55,9 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             linsum.full_sum(held)
             linsum.delta_sum(held, changed, held[changed])
             diff_and_move(held, held + dtype(1), 0)
+            pieces = [(held.copy(), held + dtype(1), 0, 8, 0)]  # the publisher's chunk pass
+            fused.write_changed(pieces, *fused.diff_chunk(pieces, 8, True)[0:3:2])
+            fused.apply_sparse([(0, held)], 0, changed, np.ones(4, dtype), True)  # a receiver's chunk pass
             for xor in (True, False):
                 linsum.moved_by_residuals(held, changed, 0, np.ones(4, dtype), xor)
         if not chunks_v2.available():

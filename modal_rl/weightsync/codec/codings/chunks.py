@@ -186,20 +186,32 @@ def encode_delta_chunk_v2(
 
 
 def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float, costs):
-    """The coding whose wire + decode time is smaller on this link (``chunks_v2.v2_pays``).
-    v1 first: where even the best case of v2 (``V2_BEST_SHARE`` of v1's bytes) would not
-    pay for its pass, v2 is not coded at all, which saves the encoder that pass too."""
-    from modal_rl.weightsync.codec.codings import chunks_v2
-
+    """The coding whose wire + decode time is smaller on this link (``pick_by_time``), from
+    the chunk's parts, diffed here part by part."""
     # a chunk always has at least one part (a tensor's words); the diff is v1's own
     # (64-bit blocks first), so coding for time costs the encoder no more than v1 does
     diffs = [diff_words(b, n) for b, n in zip(base_parts, new_parts, strict=True)]
     positions, old, new = join_diffs(diffs, part_starts)
+    body = pick_by_time(
+        chunk, base_parts, new_parts, part_starts, positions, old, new, level, link_bytes_per_s, costs
+    )[0]
+    return body, positions, old
+
+
+def pick_by_time(
+    chunk, base_parts, new_parts, part_starts, positions, old, new, level, link_bytes_per_s: float, costs
+) -> tuple[bytes, bool]:
+    """(body, whether it is v2): the coding whose wire + decode time is smaller on this link
+    (``chunks_v2.v2_pays``), given the chunk's changes. v1 first: where even the best case of
+    v2 (``V2_BEST_SHARE`` of v1's bytes) would not pay for its pass, v2 is not coded at all,
+    which saves the encoder that pass too (``base_parts`` are read only then)."""
+    from modal_rl.weightsync.codec.codings import chunks_v2
+
     v1 = encode_delta_chunk(chunk, positions, old, new, level)
     k = int(positions.size)
     best_v2 = int(len(v1) * chunks_v2.V2_BEST_SHARE)
     if k == 0 or not chunks_v2.v2_pays(len(v1), best_v2, chunk.elem_count, k, link_bytes_per_s, costs):
-        return v1, positions, old
+        return v1, False
 
     def header_for(nchanged: int) -> bytes:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
@@ -208,7 +220,7 @@ def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s:
     pays = body is not None and chunks_v2.v2_pays(
         len(v1), len(body), chunk.elem_count, k, link_bytes_per_s, costs
     )
-    return (body if pays else v1), positions, old
+    return (body, True) if pays else (v1, False)
 
 
 def encode_full_chunk(chunk: ChunkSpec, words: np.ndarray, level: int) -> bytes:
