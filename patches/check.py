@@ -49,6 +49,9 @@ from patches import base as bases
 from patches.series import Series
 
 RUN_TIMEOUT_S = 1800
+# pytest's own exit statuses (all passed, tests failed, interrupted, internal error, usage
+# error, no tests collected); anything else came from the interpreter, not from pytest.
+PYTEST_EXIT_CODES = range(6)
 # Each case names its file (xunit1), and a file that fails to import is that file's error
 # instead of interrupting the run: what lets one run carry two patches' verdicts.
 PYTEST_REPORT = ("-o", "junit_family=xunit1", "--continue-on-collection-errors")
@@ -67,6 +70,8 @@ class Run:
     tail: str = ""
     # (test file as the junit report names it, "pass" | "fail" | "skip") per case (pytest)
     cases: list[tuple[str, str]] = field(default_factory=list)
+    # the process's own exit status when ``rc`` was taken from its junit report instead
+    exit_rc: int | None = None
 
     def count(self, cases: list[tuple[str, str]]) -> Run:
         """Take ``cases`` as this run's cases and counts."""
@@ -79,8 +84,15 @@ class Run:
     @property
     def summary(self) -> str:
         if self.tests:
-            return f"{self.tests - self.failures - self.skipped}/{self.tests} pass" + (
+            text = f"{self.tests - self.failures - self.skipped}/{self.tests} pass" + (
                 f", {self.skipped} skip" if self.skipped else ""
+            )
+            # a status that disagrees with the cases is part of the verdict's reason
+            odd = self.rc not in (0, 1) or (self.rc == 1) != bool(self.failures)
+            return (
+                text
+                + (f", rc={self.rc}" if odd else "")
+                + (f", exit {self.exit_rc}" if self.exit_rc is not None else "")
             )
         return f"rc={self.rc}"
 
@@ -131,13 +143,32 @@ def _run_in(tree: Path, runner: str, files: list[str], full_env: dict[str, str],
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_REPORT]
         proc = _run([*argv, f"--junitxml={xml}", *files], tree, full_env)
         result = Run(proc.returncode, seconds=time.monotonic() - started, tail=_tail(proc))
-        return result.count(_junit_cases(xml) if xml.is_file() else [])
+        if not xml.is_file():
+            return result
+        return _judged_by_report(result.count(_junit_cases(xml)))
     rc, tails = 0, []
     for file in files:
         proc = _run([sys.executable, file], tree, full_env)
         rc = rc or proc.returncode
         tails.append(f"{file}: rc={proc.returncode}\n{_tail(proc)}")
     return Run(rc, seconds=time.monotonic() - started, tail="\n".join(tails))
+
+
+def _judged_by_report(run: Run) -> Run:
+    """A pytest process that wrote its junit report finished running every test; an exit
+    status pytest never gives (a signal, a timeout kill, ``os._exit`` from a library's exit
+    hook: vLLM, Ray and torch threads on a loaded host) came after the verdicts, so the
+    report's verdicts decide and the raw status is kept in ``exit_rc`` and the tail. A
+    process that died before its report keeps its status (no report: a failed run)."""
+    if run.rc in PYTEST_EXIT_CODES:
+        return run
+    run.exit_rc = run.rc
+    run.rc = 1 if run.failures else (0 if run.tests else 5)
+    run.tail += (
+        f"\n[patches] the process exited with status {run.exit_rc} after pytest wrote its "
+        "report; judged by the report"
+    )
+    return run
 
 
 def _junit_cases(xml: Path) -> list[tuple[str, str]]:
@@ -178,7 +209,7 @@ def _owner(case_file: str, files: list[str]) -> str | None:
 def _part(run: Run, files: list[str], owners: dict[str, str | None]) -> Run:
     """``run`` as seen by ``files``: their cases, plus any failing case no listed file owns."""
     cases = [(f, o) for f, o in run.cases if owners[f] in files or (owners[f] is None and o == "fail")]
-    part = Run(run.rc, seconds=run.seconds, tail=run.tail).count(cases)
+    part = Run(run.rc, seconds=run.seconds, tail=run.tail, exit_rc=run.exit_rc).count(cases)
     if run.rc in (0, 1):  # pytest: all passed / some test failed (or a file failed to import)
         part.rc = 1 if part.failures else (0 if part.tests else 5)  # 5: pytest's "no tests ran"
     return part

@@ -372,3 +372,31 @@ def test_a_case_is_counted_for_its_own_file_only():
     assert check._part(passing, ["x/b.py"], {"tests/a.py": "tests/a.py"}).rc == 5  # nothing of its own ran
     crashed = check.Run(-9).count([("tests/a.py", "pass")])
     assert check._part(crashed, ["tests/a.py"], {"tests/a.py": "tests/a.py"}).rc == -9
+
+
+EXIT_AFTER_REPORT = "import atexit, os, signal\n\n{hook}\n\n\ndef test_it():\n    assert {ok}\n"
+
+
+@pytest.mark.parametrize(
+    "hook, raw",
+    [
+        ("atexit.register(os._exit, 70)", 70),  # a library's exit hook ends the process
+        ("atexit.register(lambda: os.kill(os.getpid(), signal.SIGKILL))", -9),  # killed at exit
+    ],
+)
+def test_an_exit_status_after_the_report_is_judged_by_the_report(tmp_path, hook, raw):
+    """pytest wrote its report and only then did the process end badly: the verdicts stand,
+    and the raw status shows in the summary and the tail."""
+    (tmp_path / "test_ok.py").write_text(EXIT_AFTER_REPORT.format(hook=hook, ok=True))
+    (tmp_path / "test_bad.py").write_text(EXIT_AFTER_REPORT.format(hook=hook, ok=False))
+    ok = check.run_tests(tmp_path, "pytest", ["test_ok.py"], {}, tmp_path)
+    assert (ok.rc, ok.exit_rc, ok.tests, check._passed(ok)) == (0, raw, 1, True), ok.tail
+    assert ok.summary == f"1/1 pass, exit {raw}" and f"exited with status {raw}" in ok.tail
+    bad = check.run_tests(tmp_path, "pytest", ["test_bad.py"], {}, tmp_path)
+    assert (bad.rc, bad.exit_rc, check._passed(bad)) == (1, raw, False), bad.tail
+
+
+def test_a_process_that_dies_before_its_report_keeps_its_status(tmp_path):
+    (tmp_path / "test_dies.py").write_text("import os\n\n\ndef test_it():\n    os._exit(70)\n")
+    run = check.run_tests(tmp_path, "pytest", ["test_dies.py"], {}, tmp_path)
+    assert (run.rc, run.exit_rc, run.tests, check._passed(run)) == (70, None, 0, False)
