@@ -217,7 +217,8 @@ def test_a_flood_from_outside_the_key_forwarders_allow_list_is_closed_at_accept(
         try:
             await asyncio.sleep(0.3)
             opened = slow.opened
-            assert opened == 20
+            # all 20 opened (more once a slow host's sleep outlasts the 1 s deadline: reopened)
+            assert opened >= 20
             await asyncio.sleep(2.5)
             assert slow.opened > opened  # the server closed them (the flooder re-opened)
         finally:

@@ -38,6 +38,20 @@ ALLOWED = {
     ("verl_modal/cpu/patches.py", "cls.pause_generation"): "until patches/verl-main/0001 is in verl",
     ("verl_modal/cpu/patches.py", "ext._update_weights"): "CPU-only vLLM reload; no upstream seam proposed",
     ("verl_modal/sample_mask.py", "cls._compute_score"): "until patches/verl-main/0005 is in verl",
+    # The colocated in-place sync (verl_modal/colocated_sync.py): verl builds its ServerAdapter
+    # from a fixed table and calls update_weights from its own sync, with no hook between the
+    # trainer's tensors and the engine; the wrap sends a delta where verl would reload.
+    ("verl_modal/cpu/patches.py", "adapter.update_weights"): "no seam between verl's sync and the engine",
+    (
+        "verl_modal/colocated_sync.py",
+        "setattr(cls, APPLY_METHOD)",
+    ): "our rpc methods on verl's vLLM worker extension",
+    ("verl_modal/colocated_sync.py", "setattr(cls, name)"): "our rpc methods on verl's vLLM worker extension",
+    (
+        "verl_modal/colocated_sync.py",
+        "adapter._modal_rl_pusher",
+    ): "our publisher, kept on the adapter it serves",
+    ("verl_modal/colocated_sync.py", "adapter.metrics"): "the sync numbers verl's manager does not return",
     # verl's compute_advantage calls GRPO by this module name, not through its estimator
     # registry (every other estimator is wrapped in the registry itself); no seam proposed yet.
     (
@@ -63,6 +77,10 @@ ALLOWED = {
     ("verl_modal/runner.py", "CpuTaskRunner.__qualname__"): "our subclass's name",
     ("verl_modal/runner.py", "CpuTaskRunner.__name__"): "our subclass's name",
     # Our own objects.
+    ("verl_modal/colocated_sync.py", "update_weights.__modal_rl_inplace__"): "a mark on our own wrapper",
+    ("verl_modal/checkpoint_engine.py", "engine._verified"): "our checkpoint engine's own list",
+    ("verl_modal/replica.py", "engine.options"): "our VllmEngine (modal_rl.engines.vllm)",
+    ("verl_modal/step_metrics.py", "rec.sender"): "our per-sync record",
     ("verl_modal/_post_import.py", "spec.loader"): "our import hook's loader on a found spec",
     ("verl_modal/cpu/tiny.py", "tok.pre_tokenizer"): "a tokenizer object we build",
     ("verl_modal/cpu/tiny.py", "tok.decoder"): "a tokenizer object we build",

@@ -81,8 +81,8 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     # (and what it needs in the image).
     assert cmd[cmd.index("--load-format") + 1] == "dummy"
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
-    # (and what it needs in the image: pyproject's engine-receiver extra; numba decodes v2 chunks)
-    assert {p.split(">=")[0] for p in spec.pip} == {"numpy", "zstandard", "xxhash", "numba"}
+    # (and what it needs in the image: pyproject's engine-receiver extra; numba decodes v2 chunks; cryptography checks the trainer's signatures)
+    assert {p.split(">=")[0] for p in spec.pip} == {"numpy", "zstandard", "xxhash", "numba", "cryptography"}
 
     from modal_rl.cluster.backend_modal import inspect_function
     from modal_rl.engines.pool_modal import build_function

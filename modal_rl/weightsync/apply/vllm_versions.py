@@ -45,7 +45,11 @@ class VersionLogMixin:
         runner's token counts would not be exact (see the module invariants)."""
         if self._modal_rl_ledger is not None or self._modal_rl_untracked:
             return self._modal_rl_ledger
-        runner = self.model_runner
+        runner = getattr(self, "model_runner", None)
+        if runner is None or not hasattr(runner, "_update_states"):
+            # a worker without vLLM's GPU-style runner (or a stand-in): no token counts to read
+            self._modal_rl_untracked = "this worker has no model runner whose steps can be followed"
+            return None
         if getattr(runner, "use_async_scheduling", False):
             self._modal_rl_untracked = "asynchronous scheduling: token counts trail by a step"
             return None
