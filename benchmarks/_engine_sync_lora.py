@@ -119,11 +119,11 @@ def adapter_path(model_dir: Path, trajectory: list[dict], log_dir: Path) -> dict
     version: bytes, the pause,
     publish to live; greedy completions of each version, and what the engine lists at the end."""
     from benchmarks.engine_sync import _post, complete
+    from modal_rl.engines.lora_push import load_adapter_version
     from modal_rl.engines.pool import get_engine_pool
     from modal_rl.engines.vllm_push import EnginePusher
     from modal_rl.run_key import run_key
     from modal_rl.weightsync.apply.lora import AdapterVersions
-    from modal_rl.weightsync.apply.lora_push import load_adapter_version
 
     pool = get_engine_pool(lora_engine_spec(model_dir), "local", log_dir=str(log_dir))
     versions = AdapterVersions(MAX_RESIDENT)

@@ -220,7 +220,7 @@ class VllmEngine(Engine):
 class VllmLoraEngine(VllmEngine):
     """A vLLM server with LoRA on, whose weight versions are adapter versions: ``load`` has the
     workers stage version N and vLLM load it as adapter ``<prefix>-vN``, keeping at most
-    ``max_resident`` loaded (``weightsync.apply.lora_push``). ``lora``: ``{"prefix",
+    ``max_resident`` loaded (``engines.lora_push``). ``lora``: ``{"prefix",
     "max_resident", "config"}``. A server seen for the first time (a replacement) starts with
     no adapter. Full-weight staging does not apply: ``stage``/``commit`` are unsupported."""
 
@@ -232,8 +232,8 @@ class VllmLoraEngine(VllmEngine):
         self._adapters: dict[str, Any] = {}  # url -> that server's resident AdapterVersions
 
     def load(self, url: str, source: Any) -> dict[str, float]:
+        from modal_rl.engines.lora_push import load_adapter_version
         from modal_rl.weightsync.apply.lora import AdapterVersions
-        from modal_rl.weightsync.apply.lora_push import load_adapter_version
 
         versions = self._adapters.get(url)
         if versions is None:

@@ -74,27 +74,57 @@ class PublishReport:
     recovery_bytes: int = 0  # a recovery anchor written with this version (0: none)
 
 
+@dataclass(frozen=True)
+class PublisherSettings:
+    """When a ``Publisher`` sends anchors and audits, and where its snapshot lives.
+    ``anchor_every``: a full version every N (``None``: only the first and when forced);
+    ``recovery_every``: a recovery anchor every N; ``start_version``: the first version's
+    number; ``snapshot_on``: ``"host"`` or ``"device"`` (see the module docstring);
+    ``audit_every_s``: seconds between whole-snapshot audits (``None``: never)."""
+
+    anchor_every: int | None = 16
+    recovery_every: int | None = None
+    start_version: int = 0
+    snapshot_on: str = "host"
+    audit_every_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("anchor_every", "recovery_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {value!r}")
+        if self.snapshot_on not in SNAPSHOT_PLACES:
+            raise ValueError(f"snapshot_on must be one of {SNAPSHOT_PLACES}, got {self.snapshot_on!r}")
+        if self.audit_every_s is not None and self.audit_every_s <= 0:
+            raise ValueError(f"audit_every_s must be > 0 (or None: never), got {self.audit_every_s}")
+
+    def with_overrides(self, **overrides: Any) -> PublisherSettings:
+        """These settings with ``overrides`` applied; an unknown name is one line listing the known."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise TypeError(
+                f"unknown Publisher setting(s) {', '.join(unknown)}; the settings are: {', '.join(known)}"
+            )
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
 class Publisher:
     def __init__(
         self,
         sink: FrameSink,
         *,
-        anchor_every: int | None = 16,
-        recovery_every: int | None = None,
         config: CodecConfig | None = None,
         run: str | None = None,
         epoch: int | None = None,
-        start_version: int = 0,
-        snapshot_on: str = "host",
-        audit_every_s: float | None = 600.0,
+        settings: PublisherSettings | None = None,
+        **overrides: Any,
     ) -> None:
-        for name, value in (("anchor_every", anchor_every), ("recovery_every", recovery_every)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or None), got {value}")
-        if snapshot_on not in SNAPSHOT_PLACES:
-            raise ValueError(f"snapshot_on must be one of {SNAPSHOT_PLACES}, got {snapshot_on!r}")
-        if audit_every_s is not None and audit_every_s <= 0:
-            raise ValueError(f"audit_every_s must be > 0 (or None: never), got {audit_every_s}")
+        settings = (settings or PublisherSettings()).with_overrides(**overrides)
+        anchor_every, recovery_every = settings.anchor_every, settings.recovery_every
+        start_version, snapshot_on = settings.start_version, settings.snapshot_on
+        audit_every_s = settings.audit_every_s
+        self.settings = settings
         self.sink = sink
         self.anchor_every = anchor_every
         self.recovery_every = recovery_every
