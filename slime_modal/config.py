@@ -28,11 +28,11 @@ work on that loop (``on_pool_loop``). It is closed at interpreter exit.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from modal_rl.sandboxes.pool import SandboxPool
 from modal_rl.sandboxes.shared import close_process_pools, process_pool, settings
+from modal_rl.settings import read
 
 SANDBOX_KEY = "modal_rl_sandbox"
 REWARD_KEY = "modal_rl_reward"
@@ -70,8 +70,8 @@ def reward_settings(args: Any) -> tuple[float, bool]:
     unknown = sorted(set(given) - {"timeout_s", "partial"})
     if unknown:
         raise ValueError(f"{REWARD_KEY}: unknown keys {unknown}; known: ['partial', 'timeout_s']")
-    timeout_s = given.get("timeout_s", float(os.environ.get("MODAL_RL_REWARD_TIMEOUT_S", "10")))
-    partial = given.get("partial", os.environ.get("MODAL_RL_REWARD_PARTIAL") == "1")
+    timeout_s = given.get("timeout_s", read("MODAL_RL_REWARD_TIMEOUT_S"))
+    partial = given.get("partial", read("MODAL_RL_REWARD_PARTIAL"))
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
         raise ValueError(f"{REWARD_KEY}.timeout_s must be a positive number, got {timeout_s!r}")
     if not isinstance(partial, bool):

@@ -44,12 +44,13 @@ from slime.ray.rollout import RolloutManager
 from modal_rl.engines.forwarded import ForwardedEngines
 from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
 from modal_rl.report.parts import parts_dir, record_events
+from modal_rl.settings import read
 from slime_modal.engine_job import listen_plan
 from slime_modal.engines import WeightPath, sglang_engine
 from slime_modal.manager_seam import CONFIG_ENV
 
 # How long a weight update waits for replacements (start + catch-up) before it fails.
-RECOVER_TIMEOUT_S = float(os.environ.get("MODAL_RL_SLIME_RECOVER_TIMEOUT_S", "1800"))
+RECOVER_TIMEOUT_S = read("MODAL_RL_SLIME_RECOVER_TIMEOUT_S")
 EVENTS_POLL_S = 2.0
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from modal_rl.settings import read
 from modal_rl.weightsync.transport.volumes import await_visible, publish
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def pre_read_reload(source_dir: str, target_version: int) -> None:
         raise ValueError(f"target_version must be a non-negative int, got {target_version!r}")
     if target_version == 0:
         return  # version 0 is the engine's own base; nothing is read from source_dir
-    timeout_s = float(os.environ.get(TIMEOUT_ENV, "120"))
+    timeout_s = read(TIMEOUT_ENV)
     vdir = version_dir(source_dir, target_version)
 
     # slime barriers all trainer ranks after the post-write hook before any engine pulls, so

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 from collections.abc import Awaitable
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -30,6 +29,7 @@ from typing import Any, TypeVar
 from modal_rl.sandboxes.pool import SandboxPool
 from modal_rl.sandboxes.providers import PROVIDERS
 from modal_rl.sandboxes.spec import SandboxSpec
+from modal_rl.settings import read
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,14 @@ T = TypeVar("T")
 
 def settings(**overrides: Any) -> dict[str, Any]:
     """Resolved pool settings: explicit values win over the environment, then defaults."""
-    env = os.environ
     out = {
-        "backend": env.get("MODAL_RL_SANDBOX_BACKEND", "local"),
-        "image": env.get("MODAL_RL_SANDBOX_IMAGE") or None,
-        "min_warm": int(env.get("MODAL_RL_SANDBOX_MIN_WARM", "2")),
-        "max_live": int(env.get("MODAL_RL_SANDBOX_MAX_LIVE", "64")),
-        "memory_mb": int(env.get("MODAL_RL_SANDBOX_MEMORY_MB", "1024")),
-        "network": env.get("MODAL_RL_SANDBOX_NETWORK", "0") == "1",
-        "app": env.get("MODAL_RL_SANDBOX_APP", "modal-rl-sandboxes"),
+        "backend": read("MODAL_RL_SANDBOX_BACKEND"),
+        "image": read("MODAL_RL_SANDBOX_IMAGE"),
+        "min_warm": read("MODAL_RL_SANDBOX_MIN_WARM"),
+        "max_live": read("MODAL_RL_SANDBOX_MAX_LIVE"),
+        "memory_mb": read("MODAL_RL_SANDBOX_MEMORY_MB"),
+        "network": read("MODAL_RL_SANDBOX_NETWORK"),
+        "app": read("MODAL_RL_SANDBOX_APP"),
         "timeout_s": 600.0,
         "cpu": 1.0,
         "name": "shared",
