@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from modal_rl.engines.vllm_push import EnginePushError, _blocked_s, _post, _rpc
+from modal_rl.engines.vllm_push import EnginePushError, _blocked_s, _post, _rpc, poll_staging
 from modal_rl.weightsync.apply.lora import AdapterVersions
 from modal_rl.weightsync.apply.vllm_extension import pull_request
 from modal_rl.weightsync.apply.vllm_lora import ADAPTER_METHOD
@@ -83,17 +83,6 @@ def load_adapter_version(
 def _wait_adapter(engine_url: str, version: int, key, deadline: float, blocked: list[float]) -> list[dict]:
     """Poll every worker's staging of adapter ``version`` until all are ready; each poll's
     blocked time goes into ``blocked``. Returns the ready answers (rank 0's has the path)."""
-    delay = 0.002
-    while True:
-        body = {"method": "modal_rl_adapter_status", "args": [version], "timeout": 60.0}
-        states = _rpc(engine_url, body, version, key)
-        blocked.append(_blocked_s(states))
-        failed = [s["error"] for s in states if s.get("state") == "failed"]
-        if failed:
-            raise EnginePushError(f"{engine_url}: adapter version {version} failed to stage: {failed[0]}")
-        if all(s.get("state") == "ready" for s in states):
-            return states
-        if time.perf_counter() > deadline:
-            raise EnginePushError(f"{engine_url}: adapter version {version} was not staged in time")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    return poll_staging(
+        engine_url, "modal_rl_adapter_status", version, key, deadline, blocked, "adapter version"
+    )

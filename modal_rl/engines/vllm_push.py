@@ -339,18 +339,30 @@ def _blocked_s(results: list[dict]) -> float:
 def _wait_staged(engine_url: str, version: int, key: str, deadline: float) -> list[float]:
     """Poll every worker's staging of ``version`` (each poll is one short ``collective_rpc``);
     returns each poll's blocked time."""
-    delay, blocked = 0.002, []
+    blocked: list[float] = []
+    poll_staging(engine_url, "modal_rl_stage_status", version, key, deadline, blocked, "version")
+    return blocked
+
+
+def poll_staging(
+    engine_url: str, method: str, version: int, key, deadline: float, blocked: list[float], what: str
+) -> list[dict]:
+    """Ask every worker ``method(version)`` (one short ``collective_rpc`` each time, backing off
+    from 2 ms to 50 ms) until all answer ``ready``; each poll's blocked time goes into
+    ``blocked``. A ``failed`` worker or the ``deadline`` (``time.perf_counter``) raises
+    ``EnginePushError`` naming ``what``. Returns the ready answers."""
+    delay = 0.002
     while True:
-        body = {"method": "modal_rl_stage_status", "args": [version], "timeout": 60.0}
+        body = {"method": method, "args": [version], "timeout": 60.0}
         states = _rpc(engine_url, body, version, key)
         blocked.append(_blocked_s(states))
         failed = [s["error"] for s in states if s.get("state") == "failed"]
         if failed:
-            raise EnginePushError(f"{engine_url}: version {version} failed to stage: {failed[0]}")
+            raise EnginePushError(f"{engine_url}: {what} {version} failed to stage: {failed[0]}")
         if all(s.get("state") == "ready" for s in states):
-            return blocked
+            return states
         if time.perf_counter() > deadline:
-            raise EnginePushError(f"{engine_url}: version {version} was not staged in time")
+            raise EnginePushError(f"{engine_url}: {what} {version} was not staged in time")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
