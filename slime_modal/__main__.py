@@ -263,7 +263,7 @@ def _main(argv: list[str]) -> int:
     if engines is None or args.dry_run or args.preflight_only or owned_by_manager:
         return submit()
     # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
-    from modal_rl.engines.pool import EngineStartError
+    from modal_rl.engines import EngineStartError
 
     try:
         pool = {"pool_kwargs": {"image_steps": steps}} if steps else {}

@@ -54,8 +54,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
-from modal_rl.engines import ENGINES, get_engine
-from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
+from modal_rl.engines import ENGINES, EngineSpec, engine_key, get_engine, get_engine_pool
 from slime_modal.preflight import SlimeArgs
 
 SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
@@ -302,7 +301,7 @@ def running_engines(
             yield EngineAddresses(addresses)
         return
     from modal_rl import run_temp
-    from modal_rl.engines.supervisor import EngineSupervisor
+    from modal_rl.engines import EngineSupervisor
 
     weights = WeightPath.from_argv(slime_argv)
     temp = run_temp.make("routes-")

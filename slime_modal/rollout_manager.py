@@ -41,8 +41,7 @@ from typing import Any
 from slime.backends.sglang_utils.external import apply_external_engine_info_to_args
 from slime.ray.rollout import RolloutManager
 
-from modal_rl.engines.forwarded import ForwardedEngines
-from modal_rl.engines.pool import EngineSpec, engine_key, get_engine_pool
+from modal_rl.engines import EngineSpec, ForwardedEngines, engine_key, get_engine_pool
 from modal_rl.report.parts import parts_dir, record_events
 from modal_rl.settings import read
 from slime_modal.engine_job import listen_plan

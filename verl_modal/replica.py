@@ -60,8 +60,7 @@ import weakref
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from modal_rl.adapters import extra_requirements
-from modal_rl.engines import ENGINES, get_engine
-from modal_rl.engines.pool import EngineSpec
+from modal_rl.engines import ENGINES, EngineSpec, get_engine
 from verl_modal.image import engine_image
 from verl_modal.replica_proxy import VLLMHttpProxy
 

@@ -31,10 +31,16 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from modal_rl.engines import get_engine
-from modal_rl.engines.auth import bearer_header, check_key_safe_url
-from modal_rl.engines.pool import EngineSpec, get_engine_pool
-from modal_rl.engines.supervisor import EngineLost, EngineSupervisor, WeightSource
+from modal_rl.engines import (
+    EngineLost,
+    EngineSpec,
+    EngineSupervisor,
+    WeightSource,
+    bearer_header,
+    check_key_safe_url,
+    get_engine,
+    get_engine_pool,
+)
 from modal_rl.run_key import run_key
 
 log = logging.getLogger("verl_modal")

@@ -85,7 +85,7 @@ class EngineWeightsAdapter:
 
     def _ensure_pusher(self):
         if self._pusher is None:
-            from modal_rl.engines.vllm_push import EnginePusher
+            from modal_rl.engines import EnginePusher
 
             self._pusher = EnginePusher(None, expose=self.expose, pull_timeout_s=self.pull_timeout_s)
         return self._pusher
