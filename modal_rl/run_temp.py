@@ -78,13 +78,14 @@ def make(tag: str = "") -> Path:
 
 
 def owner_token(pid: int) -> str | None:
-    """``"<pid> <start time>"`` of a live process, None if there is none with that PID."""
+    """``"<pid> <start time>"`` of a live process, None if there is none with that PID. The
+    start time tells a reused PID from the process that wrote a marker."""
+    import psutil
+
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return f"{pid} {psutil.Process(pid).create_time():.2f}"
+    except (psutil.Error, ValueError):
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
-    return f"{pid} {fields[19]}"  # field 22: start time since boot
 
 
 class ForeignDirError(PermissionError):
