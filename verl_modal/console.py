@@ -34,6 +34,7 @@ from verl_modal.model_size import checkpoint_numel, full_weights_mb  # noqa: F40
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
 FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"  # verl.utils.tracking.FileLogger
 PREFIX = "verl_modal:"
+QUIET_S = 14.0  # the longest our lines go quiet: a quiet stretch gets a "still working" line
 # Markers in the log that start a phase, in the order they appear, and what we say.
 PHASES = (
     (
@@ -62,6 +63,7 @@ class Progress:
 
     out: object
     started: float = field(default_factory=time.monotonic)
+    last_said: float = field(default_factory=time.monotonic)
 
     def say(self, text: str, stamp: bool = True) -> None:
         from modal_rl.run_key import redact
@@ -69,6 +71,7 @@ class Progress:
         when = f"[{time.monotonic() - self.started:4.0f} s] " if stamp else ""
         self.out.write(redact(f"{PREFIX} {when}{text}") + "\n")
         self.out.flush()
+        self.last_said = time.monotonic()
 
 
 def _num(data: dict, key: str) -> float | None:
@@ -223,6 +226,18 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.5):
             self.poll()
+            if time.monotonic() - self.progress.last_said >= QUIET_S:
+                self.progress.say(self.still_working())
+
+    def still_working(self) -> str:
+        """One line for a quiet stretch: what the run is waiting for, and that its log grows."""
+        waiting = PHASES[self._phase][1] if self._phase < len(PHASES) else "the next training step"
+        if self._phase < len(PHASES):
+            waiting = f"until: {waiting}"
+        else:
+            waiting = f"for {waiting} ({len(self.steps)} done)"
+        size = self.files.log.stat().st_size if self.files.log.exists() else 0
+        return f"still working, waiting {waiting}; log {size / 1e6:.1f} MB ({self.files.log})"
 
     def poll(self) -> None:
         with contextlib.suppress(OSError):

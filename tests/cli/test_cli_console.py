@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from verl_modal import console
@@ -92,3 +93,19 @@ def test_checkpoint_numel_reads_safetensors_headers(tmp_path):
         {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float16)}, str(tmp_path / "model.safetensors")
     )
     assert console.checkpoint_numel(tmp_path) == 17
+
+
+def test_a_quiet_stretch_gets_a_still_working_line_within_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(console, "QUIET_S", 0.6)
+    files = console.RunFiles.make(tmp_path)
+    files.log.write_text("ray starting\n")
+    out = io.StringIO()
+    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mb=1.0)
+    watcher.start()
+    try:
+        time.sleep(2.2)
+    finally:
+        watcher.finish()
+    said = out.getvalue().splitlines()
+    assert said and all("still working, waiting until: verl's TaskRunner is up" in line for line in said)
+    assert 2 <= len(said) <= 4  # one per quiet stretch, not one per poll
