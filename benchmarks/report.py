@@ -39,8 +39,8 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 
 
 def progress(iterable: Iterable, total: int | None = None, desc: str = ""):
-    """A tqdm bar on stderr when it is a terminal (``modal_rl.progress.bar``), the plain
-    iterable otherwise (CI logs keep the results only)."""
+    """A tqdm bar on stderr when it is a terminal, count lines there otherwise
+    (``modal_rl.progress.bar``); stdout keeps the results only."""
     from modal_rl.progress import bar
 
     return bar(iterable, total=total, desc=desc)

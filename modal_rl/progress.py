@@ -1,15 +1,17 @@
-"""Progress on long work, for a person at a terminal: a bar (``tqdm``) over counted work, and
-a line per phase with its elapsed time; nothing at all when the stream is not a terminal
-(CI logs, pipes, files), so logs keep only the results.
+"""Progress on long work: a bar (``tqdm``) over counted work and a line per phase with its
+elapsed time on a terminal; on anything else (CI logs, pipes, files) the same phase lines and
+plain count lines instead of bars, so a log is never silent for long and holds no bar frames.
 
     for case in bar(cases, desc="weight-sync cases"): ...
     with phase("making the tiny model"): ...    # "making the tiny model ... done in 3.2 s"
 
-``MODAL_RL_PROGRESS=1`` forces progress on a non-terminal, ``=0`` turns it off everywhere.
+``MODAL_RL_PROGRESS=1`` forces bars on a non-terminal, ``=0`` turns progress off everywhere.
 
-Invariants: never changes what the wrapped work yields or raises; a phase that raises prints
-``failed after`` with its time, then the exception propagates; tqdm is optional (no bar, the
-plain iterable, without it).
+Invariants: progress goes to stderr (default), so stdout keeps only the results; never changes
+what the wrapped work yields or raises; a phase that raises prints ``failed after`` with its
+time, then the exception propagates; no stretch of progress-wrapped work is silent for more
+than ``HEARTBEAT_S`` (a phase still running says so; off a terminal a count line comes at
+least that often); tqdm is optional (count lines without it).
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
 ENV = "MODAL_RL_PROGRESS"
+HEARTBEAT_S = 14.0  # the longest progress-wrapped work stays silent
+
+
+def quiet() -> bool:
+    """``MODAL_RL_PROGRESS=0``: no progress at all."""
+    return os.environ.get(ENV) == "0"
 
 
 def shown(stream: TextIO | None = None) -> bool:
@@ -37,15 +46,35 @@ def shown(stream: TextIO | None = None) -> bool:
 
 
 def bar(iterable: Iterable, total: int | None = None, desc: str = "", stream: TextIO | None = None):
-    """``iterable`` with a tqdm bar on ``stream`` (stderr) when :func:`shown`, else as it is."""
+    """``iterable`` with a tqdm bar on ``stream`` (stderr) when :func:`shown`, else with a count
+    line at most every ``HEARTBEAT_S`` and one at the end (nothing when :func:`quiet`)."""
     stream = sys.stderr if stream is None else stream
-    if not shown(stream):
+    if quiet():
         return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, file=stream)
+    if shown(stream):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, file=stream)
+    return _counted(iterable, total, desc, stream)
+
+
+def _counted(iterable: Iterable, total: int | None, desc: str, stream: TextIO) -> Iterator:
+    t0 = last = time.monotonic()
+    done = 0
+    of = f"/{total}" if total is not None else ""
+    for item in iterable:
+        yield item
+        done += 1
+        now = time.monotonic()
+        if now - last >= HEARTBEAT_S:
+            stream.write(f"{desc}: {done}{of} after {_elapsed(now - t0)}\n")
+            stream.flush()
+            last = now
+    stream.write(f"{desc}: {done}{of} done in {_elapsed(time.monotonic() - t0)}\n")
+    stream.flush()
 
 
 def _elapsed(seconds: float) -> str:
@@ -55,20 +84,31 @@ def _elapsed(seconds: float) -> str:
 
 @contextlib.contextmanager
 def phase(name: str, stream: TextIO | None = None, prefix: str = "") -> Iterator[None]:
-    """One line when the phase starts and one with its elapsed time when it ends."""
+    """One line when the phase starts, one every ``HEARTBEAT_S`` while it runs, and one with
+    its elapsed time when it ends."""
     stream = sys.stderr if stream is None else stream
-    on = shown(stream)
+    on = not quiet()
     t0 = time.monotonic()
+    ended = threading.Event()
     if on:
         stream.write(f"{prefix}{name} ...\n")
         stream.flush()
+
+        def beat() -> None:
+            while not ended.wait(HEARTBEAT_S):
+                stream.write(f"{prefix}{name} still running after {_elapsed(time.monotonic() - t0)}\n")
+                stream.flush()
+
+        threading.Thread(target=beat, name="modal_rl-progress", daemon=True).start()
     try:
         yield
     except BaseException:
+        ended.set()
         if on:
             stream.write(f"{prefix}{name} failed after {_elapsed(time.monotonic() - t0)}\n")
             stream.flush()
         raise
+    ended.set()
     if on:
         stream.write(f"{prefix}{name} done in {_elapsed(time.monotonic() - t0)}\n")
         stream.flush()

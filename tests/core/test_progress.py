@@ -1,5 +1,6 @@
 """Progress on long work: a bar and per-phase lines with elapsed time on a terminal (a real
-pseudo-terminal here), nothing when the output is a pipe; the benchmark suites use it."""
+pseudo-terminal here), phase and count lines without bars on a pipe, nothing when switched
+off; no stretch silent past the heartbeat; the benchmark suites use it."""
 
 from __future__ import annotations
 
@@ -72,9 +73,31 @@ def test_a_terminal_gets_bars_and_phase_lines_with_elapsed_time():
     assert "RESULT 6" in err  # the work itself is unchanged
 
 
-def test_a_pipe_gets_only_the_results():
+def test_a_pipe_gets_the_results_on_stdout_and_plain_lines_on_stderr():
     out, err = run_child(on_terminal=False)
-    assert out == "RESULT 6\n" and err == ""
+    assert out == "RESULT 6\n"
+    assert "[t] making things ..." in err and "[t] making things done in " in err
+    assert "cases: 3/3 done in " in err and "suite cases: 4/4 done in " in err
+    assert "%|" not in err and "\r" not in err  # no bar frames in a log
+
+
+def test_no_stretch_is_silent_longer_than_the_heartbeat(monkeypatch):
+    import io
+    import time
+
+    from modal_rl import progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.3)
+    monkeypatch.delenv("MODAL_RL_PROGRESS", raising=False)
+    log = io.StringIO()
+    with progress.phase("one long step", stream=log):
+        time.sleep(1.0)
+    for _ in progress.bar(range(3), total=3, desc="slow cases", stream=log):
+        time.sleep(0.35)
+    lines = log.getvalue().splitlines()
+    assert sum("one long step still running after" in line for line in lines) >= 2
+    assert sum(line.startswith("slow cases: ") and " after " in line for line in lines) >= 2
+    assert lines[-1].startswith("slow cases: 3/3 done in ")
 
 
 def test_the_switch_forces_progress_on_and_off():
@@ -82,3 +105,5 @@ def test_the_switch_forces_progress_on_and_off():
     assert "[t] making things done in " in err and "cases: 100%" in err
     _, err = run_child(on_terminal=True, env_extra={"MODAL_RL_PROGRESS": "0"})
     assert "making things" not in err and "%|" not in err
+    out, err = run_child(on_terminal=False, env_extra={"MODAL_RL_PROGRESS": "0"})
+    assert out == "RESULT 6\n" and err == ""
