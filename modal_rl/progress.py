@@ -1,6 +1,7 @@
 """Progress on long work: a bar (``tqdm``) over counted work and a line per phase with its
-elapsed time on a terminal; on anything else (CI logs, pipes, files) the same phase lines and
-plain count lines instead of bars, so a log is never silent for long and holds no bar frames.
+elapsed time on a terminal; on anything else (CI logs, pipes, files) only what keeps long work
+from going silent: a line every ``HEARTBEAT_S`` while a phase or a loop runs (no bar frames,
+and nothing for work shorter than that, so a one-line error stays one line).
 
     for case in bar(cases, desc="weight-sync cases"): ...
     with phase("making the tiny model"): ...    # "making the tiny model ... done in 3.2 s"
@@ -62,8 +63,9 @@ def bar(iterable: Iterable, total: int | None = None, desc: str = "", stream: Te
 
 
 def _counted(iterable: Iterable, total: int | None, desc: str, stream: TextIO) -> Iterator:
+    """Count lines: one at most every ``HEARTBEAT_S``, and a closing one if any was printed."""
     t0 = last = time.monotonic()
-    done = 0
+    done, spoke = 0, False
     of = f"/{total}" if total is not None else ""
     for item in iterable:
         yield item
@@ -72,9 +74,10 @@ def _counted(iterable: Iterable, total: int | None, desc: str, stream: TextIO) -
         if now - last >= HEARTBEAT_S:
             stream.write(f"{desc}: {done}{of} after {_elapsed(now - t0)}\n")
             stream.flush()
-            last = now
-    stream.write(f"{desc}: {done}{of} done in {_elapsed(time.monotonic() - t0)}\n")
-    stream.flush()
+            last, spoke = now, True
+    if spoke:
+        stream.write(f"{desc}: {done}{of} done in {_elapsed(time.monotonic() - t0)}\n")
+        stream.flush()
 
 
 def _elapsed(seconds: float) -> str:
@@ -84,31 +87,35 @@ def _elapsed(seconds: float) -> str:
 
 @contextlib.contextmanager
 def phase(name: str, stream: TextIO | None = None, prefix: str = "") -> Iterator[None]:
-    """One line when the phase starts, one every ``HEARTBEAT_S`` while it runs, and one with
-    its elapsed time when it ends."""
+    """On a terminal: one line when the phase starts and one with its elapsed time when it ends.
+    Everywhere: a line every ``HEARTBEAT_S`` while it runs. Off a terminal a phase that ends
+    before its first heartbeat prints nothing (a one-line error stays one line)."""
     stream = sys.stderr if stream is None else stream
-    on = not quiet()
+    on, tty = not quiet(), shown(stream)
     t0 = time.monotonic()
     ended = threading.Event()
-    if on:
+    spoke = [tty]  # whether this phase has printed a line (so its end is printed too)
+    if on and tty:
         stream.write(f"{prefix}{name} ...\n")
         stream.flush()
+    if on:
 
         def beat() -> None:
             while not ended.wait(HEARTBEAT_S):
                 stream.write(f"{prefix}{name} still running after {_elapsed(time.monotonic() - t0)}\n")
                 stream.flush()
+                spoke[0] = True
 
         threading.Thread(target=beat, name="modal_rl-progress", daemon=True).start()
     try:
         yield
     except BaseException:
         ended.set()
-        if on:
+        if on and spoke[0]:
             stream.write(f"{prefix}{name} failed after {_elapsed(time.monotonic() - t0)}\n")
             stream.flush()
         raise
     ended.set()
-    if on:
+    if on and spoke[0]:
         stream.write(f"{prefix}{name} done in {_elapsed(time.monotonic() - t0)}\n")
         stream.flush()

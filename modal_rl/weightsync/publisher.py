@@ -89,8 +89,7 @@ class PublisherSettings:
     audit_every_s: float | None = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("anchor_every", "recovery_every"):
-            value = getattr(self, name)
+        for name, value in (("anchor_every", self.anchor_every), ("recovery_every", self.recovery_every)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {value!r}")
         if self.snapshot_on not in SNAPSHOT_PLACES:
