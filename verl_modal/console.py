@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_modal.model_size import checkpoint_numel, full_weights_mb  # noqa: F401  (checkpoint_numel: tests)
+from verl_modal.model_size import checkpoint_numel, full_weights_mib  # noqa: F401  (checkpoint_numel: tests)
 
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
 FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"  # verl.utils.tracking.FileLogger
@@ -52,7 +52,7 @@ class StepRecord:
     reward: float | None
     response_len: float | None
     sync_s: float | None
-    sync_mb: float | None
+    sync_mib: float | None
     step_s: float | None
     corr: float | None
 
@@ -82,7 +82,7 @@ def _num(data: dict, key: str) -> float | None:
         return None
 
 
-def step_record(step: int, data: dict, weights_mb: float | None) -> StepRecord:
+def step_record(step: int, data: dict, weights_mib: float | None) -> StepRecord:
     """The few metrics that matter, from verl's per-step dict. Weight sync: the delta engine's
     payload when it reports one (``checkpoint_engine/payload_mbytes``), else what this step's
     syncs sent (``modal_rl/weight_sync/sent_mib``: the colocated sync's anchor and deltas,
@@ -96,7 +96,7 @@ def step_record(step: int, data: dict, weights_mb: float | None) -> StepRecord:
         reward=_num(data, "critic/score/mean"),
         response_len=_num(data, "response_length/mean"),
         sync_s=_num(data, "timing_s/update_weights") or _num(data, "checkpoint_engine/send_s"),
-        sync_mb=payload if payload is not None else weights_mb,
+        sync_mib=payload if payload is not None else weights_mib,
         step_s=_num(data, "timing_s/step"),
         corr=_num(data, "training/rollout_actor_probs_pearson_corr"),
     )
@@ -112,7 +112,7 @@ def step_line(rec: StepRecord, total: int | None) -> str:
         f"step {rec.step}{of}",
         f"reward {_fmt(rec.reward, '.3f')}",
         f"response {_fmt(rec.response_len, '.1f')} tok",
-        f"sync {_fmt(rec.sync_mb, '.2f', ' MB')} in {_fmt(rec.sync_s, '.2f', ' s')}",
+        f"sync {_fmt(rec.sync_mib, '.2f', ' MiB')} in {_fmt(rec.sync_s, '.2f', ' s')}",
         f"step {_fmt(rec.step_s, '.1f', ' s')}",
     ]
     if rec.corr is not None:
@@ -156,7 +156,7 @@ def summary_lines(
         ("response length", _trend([s.response_len for s in steps], ".1f")),
         (
             "weight sync / step",
-            f"{_fmt(_mean([s.sync_mb for s in steps]), '.2f', ' MB')} in "
+            f"{_fmt(_mean([s.sync_mib for s in steps]), '.2f', ' MiB')} in "
             f"{_fmt(_mean([s.sync_s for s in steps]), '.2f', ' s')} (mean)",
         ),
         ("step time", _trend([s.step_s for s in steps], ".1f") + " s"),
@@ -214,9 +214,9 @@ def output_to(log: Path):
 class Watcher(threading.Thread):
     """Polls the log (for :data:`PHASES`) and the metrics file (for steps) while verl runs."""
 
-    def __init__(self, files: RunFiles, progress: Progress, total: int | None, weights_mb: float | None):
+    def __init__(self, files: RunFiles, progress: Progress, total: int | None, weights_mib: float | None):
         super().__init__(name="verl_modal-console", daemon=True)
-        self.files, self.progress, self.total, self.weights_mb = files, progress, total, weights_mb
+        self.files, self.progress, self.total, self.weights_mib = files, progress, total, weights_mib
         self.steps: list[StepRecord] = []
         self.stop = threading.Event()
         self._phase = 0
@@ -237,7 +237,7 @@ class Watcher(threading.Thread):
         else:
             waiting = f"for {waiting} ({len(self.steps)} done)"
         size = self.files.log.stat().st_size if self.files.log.exists() else 0
-        return f"still working, waiting {waiting}; log {size / 1e6:.1f} MB ({self.files.log})"
+        return f"still working, waiting {waiting}; log {size / (1 << 20):.1f} MiB ({self.files.log})"
 
     def poll(self) -> None:
         with contextlib.suppress(OSError):
@@ -272,7 +272,7 @@ class Watcher(threading.Thread):
             except ValueError:
                 continue
             rec = step_record(
-                int(entry.get("step", len(self.steps) + 1)), entry.get("data") or {}, self.weights_mb
+                int(entry.get("step", len(self.steps) + 1)), entry.get("data") or {}, self.weights_mib
             )
             self.steps.append(rec)
             self.progress.say(step_line(rec, self.total))
@@ -348,7 +348,7 @@ def run_local(
         progress.say(header(config, cpu), stamp=False)
         where = "shown here (--verbose)" if verbose else str(files.log)
         progress.say(f"verl's full output (config, workers, per-step metrics): {where}", stamp=False)
-        watcher = Watcher(files, progress, total, full_weights_mb(config))
+        watcher = Watcher(files, progress, total, full_weights_mib(config))
         watcher.start()
 
         def bring_up(cfg, env_vars):

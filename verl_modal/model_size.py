@@ -30,8 +30,9 @@ def checkpoint_numel(model_dir: Path) -> int | None:
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
-def full_weights_mb(config) -> float | None:
-    """What verl's ``naive`` sync sends each time: every parameter in the actor's dtype."""
+def full_weights_mib(config) -> float | None:
+    """What verl's ``naive`` sync sends each time, in MiB (the unit of every sync number we
+    show: console, report, tensorboard): every parameter in the actor's dtype."""
     from omegaconf import OmegaConf
 
     model = Path(str(OmegaConf.select(config, "actor_rollout_ref.model.path", default=""))).expanduser()
@@ -40,4 +41,4 @@ def full_weights_mb(config) -> float | None:
         numel = checkpoint_numel(model)
     except (OSError, ValueError, KeyError):
         return None
-    return None if numel is None else numel * _DTYPE_BYTES.get(dtype, 4) / 1e6
+    return None if numel is None else numel * _DTYPE_BYTES.get(dtype, 4) / (1 << 20)

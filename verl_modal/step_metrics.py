@@ -182,12 +182,11 @@ def install(config) -> Collector:
     from verl.utils.ray_utils import auto_await
     from verl.utils.tracking import Tracking
 
-    from verl_modal.model_size import full_weights_mb
+    from verl_modal.model_size import full_weights_mib
 
     if _collector is not None:
         return _collector
-    full_mb = full_weights_mb(config)  # MB (1e6 bytes); checkpoint engines report MiB
-    _collector = Collector(None if full_mb is None else full_mb * 1e6 / (1 << 20), parts_dir())
+    _collector = Collector(full_weights_mib(config), parts_dir())
     col = _collector
 
     inner = getattr(CheckpointEngineManager.update_weights, "__wrapped__", None)

@@ -28,15 +28,15 @@ STEP = {  # the keys verl 0.9.1 logs, values as its file logger writes them
 
 
 def test_step_line_has_the_few_metrics_that_matter():
-    rec = console.step_record(1, STEP, weights_mb=1.71)
+    rec = console.step_record(1, STEP, weights_mib=1.71)
     assert console.step_line(rec, 3) == (
-        "step 1/3 | reward 0.094 | response 32.0 tok | sync 1.71 MB in 0.11 s | step 28.6 s | rollout/actor corr 0.999"
+        "step 1/3 | reward 0.094 | response 32.0 tok | sync 1.71 MiB in 0.11 s | step 28.6 s | rollout/actor corr 0.999"
     )
     # a delta checkpoint engine reports its own payload and send time
     delta = console.step_record(
         2, {"checkpoint_engine/payload_mbytes": 0.51, "checkpoint_engine/send_s": 0.12}, 1.71
     )
-    assert (delta.sync_mb, delta.sync_s, delta.reward) == (0.51, 0.12, None)
+    assert (delta.sync_mib, delta.sync_s, delta.reward) == (0.51, 0.12, None)
     assert "reward n/a" in console.step_line(delta, None) and "step 2 |" in console.step_line(delta, None)
 
 
@@ -48,7 +48,7 @@ def test_summary_table(tmp_path):
     rows = {line[:18].strip(): line[20:] for line in lines[2:-1]}
     assert rows["steps"] == "3 of 3" and rows["wall time"] == "3 min 34 s"
     assert rows["reward mean"] == "0.100 -> 0.200 -> 0.300"
-    assert rows["weight sync / step"] == "1.71 MB in 0.11 s (mean)"
+    assert rows["weight sync / step"] == "1.71 MiB in 0.11 s (mean)"
     assert rows["log"] == str(files.log) and rows["metrics"] == str(files.metrics)
     assert rows["result"] == "finished"
 
@@ -56,7 +56,7 @@ def test_summary_table(tmp_path):
 def test_watcher_turns_verls_metrics_file_and_log_into_our_lines(tmp_path):
     files = console.RunFiles.make(tmp_path)
     out = io.StringIO()
-    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mb=1.0)
+    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mib=1.0)
     files.log.write_text("(CpuTaskRunner pid=1) [verl_modal] TaskRunner on verl platform 'cpu'\nhalf a li")
     with open(files.metrics, "w") as f:  # verl.utils.tracking.FileLogger's format
         f.write(json.dumps({"step": 1, "data": STEP}) + "\n" + '{"step": 2, "da')
@@ -100,7 +100,7 @@ def test_a_quiet_stretch_gets_a_still_working_line_within_the_bound(tmp_path, mo
     files = console.RunFiles.make(tmp_path)
     files.log.write_text("ray starting\n")
     out = io.StringIO()
-    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mb=1.0)
+    watcher = console.Watcher(files, console.Progress(out), total=2, weights_mib=1.0)
     watcher.start()
     try:
         time.sleep(2.2)

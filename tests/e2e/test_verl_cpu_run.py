@@ -153,13 +153,13 @@ def check_our_output(ours: list[str], log_dir: Path, steps: int) -> None:
         assert warning not in log + text, warning
     step_lines = [line for line in ours if re.search(r"\] step \d+/\d+ \| reward ", line)]
     assert len(step_lines) == steps, text
-    assert re.search(r"sync \d+\.\d\d MB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
+    assert re.search(r"sync \d+\.\d\d MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
     table = ours[ours.index("verl_modal: summary") :]
     rows = dict(re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups() for line in table[2:-1])
     assert rows["result"] == "finished" and rows["steps"] == f"{steps} of {steps}"
     assert rows["log"] == str(run_dir / "verl.log") and rows["metrics"] == str(run_dir / "metrics.jsonl")
     assert rows["checkpoints"].startswith("none (trainer.save_freq=-1)")
-    assert re.fullmatch(r"\d+\.\d\d MB in \d+\.\d\d s \(mean\)", rows["weight sync / step"])
+    assert re.fullmatch(r"\d+\.\d\d MiB in \d+\.\d\d s \(mean\)", rows["weight sync / step"])
     for key in ("wall time", "reward mean", "response length", "step time"):
         assert rows[key] and "n/a" not in rows[key], (key, rows[key])
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps
