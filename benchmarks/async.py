@@ -105,7 +105,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     from verl_modal.cpu.tiny import make
 
     cfg = (
-        LoopConfig(steps=4, groups_per_step=2, group_size=4, max_tokens=100, max_staleness=2, producers=4)
+        LoopConfig(steps=6, groups_per_step=2, group_size=4, max_tokens=112, max_staleness=2, producers=6)
         if quick
         else LoopConfig(
             steps=12, groups_per_step=4, group_size=4, max_tokens=64, max_staleness=2, producers=6

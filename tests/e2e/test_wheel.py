@@ -122,7 +122,7 @@ def test_slime_modal_dry_run_uses_the_packaged_series(wheel_env):
     assert r.returncode == 0, r.stderr
     assert '"app": "my-run"' in r.stdout
     packaged = "site-packages/modal_rl/patch_series/slime -> /opt/modal_rl/patches/slime"
-    assert packaged in r.stdout and str(ROOT) not in r.stdout
+    assert packaged in r.stdout and f"{ROOT}/" not in r.stdout
 
 
 def test_verl_without_its_extra_is_one_install_line(wheel_env):
