@@ -25,6 +25,7 @@ any step).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,11 @@ class LoopConfig:
     groups_per_step: int = 2
     group_size: int = 2
     max_tokens: int = 32
+    # Each group draws its length from [min_tokens, max_tokens] (seeded by its index): real
+    # responses differ in length, and groups of one length all finish in the same decoding
+    # step, so a commit would never find one of them mid-generation. None: every group is
+    # max_tokens long.
+    min_tokens: int | None = None
     max_staleness: int = 1
     producers: int = 2  # groups generating at once (async)
     temperature: float = 1.0
@@ -86,17 +92,23 @@ class SampleSource:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(cfg.producers, cfg.groups_per_step) * cfg.group_size)
 
-    def _one(self, prompt: list[int], min_version: int | None) -> Sample:
+    def _one(self, prompt: list[int], max_tokens: int, min_version: int | None) -> Sample:
         with self.clock:
             return self.engine.generate(
-                prompt, self.cfg.max_tokens, temperature=self.cfg.temperature, min_version=min_version
+                prompt, max_tokens, temperature=self.cfg.temperature, min_version=min_version
             )
+
+    def length(self, index: int) -> int:
+        """The response length of group ``index``: the same in every run and mode."""
+        low = self.cfg.max_tokens if self.cfg.min_tokens is None else self.cfg.min_tokens
+        return random.Random(index).randint(low, self.cfg.max_tokens)
 
     def group(self, min_version: int | None = None) -> list[Sample]:
         with self._lock:
-            prompt = self.prompts[self._next % len(self.prompts)]
+            index = self._next
             self._next += 1
-        futures = [self._pool.submit(self._one, prompt, min_version) for _ in range(self.cfg.group_size)]
+        prompt, n = self.prompts[index % len(self.prompts)], self.length(index)
+        futures = [self._pool.submit(self._one, prompt, n, min_version) for _ in range(self.cfg.group_size)]
         return [f.result() for f in futures]
 
     def close(self) -> None:

@@ -83,18 +83,23 @@ def local_vllm_spec(
     inplace: bool = True,
     prefix_caching: bool = True,
     max_num_seqs: int = 4,
+    cpus: str | None = None,
 ):
     """An ``EngineSpec`` for one local ``vllm serve`` of ``model_dir`` that takes pushes: the
     extension loaded, dev endpoints on, 32-token KV blocks (the CPU backend's smallest, so
     short prompts already exercise the prefix cache), eager mode, no hub access. ``inplace``:
     linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
     version can be written into them in place. ``prefix_caching=False`` for runs that keep
-    running requests' KV cache across a commit (``asyncrl.kv_policy``: ``keep``)."""
+    running requests' KV cache across a commit (``asyncrl.kv_policy``: ``keep``). ``cpus``: the
+    cores the CPU backend's threads are bound to (``"1"``, ``"2-5"``; default: vLLM's choice),
+    so a trainer beside it on the same host can hold cores of its own."""
     engine = VllmEngine(str(model_dir), key=None, inplace=inplace)
     flags = ["--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     flags += ["--block-size", "32", *([] if prefix_caching else ["--no-enable-prefix-caching"])]
     engine.options = {"dtype": dtype, "seed": 0, "flags": flags}
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     return engine.spec(env=env, startup_timeout_s=startup_timeout_s, name=name)
 
 
