@@ -133,6 +133,11 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         snapshot_on: where a publishing rank keeps its snapshot: ``host`` (pinned memory for GPU
             weights, diffed on the CPU) or ``device`` (beside the weights, diffed there: only
             changed words cross to the host); see ``modal_rl.weightsync.publisher``.
+        dtype: publish floating tensors in this dtype (the rollout's, e.g. ``bfloat16``) instead
+            of the trainer's (float32 on a CPU or FSDP actor). An engine that writes versions in
+            place needs records in its own dtype (it holds no float32 copy to apply float32
+            words to) and reloads every tensor otherwise; the cast is the one the engine's
+            loader would make, and a bf16 delta also carries half the words. None: as yielded.
     """
 
     wire_format = "named_tensors"
@@ -154,7 +159,9 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         compare_merged: bool = False,
         sharded: bool = False,
         snapshot_on: str = "host",
+        dtype: str | None = None,
     ) -> None:
+        self.dtype = publish_dtype(dtype)
         if max_refusals < 0:
             raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
         if snapshot_on not in SNAPSHOT_PLACES:
@@ -365,6 +372,8 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
     def _publish(self, pairs, global_steps: int | None) -> dict[str, float]:
         floor = self._publisher.next_version if self.endpoint is None else self.endpoint["version"]
         expected = _target(floor, global_steps)
+        if self.dtype is not None:
+            pairs = _cast(pairs, self.dtype)
         t0 = time.perf_counter()
         report = self._publisher.publish(pairs, expected)
         seconds = time.perf_counter() - t0
@@ -470,6 +479,23 @@ def _target(floor: int, global_steps: int | None) -> int:
     if isinstance(global_steps, int) and not isinstance(global_steps, bool) and global_steps > floor:
         return global_steps
     return floor
+
+
+def publish_dtype(name: str | None) -> torch.dtype | None:
+    """``modal_delta.dtype``: a floating torch dtype by name, or None."""
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"modal_delta.dtype={name!r} is not a floating torch dtype; use the rollout's, e.g. bfloat16"
+        )
+    return dtype
+
+
+def _cast(pairs, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in pairs:
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _synced(agen, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[str, torch.Tensor]]:

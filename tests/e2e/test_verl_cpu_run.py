@@ -226,6 +226,8 @@ def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
             "--",
             *SEPARATE_ASYNC_MODAL_DELTA,
             "actor_rollout_ref.rollout.name=modal_vllm",
+            # the trainer publishes in the engine's dtype, so the engine writes versions in place
+            "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.modal_delta.dtype=bfloat16",
         ],
         timeout=1400,
         extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs)},  # the engine backend follows --backend
@@ -240,6 +242,7 @@ def test_modal_vllm_replica_engine_gets_every_update(tmp_path):
     # it agrees with the actor only because the start-up anchor and both updates landed.
     loads = [line for line in engine_out.splitlines() if LOG_PREFIX in line]
     assert [line.split("version ")[1].split(":")[0] for line in loads] == ["0", "1", "2"], loads
+    assert "full load" in loads[0] and all(" words in place in " in line for line in loads[1:]), loads
     for step in metrics.values():
         assert float(step["training/rollout_actor_probs_pearson_corr"]) > 0.99
         assert (

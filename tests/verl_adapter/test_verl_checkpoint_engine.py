@@ -236,6 +236,34 @@ def test_snapshot_on_is_checked_when_the_engine_is_made():
         registry().new("modal_delta", bucket_size=1 << 20, is_master=True, snapshot_on="gpu")
 
 
+def test_dtype_publishes_floating_tensors_in_the_rollouts_dtype():
+    # A float32 trainer state reaches the receivers as the bf16 an in-place engine holds (the
+    # cast its loader would make); integer tensors pass unchanged.
+    state = {
+        "w": torch.randn(64, 32, dtype=torch.float32),
+        "b": torch.randn(32, dtype=torch.float32),
+        "steps": torch.arange(5, dtype=torch.int64),
+    }
+    cluster = Cluster(n_rollout=1, dtype="bfloat16")
+    try:
+        for step in (1, 2):
+            _metrics, outcomes = cluster.sync(state, step)
+            assert outcomes == [None]
+            live = cluster.rollouts[0].live
+            assert live["w"].dtype == torch.bfloat16 and live["steps"].dtype == torch.int64
+            assert torch.equal(live["w"], state["w"].to(torch.bfloat16))
+            assert torch.equal(live["steps"], state["steps"])
+            state = {**state, "w": state["w"] + 0.5}
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("bad", ["int8", "fp42", "Tensor"])
+def test_dtype_is_checked_when_the_engine_is_made(bad):
+    with pytest.raises(ValueError, match=rf"modal_delta.dtype='{bad}' is not a floating torch dtype"):
+        registry().new("modal_delta", bucket_size=1 << 20, is_master=True, dtype=bad)
+
+
 def test_topology_rejects_a_missing_master():
     cls = registry().get("modal_delta")
     with pytest.raises(ValueError, match="rank 0 must be the master"):
