@@ -78,7 +78,7 @@ def listener_inodes(host: str, port: int) -> set[str]:
 
 
 def held_by_tree(host: str, port: int, pid: int) -> bool | None:
-    """Whether the listener on ``host:port`` is a socket of process ``pid`` or one of its
+    """Whether every listener on ``host:port`` is a socket of process ``pid`` or one of its
     descendants (None: nothing listens there yet). Our own user's processes are not all the
     engine: a process of ours that bound the port first is not it, and gets no credential.
     A socket is known by its inode (the table's ``inode`` column, ``socket:[N]`` in
@@ -94,6 +94,7 @@ def held_by_tree(host: str, port: int, pid: int) -> bool | None:
     except psutil.Error:
         return False
     links = {f"socket:[{inode}]" for inode in inodes}
+    found: set[str] = set()
     for proc in tree:
         try:
             fds = os.listdir(f"/proc/{proc.pid}/fd")
@@ -101,11 +102,11 @@ def held_by_tree(host: str, port: int, pid: int) -> bool | None:
             continue
         for fd in fds:
             try:
-                if os.readlink(f"/proc/{proc.pid}/fd/{fd}") in links:
-                    return True
+                found.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
             except OSError:
                 continue
-    return False
+    # Every listener: a process of ours sharing the port (SO_REUSEPORT) would get its share.
+    return links <= found
 
 
 def peer_uid(ours: tuple, theirs: tuple) -> int | None:

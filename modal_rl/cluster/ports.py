@@ -8,10 +8,20 @@ kernel never hands out by itself, and above Ray's default worker-port range (100
 Among our own processes, a port is claimed by binding an abstract unix socket named after it:
 the claim is host-wide, costs no file, and dies with the process that holds it.
 
+The claim keeps our own processes off a port, not other users: its name is listed in
+``/proc/net/unix`` for all to read, and anyone may bind the port itself before our server does.
+``reserve_held`` also holds the TCP port: a socket bound to ``(host, port)`` with
+``SO_REUSEPORT`` alone, never listening. The kernel then refuses every other user's bind of that
+port (any address, any flags: ``SO_REUSEPORT`` groups are per user), while a server of our own
+user that binds with ``SO_REUSEPORT`` (vLLM does) joins the group and takes the port over when
+the holder is closed. A server that binds without it cannot start while the hold is open, so
+only servers known to set it get a held port.
+
 Invariants: a port returned by ``reserve`` was free on ``host`` when picked and stays claimed
 by this process for ``hold_s`` (long enough for a bring-up to bind it; at most ``_MAX_CLAIMS``
 claims are held, oldest released first); no two live processes using this module get the same
-claimed port at once.
+claimed port at once; a port ``reserve_held`` returns was free (no socket of any user on it)
+when its hold was bound, and no other user can bind it while that hold is open.
 """
 
 from __future__ import annotations
@@ -64,11 +74,37 @@ def _free(host: str, port: int) -> bool:
             return False
 
 
+def _hold(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``(host, port)`` with ``SO_REUSEPORT`` only (module docstring); None
+    when the port is not free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
 def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 120.0) -> list[int]:
     """``count`` distinct ports, free on ``host`` and claimed by this process for ``hold_s``."""
+    return [port for port, _ in _reserve(count, host, hold_s, held=False)]
+
+
+def reserve_held(
+    count: int, host: str = "127.0.0.1", *, hold_s: float = 120.0
+) -> list[tuple[int, socket.socket]]:
+    """As ``reserve``, each port also held against other users until the caller closes its
+    socket (module docstring): ``[(port, hold), ...]``. Close a hold once the server listens."""
+    return _reserve(count, host, hold_s, held=True)
+
+
+def _reserve(count: int, host: str, hold_s: float, held: bool) -> list[tuple[int, socket.socket | None]]:
     ports = port_range()
     now = time.monotonic()
-    out: list[int] = []
+    out: list[tuple[int, socket.socket | None]] = []
     with _lock:
         for _, sock in [c for c in _claims if c[0] < now]:
             sock.close()
@@ -79,13 +115,20 @@ def reserve(count: int, host: str = "127.0.0.1", *, hold_s: float = 120.0) -> li
             claim = _claim(port)
             if claim is None:
                 continue  # another of our processes holds it
-            if not _free(host, port):
+            # Free of every socket first (a hold alone would join a port a server of ours
+            # already shares with SO_REUSEPORT), then held: a bind in between fails the hold.
+            free = _free(host, port)
+            hold = _hold(host, port) if held and free else None
+            if not free or (held and hold is None):
                 claim.close()
                 continue
             _claims.append((now + hold_s, claim))
             while len(_claims) > _MAX_CLAIMS:
                 _claims.pop(0)[1].close()
-            out.append(port)
+            out.append((port, hold))
             if len(out) == count:
                 return out
+        for _, hold in out:
+            if hold is not None:
+                hold.close()
     raise OSError(f"no {count} free ports on {host} in {ports.start}-{ports.stop - 1}")

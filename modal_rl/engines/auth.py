@@ -13,9 +13,10 @@ is read from ``MODAL_RL_ENGINE_BEARER`` (else derived from ``MODAL_RL_RUN_KEY``)
 server's environment, never from a flag.
 
 Invariants:
-- the bearer opens only what ``routes`` allows (generation, the control routes the run
-  calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging directory by a safe
-  name); every other route is answered 403 here with the bearer too, and a websocket is closed;
+- the bearer opens only what the guard's route table allows (``routes`` for vLLM: generation,
+  the control routes the run calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging
+  directory by a safe name; ``sglang_routes`` for SGLang, through ``SglangKeyAuth``); every
+  other route is answered 403 here with the bearer too, and a websocket is closed;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
   with a short body; a websocket is closed before it is accepted, which clients see as HTTP
   403) and never reaches the server: no route runs, no state changes;
@@ -39,6 +40,7 @@ import urllib.request
 from urllib.parse import urlparse
 
 from modal_rl.engines import routes as engine_routes
+from modal_rl.engines import sglang_routes
 from modal_rl.run_key import (
     ENGINE_BEARER_ENV,
     MissingRunKeyError,
@@ -115,7 +117,10 @@ def check_key_safe_url(url: str) -> None:
 
 class RunKeyAuth:
     """Pure ASGI middleware; see the module docstring. ``key``: the run key (the guard keeps
-    only its engine bearer); default: the bearer from the environment."""
+    only its engine bearer); default: the bearer from the environment. ``routes``: the
+    allow-list (vLLM's; ``SglangKeyAuth`` has SGLang's)."""
+
+    routes = engine_routes
 
     def __init__(self, app, key: str | None = None) -> None:
         self.app = app
@@ -163,7 +168,7 @@ class RunKeyAuth:
         if scope["type"] == "websocket":  # no route of the run's is a websocket
             return await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})
         path = _path(scope)
-        rule = engine_routes.verdict(scope.get("method", ""), path)
+        rule = self.routes.verdict(scope.get("method", ""), path)
         if rule in (engine_routes.OPEN, engine_routes.ALLOW):
             return await self.app(scope, receive, send)
         if rule == engine_routes.REFUSE:
@@ -180,10 +185,25 @@ class RunKeyAuth:
                 )
             if not message.get("more_body", False):
                 break
-        why = engine_routes.body_refusal(path, list(scope.get("headers") or ()), body)
+        why = self.routes.body_refusal(path, list(scope.get("headers") or ()), body)
         if why is not None:
             return await _forbid(send, why)
         return await self.app(scope, _replay(body, receive), send)
+
+
+class SglangKeyAuth(RunKeyAuth):
+    """The guard with SGLang's allow-list (``sglang_routes``), in front of SGLang's own key
+    check (``sglang_routes.install``)."""
+
+    routes = sglang_routes
+
+
+def install_sglang_guard() -> None:
+    """Put ``SglangKeyAuth`` in front of SGLang's HTTP app, in this process before SGLang
+    starts serving it (``keyed_launch --guard=sglang``; ``sglang_routes``)."""
+    from sglang.srt.entrypoints import http_server
+
+    http_server.app.add_middleware(SglangKeyAuth)
 
 
 def _replay(body: bytes, receive):

@@ -12,6 +12,10 @@ read ``ps`` or ``/proc/<pid>/cmdline``. The kernel's copy of a process's argv is
 ``exec``; changing Python's ``sys.argv`` afterwards does not touch it, so ``ps`` keeps showing
 the command above, without the key.
 
+``--guard=sglang`` also puts modal_rl's route guard in front of SGLang's HTTP app, in this
+process before the module runs (``auth.install_sglang_guard``): SGLang's keys open every route, the
+guard only those the run uses. A launch whose flags would serve without it stops (exit 2).
+
 Invariants:
 - the key is never printed by this module, nor put in an error message. The module it runs
   may print it: SGLang logs ``server_args=ServerArgs(..., api_key=..., admin_api_key=...)`` at
@@ -27,18 +31,35 @@ from __future__ import annotations
 import runpy
 import sys
 
+from modal_rl.engines import sglang_routes
 from modal_rl.run_key import MissingRunKeyError, engine_bearer_from_env
 
-USAGE = "usage: python -m modal_rl.engines.keyed_launch [--key-flag=FLAG]... MODULE [ARGS...]"
+USAGE = (
+    "usage: python -m modal_rl.engines.keyed_launch [--key-flag=FLAG]... [--guard=sglang] MODULE [ARGS...]"
+)
 PREFIX = "--key-flag="
+GUARD_PREFIX = "--guard="
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
     """``(key flags, module, module args)`` from our argv; ValueError says what is wrong."""
+    flags, guard, module, args = parse_argv(argv)
+    return flags, module, args
+
+
+def parse_argv(argv: list[str]) -> tuple[list[str], str | None, str, list[str]]:
+    """``(key flags, guard or None, module, module args)``; ValueError says what is wrong."""
     flags: list[str] = []
+    guard = None
     rest = list(argv)
-    while rest and rest[0].startswith(PREFIX):
-        flag = rest.pop(0)[len(PREFIX) :]
+    while rest and rest[0].startswith((PREFIX, GUARD_PREFIX)):
+        word = rest.pop(0)
+        if word.startswith(GUARD_PREFIX):
+            guard = word[len(GUARD_PREFIX) :]
+            if guard != sglang_routes.GUARD:
+                raise ValueError(f"{word!r}: the one guard is --guard={sglang_routes.GUARD}")
+            continue
+        flag = word[len(PREFIX) :]
         if not flag.startswith("--") or "=" in flag:
             raise ValueError(f"--key-flag={flag!r}: give a long flag such as --api-key")
         flags.append(flag)
@@ -48,7 +69,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
     for flag in flags:
         if any(a == flag or a.startswith(flag + "=") for a in args):
             raise ValueError(f"{flag} is set by keyed_launch from the run's key; drop it from the command")
-    return flags, module, args
+    if guard is not None and (why := sglang_routes.refusal(args)):
+        raise ValueError(why)
+    return flags, guard, module, args
 
 
 def keyed_args(flags: list[str], args: list[str], key: str) -> list[str]:
@@ -61,11 +84,15 @@ def keyed_args(flags: list[str], args: list[str], key: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        flags, module, args = split_argv(argv)
-        key = engine_bearer_from_env() if flags else ""
+        flags, guard, module, args = parse_argv(argv)
+        key = engine_bearer_from_env() if flags or guard else ""
     except (ValueError, MissingRunKeyError) as exc:
         print(f"keyed_launch: {exc}", file=sys.stderr)
         return 2
+    if guard is not None:
+        from modal_rl.engines.auth import install_sglang_guard
+
+        install_sglang_guard()  # before the module's server starts: it serves this app object
     sys.argv = [module, *keyed_args(flags, args, key)]
     # alter_sys: the module sees itself as __main__ with sys.argv[0] set to its file, as `-m` does.
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -98,6 +98,9 @@ class EngineSpec:
     # Whether the server pulls modal_rl weight frames (vLLM with our extension): only then does
     # it get the frame-read key beside its bearer (least privilege: SGLang's do not).
     pulls_frames: bool = True
+    # Whether the server binds its port with SO_REUSEPORT (vLLM does): then the local pool holds
+    # the port against other users until the server listens on it (``cluster.ports``).
+    shares_port: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))

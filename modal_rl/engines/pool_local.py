@@ -21,6 +21,12 @@ Invariants (beyond ``engines.EnginePool``'s):
   environment: ``program`` looks it up in the interpreter's own ``bin/`` (a venv that was never
   activated has it there, not on ``PATH``) before ``PATH``, and one that is in neither is an
   ``EngineStartError`` of one line, before anything starts;
+- a port stays ours until the engine holds it: for a server that binds with ``SO_REUSEPORT``
+  (``EngineSpec.shares_port``) the pool holds the port itself (``ports.reserve_held``) from its
+  pick until a listener of the engine's own process tree is on it, so no other user can bind it
+  first; for any other server, a listener that is not the engine's stops the start with an
+  ``EngineStartError`` and gets no bearer (``_listener_is_ours``): ``start()`` never returns a
+  squatter as an engine;
 - ``replace(i)`` SIGKILLs engine ``i``'s process group (it may be hung: SIGSTOPped processes
   die of SIGKILL too), starts the same command on a new free port and returns its address
   once it is up; its log is ``<name>-<i>.<generation>.log``.
@@ -86,6 +92,7 @@ class LocalEnginePool(EnginePool):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []  # pumps[i]: engine i's output -> its log
         self.ports: list[int] = []
+        self._holds: dict[int, Any] = {}  # engine index -> the socket holding its port, until it listens
 
     def log_path(self, index: int) -> Path:
         generation = self.generations[index] if index < len(self.generations) else 0
@@ -131,8 +138,6 @@ class LocalEnginePool(EnginePool):
         }
 
     def start(self) -> list[str]:
-        from modal_rl.cluster.backend_local import free_ports
-
         self._key = engine_key(self.spec)
         self._stopped = False
         run_temp.own(self.temp_dir)  # made here (again, after a stop()): removed by stop()
@@ -140,7 +145,7 @@ class LocalEnginePool(EnginePool):
         if not self.log_dir.exists():  # a folder the caller named and that already exists is theirs
             self.log_dir.mkdir(parents=True, mode=LOG_DIR_MODE)
             os.chmod(self.log_dir, LOG_DIR_MODE)  # mkdir's mode is filtered by the umask
-        self.ports = free_ports(self.spec.count, self.host)
+        self.ports = self._pick_ports(range(self.spec.count))
         self.generations = [0] * self.spec.count
         try:
             for index, port in enumerate(self.ports):
@@ -153,6 +158,27 @@ class LocalEnginePool(EnginePool):
             raise
         self.addresses = [f"http://{self.host}:{port}" for port in self.ports]
         return list(self.addresses)
+
+    def _pick_ports(self, indices) -> list[int]:
+        """Free ports for engines ``indices``, each held until its engine listens when the
+        server shares its port (module docstring)."""
+        from modal_rl.cluster import ports
+        from modal_rl.cluster.backend_local import free_ports
+
+        indices = list(indices)
+        if not self.spec.shares_port:
+            return free_ports(len(indices), self.host)
+        picked = ports.reserve_held(len(indices), self.host)
+        with self._lock:
+            for index, (_, hold) in zip(indices, picked, strict=True):
+                self._release(index)
+                self._holds[index] = hold
+        return [port for port, _ in picked]
+
+    def _release(self, index: int) -> None:
+        hold = self._holds.pop(index, None)
+        if hold is not None:
+            hold.close()
 
     def _spawn(self, index: int, port: int) -> tuple[subprocess.Popen, threading.Thread]:
         setpriv = shutil.which("setpriv")
@@ -186,14 +212,12 @@ class LocalEnginePool(EnginePool):
         return proc, thread
 
     def replace(self, index: int) -> str:
-        from modal_rl.cluster.backend_local import free_ports
-
         with self._lock:
             if self._stopped or index >= len(self.procs):
                 raise EngineStartError(f"{self.spec.name} {index}: the pool is stopped; nothing to replace")
             old = self.procs[index]
         _kill_group(old)
-        (port,) = free_ports(1, self.host)
+        (port,) = self._pick_ports([index])
         with self._lock:
             if self._stopped:
                 raise EngineStartError(f"{self.spec.name} {index}: the pool stopped during the replacement")
@@ -245,7 +269,9 @@ class LocalEnginePool(EnginePool):
                     )
                 url = f"http://{self.host}:{self.ports[index]}"
                 ok, last[index] = self._listener_is_ours(index)
-                if ok:
+                if ok:  # the engine listens on its port: it holds it now
+                    with self._lock:
+                        self._release(index)
                     ok, last[index] = ready(url, self.spec, self._key)
                 if ok:
                     pending.discard(index)
@@ -282,6 +308,9 @@ class LocalEnginePool(EnginePool):
             if proc.poll() is None:
                 procs.signal_group(proc, signal.SIGKILL)
                 proc.wait()
+        with self._lock:
+            for index in list(self._holds):
+                self._release(index)
         survivors = procs.end_run(self.run_id, grace_s=1.0) if self.procs else []
         if survivors:
             print(f"[modal_rl.engines] could not end PIDs {survivors}", file=sys.stderr)

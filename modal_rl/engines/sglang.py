@@ -4,7 +4,9 @@ The server is ``sglang.launch_server`` started through ``modal_rl.engines.keyed_
 adds ``--api-key``/``--admin-api-key`` inside the process from ``MODAL_RL_ENGINE_BEARER`` (SGLang
 takes its keys only as flags, and a flag on a command line is visible to every local user).
 SGLang then refuses every route without the bearer except its ``/health*``, ``/ready*`` and
-``/metrics*``. Healthy = a keyed 1-token ``/generate``.
+``/metrics*``; ``--guard=sglang`` puts modal_rl's guard in front of its app too, which opens only
+the routes the run uses (``sglang_routes``: with the bearer, generation, status and the run's own
+weight path; without it, ``GET /health`` alone). Healthy = a keyed 1-token ``/generate``.
 
 Weights: the framework (slime) pushes its versions itself; a new server is brought to the newest
 one the way slime reloads its engines (``catch_up``): ``POST /pull_weights`` into the local
@@ -37,6 +39,7 @@ SERVER = (
     "-m",
     "modal_rl.engines.keyed_launch",
     *(f"--key-flag={flag}" for flag in KEY_FLAGS),
+    "--guard=sglang",  # our route allow-list in front of SGLang's app (engines.sglang_routes)
     SGLANG_MODULE,
 )
 SGLANG_PORT = 30000

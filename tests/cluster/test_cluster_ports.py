@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from modal_rl.cluster import ports
 
 
@@ -73,3 +75,22 @@ def test_a_local_ray_node_opens_no_port_of_rays_choosing():
     assert len(numbers) == 3 * 6 + 1 + 2 + 1 + 1 and len(set(numbers)) == len(numbers)
     span = ports.port_range()
     assert all(p in span for p in numbers), numbers
+
+
+def test_a_held_port_refuses_a_plain_bind_and_passes_to_a_server_that_shares_it():
+    ((port, hold),) = ports.reserve_held(1)
+    try:
+        with socket.socket() as plain:
+            plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                plain.bind(("127.0.0.1", port))
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            hold.close()  # handed over: the server alone holds the port
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+    finally:
+        hold.close()

@@ -2,7 +2,7 @@
 routes and runtime LoRA on, as our engines run) gets the verdict below, answered by the real
 ``RunKeyAuth`` in front of a stand-in app that records what reaches it. The table is vLLM's own
 (``tests/_vllm_routes.py`` prints it; ``tests/e2e/test_engine_auth_vllm.py`` checks a live engine's
-table has no route missing here). SGLang's engines are not behind this guard (docs/security.md).
+table has no route missing here). SGLang's engines have their own table (``tests/engines/test_sglang_routes.py``).
 """
 
 from __future__ import annotations

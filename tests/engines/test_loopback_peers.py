@@ -155,3 +155,92 @@ def test_the_readiness_probe_sends_no_bearer_to_our_own_process_that_is_not_the_
         squatter.kill()
         out = squatter.communicate()[0]
     assert "AUTH" not in out
+
+
+# Another user who watches for the pool's claim of a port (its name is public in
+# /proc/net/unix) and binds the port the moment it appears, with every reuse flag set.
+CLAIM_SQUATTER = r"""
+import http.server, socket, sys, time
+port = int(sys.argv[1])
+name = "@modal-rl-port-%d" % port
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and not any(l.rstrip().endswith(name) for l in open("/proc/net/unix")):
+    time.sleep(0.002)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        print("AUTH", self.headers.get("Authorization"), flush=True)
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a): pass
+s = http.server.HTTPServer(("127.0.0.1", port), H, bind_and_activate=False)
+s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+try:
+    s.server_bind(); s.server_activate()
+except OSError as exc:
+    print("REFUSED", exc.errno, flush=True); sys.exit()
+print("SQUATTED", flush=True)
+s.serve_forever()
+"""
+
+# A slow engine: it binds its port 1.5 s after it starts, with SO_REUSEPORT (argv[3] == "1").
+SLOW_ENGINE = r"""
+import http.server, socket, sys, time
+time.sleep(1.5)
+class S(http.server.ThreadingHTTPServer):
+    def server_bind(self):
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(sys.argv[3]))
+        super().server_bind()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a): pass
+S((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def _one_port_range(monkeypatch) -> int:
+    """A free port, unclaimed again, as the only one ``ports.reserve`` may pick (so the
+    squatter below watches this one claim and no other process's)."""
+    from modal_rl.cluster import ports
+
+    (port,) = ports.reserve(1)
+    name = ports._CLAIM_PREFIX + str(port).encode()
+    for entry in [c for c in ports._claims if c[1].getsockname() == name]:
+        ports._claims.remove(entry)
+        entry[1].close()
+    monkeypatch.setattr(ports, "port_range", lambda: range(port, port + 1))
+    return port
+
+
+@pytest.mark.parametrize("shares_port", [True, False], ids=["held", "not-held"])
+def test_a_reserved_port_stays_ours_until_the_engine_listens_on_it(monkeypatch, tmp_path, shares_port):
+    """The other user binds the port as soon as the pool claims it. Held (a server that binds
+    with SO_REUSEPORT): the kernel refuses the squatter, the engine starts on that port and
+    ``start()`` returns it. Not held: the squatter gets the port, and the start stops before
+    any bearer is sent (the squatter does win the race, so the held case can fail)."""
+    from modal_rl.engines.pool import EngineSpec, EngineStartError, get_engine_pool
+
+    monkeypatch.setenv(RUN_KEY_ENV, new_run_key())
+    port = _one_port_range(monkeypatch)
+    squatter = as_nobody(CLAIM_SQUATTER, str(port))
+    try:
+        engine = (sys.executable, "-c", SLOW_ENGINE, "{host}", "{port}", str(int(shares_port)))
+        spec = EngineSpec(command=engine, name="slow", startup_timeout_s=30.0, shares_port=shares_port)
+        pool = get_engine_pool(spec, "local", log_dir=str(tmp_path / "logs"))
+        try:
+            if shares_port:
+                assert pool.start() == [f"http://127.0.0.1:{port}"]
+                assert peer_creds.held_by_tree("127.0.0.1", port, pool.pid(0)) is True
+                assert pool._holds == {}  # handed over: the engine holds the port alone
+            else:
+                with pytest.raises(EngineStartError, match="held by another user"):
+                    pool.start()
+        finally:
+            pool.stop()
+    finally:
+        squatter.kill()
+        out = squatter.communicate()[0]
+    assert ("REFUSED" if shares_port else "SQUATTED") in out, out
+    assert "AUTH" not in out

@@ -56,3 +56,23 @@ def test_a_lora_load_passes_only_from_the_staging_directory(name, leaf):
             assert path.rpartition("/")[0] == root
             assert "/" not in leaf and ".." not in leaf and not leaf.startswith(".")
             assert "/" not in name and ".." not in name
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD"]), TEXT)
+def test_sglang_verdict_is_total_and_opens_only_its_table(method, path):
+    from modal_rl.engines import sglang_routes
+
+    got = sglang_routes.verdict(method, path)
+    assert got in (sglang_routes.OPEN, sglang_routes.ALLOW, sglang_routes.REFUSE)
+    if got == sglang_routes.ALLOW and "/v1/responses/" not in path:
+        assert (method, path) in sglang_routes.ALLOWED
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TEXT, max_size=6))
+def test_the_sglang_launch_check_is_total(argv):
+    from modal_rl.engines import sglang_routes
+
+    why = sglang_routes.refusal(argv)
+    assert why is None or ("\n" not in why or any("\n" in a for a in argv))

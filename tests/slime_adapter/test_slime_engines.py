@@ -75,12 +75,13 @@ def test_engine_command_follows_slime_flags():
     assert spec.pulls_frames is False  # slime moves SGLang's weights: no frame-read key
     cmd = list(spec.command)
     # SGLang runs under our keyed launcher: its keys come from the env, not the command line.
-    assert cmd[:6] == [
+    assert cmd[:7] == [
         "python3",
         "-m",
         "modal_rl.engines.keyed_launch",
         "--key-flag=--api-key",
         "--key-flag=--admin-api-key",
+        "--guard=sglang",  # and our route allow-list in front of SGLang's app
         "sglang.launch_server",
     ]
     assert not any(a.startswith(("--api-key", "--admin-api-key")) for a in cmd)
