@@ -6,11 +6,12 @@ and a bincount per plane to pick the residual, ``np.diff``, ``minimum``, a cast,
 gather for the exceptions, the residual, a strided copy per byte plane, a count per plane
 for the coder choice), each through its own temporary. ``_code`` reads each change once and
 writes its gap byte, its exception (a gap of 255 or more, as four bytes), the bytes of both
-residuals (XOR and SUB) into their planes, counts each plane's nonzero bytes (all the coder
-choice, ``streams.pick_coder``, needs) and, over the same strided sample the residual choice
+residuals (XOR and SUB) into their planes and, over the same strided sample the residual choice
 has always used, both residuals' byte histograms. The choice is then the same entropy formula
-over the same counts, so it never differs from the numpy coder's; writing the planes of both
-kinds costs less than a second pass over the changes.
+over the same counts, so it never differs from the numpy coder's (writing the planes of both
+kinds costs less than a second pass over the changes); the coder choice
+(``streams.pick_coder``) needs only the chosen planes' nonzero counts (``np.count_nonzero``:
+a vectorized scan, not a counter per byte in the loop).
 
 Layout of the buffer (n changes, w bytes a word): gap bytes (n), XOR planes (w × n), SUB
 planes (w × n), exception planes (4 × n reserved: ``np.empty`` touches only the pages
@@ -33,10 +34,9 @@ SAMPLE = 1 << 16  # the residual choice's sample (``chunks.choose_residual``)
 ESCAPE = 255
 
 
-def _code(positions, old, new, step, itemsize, mask, out, hist, nonzero):
+def _code(positions, old, new, step, itemsize, mask, out, hist):
     """One pass over the changes: each change's gap byte (and its exception, for a gap of
-    255 or more), both residuals' bytes into their planes with each plane's nonzero count,
-    and, for every ``step``-th change, both residuals' bytes into ``hist[kind, plane, lane]``
+    255 or more), both residuals' bytes into their planes, and, for every ``step``-th change, both residuals' bytes into ``hist[kind, plane, lane]``
     (four lanes in turn, so that runs of one byte value do not wait on one counter).
     Layout in the module doc; kind 0 = XOR, 1 = SUB. Returns the number of exceptions."""
     n = positions.size
@@ -47,6 +47,8 @@ def _code(positions, old, new, step, itemsize, mask, out, hist, nonzero):
     exc_at = n + 2 * itemsize * n
     nexc = 0
     prev = -1
+    until_sample = 0  # changes before the next sampled one (no division in the loop)
+    lane = 3
     for i in range(n):
         p = positions[i]
         gap = p - prev - 1
@@ -67,16 +69,17 @@ def _code(positions, old, new, step, itemsize, mask, out, hist, nonzero):
         # zigzag(v - u) in the word's width, on uint64 (numba widens small words: wrap by mask)
         d = (v - u) & mask
         z = ((d << one) ^ (mask * ((d >> top_shift) & one))) & mask
-        sampled = i % step == 0
-        lane = (i // step) & 3
+        sampled = until_sample == 0
+        if sampled:
+            until_sample = step
+            lane = (lane + 1) & 3
+        until_sample -= 1
         for k in range(itemsize):
             s = np.uint64(8 * k)
             bx = (x >> s) & np.uint64(0xFF)
             bz = (z >> s) & np.uint64(0xFF)
             out[xor_at + k * n + i] = bx
             out[sub_at + k * n + i] = bz
-            nonzero[0, k] += bx != 0
-            nonzero[1, k] += bz != 0
             if sampled:
                 hist[0, k, lane, np.int64(bx)] += 1
                 hist[1, k, lane, np.int64(bz)] += 1
@@ -115,9 +118,8 @@ def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray):
     out = np.empty(n * (1 + 2 * itemsize + 4), np.uint8)
     step = max(1, n // SAMPLE)
     hist = np.zeros((2, itemsize, 4, 256), np.int64)
-    nonzero = np.zeros((2, itemsize), np.int64)
     positions = positions.astype(np.int64, copy=False)
-    nexc = CODE.get()(positions, old, new, np.int64(step), itemsize, _mask(itemsize), out, hist, nonzero)
+    nexc = CODE.get()(positions, old, new, np.int64(step), itemsize, _mask(itemsize), out, hist)
     size = -(-n // step)
     counts = hist.sum(axis=2)
     bits = [sum(_entropy_bits(counts[kind, k], size) for k in range(itemsize)) for kind in (0, 1)]
@@ -126,5 +128,5 @@ def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray):
     streams = [out[:n]] + [out[exc_at + k * n : exc_at + k * n + nexc] for k in range(4)]
     at = n + kind * itemsize * n
     streams += [out[at + k * n : at + (k + 1) * n] for k in range(itemsize)]
-    coders = [ZSTD] * 5 + [_coder(int(nonzero[kind, k]), n) for k in range(itemsize)]
+    coders = [ZSTD] * 5 + [_coder(np.count_nonzero(plane), n) for plane in streams[5:]]
     return ("xor" if kind == 0 else "sub"), streams, coders
