@@ -86,11 +86,57 @@ def _code(positions, old, new, step, itemsize, mask, out, hist):
     return nexc
 
 
+def _code2(positions, old, new, step, out, hist):
+    """``_code`` for 2-byte words, unrolled (the common case: bf16 and fp16 states)."""
+    n = positions.size
+    nexc = 0
+    prev = -1
+    until_sample = 0
+    lane = 3
+    xor_at = n
+    sub_at = 3 * n
+    exc_at = 5 * n
+    for i in range(n):
+        p = positions[i]
+        gap = p - prev - 1
+        prev = p
+        if gap >= ESCAPE:
+            out[i] = ESCAPE
+            e = gap - ESCAPE
+            out[exc_at + nexc] = e & 0xFF
+            out[exc_at + n + nexc] = (e >> 8) & 0xFF
+            out[exc_at + 2 * n + nexc] = (e >> 16) & 0xFF
+            out[exc_at + 3 * n + nexc] = (e >> 24) & 0xFF
+            nexc += 1
+        else:
+            out[i] = gap
+        u = np.int64(old[i])
+        v = np.int64(new[i])
+        x = u ^ v
+        d = (v - u) & 0xFFFF
+        z = ((d << 1) ^ (0xFFFF * (d >> 15))) & 0xFFFF
+        x0, x1, z0, z1 = x & 0xFF, x >> 8, z & 0xFF, z >> 8
+        out[xor_at + i] = x0
+        out[xor_at + n + i] = x1
+        out[sub_at + i] = z0
+        out[sub_at + n + i] = z1
+        if until_sample == 0:
+            until_sample = step
+            lane = (lane + 1) & 3
+            hist[0, 0, lane, x0] += 1
+            hist[0, 1, lane, x1] += 1
+            hist[1, 0, lane, z0] += 1
+            hist[1, 1, lane, z1] += 1
+        until_sample -= 1
+    return nexc
+
+
 CODE = Kernel(_code)
+CODE2 = Kernel(_code2)
 
 
 def available() -> bool:
-    return CODE.get() is not None
+    return CODE.get() is not None and CODE2.get() is not None
 
 
 def _mask(itemsize: int) -> np.uint64:
@@ -119,7 +165,10 @@ def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray):
     step = max(1, n // SAMPLE)
     hist = np.zeros((2, itemsize, 4, 256), np.int64)
     positions = positions.astype(np.int64, copy=False)
-    nexc = CODE.get()(positions, old, new, np.int64(step), itemsize, _mask(itemsize), out, hist)
+    if itemsize == 2:
+        nexc = CODE2.get()(positions, old, new, np.int64(step), out, hist)
+    else:
+        nexc = CODE.get()(positions, old, new, np.int64(step), itemsize, _mask(itemsize), out, hist)
     size = -(-n // step)
     counts = hist.sum(axis=2)
     bits = [sum(_entropy_bits(counts[kind, k], size) for k in range(itemsize)) for kind in (0, 1)]
