@@ -7,7 +7,8 @@ was before. An anchor's tensors are summed in full; a delta's sums follow the ch
 held sums (checked against the version header's base digest) moved by each applied chunk's
 changed words, whose digest must equal the frame's ``S`` record. Deltas get there by
 rollback: every applied chunk is undone exactly (XOR again, or subtract what was added).
-Anchors never touch the held state; they build new tensors that the caller swaps in.
+An anchor builds the tensors the caller swaps in: a held tensor of the same name, dtype and
+shape is written in place with an undo log (``anchor_inplace``), rolled back like a delta.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import time
 from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from modal_rl.weightsync.codec import fused
+from modal_rl.weightsync.codec import anchor_inplace, fused
 from modal_rl.weightsync.codec.chunk_sums import chunk_moves, held_sums
 from modal_rl.weightsync.codec.codings.chunks import (
     CTX_SPARSE,
@@ -93,6 +95,7 @@ class _GroupJob:
         self.moves = [EMPTY_SUM] * len(header.tensors)
         self.base_sums: list[str] = []  # a delta's: the held tensors' sums before it
         self.new_sums: list[str] = []
+        self.in_place: list[bool] = []  # an anchor's: which members are held tensors (``anchor_inplace``)
 
 
 def _words(tensor: Any) -> Any:
@@ -165,7 +168,10 @@ class _Applier:
             if is_anchor != (chunk.encoding == FULL):
                 raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
             moves = None
-            if chunk.encoding in (XOR_SPARSE, SUB_SPARSE):  # applied and summed in one pass
+            if is_anchor and any(job.in_place):  # the held words, with an undo log
+                anchor_inplace.apply_full_chunk(job.segments, job.in_place, chunk, partial(self._log, job))
+                moves = []
+            elif chunk.encoding in (XOR_SPARSE, SUB_SPARSE):  # applied and summed in one pass
                 xor = chunk.encoding == XOR_SPARSE
                 moves = fused.apply_sparse(job.segments, chunk.elem_start, chunk.positions, chunk.values, xor)
             if moves is None:
@@ -183,6 +189,10 @@ class _Applier:
             if not is_anchor:
                 # v2 chunks decode only against the words they replaced: keep them decoded
                 self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
+
+    def _log(self, job: _GroupJob, undo: bytes) -> None:
+        with self.lock:
+            self.applied.append((job, undo))
 
     def verify(self, job: _GroupJob) -> Future:
         """The group's checksums, hashed once its chunks are applied. The hashing is only
@@ -298,8 +308,7 @@ def apply_frame(
     try:
         _apply_records(records, header, state, target, applier, result, held_checksums)
     except BaseException:
-        if not is_anchor:
-            applier.rollback()
+        applier.rollback()  # a delta's chunks, or an in-place anchor's undo log
         raise
     finally:
         applier.close()
@@ -327,17 +336,20 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
             if not is_anchor and gh.chunk_elems % SUM_BLOCK_WORDS:
                 raise CorruptFrameError(f"delta chunks of {gh.chunk_elems} words split checksum blocks")
             bodies.append(body)
-            segments, offset = [], 0
+            segments, offset, in_place = [], 0, []
             for th in gh.tensors:
                 _check_tensor(th, state, is_anchor, result)
                 if is_anchor:
-                    target[th.name] = empty_like_spec(th.dtype, th.shape)
+                    held = anchor_inplace.held_target(state.get(th.name), th.dtype, th.shape)
+                    target[th.name] = empty_like_spec(th.dtype, th.shape) if held is None else held
+                    in_place.append(held is not None)
                 segments.append((offset, _words(target[th.name])))
                 offset += th.numel
                 result.tensors.append(th)
                 result.checksums[th.name] = th.checksum
             result.total_words += offset
             job = _GroupJob(gh, segments)
+            job.in_place = in_place
             if not is_anchor:
                 job.base_sums = [base_sums[th.name] for th in gh.tensors]
                 jobs.append(job)

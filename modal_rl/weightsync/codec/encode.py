@@ -63,13 +63,14 @@ class CodecConfig:
     threads: int = min(8, os.cpu_count() or 1)
     zstd_level: int = 1
     window: int = 0  # 0 = 2 × threads
-    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where it pays;
+    # 2: code 2-byte delta chunks with the context model (``chunks_v2``) where it pays on
+    # a known link (``link_bytes_per_s``; unknown: v1, whose cost follows the changes alone);
     # 1: v1 coding only (what receivers without numba need); 0: every delta chunk as a
     # dense XOR with zstd planes — the shape of slime's xor + zstd-1 delta, carried in our
     # frames for side-by-side measurements. Readers decode all of them.
     coding: int = 2
-    # Bytes per second each receiver gets on this link (None: unknown — pick the coding by
-    # size alone). With it, a chunk is coded v2 only where the wire time its smaller body
+    # Bytes per second each receiver gets on this link (None: unknown — every chunk v1,
+    # never a pass over the whole state). With it, a chunk is coded v2 only where the wire time its smaller body
     # saves exceeds the extra decode time a v2 chunk costs the receiver (``chunks_v2.v2_pays``).
     # The publisher fills it in from a rate-limited sink. Changes the bytes, never decodability.
     link_bytes_per_s: float | None = None

@@ -133,13 +133,14 @@ def delta_chunk(
     d, level = members[0].differ, config.zstd_level
     pieces = list(chunk_pieces(members, spec))
     starts = [start for *_, start in pieces]
-    two_byte = v2 and ITEMSIZE[members[0].dtype] == 2
-    by_time = two_byte and config.link_bytes_per_s is not None
-    if isinstance(d, NumpyDiffer) and (by_time or not two_byte):
+    # v2 makes a pass over every word of the chunk on both sides, which pays only on a
+    # link slow enough (``chunks_v2.v2_pays``): with the link rate unknown, v1 codes it
+    by_time = v2 and ITEMSIZE[members[0].dtype] == 2 and config.link_bytes_per_s is not None
+    if isinstance(d, NumpyDiffer):
         done = _fused_delta_chunk(sums, pieces, spec, config, by_time, update_base)
         if done is not None:
             return done
-    if two_byte:
+    if by_time:
         # v2 models every held word of the chunk, so it reads the whole chunk on the host
         # (a copy from the device for TorchDiffer), tensor by tensor
         base_parts = [d.read(m.base, at, n).view(np.uint16) for _, m, at, n, _ in pieces]

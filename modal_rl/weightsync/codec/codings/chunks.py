@@ -131,8 +131,15 @@ def encode_delta_chunk(
     nchanged = int(positions.size)
     if nchanged == 0 and not dense_xor:
         return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, 0, UNCHANGED, 0)
+    dense = dense_xor or nchanged >= DENSE_DENSITY * chunk.elem_count
+    compiled = None if dense else _compiled_coder(old, new)
+    if compiled:  # the same bytes from one compiled pass (``sparse_coder``)
+        kind, streams, coders = compiled.encode_sparse(positions, old, new)
+        encoding = XOR_SPARSE if kind == "xor" else SUB_SPARSE
+        header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, encoding, len(streams))
+        return header + pack_streams(streams, coders, level)
     kind = "xor" if dense_xor else choose_residual(old, new)
-    if dense_xor or nchanged >= DENSE_DENSITY * chunk.elem_count:
+    if dense:
         dense = np.zeros(chunk.elem_count, dtype=new.dtype)
         dense[positions] = residual(kind, old, new)
         streams = byte_planes(dense)
@@ -147,42 +154,32 @@ def encode_delta_chunk(
     return header + pack_streams(streams, coders, level)
 
 
+def _compiled_coder(old: np.ndarray, new: np.ndarray):
+    """The compiled sparse coder module for these words, or None (no numba, or words that
+    are not one unsigned type: the numpy coder writes the same bytes)."""
+    from modal_rl.weightsync.codec.codings import sparse_coder
+
+    if old.dtype != new.dtype or old.dtype.kind != "u" or not sparse_coder.available():
+        return None
+    return sparse_coder
+
+
 def encode_delta_chunk_v2(
     chunk: ChunkSpec,
     base_parts: list[np.ndarray],
     new_parts: list[np.ndarray],
     part_starts: list[int],
     level: int,
-    link_bytes_per_s: float | None = None,
+    link_bytes_per_s: float,
     costs=None,
 ) -> tuple[bytes, np.ndarray, np.ndarray]:
     """(body, chunk-local positions of the changed words, their old words) of a delta chunk
-    of 2-byte words from the chunk's base and new words, given as
-    parts (its tensors' words, ``part_starts`` chunk-local): the v2 coding, or the v1
-    body where that is smaller (v1 is coded in full only where a sample says it may be).
-    With ``link_bytes_per_s`` (each receiver's share of the link) the choice is by time
-    instead: v2 only where the wire time it saves exceeds its extra decode time (``costs``:
-    the receivers' ``decode_costs.DecodeCosts``, None for the defaults)."""
-    from modal_rl.weightsync.codec.codings import chunks_v2
-
-    if link_bytes_per_s is not None:
-        return _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s, costs)
-
-    def header_for(nchanged: int) -> bytes:
-        return CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, CTX_SPARSE, chunks_v2.CTX_STREAMS)
-
-    body, positions, old, new_w = chunks_v2.encode(header_for, base_parts, new_parts, part_starts, level)
-    if body is not None and not chunks_v2.v1_may_be_smaller(
-        len(body), positions, old, new_w, lambda p, o, n: encode_delta_chunk(chunk, p, o, n, level)
-    ):
-        return body, positions, old
-    v1 = encode_delta_chunk(chunk, positions, old, new_w, level)
-    # A v2 chunk costs the receiver a pass over every word; v1 touches only the changes.
-    # So v2 must save a byte per V2_WORDS_PER_BYTE words (a chunk that barely changed, such
-    # as an embedding whose rows saw no token, stays v1 at a cost of a few bytes).
-    saving = len(v1) - len(body) if body is not None else 0
-    v2_wins = saving > 0 and saving >= chunk.elem_count // chunks_v2.V2_WORDS_PER_BYTE
-    return (body if v2_wins else v1), positions, old
+    of 2-byte words from the chunk's base and new words, given as parts (its tensors'
+    words, ``part_starts`` chunk-local): v2 only where the wire time it saves on a link of
+    ``link_bytes_per_s`` (each receiver's share) exceeds its extra decode time (``costs``:
+    the receivers' ``decode_costs.DecodeCosts``, None for the defaults), else v1. Without a
+    known link rate the encoder never comes here: v1 touches only the changes, v2 every word."""
+    return _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s, costs)
 
 
 def _by_time(chunk, base_parts, new_parts, part_starts, level, link_bytes_per_s: float, costs):

@@ -205,11 +205,7 @@ def base_words(segments: list[tuple[int, Any]], lo: int, hi: int) -> tuple[list[
     return parts, starts
 
 
-V2_WORDS_PER_BYTE = 4096  # v2 must save a byte per this many words of its chunk (~5 µs of pass)
 V2_BEST_SHARE = 0.5  # v2 has never been under half of v1's bytes on any measured case
-V1_SAMPLES = 4  # contiguous runs of changes the v1 estimate codes
-V1_SAMPLE_SHARE = 32  # each run holds 1/32 of the chunk's changes
-V1_MARGIN = 1.15  # code v1 in full unless its estimate exceeds v2's size by this factor
 
 
 def v2_pays(v1_len: int, v2_len: int, count: int, nchanged: int, link_bytes_per_s: float, costs=None) -> bool:
@@ -223,27 +219,3 @@ def v2_pays(v1_len: int, v2_len: int, count: int, nchanged: int, link_bytes_per_
     costs = costs or DEFAULT
     saved_s = (v1_len - v2_len) / link_bytes_per_s
     return saved_s > count * costs.word_s + nchanged * costs.change_s
-
-
-def v1_may_be_smaller(
-    v2_len: int, positions: np.ndarray, old: np.ndarray, new: np.ndarray, encode_v1
-) -> bool:
-    """Whether the v1 body of a chunk might be smaller than its v2 body of ``v2_len`` bytes,
-    judged by v1-coding ``V1_SAMPLES`` evenly spread runs of its changes (an eighth of them)
-    and scaling up. ``encode_v1(positions, old, new)`` makes a v1 body. Only size depends on
-    the answer: a chunk it wrongly rules out stays in v2, never undecodable. The full v1
-    coding costs ~15% of the v2 pass, so it is skipped where v2 is clearly smaller."""
-    total = positions.size
-    run = total // V1_SAMPLE_SHARE
-    if run < 1024:
-        return True  # small chunks: the full v1 coding is cheap
-    picks, starts, at = [], [], 0
-    for k in range(V1_SAMPLES):  # one v1 call: fixed per-call costs dominate a small one
-        a = (total - run) * k // (V1_SAMPLES - 1)
-        p = positions[a : a + run]
-        starts.append(p - p[0] + at)
-        at = int(starts[-1][-1]) + 1
-        picks.append(np.arange(a, a + run))
-    pick = np.concatenate(picks)
-    sampled = len(encode_v1(np.concatenate(starts), old[pick], new[pick]))
-    return sampled * total / pick.size < V1_MARGIN * v2_len

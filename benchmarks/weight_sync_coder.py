@@ -1,0 +1,255 @@
+"""Suite ``weight-sync-coder``: the v1 coder, in-place anchors and decode threads, side by side.
+
+Three measurements, each old against new in one run on the same host (ratios are what to
+read: the host is shared):
+
+- ``coder``: coding a delta chunk's changes (gaps, byte planes, zstd-1 / Huffman) with the
+  numpy coder and with the compiled one (``codings.sparse_coder``), over a state of at least
+  50 M bf16 words (``--quick``: 8 M): tiles of one real Adam step of MiniLM (~1% of words
+  change), in the encoder's 4 Mi-word chunks; CPU ns per changed word, one thread, and
+  whether the bytes are identical.
+- ``anchors``: a receiver following versions with an anchor every 4 (``anchor_every=4``),
+  each version 1% of words moved by 1–4 ulps at uniform positions (so an anchor differs from
+  the held state in ~3-4% of words: more than a real run, whose changes overlap);
+  its peak RSS above what it held before each frame (``/proc/self/clear_refs`` resets the
+  peak), with anchors written in place over the held tensors (``anchor_inplace``) against
+  anchors decoded into fresh tensors (the held state kept beside them, as a receiver that
+  swaps after verifying does). Runs in a child process per mode.
+- ``threads``: applying the same delta frames with 1 and with 2 decode threads, and
+  encoding them with 1 and 2 encode threads (wall seconds per version).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SUITE = "weight-sync-coder"
+CHUNK = 1 << 22
+
+
+def _states(words: int, versions: int):
+    """bf16 states of ``words`` words (tiled MiniLM weights, one flat tensor per tile), each
+    version 1% of words moved from the previous one."""
+    import torch
+
+    from benchmarks._weight_sync_data import pretrained_bf16, synthetic_update
+
+    flat = torch.cat([t.reshape(-1) for t in pretrained_bf16().values()])
+    tiles = -(-words // flat.numel())
+    base = {f"tile{k}": flat.clone() for k in range(tiles)}
+    out = [base]
+    for v in range(1, versions):
+        out.append(synthetic_update(out[-1], 0.01, seed=v))
+    return out
+
+
+def measure_coder(words: int) -> dict[str, Any]:
+    import numpy as np
+
+    from benchmarks._weight_sync_data import adam_trajectory
+    from modal_rl.weightsync.codec.codings import chunks
+    from modal_rl.weightsync.codec.diffwords import diff_words
+    from modal_rl.weightsync.codec.dtypes import words_of
+
+    real = adam_trajectory(1e-6, [0, 1])  # one real Adam step: ~1% of bf16 words move
+    flat = [np.concatenate([words_of(t) for t in real[v].values()]) for v in (0, 1)]
+    tiles = -(-words // flat[0].size)
+    jobs = []
+    for _ in range(tiles):  # each tile is the real step's words, coded chunk by chunk
+        b, n = flat
+        for lo in range(0, b.size, CHUNK):
+            pos, old, nw = diff_words(b[lo : lo + CHUNK], n[lo : lo + CHUNK])
+            jobs.append((chunks.ChunkSpec(len(jobs), 0, min(CHUNK, b.size - lo)), pos, old, nw))
+    changed = sum(j[1].size for j in jobs)
+    total = sum(j[0].elem_count for j in jobs)
+    compiled = chunks._compiled_coder
+    chunks.encode_delta_chunk(*jobs[0], 1)  # compile (cached on disk) before timing
+
+    def run(numpy_coder: bool) -> tuple[float, list[bytes]]:
+        chunks._compiled_coder = (lambda o, n: None) if numpy_coder else compiled
+        try:
+            t0 = time.process_time()
+            bodies = [chunks.encode_delta_chunk(spec, p, o, n, 1) for spec, p, o, n in jobs]
+            return time.process_time() - t0, bodies
+        finally:
+            chunks._compiled_coder = compiled
+
+    best = {"numpy": float("inf"), "compiled": float("inf")}
+    bodies = {}
+    for _ in range(3):  # interleaved, best of 3: the host is shared
+        for mode in best:
+            s, bodies[mode] = run(mode == "numpy")
+            best[mode] = min(best[mode], s)
+    return {
+        "words": total,
+        "changed": changed,
+        "ns_per_changed_numpy": 1e9 * best["numpy"] / changed,
+        "ns_per_changed_compiled": 1e9 * best["compiled"] / changed,
+        "speedup": best["numpy"] / best["compiled"],
+        "bytes": sum(map(len, bodies["compiled"])),
+        "identical": bodies["numpy"] == bodies["compiled"],
+    }
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _child_anchors(folder: Path, mode: str, versions: int) -> dict[str, Any]:
+    """Follow the frames in ``folder``; peak RSS above the held state per frame."""
+    import gc
+
+    from modal_rl.weightsync.codec.decode import apply_frame
+    from modal_rl.weightsync.codec.encode import CodecConfig
+
+    config = CodecConfig(threads=2)
+    state: dict[str, Any] = {}
+    checksums: dict[str, str] = {}
+    held_version = None
+    extra = []
+    for v in range(versions):
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        before = _vm("VmRSS")
+        with open(folder / f"v{v}.frame", "rb") as stream:
+            # fresh: an anchor (every 4th frame) is built beside what is held
+            target = {} if mode == "fresh" and v % 4 == 0 else state
+            result = apply_frame(
+                target, stream, held_version=held_version, held_checksums=checksums, config=config, key=None
+            )
+        peak = _vm("VmHWM")
+        kind = result.header.kind
+        if result.state is not None:
+            state = result.state
+        held_version, checksums = result.header.version, dict(result.checksums)
+        extra.append({"version": v, "kind": kind, "extra_bytes": peak - before})
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    return {"mode": mode, "held_bytes": held, "frames": extra}
+
+
+def measure_anchors(folder: Path, words: int, versions: int) -> dict[str, Any]:
+    from modal_rl.weightsync.codec.encode import CodecConfig, encode_anchor, encode_delta
+
+    states = _states(words, versions)
+    config = CodecConfig(threads=2)
+    sizes = []
+    for v, state in enumerate(states):
+        if v % 4 == 0:
+            frame = encode_anchor(state, version=v, config=config)
+        else:
+            frame = encode_delta(states[v - 1], state, base_version=v - 1, version=v, config=config)
+        with open(folder / f"v{v}.frame", "wb") as f:
+            sizes.append(sum(f.write(r) for r in frame))
+    del states
+    rows = {}
+    for mode in ("fresh", "inplace"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.weight_sync_coder",
+                "anchors",
+                str(folder),
+                mode,
+                str(versions),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=os.environ | {"MODAL_RL_RUN_KEY": ""},
+        )
+        rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"anchor_every": 4, "frame_bytes": sizes, **rows}
+
+
+def measure_threads(words: int, versions: int = 4) -> dict[str, Any]:
+    from modal_rl.weightsync.chain import VersionChain, frame_bytes
+    from modal_rl.weightsync.codec.encode import CodecConfig, encode_anchor, encode_delta
+
+    states = _states(words, versions)
+    out: dict[str, Any] = {}
+    frames = None
+    for threads in (1, 2, 1, 2):  # interleaved; the best of the two runs counts
+        config = CodecConfig(threads=threads, window=2 * max(threads, 2))
+        made = [frame_bytes(encode_anchor(states[0], version=0, config=config))]
+        t1 = time.perf_counter()
+        made += [
+            frame_bytes(encode_delta(states[v - 1], states[v], base_version=v - 1, version=v, config=config))
+            for v in range(1, versions)
+        ]
+        encode_s = (time.perf_counter() - t1) / (versions - 1)
+        frames = frames or made
+        chain = VersionChain(config, retain=False, key=None)
+        chain.apply(frames[0])
+        t2 = time.perf_counter()
+        for frame in frames[1:]:
+            chain.apply(frame)
+        decode_s = (time.perf_counter() - t2) / (versions - 1)
+        best = out.setdefault(threads, {"encode_s": encode_s, "decode_s": decode_s})
+        best["encode_s"], best["decode_s"] = min(best["encode_s"], encode_s), min(best["decode_s"], decode_s)
+    return {"words": sum(t.numel() for t in states[0].values()), "per_threads": out}
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    import tempfile
+
+    from modal_rl.progress import phase
+
+    words = 8_000_000 if quick else 50_000_000
+    result: dict[str, Any] = {"load": Path("/proc/loadavg").read_text().split()[:3]}
+    with phase("coder: numpy vs compiled", prefix=f"[{SUITE}] "):
+        result["coder"] = measure_coder(words)
+    with (
+        tempfile.TemporaryDirectory(prefix="mrl-coder-", dir=out) as folder,
+        phase("anchors: fresh vs in place", prefix=f"[{SUITE}] "),
+    ):
+        result["anchors"] = measure_anchors(Path(folder), words // 2, 9)
+    with phase("threads: 1 vs 2", prefix=f"[{SUITE}] "):
+        result["threads"] = measure_threads(words // 2)
+    result["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    (out / "weight-sync-coder.json").write_text(json.dumps(result, indent=2))
+    print(render(result))
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    c = result["coder"]
+    lines = [
+        f"coder over {c['words'] / 1e6:.0f} M words, {c['changed']} changed: numpy "
+        f"{c['ns_per_changed_numpy']:.1f} ns/changed word, compiled {c['ns_per_changed_compiled']:.1f} "
+        f"({c['speedup']:.2f}x), bytes identical: {c['identical']}"
+    ]
+    a = result["anchors"]
+    for mode in ("fresh", "inplace"):
+        row = a[mode]
+        held = row["held_bytes"]
+        anchors = [f["extra_bytes"] for f in row["frames"] if f["kind"] == "anchor"]
+        delta = max(f["extra_bytes"] for f in row["frames"] if f["kind"] == "delta")
+        # the first anchor builds the state from nothing; the second includes kernels
+        # compiled on first use; the last is the steady state
+        lines.append(
+            f"anchors ({mode}, every 4): held {held / 1e6:.0f} MB; peak above held at the last anchor "
+            f"{anchors[-1] / 1e6:.1f} MB ({1 + anchors[-1] / held:.3f}x; second anchor "
+            f"{anchors[1] / 1e6:.1f} MB), worst delta {delta / 1e6:.1f} MB"
+        )
+    t = result["threads"]["per_threads"]
+    lines.append(
+        f"threads over {result['threads']['words'] / 1e6:.0f} M words: encode 1: {t[1]['encode_s']:.3f} s, "
+        f"2: {t[2]['encode_s']:.3f} s ({t[1]['encode_s'] / t[2]['encode_s']:.2f}x); decode 1: "
+        f"{t[1]['decode_s']:.3f} s, 2: {t[2]['decode_s']:.3f} s ({t[1]['decode_s'] / t[2]['decode_s']:.2f}x)"
+    )
+    lines.append(f"load before {' '.join(result['load'])}, after {' '.join(result['load_after'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["anchors"]:
+    print(json.dumps(_child_anchors(Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))))
