@@ -32,7 +32,6 @@ from pathlib import Path
 from verl_modal.model_size import checkpoint_numel, full_weights_mib  # noqa: F401  (checkpoint_numel: tests)
 
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
-FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"  # verl.utils.tracking.FileLogger
 PREFIX = "verl_modal:"
 QUIET_S = 14.0  # the longest our lines go quiet: a quiet stretch gets a "still working" line
 # Markers in the log that start a phase, in the order they appear, and what we say.
@@ -55,6 +54,7 @@ class StepRecord:
     sync_mib: float | None
     step_s: float | None
     corr: float | None
+    syncs: int | None = None  # weight syncs in this step (step 1: the start-up sync too)
 
 
 @dataclass
@@ -83,22 +83,30 @@ def _num(data: dict, key: str) -> float | None:
 
 
 def step_record(step: int, data: dict, weights_mib: float | None) -> StepRecord:
-    """The few metrics that matter, from verl's per-step dict. Weight sync: the delta engine's
-    payload when it reports one (``checkpoint_engine/payload_mbytes``), else what this step's
-    syncs sent (``modal_rl/weight_sync/sent_mib``: the colocated sync's anchor and deltas,
-    ``verl_modal.colocated_sync``), else the full weights (a sync that reports nothing sends
-    them all)."""
-    payload = _num(data, "checkpoint_engine/payload_mbytes")
-    if payload is None:
-        payload = _num(data, "modal_rl/weight_sync/sent_mib")
+    """The few metrics that matter, from verl's per-step dict.
+
+    Weight sync has one definition, the report's and tensorboard's: every sync since the
+    previous logged step, so step 1 includes the start-up sync, as
+    ``modal_rl/weight_sync/{sent_mib,seconds,syncs}`` (``modal_rl.report.numbers``) give it.
+    Only a step without those (a run whose step numbers were not installed) falls back to
+    what verl reports itself: the delta engine's payload and send time, verl's own
+    ``timing_s/update_weights`` (the step's sync only), or the full weights' size."""
+    sent = _num(data, "modal_rl/weight_sync/sent_mib")
+    seconds = _num(data, "modal_rl/weight_sync/seconds")
+    syncs = _num(data, "modal_rl/weight_sync/syncs")
+    if sent is None:
+        sent = _num(data, "checkpoint_engine/payload_mbytes")
+    if seconds is None:
+        seconds = _num(data, "timing_s/update_weights") or _num(data, "checkpoint_engine/send_s")
     return StepRecord(
         step=step,
         reward=_num(data, "critic/score/mean"),
         response_len=_num(data, "response_length/mean"),
-        sync_s=_num(data, "timing_s/update_weights") or _num(data, "checkpoint_engine/send_s"),
-        sync_mib=payload if payload is not None else weights_mib,
+        sync_s=seconds,
+        sync_mib=sent if sent is not None else weights_mib,
         step_s=_num(data, "timing_s/step"),
         corr=_num(data, "training/rollout_actor_probs_pearson_corr"),
+        syncs=int(syncs) if syncs is not None else None,
     )
 
 
@@ -112,7 +120,8 @@ def step_line(rec: StepRecord, total: int | None) -> str:
         f"step {rec.step}{of}",
         f"reward {_fmt(rec.reward, '.3f')}",
         f"response {_fmt(rec.response_len, '.1f')} tok",
-        f"sync {_fmt(rec.sync_mib, '.2f', ' MiB')} in {_fmt(rec.sync_s, '.2f', ' s')}",
+        f"sync {_fmt(rec.sync_mib, '.2f', ' MiB')} in {_fmt(rec.sync_s, '.2f', ' s')}"
+        + (f" ({rec.syncs} syncs)" if rec.syncs is not None and rec.syncs != 1 else ""),
         f"step {_fmt(rec.step_s, '.1f', ' s')}",
     ]
     if rec.corr is not None:
@@ -294,15 +303,10 @@ def checkpoints_note(config) -> str:
 
 
 def with_file_logger(config, files: RunFiles, env_vars: dict[str, str]) -> dict[str, str]:
-    """Add verl's ``file`` tracking backend to ``trainer.logger`` (kept: the user's) and point
-    it at ``files.metrics``; returns the env for the run."""
-    from omegaconf import ListConfig, OmegaConf
+    """``run_report.with_file_logger`` into ``files.metrics``."""
+    from verl_modal.run_report import with_file_logger as add
 
-    loggers = config.trainer.logger
-    names = list(loggers) if isinstance(loggers, ListConfig | list | tuple) else [str(loggers)]
-    if "file" not in names:
-        OmegaConf.update(config, "trainer.logger", [*names, "file"], force_add=True)
-    return {**env_vars, FILE_LOGGER_ENV: str(files.metrics)}
+    return add(config, files.metrics, env_vars)
 
 
 def header(config, cpu: bool) -> str:
@@ -327,6 +331,7 @@ def run_local(
     log_dir: Path | None = None,
     verbose: bool = False,
     started: float | None = None,
+    argv: list[str] | None = None,
 ) -> int:
     """The in-process local run with our output (module docstring); 0 when verl finished.
 
@@ -337,7 +342,7 @@ def run_local(
     from verl_modal.runner import run, start_local_ray
 
     files = RunFiles.make(log_dir)
-    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars))
+    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars), argv)
     total = config.trainer.total_training_steps
     total = int(total) if total else None
     started = time.monotonic() if started is None else started  # the launcher's start: preflight counts
@@ -364,14 +369,16 @@ def run_local(
             error = exc
         watcher.finish()
         if not isinstance(error, KeyboardInterrupt):
+            wall_s = time.monotonic() - started  # one number: the summary's and the report's
             lines = summary_lines(
                 watcher.steps,
-                wall_s=time.monotonic() - started,
+                wall_s=wall_s,
                 total=total,
                 files=files,
                 checkpoints=checkpoints_note(config),
                 ok=ok,
-                extra=run_report.finish(files.dir),  # report.html, and the tensorboard dir
+                # run.json's end facts, report.html, and the tensorboard dir
+                extra=run_report.finish(files.dir, 0 if ok else 1, wall_s),
             )
             for line in lines:
                 progress.say(line, stamp=False)
