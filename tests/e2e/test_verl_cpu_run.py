@@ -6,6 +6,7 @@ Needs the stack from ``scripts/install_verl_cpu.sh`` (``scripts/test.sh`` runs i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -154,6 +155,21 @@ def check_our_output(ours: list[str], log_dir: Path, steps: int) -> None:
     step_lines = [line for line in ours if re.search(r"\] step \d+/\d+ \| reward ", line)]
     assert len(step_lines) == steps, text
     assert re.search(r"sync \d+\.\d\d MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
+    # console = report = tensorboard: each step line's sync is the step's modal_rl/weight_sync
+    # numbers, step 1 with the start-up sync (docs/report.md, "One definition")
+    logged = {
+        r["step"]: r["data"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+    for line in step_lines:
+        step = int(re.search(r"\] step (\d+)/", line).group(1))
+        data = logged[step]
+        syncs = int(data["modal_rl/weight_sync/syncs"])
+        expected = (
+            f"sync {data['modal_rl/weight_sync/sent_mib']:.2f} MiB in {data['modal_rl/weight_sync/seconds']:.2f} s"
+            + (f" ({syncs} syncs)" if syncs != 1 else "")
+            + " | "
+        )
+        assert expected in line, (expected, line)
     table = ours[ours.index("verl_modal: summary") :]
     rows = dict(re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups() for line in table[2:-1])
     assert rows["result"] == "finished" and rows["steps"] == f"{steps} of {steps}"
