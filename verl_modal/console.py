@@ -34,14 +34,20 @@ from verl_modal.model_size import checkpoint_numel, full_weights_mib  # noqa: F4
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
 PREFIX = "verl_modal:"
 QUIET_S = 14.0  # the longest our lines go quiet: a quiet stretch gets a "still working" line
-# Markers in the log that start a phase, in the order they appear, and what we say.
+# Markers in the log that start a phase (one string, or alternatives), in the order they
+# appear, and what we say.
 PHASES = (
     (
         "[verl_modal] TaskRunner on verl platform",
         "verl's TaskRunner is up: starting the actor and rollout workers",
     ),
     ("(vLLMHttpServer pid=", "vLLM rollout server starting"),
-    ("[verl_modal.cpu] vLLM layer-wise weight reload", "actor weights synced into vLLM; training"),
+    (
+        # verl's own reload path, or the in-place sync's first load (its LOG_PREFIX,
+        # modal_rl.weightsync.apply.vllm_inplace)
+        ("[verl_modal.cpu] vLLM layer-wise weight reload", "[modal_rl.weightsync] vllm loaded"),
+        "actor weights synced into vLLM; training",
+    ),
 )
 
 
@@ -263,7 +269,10 @@ class Watcher(threading.Thread):
         cut = chunk.rfind(b"\n") + 1  # whole lines only
         self._log_pos += cut
         for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-            if self._phase < len(PHASES) and PHASES[self._phase][0] in line:
+            marker = PHASES[self._phase][0] if self._phase < len(PHASES) else None
+            if marker is not None and any(
+                m in line for m in ((marker,) if isinstance(marker, str) else marker)
+            ):
                 self.progress.say(PHASES[self._phase][1])
                 self._phase += 1
 

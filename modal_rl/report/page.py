@@ -71,8 +71,6 @@ def _config_rows(run: RunData) -> str:
 
 def run_facts(run: RunData) -> list[tuple[str, str]]:
     """The first table's rows: what the run was and how it ended (``run.json``)."""
-    from modal_rl.report.provenance import NOT_A_CHECKOUT
-
     info = run.info
     tb = run.tensorboard
     versions = info.get("versions") or {}
@@ -83,7 +81,7 @@ def run_facts(run: RunData) -> list[tuple[str, str]]:
     wall = info.get("wall_s")
     facts = [
         ("command", str(info.get("command") or "not recorded")),
-        ("git", str(info.get("git") or NOT_A_CHECKOUT)),
+        ("git", str(info.get("git") or "not recorded")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items()) or "not recorded"),
         ("exit status", ended),
         ("wall time", f"{float(wall):.1f} s" if isinstance(wall, int | float) else "not recorded"),

@@ -23,7 +23,7 @@ MAX_CHARS = 1500
 
 
 @dataclass(frozen=True)
-class Sample:
+class ShownSample:
     step: int
     prompt: str
     response: str
@@ -52,13 +52,13 @@ def dumped_steps(folder: Path) -> list[int]:
     return sorted(int(p.stem) for p in folder.glob("*.jsonl") if p.stem.isdigit())
 
 
-def read(folder: Path, shown: int = SHOWN) -> list[Sample]:
+def read(folder: Path, shown: int = SHOWN) -> list[ShownSample]:
     """The last dumped step's first ``shown`` samples; empty when there is no dump."""
     steps = dumped_steps(Path(folder))
     if not steps:
         return []
     step = steps[-1]
-    out: list[Sample] = []
+    out: list[ShownSample] = []
     for line in (Path(folder) / f"{step}.jsonl").read_text(errors="replace").splitlines():
         if len(out) >= shown:
             break
@@ -68,5 +68,7 @@ def read(folder: Path, shown: int = SHOWN) -> list[Sample]:
             continue
         if not isinstance(row, dict) or "output" not in row:
             continue
-        out.append(Sample(step, _cut(row.get("input")), _cut(row.get("output")), _reward(row.get("score"))))
+        out.append(
+            ShownSample(step, _cut(row.get("input")), _cut(row.get("output")), _reward(row.get("score")))
+        )
     return out

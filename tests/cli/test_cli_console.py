@@ -89,6 +89,21 @@ def test_watcher_turns_verls_metrics_file_and_log_into_our_lines(tmp_path):
     assert [s.step for s in watcher.steps] == [1, 2]
 
 
+def test_the_sync_phase_is_seen_on_either_sync_path(tmp_path):
+    for marker in (
+        "(WorkerDict pid=2) [verl_modal.cpu] vLLM layer-wise weight reload: 12 tensors",
+        "(vLLMHttpServer pid=3) [modal_rl.weightsync] vllm loaded version 0: full load in 0.46s",
+    ):
+        files = console.RunFiles.make(tmp_path)
+        out = io.StringIO()
+        watcher = console.Watcher(files, console.Progress(out), total=1, weights_mib=1.0)
+        files.log.write_text(
+            "[verl_modal] TaskRunner on verl platform 'cpu'\n(vLLMHttpServer pid=3) up\n" + marker + "\n"
+        )
+        watcher.poll()
+        assert "actor weights synced into vLLM; training" in out.getvalue().splitlines()[-1], marker
+
+
 def test_output_goes_to_the_log_and_comes_back(tmp_path):
     log = tmp_path / "run.log"
     code = (
