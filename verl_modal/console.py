@@ -120,13 +120,21 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def mib_text(value: float | None) -> str:
+    """A sync size as our lines show it: MiB, two decimals, or three significant digits below
+    0.1 MiB (a delta of a few KiB reads 0.00335 MiB, not 0.00)."""
+    if value is None:
+        return "n/a"
+    return f"{value:.2f} MiB" if value >= 0.1 or value == 0 else f"{value:.3g} MiB"
+
+
 def step_line(rec: StepRecord, total: int | None) -> str:
     of = f"/{total}" if total else ""
     parts = [
         f"step {rec.step}{of}",
         f"reward {_fmt(rec.reward, '.3f')}",
         f"response {_fmt(rec.response_len, '.1f')} tok",
-        f"sync {_fmt(rec.sync_mib, '.2f', ' MiB')} in {_fmt(rec.sync_s, '.2f', ' s')}"
+        f"sync {mib_text(rec.sync_mib)} in {_fmt(rec.sync_s, '.2f', ' s')}"
         + (f" ({rec.syncs} syncs)" if rec.syncs is not None and rec.syncs != 1 else ""),
         f"step {_fmt(rec.step_s, '.1f', ' s')}",
     ]
@@ -171,7 +179,7 @@ def summary_lines(
         ("response length", _trend([s.response_len for s in steps], ".1f")),
         (
             "weight sync / step",
-            f"{_fmt(_mean([s.sync_mib for s in steps]), '.2f', ' MiB')} in "
+            f"{mib_text(_mean([s.sync_mib for s in steps]))} in "
             f"{_fmt(_mean([s.sync_s for s in steps]), '.2f', ' s')} (mean)",
         ),
         ("step time", _trend([s.step_s for s in steps], ".1f") + " s"),

@@ -33,7 +33,7 @@ h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em;border-bottom:1px solid #
 figure{margin:1em 0}figcaption{font-weight:600;margin-bottom:.3em}svg{max-width:100%;height:auto}
 table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:right}
 th:first-child,td:first-child{text-align:left}.note{color:#666;font-size:.9em}
-.scroll{overflow-x:auto}
+.scroll{overflow-x:auto}#facts td{text-align:left}
 .sample{border:1px solid #ddd;margin:.6em 0;padding:.4em .6em}
 .sample pre{white-space:pre-wrap;word-break:break-word;margin:.2em 0;font-size:.85em;background:#f7f7f7}
 """

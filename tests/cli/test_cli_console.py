@@ -57,6 +57,9 @@ def test_sync_is_one_number_for_console_report_and_tensorboard():
     step2.update({"modal_rl/weight_sync/syncs": 1.0, "modal_rl/weight_sync/seconds": 0.05})
     line = console.step_line(console.step_record(2, step2, 1.71), 3)
     assert "sync 0.72 MiB in 0.05 s | step" in line and "syncs" not in line
+    # a delta of a few KiB keeps its digits
+    assert console.mib_text(0.0033540725708007812) == "0.00335 MiB" and console.mib_text(0.0) == "0.00 MiB"
+    assert console.mib_text(0.7151556) == "0.72 MiB" and console.mib_text(None) == "n/a"
 
 
 def test_summary_table(tmp_path):
