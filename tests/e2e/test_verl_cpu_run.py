@@ -155,9 +155,7 @@ def check_our_output(ours: list[str], log_dir: Path, steps: int) -> None:
         assert warning not in log + text, warning
     step_lines = [line for line in ours if re.search(r"\] step \d+/\d+ \| reward ", line)]
     assert len(step_lines) == steps, text
-    assert re.search(r"sync [0-9.e-]+ MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), (
-        step_lines[-1]
-    )
+    assert re.search(r"sync [0-9.e-]+ MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
     # console = report = tensorboard: each step line's sync is the step's modal_rl/weight_sync
     # numbers, step 1 with the start-up sync (docs/report.md, "One definition")
     logged = {
