@@ -103,11 +103,13 @@ def finish(run_dir: Path, exit_code: int | None = None, wall_s: float | None = N
     """Record how the run ended (when ``exit_code`` is given) and write the report; the
     summary rows naming it and the tensorboard dir."""
     from modal_rl.report.page import write
-    from modal_rl.report.run_dir import RunDirError, load
+    from modal_rl.report.run_dir import METRICS, RUN_INFO, RunDirError, load
 
     try:
         if exit_code is not None:
             write_outcome(run_dir, exit_code, wall_s or 0.0)
+        if not (Path(run_dir) / METRICS).is_file():  # verl ended before its first step
+            return [("report", f"none (no step was logged; {RUN_INFO} says how the run ended)")]
         run = load(run_dir)
         if not run.steps:
             rows = [("report", "none (no step was logged)")]

@@ -81,3 +81,20 @@ def test_without_a_folder_the_run_is_left_alone(monkeypatch):
     config = _config()
     run_in_folder(config, {"A": "1"}, lambda cfg, env: seen.append(env))
     assert seen == [{"A": "1"}] and "file" not in config.trainer.logger
+
+
+def test_a_run_that_fails_before_its_first_step_records_the_failure_and_says_so(tmp_path, monkeypatch):
+    from verl_modal.run_report import finish
+
+    run_dir = tmp_path / "verl-z"
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+
+    def ray_did_not_start(config, env):
+        raise RuntimeError("The current node timed out during startup")
+
+    with pytest.raises(RuntimeError, match="timed out"):
+        run_in_folder(_config(), {}, ray_did_not_start)
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "failed" and info["command"] and not (run_dir / "report.html").exists()
+    assert finish(run_dir) == [("report", "none (no step was logged; run.json says how the run ended)")]
