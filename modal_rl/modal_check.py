@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 from modal_rl.cli_errors import RunFailed, UserError
+from modal_rl.retry import wait_for
 
 CONNECT_TIMEOUT_S = 1.5
 
@@ -125,12 +125,12 @@ def reachability_problem(server_url: str, timeout_s: float = CONNECT_TIMEOUT_S) 
     lock = threading.Lock()
     for host, port in addresses:  # daemon threads: a DNS lookup that hangs cannot hold us
         threading.Thread(target=_probe, args=(host, port, results, lock), daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def settled() -> bool:
         with lock:
-            if "ok" in results.values() or len(results) == len(addresses):
-                break
-        time.sleep(0.02)
+            return "ok" in results.values() or len(results) == len(addresses)
+
+    wait_for(settled, timeout_s, poll_s=0.02)
     with lock:
         if "ok" in results.values():
             return None

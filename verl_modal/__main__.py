@@ -135,6 +135,7 @@ def _main(argv: list[str]) -> int:
     ensure_run_key()
     use_kernel_cache()  # before the preflight imports vLLM, which would fix it under /tmp
     args, line = parse_args(argv)
+    args.command = ["python", "-m", "verl_modal", *argv]  # the report's command line
     from verl_modal import entry as E
     from verl_modal.preflight import select_config
 
@@ -301,7 +302,13 @@ def _main(argv: list[str]) -> int:
 
     # --env reaches every Ray worker, as on a cluster
     return console.run_local(
-        config, {**spec.env, **env}, cpu=cpu, log_dir=args.log_dir, verbose=args.verbose, started=started
+        config,
+        {**spec.env, **env},
+        cpu=cpu,
+        log_dir=args.log_dir,
+        verbose=args.verbose,
+        started=started,
+        argv=args.command,
     )
 
 
@@ -338,6 +345,21 @@ def run_on_cluster(
         entry=entry,
     )
     options = run_options(args)
+    folder = None
+    if entry is None or entry.ours:  # our driver (verl_modal.launch) keeps a run folder
+        from modal_rl.cluster.run_folder import run_name, with_run_folder
+        from modal_rl.report.provenance import command_line
+
+        spec, folder_env, folder = with_run_folder(
+            spec,
+            args.backend,
+            run_name("verl"),
+            args.log_dir or Path("runs/verl-cluster/logs"),
+            command_line(args.command),
+        )
+        runtime_env = {**runtime_env, "env_vars": {**runtime_env["env_vars"], **folder_env}}
+        if not options["dry_run"]:
+            print(f"verl_modal: run folder: {folder.fetch_hint()}", file=sys.stderr, flush=True)
     recipe = None
     if args.backend == "modal" and config is not None:
         from verl_modal.image import cluster_recipe

@@ -32,17 +32,22 @@ from pathlib import Path
 from verl_modal.model_size import checkpoint_numel, full_weights_mib  # noqa: F401  (checkpoint_numel: tests)
 
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
-FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"  # verl.utils.tracking.FileLogger
 PREFIX = "verl_modal:"
 QUIET_S = 14.0  # the longest our lines go quiet: a quiet stretch gets a "still working" line
-# Markers in the log that start a phase, in the order they appear, and what we say.
+# Markers in the log that start a phase (one string, or alternatives), in the order they
+# appear, and what we say.
 PHASES = (
     (
         "[verl_modal] TaskRunner on verl platform",
         "verl's TaskRunner is up: starting the actor and rollout workers",
     ),
     ("(vLLMHttpServer pid=", "vLLM rollout server starting"),
-    ("[verl_modal.cpu] vLLM layer-wise weight reload", "actor weights synced into vLLM; training"),
+    (
+        # verl's own reload path, or the in-place sync's first load (its LOG_PREFIX,
+        # modal_rl.weightsync.apply.vllm_inplace)
+        ("[verl_modal.cpu] vLLM layer-wise weight reload", "[modal_rl.weightsync] vllm loaded"),
+        "actor weights synced into vLLM; training",
+    ),
 )
 
 
@@ -55,6 +60,7 @@ class StepRecord:
     sync_mib: float | None
     step_s: float | None
     corr: float | None
+    syncs: int | None = None  # weight syncs in this step (step 1: the start-up sync too)
 
 
 @dataclass
@@ -83,27 +89,43 @@ def _num(data: dict, key: str) -> float | None:
 
 
 def step_record(step: int, data: dict, weights_mib: float | None) -> StepRecord:
-    """The few metrics that matter, from verl's per-step dict. Weight sync: the delta engine's
-    payload when it reports one (``checkpoint_engine/payload_mbytes``), else what this step's
-    syncs sent (``modal_rl/weight_sync/sent_mib``: the colocated sync's anchor and deltas,
-    ``verl_modal.colocated_sync``), else the full weights (a sync that reports nothing sends
-    them all)."""
-    payload = _num(data, "checkpoint_engine/payload_mbytes")
-    if payload is None:
-        payload = _num(data, "modal_rl/weight_sync/sent_mib")
+    """The few metrics that matter, from verl's per-step dict.
+
+    Weight sync has one definition, the report's and tensorboard's: every sync since the
+    previous logged step, so step 1 includes the start-up sync, as
+    ``modal_rl/weight_sync/{sent_mib,seconds,syncs}`` (``modal_rl.report.numbers``) give it.
+    Only a step without those (a run whose step numbers were not installed) falls back to
+    what verl reports itself: the delta engine's payload and send time, verl's own
+    ``timing_s/update_weights`` (the step's sync only), or the full weights' size."""
+    sent = _num(data, "modal_rl/weight_sync/sent_mib")
+    seconds = _num(data, "modal_rl/weight_sync/seconds")
+    syncs = _num(data, "modal_rl/weight_sync/syncs")
+    if sent is None:
+        sent = _num(data, "checkpoint_engine/payload_mbytes")
+    if seconds is None:
+        seconds = _num(data, "timing_s/update_weights") or _num(data, "checkpoint_engine/send_s")
     return StepRecord(
         step=step,
         reward=_num(data, "critic/score/mean"),
         response_len=_num(data, "response_length/mean"),
-        sync_s=_num(data, "timing_s/update_weights") or _num(data, "checkpoint_engine/send_s"),
-        sync_mib=payload if payload is not None else weights_mib,
+        sync_s=seconds,
+        sync_mib=sent if sent is not None else weights_mib,
         step_s=_num(data, "timing_s/step"),
         corr=_num(data, "training/rollout_actor_probs_pearson_corr"),
+        syncs=int(syncs) if syncs is not None else None,
     )
 
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def mib_text(value: float | None) -> str:
+    """A sync size as our lines show it: MiB, two decimals, or three significant digits below
+    0.1 MiB (a delta of a few KiB reads 0.00335 MiB, not 0.00)."""
+    if value is None:
+        return "n/a"
+    return f"{value:.2f} MiB" if value >= 0.1 or value == 0 else f"{value:.3g} MiB"
 
 
 def step_line(rec: StepRecord, total: int | None) -> str:
@@ -112,7 +134,8 @@ def step_line(rec: StepRecord, total: int | None) -> str:
         f"step {rec.step}{of}",
         f"reward {_fmt(rec.reward, '.3f')}",
         f"response {_fmt(rec.response_len, '.1f')} tok",
-        f"sync {_fmt(rec.sync_mib, '.2f', ' MiB')} in {_fmt(rec.sync_s, '.2f', ' s')}",
+        f"sync {mib_text(rec.sync_mib)} in {_fmt(rec.sync_s, '.2f', ' s')}"
+        + (f" ({rec.syncs} syncs)" if rec.syncs is not None and rec.syncs != 1 else ""),
         f"step {_fmt(rec.step_s, '.1f', ' s')}",
     ]
     if rec.corr is not None:
@@ -156,7 +179,7 @@ def summary_lines(
         ("response length", _trend([s.response_len for s in steps], ".1f")),
         (
             "weight sync / step",
-            f"{_fmt(_mean([s.sync_mib for s in steps]), '.2f', ' MiB')} in "
+            f"{mib_text(_mean([s.sync_mib for s in steps]))} in "
             f"{_fmt(_mean([s.sync_s for s in steps]), '.2f', ' s')} (mean)",
         ),
         ("step time", _trend([s.step_s for s in steps], ".1f") + " s"),
@@ -254,7 +277,10 @@ class Watcher(threading.Thread):
         cut = chunk.rfind(b"\n") + 1  # whole lines only
         self._log_pos += cut
         for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-            if self._phase < len(PHASES) and PHASES[self._phase][0] in line:
+            marker = PHASES[self._phase][0] if self._phase < len(PHASES) else None
+            if marker is not None and any(
+                m in line for m in ((marker,) if isinstance(marker, str) else marker)
+            ):
                 self.progress.say(PHASES[self._phase][1])
                 self._phase += 1
 
@@ -294,15 +320,10 @@ def checkpoints_note(config) -> str:
 
 
 def with_file_logger(config, files: RunFiles, env_vars: dict[str, str]) -> dict[str, str]:
-    """Add verl's ``file`` tracking backend to ``trainer.logger`` (kept: the user's) and point
-    it at ``files.metrics``; returns the env for the run."""
-    from omegaconf import ListConfig, OmegaConf
+    """``run_report.with_file_logger`` into ``files.metrics``."""
+    from verl_modal.run_report import with_file_logger as add
 
-    loggers = config.trainer.logger
-    names = list(loggers) if isinstance(loggers, ListConfig | list | tuple) else [str(loggers)]
-    if "file" not in names:
-        OmegaConf.update(config, "trainer.logger", [*names, "file"], force_add=True)
-    return {**env_vars, FILE_LOGGER_ENV: str(files.metrics)}
+    return add(config, files.metrics, env_vars)
 
 
 def header(config, cpu: bool) -> str:
@@ -327,6 +348,7 @@ def run_local(
     log_dir: Path | None = None,
     verbose: bool = False,
     started: float | None = None,
+    argv: list[str] | None = None,
 ) -> int:
     """The in-process local run with our output (module docstring); 0 when verl finished.
 
@@ -337,7 +359,7 @@ def run_local(
     from verl_modal.runner import run, start_local_ray
 
     files = RunFiles.make(log_dir)
-    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars))
+    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars), argv)
     total = config.trainer.total_training_steps
     total = int(total) if total else None
     started = time.monotonic() if started is None else started  # the launcher's start: preflight counts
@@ -364,14 +386,16 @@ def run_local(
             error = exc
         watcher.finish()
         if not isinstance(error, KeyboardInterrupt):
+            wall_s = time.monotonic() - started  # one number: the summary's and the report's
             lines = summary_lines(
                 watcher.steps,
-                wall_s=time.monotonic() - started,
+                wall_s=wall_s,
                 total=total,
                 files=files,
                 checkpoints=checkpoints_note(config),
                 ok=ok,
-                extra=run_report.finish(files.dir),  # report.html, and the tensorboard dir
+                # run.json's end facts, report.html, and the tensorboard dir
+                extra=run_report.finish(files.dir, 0 if ok else 1, wall_s),
             )
             for line in lines:
                 progress.say(line, stamp=False)

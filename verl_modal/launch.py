@@ -7,7 +7,9 @@ Two halves of one launch:
   container image is :mod:`verl_modal.image`'s;
 - on the cluster's rank 0, ``python -m verl_modal.launch [--cpu] -- <overrides>`` is that
   job's driver (:func:`job_main`): it composes verl's ``ppo_trainer`` again from the same
-  overrides, attaches to the running cluster and calls verl's ``run_ppo`` with our TaskRunner.
+  overrides, attaches to the running cluster and calls verl's ``run_ppo`` with our TaskRunner,
+  in the run folder the launcher named (``modal_rl.cluster.run_folder``: on Modal, a Volume),
+  where it leaves metrics.jsonl and the run report.
 
 Invariants:
 - The overrides the driver gets are the complete, already preflighted list (cluster layer,
@@ -150,7 +152,10 @@ def job_main(argv: list[str] | None = None) -> int:
     for key in (WAIT_ENV, PLACEMENT_ENV):  # to the TaskRunner, which builds the pools
         if key in os.environ:
             env[key] = os.environ[key]
-    run(config, env, cpu=cpu, bring_up=attach_ray)
+    from verl_modal.run_report import run_in_folder
+
+    # the run folder the launcher named (modal_rl.cluster.run_folder): metrics, report
+    run_in_folder(config, env, lambda cfg, env_vars: run(cfg, env_vars, cpu=cpu, bring_up=attach_ray))
     return 0
 
 

@@ -17,6 +17,8 @@ import time
 
 import psutil
 
+from modal_rl.retry import wait_for
+
 RUN_ID_ENV = "MODAL_RL_RUN_ID"
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
 
@@ -77,11 +79,9 @@ def end_run(run_id: str, grace_s: float = 3.0) -> list[int]:
 
     Repeats the scan, because Ray may fork a worker between our scan and our signal.
     """
-    deadline = time.monotonic() + grace_s
     pids = pids_of_run(run_id)
     signal_pids(pids, signal.SIGTERM)
-    while time.monotonic() < deadline and alive(pids):
-        time.sleep(0.1)
+    wait_for(lambda: not alive(pids), grace_s, poll_s=0.1)
     for _ in range(5):
         pids = pids_of_run(run_id)
         if not pids:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 from modal_rl.engines.base import Engine
@@ -34,6 +33,7 @@ from modal_rl.engines.key_forwarder import KeyForwarder
 from modal_rl.engines.pool import EnginePool
 from modal_rl.engines.state import FAILED, SERVING, EngineLost
 from modal_rl.engines.supervisor import EngineSupervisor
+from modal_rl.retry import wait_for
 
 STOP_TIMEOUT_S = 30.0
 
@@ -87,18 +87,18 @@ class ForwardedEngines:
         for lease in self.supervisor.leases():  # an ended process is lost now, not at the next check
             if self.pool.alive(lease.index) is False:
                 self.supervisor.report_failure(lease, "process ended")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = self.supervisor.snapshot()
-            if all(s["status"] in (SERVING, FAILED) for s in states):
-                failed = [s["index"] for s in states if s["status"] == FAILED]
-                if failed:
-                    raise EngineLost(f"rollout engine slot(s) {failed} could not be replaced")
-                return
-            if time.monotonic() >= deadline:
-                where = ", ".join(f"{s['index']}:{s['status']}" for s in states)
-                raise EngineLost(f"rollout engines not serving within {timeout_s:g} s ({where})")
-            time.sleep(poll_s)
+        states: list[dict] = []
+
+        def settled() -> bool:
+            states[:] = self.supervisor.snapshot()
+            return all(s["status"] in (SERVING, FAILED) for s in states)
+
+        if not wait_for(settled, timeout_s, poll_s):
+            where = ", ".join(f"{s['index']}:{s['status']}" for s in states)
+            raise EngineLost(f"rollout engines not serving within {timeout_s:g} s ({where})")
+        failed = [s["index"] for s in states if s["status"] == FAILED]
+        if failed:
+            raise EngineLost(f"rollout engine slot(s) {failed} could not be replaced")
 
     def _route(self, index: int, url: str | None) -> None:
         with self._lock:

@@ -5,8 +5,12 @@ same way) has:
 
 - ``metrics.jsonl``: one ``{"step": N, "data": {name: value}}`` per logged step, verl's own
   ``file`` tracking backend format (slime's glue writes the same, ``slime_modal.step_metrics``);
-- ``run.json`` (optional): ``{"framework", "started", "config": {name: value}}``, the config
-  summary the launcher wrote;
+- ``run.json`` (optional): ``{"framework", "config": {name: value}}``, the config summary
+  the launcher wrote, with the start facts (``command``, ``git``, ``versions``, ``started``)
+  and, once the run is over, the end facts (``exit_code``, ``status``, ``wall_s``, ``ended``):
+  :mod:`.provenance`;
+- ``generations/<step>.jsonl`` (optional): verl's rollout dump (``trainer.rollout_data_dir``),
+  one ``{"input", "output", "score", "step", ...}`` per sample, read by :mod:`.samples`;
 - ``parts/engine-events.jsonl`` (optional): the engine supervisors' events, wall-clock ``t``;
 - ``tensorboard/`` (optional): the tensorboard event files, when the run logged there.
 
@@ -25,6 +29,7 @@ METRICS = "metrics.jsonl"
 RUN_INFO = "run.json"
 EVENTS = "parts/engine-events.jsonl"
 TENSORBOARD = "tensorboard"
+GENERATIONS = "generations"
 REPORT = "report.html"
 
 
@@ -110,12 +115,30 @@ def load(path: Path) -> RunData:
     return RunData(path, steps, info if isinstance(info, dict) else {}, events, skipped + bad)
 
 
-def write_info(run_dir: Path, framework: str, config: dict) -> Path:
-    """The launcher's config summary for the report (``run.json``)."""
-    import time
+def write_info(run_dir: Path, framework: str, config: dict, argv: list[str] | None = None) -> Path:
+    """The launcher's config summary and the run's start facts (``run.json``)."""
+    from modal_rl.report.provenance import started
 
     out = Path(run_dir) / RUN_INFO
-    out.write_text(
-        json.dumps({"framework": framework, "started": time.time(), "config": config}, indent=1, default=str)
-    )
+    info = {"framework": framework, **started(argv), "config": config}
+    out.write_text(json.dumps(info, indent=1, default=str))
+    return out
+
+
+def write_outcome(run_dir: Path, exit_code: int, wall_s: float, status: str | None = None) -> Path:
+    """Add the run's end facts to its ``run.json`` (made if missing; an unreadable one is
+    replaced by the end facts alone)."""
+    from modal_rl.report.provenance import ended
+
+    out = Path(run_dir) / RUN_INFO
+    info: dict = {}
+    if out.is_file():
+        try:
+            info = json.loads(out.read_text())
+        except ValueError:
+            info = {}
+    info = {**(info if isinstance(info, dict) else {}), **ended(exit_code, wall_s, status)}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=1, default=str))
+    tmp.replace(out)
     return out

@@ -40,6 +40,28 @@ def test_step_line_has_the_few_metrics_that_matter():
     assert "reward n/a" in console.step_line(delta, None) and "step 2 |" in console.step_line(delta, None)
 
 
+def test_sync_is_one_number_for_console_report_and_tensorboard():
+    # Step 1 of the main job as metrics.jsonl holds it: verl's own timer saw only the step's
+    # sync; modal_rl/weight_sync/* (the report's and tensorboard's) count the start-up one too.
+    step1 = {
+        **STEP,
+        "modal_rl/weight_sync/syncs": 2.0,
+        "modal_rl/weight_sync/sent_mib": 0.718,
+        "modal_rl/weight_sync/seconds": 2.33,
+        "checkpoint_engine/payload_mbytes": 0.51,
+    }
+    rec = console.step_record(1, step1, weights_mib=1.71)
+    assert (rec.sync_mib, rec.sync_s, rec.syncs) == (0.718, 2.33, 2)
+    assert "sync 0.72 MiB in 2.33 s (2 syncs) |" in console.step_line(rec, 3)
+    step2 = {**STEP, **{k: v for k, v in step1.items() if k.startswith("modal_rl/")}}
+    step2.update({"modal_rl/weight_sync/syncs": 1.0, "modal_rl/weight_sync/seconds": 0.05})
+    line = console.step_line(console.step_record(2, step2, 1.71), 3)
+    assert "sync 0.72 MiB in 0.05 s | step" in line and "syncs" not in line
+    # a delta of a few KiB keeps its digits
+    assert console.mib_text(0.0033540725708007812) == "0.00335 MiB" and console.mib_text(0.0) == "0.00 MiB"
+    assert console.mib_text(0.7151556) == "0.72 MiB" and console.mib_text(None) == "n/a"
+
+
 def test_summary_table(tmp_path):
     files = console.RunFiles.make(tmp_path)
     steps = [console.step_record(i, {**STEP, "critic/score/mean": 0.1 * i}, 1.71) for i in (1, 2, 3)]
@@ -68,6 +90,21 @@ def test_watcher_turns_verls_metrics_file_and_log_into_our_lines(tmp_path):
     watcher.poll()
     assert "step 2/2 | reward 0.500" in out.getvalue().splitlines()[-1]
     assert [s.step for s in watcher.steps] == [1, 2]
+
+
+def test_the_sync_phase_is_seen_on_either_sync_path(tmp_path):
+    for marker in (
+        "(WorkerDict pid=2) [verl_modal.cpu] vLLM layer-wise weight reload: 12 tensors",
+        "(vLLMHttpServer pid=3) [modal_rl.weightsync] vllm loaded version 0: full load in 0.46s",
+    ):
+        files = console.RunFiles.make(tmp_path)
+        out = io.StringIO()
+        watcher = console.Watcher(files, console.Progress(out), total=1, weights_mib=1.0)
+        files.log.write_text(
+            "[verl_modal] TaskRunner on verl platform 'cpu'\n(vLLMHttpServer pid=3) up\n" + marker + "\n"
+        )
+        watcher.poll()
+        assert "actor weights synced into vLLM; training" in out.getvalue().splitlines()[-1], marker
 
 
 def test_output_goes_to_the_log_and_comes_back(tmp_path):

@@ -95,8 +95,17 @@ def test_the_runs_report_equals_its_metrics_and_renders_in_chromium(run, tmp_pat
         for name, value in data.items():
             if name.startswith("modal_rl/"):
                 assert float(parser.values[(name, step)]) == float(value), (name, step)
-    dom = check_rendered(report, tmp_path, steps=STEPS, plots=3)  # reward/length, weight sync, masks
+    # reward/length, verl's loss/KL/entropy/throughput, weight sync, masks
+    dom = check_rendered(report, tmp_path, steps=STEPS, plots=4)
     assert "grpo" in dom and str(run_dir / "tensorboard") in dom
+    # what ran and how it ended, and a few of the last step's generations (verl's rollout dump)
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["command"].startswith("python -m verl_modal --backend local --tiny ")
+    assert (info["exit_code"], info["status"]) == (0, "finished") and info["wall_s"] > 0
+    assert {"modal-rl", "verl", "torch", "vllm", "ray"} <= set(info["versions"])
+    assert "finished (exit 0)" in dom and "Training: policy loss" in dom
+    assert sorted(int(p.stem) for p in (run_dir / "generations").glob("*.jsonl")) == list(range(1, STEPS + 1))
+    assert f"samples of step {STEPS}" in dom
 
 
 @pytest.mark.slow
@@ -114,6 +123,6 @@ def test_a_sandboxed_run_logs_its_pool_per_step_and_draws_it(sandboxed_job, tmp_
         assert data["modal_rl/sandbox/pool_live"] >= 1 and data["modal_rl/sandbox/pool_target"] >= 1
         assert 0 < data["modal_rl/sandbox/create_p50_s"] <= data["modal_rl/sandbox/create_p99_s"]
     dom = check_rendered(
-        run_dir / "report.html", tmp_path, steps=SANDBOXED_STEPS, plots=4
+        run_dir / "report.html", tmp_path, steps=SANDBOXED_STEPS, plots=5
     )  # + the sandbox pool
     assert "Sandbox pool" in dom

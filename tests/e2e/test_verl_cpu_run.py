@@ -6,6 +6,7 @@ Needs the stack from ``scripts/install_verl_cpu.sh`` (``scripts/test.sh`` runs i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -18,6 +19,7 @@ import pytest
 
 from modal_rl.weightsync.apply.vllm_inplace import LOG_PREFIX as INPLACE_LOG_PREFIX
 from tests.verl_runs import MAIN_STEPS
+from verl_modal.console import mib_text
 from verl_modal.cpu.patches import RELOAD_LOG_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,13 +155,28 @@ def check_our_output(ours: list[str], log_dir: Path, steps: int) -> None:
         assert warning not in log + text, warning
     step_lines = [line for line in ours if re.search(r"\] step \d+/\d+ \| reward ", line)]
     assert len(step_lines) == steps, text
-    assert re.search(r"sync \d+\.\d\d MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
+    assert re.search(r"sync [0-9.e-]+ MiB in \d+\.\d\d s \| step \d+\.\d s", step_lines[-1]), step_lines[-1]
+    # console = report = tensorboard: each step line's sync is the step's modal_rl/weight_sync
+    # numbers, step 1 with the start-up sync (docs/report.md, "One definition")
+    logged = {
+        r["step"]: r["data"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+    for line in step_lines:
+        step = int(re.search(r"\] step (\d+)/", line).group(1))
+        data = logged[step]
+        syncs = int(data["modal_rl/weight_sync/syncs"])
+        expected = (
+            f"sync {mib_text(data['modal_rl/weight_sync/sent_mib'])} in {data['modal_rl/weight_sync/seconds']:.2f} s"
+            + (f" ({syncs} syncs)" if syncs != 1 else "")
+            + " | "
+        )
+        assert expected in line, (expected, line)
     table = ours[ours.index("verl_modal: summary") :]
     rows = dict(re.match(r"verl_modal: (\S+(?: \S+)*?)\s{2,}(.*)$", line).groups() for line in table[2:-1])
     assert rows["result"] == "finished" and rows["steps"] == f"{steps} of {steps}"
     assert rows["log"] == str(run_dir / "verl.log") and rows["metrics"] == str(run_dir / "metrics.jsonl")
     assert rows["checkpoints"].startswith("none (trainer.save_freq=-1)")
-    assert re.fullmatch(r"\d+\.\d\d MiB in \d+\.\d\d s \(mean\)", rows["weight sync / step"])
+    assert re.fullmatch(r"[0-9.e-]+ MiB in \d+\.\d\d s \(mean\)", rows["weight sync / step"])
     for key in ("wall time", "reward mean", "response length", "step time"):
         assert rows[key] and "n/a" not in rows[key], (key, rows[key])
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps

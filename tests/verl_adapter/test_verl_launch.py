@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,18 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
         assert view["cluster_size"] == 2
         assert view["rdma"] is True
         assert view["timeout"] == 7200 + 240 + 600
-    assert fn["volumes"] == {"hf-cache": "/root/.cache/huggingface", "ckpt": "/ckpt", "data": "/data"}
+    # the user's Volumes, and the one the run's folder (metrics, report) is kept on
+    assert fn["volumes"] == {
+        "hf-cache": "/root/.cache/huggingface",
+        "ckpt": "/ckpt",
+        "data": "/data",
+        "modal-rl-runs": "/modal-rl-runs",
+    }
     assert fn["inspected"]["volumes"] == {
         "/root/.cache/huggingface": "hf-cache",
         "/ckpt": "ckpt",
         "/data": "data",
+        "/modal-rl-runs": "modal-rl-runs",
     }
     assert plan["env"]["WANDB_PROJECT"] == "grpo"
     assert plan["spec"]["env"] == {"WANDB_PROJECT": "grpo"}
@@ -110,6 +118,10 @@ def test_dry_run_plan_matches_the_flags_for_a_multi_node_verl_line():
     assert plan["verl"]["pool_placement"] == {"global_pool": [0, 1]}
     assert json.loads(plan["runtime_env"]["env_vars"][PLACEMENT_ENV]) == {"global_pool": [0, 1]}
     assert plan["preflight"] == "ok"
+    # the driver keeps the run's folder on that Volume, and knows the command that launched it
+    run_env = plan["runtime_env"]["env_vars"]
+    assert re.fullmatch(r"/modal-rl-runs/verl-\d{8}-\d{6}", run_env["MODAL_RL_RUN_DIR"])
+    assert run_env["MODAL_RL_RUN_COMMAND"].startswith("python -m verl_modal --backend modal --nodes 2 ")
 
 
 @pytest.mark.slow

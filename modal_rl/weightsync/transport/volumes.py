@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from modal_rl import wire_json
+from modal_rl.retry import wait_for
 from modal_rl.weightsync.errors import StoreFileError
 
 log = logging.getLogger(__name__)
@@ -326,13 +327,13 @@ def await_visible(
     ``required`` may be a callable, re-evaluated after every reload (e.g. files an index names)."""
     path = Path(path)
     sync = sync or sync_for(path)
-    deadline = time.monotonic() + timeout_s
-    while True:
+    lacking: list[str] = []
+
+    def complete() -> bool:
         sync.reload(path)
-        lacking = missing(path, required() if callable(required) else required)
-        if not lacking:
-            return
-        if time.monotonic() >= deadline:
-            shown = ", ".join(lacking[:5]) + (f" and {len(lacking) - 5} more" if len(lacking) > 5 else "")
-            raise TimeoutError(f"{path} not complete after {timeout_s:g}s; missing: {shown}")
-        time.sleep(poll_s)
+        lacking[:] = missing(path, required() if callable(required) else required)
+        return not lacking
+
+    if not wait_for(complete, timeout_s, poll_s):
+        shown = ", ".join(lacking[:5]) + (f" and {len(lacking) - 5} more" if len(lacking) > 5 else "")
+        raise TimeoutError(f"{path} not complete after {timeout_s:g}s; missing: {shown}")
