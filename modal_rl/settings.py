@@ -87,6 +87,20 @@ VARIABLES: dict[str, Variable] = dict(
         ),
         _v("MODAL_RL_KEEP_LOGS", "flag", False, "modal_rl.run_temp", "`1`: keep a run's logs"),
         _v("MODAL_RL_RUN_PARTS_DIR", "path", None, "modal_rl.report.parts", "where a run's parts write"),
+        _v(
+            "MODAL_RL_RUN_DIR",
+            "path",
+            None,
+            "modal_rl.cluster.run_folder",
+            "set by the launcher: the cluster run's report folder",
+        ),
+        _v(
+            "MODAL_RL_RUN_COMMAND",
+            "text",
+            None,
+            "modal_rl.cluster.run_folder",
+            "set by the launcher: the command line the report shows",
+        ),
         # engines and weight sync
         _v(
             "MODAL_RL_VLLM_PLAIN_WEIGHTS",

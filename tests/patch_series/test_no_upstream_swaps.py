@@ -91,6 +91,7 @@ ALLOWED = {
     ("verl_modal/preflight.py", "view.critic.model"): "a deep copy of the composed config the checks read",
     ("verl_modal/sample_mask.py", "out.response_mask"): "the masked sample's own field",
     ("verl_modal/sharded.py", "sub.source"): "our subscriber's connection, moved to a rank's new address",
+    ("verl_modal/__main__.py", "args.command"): "our parsed arguments",
     ("slime_modal/__main__.py", "args.volume"): "our parsed arguments",
     ("slime_modal/engine_job.py", "sys.argv"): "our engine job's own argv",
     ("slime_modal/engines.py", "supervisor.paused"): "our supervisor",

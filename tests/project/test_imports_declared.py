@@ -44,6 +44,9 @@ NOT_DECLARED = {
     # The torch build (CPU or a CUDA version) is the user's, brought by the framework; our code
     # imports it lazily where tensors are handed over (scripts/cpu-pins.txt holds the CPU one).
     "torch": "the framework's torch build",
+    # SGLang comes with slime's own environment (scripts/install_slime_cpu.sh); the test helper
+    # that lists its routes runs only in that venv.
+    "sglang": "slime's SGLang, in slime's environment",
 }
 
 
