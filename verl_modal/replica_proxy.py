@@ -20,7 +20,8 @@ version of the engine that answered (None before the first sync, and on masked s
 
 Versions per token (``modal_rl.asyncrl``): when the engine keeps a version ledger, each
 sample's record is read from it after the response (``LedgerReader``, one reader per engine):
-``extra_fields[VERSIONS]`` is ``{versions, switch_at}`` in relay versions, and
+``extra_fields[VERSIONS]`` is ``{versions, switch_at, tokens}`` in verl's steps (the engine's
+own record, in relay versions, is ``extra_fields[RELAY_VERSIONS]``), and
 ``min_global_steps`` / ``max_global_steps`` are the steps of its first and last version (verl's
 base client keeps them; ``verl_modal.async_versions`` keeps them across a partial-rollout
 client's resubmissions). ``running`` decides what verl's pause around a weight sync does:
@@ -58,9 +59,21 @@ log = logging.getLogger("verl_modal")
 
 MASKED = "modal_rl_masked"
 WEIGHT_VERSION = "modal_rl_weight_version"
-VERSIONS = "modal_rl_versions"
+VERSIONS = "modal_rl_versions"  # {versions, switch_at, tokens} in verl's global steps
+RELAY_VERSIONS = "modal_rl_relay_versions"  # the engine's record, in relay versions
 RUNNING = ("abort", "recompute")
 VERSIONS_LOG_PREFIX = "[verl_modal] sample versions:"
+
+
+def step_record(steps: list, switch_at, n_tokens: int) -> dict:
+    """A ledger record with each version replaced by its verl step (two versions of one step,
+    such as the start-up anchor and a first sync, merge into one)."""
+    versions, switches = [steps[0]], []
+    for step, at in zip(steps[1:], switch_at, strict=True):
+        if step != versions[-1]:
+            versions.append(step)
+            switches.append(int(at))
+    return {"versions": versions, "switch_at": switches, "tokens": int(n_tokens)}
 
 
 class VLLMHttpProxy:
@@ -294,7 +307,8 @@ class VLLMHttpProxy:
         self.version_stats["stamped"] += 1
         self.version_stats["switched"] += record.switched
         return {
-            VERSIONS: record.to_json(),
+            VERSIONS: step_record(steps, record.switch_at, n_tokens),
+            RELAY_VERSIONS: record.to_json(),
             "global_steps": steps[-1],
             "min_global_steps": steps[0],
             "max_global_steps": steps[-1],

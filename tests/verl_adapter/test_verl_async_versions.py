@@ -19,11 +19,12 @@ from tests.verl_plugin_helpers import plugin_env, run_python
 from verl_modal import async_versions as av
 
 
-def answer(first: int, last: int, ours: bool = True) -> SimpleNamespace:
+def answer(first: int, last: int, ours: bool = True, tokens: int = 5) -> SimpleNamespace:
     extra = {"global_steps": last, "min_global_steps": first, "max_global_steps": last}
-    if ours:
-        extra["modal_rl_versions"] = {"versions": [first + 10, last + 10], "switch_at": [3]}
-    return SimpleNamespace(extra_fields=extra)
+    if ours:  # as replica_proxy answers: the record in verl's steps
+        steps = [first] if first == last else [first, last]
+        extra["modal_rl_versions"] = {"versions": steps, "switch_at": [3][: len(steps) - 1], "tokens": tokens}
+    return SimpleNamespace(extra_fields=extra, token_ids=[0] * tokens)
 
 
 def test_the_span_of_every_answer_reaches_the_trajectory():
@@ -51,9 +52,33 @@ def test_the_span_of_every_answer_reaches_the_trajectory():
 
     a, b, c = asyncio.run(main())
     assert (a.extra_fields["min_global_steps"], a.extra_fields["max_global_steps"]) == (2, 3)
+    # the two answers' records, one after the other: 3 tokens of step 2, then 7 of step 3
+    assert a.extra_fields["modal_rl_versions"] == {"versions": [2, 3], "switch_at": [3], "tokens": 10}
     assert (b.extra_fields["min_global_steps"], b.extra_fields["max_global_steps"]) == (5, 5)
     assert (c.extra_fields["min_global_steps"], c.extra_fields["max_global_steps"]) == (1, 1)
+    assert "modal_rl_versions" not in c.extra_fields
     assert av._SPANS.get() is None  # nothing leaks out of a trajectory
+
+
+def test_a_steps_samples_become_modal_rl_async_numbers():
+    extra = [
+        {"modal_rl_versions": {"versions": [2, 3], "switch_at": [3], "tokens": 10}},
+        {"modal_rl_versions": {"versions": [3], "switch_at": [], "tokens": 5}},
+        {"something": "else"},  # a sample with no record: counted, in no staleness number
+    ]
+    got = av.step_metrics(extra, trainer_step=3, trainer_wait_s=0.5)
+    assert got["modal_rl/async/staleness_mean"] == pytest.approx(3 * 1 / 15)
+    assert got["modal_rl/async/staleness_max"] == 1.0
+    assert got["modal_rl/async/versions_per_sample"] == 1.5
+    assert got["modal_rl/async/samples_without_versions"] == 1.0
+    assert got["modal_rl/async/trainer_wait_s"] == 0.5
+
+
+def test_step_records_name_verl_steps_and_merge_versions_of_one_step():
+    from verl_modal.replica_proxy import step_record
+
+    assert step_record([0, 0, 1], (2, 5), 9) == {"versions": [0, 1], "switch_at": [5], "tokens": 9}
+    assert step_record([4], (), 3) == {"versions": [4], "switch_at": [], "tokens": 3}
 
 
 def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
@@ -63,6 +88,8 @@ def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
         import verl.workers.rollout.llm_server as m
         from verl_modal import async_versions
         assert async_versions.installed()
+        import verl.trainer.ppo.v1.trainer_base as tb
+        assert getattr(tb.PPOTrainer._compute_metrics, async_versions._MARK, False)
         async_versions.patch(m)  # twice is a no-op
         inner = m.FullyAsyncLLMServerClient.generate.__wrapped__
         assert not hasattr(inner, "__wrapped__") or not getattr(inner, async_versions._MARK, False)
