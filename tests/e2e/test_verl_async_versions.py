@@ -14,6 +14,8 @@ a sync is skipped: requests keep generating across the commit). Pinned, each fro
   first version's step) stays within ``max_off_policy_threshold``;
 - at least one version was committed while requests were generating and those requests
   completed (``trajectory_spans/max`` >= 2: a trajectory whose tokens came from two versions);
+- the same records reach verl's metrics as ``modal_rl/async/...`` (token-weighted staleness
+  within the bound, versions per sample, no sample without a record);
 - the engine was never paused by verl (no ``/pause`` reached it) and each sync's engine pause
   is the in-place switch (``words in place``), a part of the sync's time.
 """
@@ -75,6 +77,17 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
         )
         assert 0 < pause < sync, (n, pause, sync)
     assert max(spans) >= 2, spans  # a commit landed between a trajectory's tokens, and it completed
+    # Our numbers in verl's metrics, from the same records (verl_modal.async_versions).
+    mine = "modal_rl/async/"
+    per_sample = []
+    for step in metrics.values():
+        assert float(step[mine + "samples"]) > 0 and float(step[mine + "samples_without_versions"]) == 0, step
+        assert 0 <= float(step[mine + "staleness_mean"]) <= float(step[mine + "staleness_max"]) <= BOUND, step
+        assert float(step[mine + "staleness_first_max"]) == number(
+            step[off + "trajectory_staleness_worst/max"]
+        )
+        per_sample.append(float(step[mine + "versions_per_sample"]))
+    assert min(per_sample) >= 1 and max(per_sample) > 1, per_sample
     (line,) = [x for x in log.splitlines() if VERSIONS_LOG_PREFIX in x]
     got = re.search(
         r"running=recompute, (\d+) samples stamped from the engine ledger, (\d+) not, (\d+) with", line
