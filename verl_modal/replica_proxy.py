@@ -62,7 +62,6 @@ WEIGHT_VERSION = "modal_rl_weight_version"
 VERSIONS = "modal_rl_versions"  # {versions, switch_at, tokens} in verl's global steps
 RELAY_VERSIONS = "modal_rl_relay_versions"  # the engine's record, in relay versions
 RUNNING = ("abort", "recompute")
-VERSIONS_LOG_PREFIX = "[verl_modal] sample versions:"
 
 
 def step_record(steps: list, switch_at, n_tokens: int) -> dict:
@@ -366,14 +365,6 @@ class VLLMHttpProxy:
         return None
 
     async def close(self) -> None:
-        if self._readers:  # the run's version record, one line (tests and readers of the log)
-            s = self.version_stats
-            print(
-                f"{VERSIONS_LOG_PREFIX} replica {self.replica_rank}: running={self.running}, "
-                f"{s['stamped']} samples stamped from the engine ledger, {s['unstamped']} not, "
-                f"{s['switched']} with a commit between their tokens",
-                flush=True,
-            )
         if self._session is not None:
             await self._session.close()
             self._session = None

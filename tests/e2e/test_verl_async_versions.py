@@ -9,8 +9,8 @@ committed in place between two decoding steps) and ``running=recompute`` (verl's
 a sync is skipped: requests keep generating across the commit). Pinned, each from the run:
 
 - >= 4 trainer steps, each logging verl's ``training/off_policy/*`` numbers;
-- every sample's versions come from the engine's ledger (the proxy's closing line: all
-  stamped, none missing), and verl's staleness (``trajectory_staleness_worst``, from the
+- every sample's versions come from the engine's ledger (``modal_rl/async/samples_without_versions``
+  is 0 every step), and verl's staleness (``trajectory_staleness_worst``, from the
   first version's step) stays within ``max_off_policy_threshold``;
 - at least one version was committed while requests were generating and those requests
   completed (``trajectory_spans/max`` >= 2: a trajectory whose tokens came from two versions);
@@ -54,7 +54,6 @@ def number(text: str) -> float:
 @pytest.mark.timeout(1500)
 def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
     from modal_rl.weightsync.apply.vllm_inplace import LOG_PREFIX as INPLACE
-    from verl_modal.replica_proxy import VERSIONS_LOG_PREFIX
 
     logs = tmp_path / "engine-logs"
     code, log = run_launcher(
@@ -62,6 +61,7 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
         timeout=1400,
         extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs), "VERL_MODAL_ENGINE_RUNNING": "recompute"},
     )
+    (tmp_path / "verl-output.log").write_text(log)  # kept with the test's directory
     assert code == 0, log[-6000:]
     metrics = parse_metrics(log)
     assert list(metrics) == list(range(1, STEPS + 1)), log[-6000:]
@@ -88,14 +88,8 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
         )
         per_sample.append(float(step[mine + "versions_per_sample"]))
     assert min(per_sample) >= 1 and max(per_sample) > 1, per_sample
-    (line,) = [x for x in log.splitlines() if VERSIONS_LOG_PREFIX in x]
-    got = re.search(
-        r"running=recompute, (\d+) samples stamped from the engine ledger, (\d+) not, (\d+) with", line
-    )
-    assert got, line
-    stamped, unstamped, switched = map(int, got.groups())
-    assert stamped > 0 and unstamped == 0 and switched >= 1, line
     (engine_log,) = logs.glob("*.log")
     engine_out = engine_log.read_text()
     assert "/pause" not in engine_out  # verl's abort-and-resubmit never reached the engine
-    assert len([x for x in engine_out.splitlines() if INPLACE in x and "in place" in x]) >= STEPS - 1
+    # every update after the start-up load is an in-place switch, run between decoding steps
+    assert len([x for x in engine_out.splitlines() if INPLACE in x and "in place in" in x]) >= STEPS
