@@ -43,6 +43,10 @@ ASYNC_MODAL_VLLM = [
     "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
     "actor_rollout_ref.rollout.name=modal_vllm",
     "actor_rollout_ref.rollout.ignore_eos=true",  # every request decodes its full length
+    # Responses long enough (the tiny model's whole context) that a batch is still decoding
+    # when the trainer's next version is committed, on a quiet host too.
+    "data.max_response_length=192",
+    "actor_rollout_ref.rollout.max_model_len=256",
 ]
 
 
