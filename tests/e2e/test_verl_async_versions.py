@@ -47,6 +47,7 @@ ASYNC_MODAL_VLLM = [
     # when the trainer's next version is committed, on a quiet host too.
     "data.max_response_length=192",
     "actor_rollout_ref.rollout.max_model_len=256",
+    "actor_rollout_ref.rollout.n=8",
 ]
 
 
