@@ -7,12 +7,15 @@ The registry takes a loader, so registering costs nothing: ``verl_modal.replica`
 only when verl asks for ``modal_vllm`` (and an import error then reaches that caller).
 
 A registration failure is logged at ERROR (verl logs a failing plugin at DEBUG only).
+The same entry point defers ``verl_modal.async_versions`` (a ``modal_vllm`` answer's version
+span kept across verl's partial-rollout client) until verl's ``llm_server`` module loads.
 """
 
 from __future__ import annotations
 
 import sys
 
+from verl_modal import async_versions  # noqa: F401 -- registers its own post-import patch
 from verl_modal._register import after_import, loudly
 
 TARGET = "verl.workers.rollout.replica"

@@ -40,7 +40,10 @@ the relay worker's frame server: ``local``, ``modal``, or ``auto`` = the engine 
 end), ``lora_resident`` (LoRA runs: adapter versions an engine keeps loaded; at least the
 run's largest staleness + 1), ``health_interval_s``, ``health_timeout_s`` (one 1-token generation), ``health_failures``
 (failed checks in a row that make a live engine lost), ``retry_wait_s`` (how long a request
-whose engine died waits for the replacement before it is masked).
+whose engine died waits for the replacement before it is masked), ``running`` (what a weight
+sync does to requests that are generating: ``abort``, verl's own pause and resubmit, or
+``recompute``, the commit lands between two decoding steps and they go on; see
+``replica_proxy``).
 
 Weights: a policy replica's engine loads ``modal_rl.weightsync.apply.vllm_extension`` and gets each
 update from a relay worker on the trainer cluster (``replica_weights``); the run's
@@ -62,7 +65,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 from modal_rl.adapters import extra_requirements
 from modal_rl.engines import ENGINES, EngineSpec, get_engine
 from verl_modal.image import engine_image
-from verl_modal.replica_proxy import VLLMHttpProxy
+from verl_modal.replica_proxy import RUNNING, VLLMHttpProxy
 
 log = logging.getLogger("verl_modal")
 
@@ -81,6 +84,7 @@ DEFAULTS = {
     "health_failures": "3",
     "retry_wait_s": "1800",
     "lora_resident": "2",  # LoRA runs: adapter versions kept loaded (>= max staleness + 1)
+    "running": "abort",  # what a sync does to generating requests (replica_proxy.RUNNING)
 }
 
 
@@ -94,6 +98,8 @@ def engine_settings(config) -> dict[str, str]:
         raise ValueError(f"modal_vllm: engine backend {out['backend']!r}; choose 'modal' or 'local'")
     if not out["server"]:
         out["server"] = default_server(out["backend"])
+    if out["running"] not in RUNNING:
+        raise ValueError(f"modal_vllm: running {out['running']!r}; choose one of {', '.join(RUNNING)}")
     if out["weights_expose"] == "auto":
         out["weights_expose"] = out["backend"]
     if out["weights_expose"] not in ("modal", "local"):
@@ -296,6 +302,7 @@ class ModalVLLMReplica(RolloutReplica):
                 retry_wait_s=float(self.settings["retry_wait_s"]),
                 weights_timeout_s=float(self.settings["weights_timeout_s"]),
                 lora=self.lora_proxy_settings(),
+                running=self.settings["running"],
             )
         )
         self.servers = [proxy]

@@ -18,6 +18,17 @@ policy loss), ``stop_reason="aborted"`` (verl's partial-rollout client resubmits
 version of the engine that answered (None before the first sync, and on masked samples), and
 ``global_steps`` is that version's step.
 
+Versions per token (``modal_rl.asyncrl``): when the engine keeps a version ledger, each
+sample's record is read from it after the response (``LedgerReader``, one reader per engine):
+``extra_fields[VERSIONS]`` is ``{versions, switch_at, tokens}`` in verl's steps (the engine's
+own record, in relay versions, is ``extra_fields[RELAY_VERSIONS]``), and
+``min_global_steps`` / ``max_global_steps`` are the steps of its first and last version (verl's
+base client keeps them; ``verl_modal.async_versions`` keeps them across a partial-rollout
+client's resubmissions). ``running`` decides what verl's pause around a weight sync does:
+``abort`` (verl's own: requests are aborted and resubmitted by its partial-rollout client) or
+``recompute`` (the pause is skipped, the in-place commit lands between two decoding steps and
+running requests are recomputed on the new weights; the engine pauses for the scatter only).
+
 Observability for benchmarks and chaos tests: ``engine_pids``, ``engine_events``,
 ``engine_timings``, ``engine_snapshot``, ``request_stats``; the actor is named
 ``modal_vllm_server_<replica rank><suffix>`` (``ray.get_actor``).
@@ -31,6 +42,7 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
+from modal_rl.asyncrl.ledger_reader import LedgerReader
 from modal_rl.engines import (
     EngineLost,
     EngineSpec,
@@ -47,6 +59,20 @@ log = logging.getLogger("verl_modal")
 
 MASKED = "modal_rl_masked"
 WEIGHT_VERSION = "modal_rl_weight_version"
+VERSIONS = "modal_rl_versions"  # {versions, switch_at, tokens} in verl's global steps
+RELAY_VERSIONS = "modal_rl_relay_versions"  # the engine's record, in relay versions
+RUNNING = ("abort", "recompute")
+
+
+def step_record(steps: list, switch_at, n_tokens: int) -> dict:
+    """A ledger record with each version replaced by its verl step (two versions of one step,
+    such as the start-up anchor and a first sync, merge into one)."""
+    versions, switches = [steps[0]], []
+    for step, at in zip(steps[1:], switch_at, strict=True):
+        if step != versions[-1]:
+            versions.append(step)
+            switches.append(int(at))
+    return {"versions": versions, "switch_at": switches, "tokens": int(n_tokens)}
 
 
 class VLLMHttpProxy:
@@ -66,7 +92,13 @@ class VLLMHttpProxy:
         retry_wait_s: float = 1800.0,
         weights_timeout_s: float = 600.0,
         lora: dict | None = None,
+        running: str = "abort",
     ):
+        if running not in RUNNING:
+            raise ValueError(f"modal_vllm: running={running!r}; choose one of {', '.join(RUNNING)}")
+        self.running = running
+        self._readers: dict[str, LedgerReader] = {}  # engine url -> its ledger reader
+        self.version_stats = {"stamped": 0, "unstamped": 0, "switched": 0}
         self.spec = EngineSpec.from_dict(spec)
         self.backend = backend
         self.pool_kwargs = dict(pool_kwargs or {})
@@ -210,6 +242,7 @@ class VLLMHttpProxy:
 
         async def send(lease):
             attempts.append(lease)
+            self._reader(lease.url).expect(request_id)
             return await self._post_to(
                 lease.url, "/v1/completions", {**body, "model": self.model_for(lease.version)}
             )
@@ -239,12 +272,50 @@ class VLLMHttpProxy:
             "aborted" if finish == "abort" else "completed" if finish in ("stop", "length") else finish
         )
         steps = self.steps_of_version.get(lease.version, self.global_steps)
+        extra = {"global_steps": steps, MASKED: None, WEIGHT_VERSION: lease.version}
+        extra.update(await self._versions_of(lease.url, request_id, len(token_ids)))
         return TokenOutput(
-            token_ids=token_ids,
-            log_probs=log_probs,
-            stop_reason=stop_reason,
-            extra_fields={"global_steps": steps, MASKED: None, WEIGHT_VERSION: lease.version},
+            token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason, extra_fields=extra
         )
+
+    def _reader(self, url: str) -> LedgerReader:
+        reader = self._readers.get(url)
+        if reader is None:
+
+            async def post(body: dict) -> dict:
+                return await self._post_to(url, "/collective_rpc", body)
+
+            reader = self._readers[url] = LedgerReader(post)
+        return reader
+
+    async def _versions_of(self, url: str, request_id: str, n_tokens: int) -> dict:
+        """The ledger's record of one finished request as verl's version fields (empty when
+        the engine keeps none, or a version has no known step: verl then uses ``global_steps``)."""
+        reader = self._readers.get(url)
+        if reader is None or reader.tracked is False:
+            return {}
+        try:
+            record = await reader.record(request_id, n_tokens)
+        except Exception as exc:  # noqa: BLE001 -- a missing record must not fail the sample
+            log.warning("modal_vllm replica %d: version ledger unreadable: %r", self.replica_rank, exc)
+            record = None
+        steps = [self.steps_of_version.get(v) for v in record.versions] if record else [None]
+        if record is None or None in steps:
+            self.version_stats["unstamped"] += 1
+            return {}
+        self.version_stats["stamped"] += 1
+        self.version_stats["switched"] += record.switched
+        return {
+            VERSIONS: step_record(steps, record.switch_at, n_tokens),
+            RELAY_VERSIONS: record.to_json(),
+            "global_steps": steps[-1],
+            "min_global_steps": steps[0],
+            "max_global_steps": steps[-1],
+        }
+
+    async def version_report(self) -> dict:
+        """Samples stamped from the ledger, not stamped, and stamped with a switch inside."""
+        return dict(self.version_stats)
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -260,12 +331,17 @@ class VLLMHttpProxy:
             await self._control("/sleep", params={"level": 1})
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        if self.running == "recompute" and not reject_request:
+            # the commit lands between decoding steps: running requests go on (see the module)
+            return {"aborted_count": 0, "request_ids": []}
         # vLLM's pause aborts in-flight requests and holds new ones until /resume.
         self.supervisor.paused = True
         await self._control("/pause", params={"clear_cache": str(bool(reset_prefix_cache)).lower()})
         return {"aborted_count": None, "request_ids": []}
 
     async def resume_generation(self) -> None:
+        if self.running == "recompute" and not self.supervisor.paused:
+            return  # nothing was paused (abort_all_requests)
         await self._control("/resume")
         self.supervisor.paused = False
 
@@ -273,12 +349,12 @@ class VLLMHttpProxy:
         await self._control("/reset_prefix_cache")
 
     async def release_kv_cache(self) -> None:
-        if self.rollout["free_cache_engine"]:
+        if self.rollout["free_cache_engine"] and self.running == "abort":
             await self._control("/sleep", params={"level": 1})
             await self._control("/wake_up", params={"tags": "weights"})
 
     async def resume_kv_cache(self) -> None:
-        if self.rollout["free_cache_engine"]:
+        if self.rollout["free_cache_engine"] and self.running == "abort":
             await self._control("/wake_up", params={"tags": "kv_cache"})
             await self._control("/reset_prefix_cache")
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modal_rl.asyncrl.kv_policy import check_running
+from modal_rl.asyncrl.ledger_reader import request_of as _request_of
 from modal_rl.asyncrl.versions import SampleVersions, VersionTooOldError, finalize, require
 from modal_rl.engines.auth import KEYED_OPENER, bearer_header, key_safe_url
 
@@ -43,14 +44,6 @@ class Sample:
     ended_s: float
     versions: SampleVersions | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _request_of(internal_id: str) -> str | None:
-    """Our request id from vLLM's internal ``cmpl-<id>-<i>-<suffix>``."""
-    if not internal_id.startswith("cmpl-"):
-        return None
-    parts = internal_id[len("cmpl-") :].rsplit("-", 2)
-    return parts[0] if len(parts) == 3 else None
 
 
 class VersionedEngine:

@@ -11,6 +11,8 @@ asynchronous, with the same engine, prompts and trainer step -- so the two can b
 ``train(step, samples)`` is the trainer: it returns the new weights (a name -> tensor dict)
 that become version ``step + 1``. Every consumed sample is stamped with the versions its
 tokens came from (read from the engine) and its staleness is ``step - first version``;
+``step_metrics`` holds each step's ``modal_rl/async/...`` numbers (``asyncrl.metrics``:
+token-weighted staleness, versions per sample, engine idle and trainer wait seconds).
 ``commits_during_generation`` counts the versions that landed inside a consumed sample (from
 the samples' records, not from the engine's count of requests it held at the commit, which
 includes requests that had just made their last token).
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modal_rl.asyncrl.engine_client import Sample, VersionedEngine
+from modal_rl.asyncrl.metrics import step_numbers
 from modal_rl.asyncrl.pacing import StalenessPacer
 
 MODES = ("sync", "async")
@@ -132,8 +135,9 @@ def run_loop(
     bound = 0 if mode == "sync" else cfg.max_staleness
     stats: dict[str, Any] = {"staleness": [], "samples": 0, "with_versions": 0, "switched_to": set()}
     stats |= {"trainer_wait_s": 0.0, "pause_s": [], "switched_requests": 0, "train_s": 0.0, "commit_s": 0.0}
+    stats["per_step"], stats["mark"] = [], (time.monotonic(), 0.0)  # (time, busy s) at the last commit
 
-    def consume(step: int, samples: list[Sample]) -> None:
+    def consume(step: int, samples: list[Sample], wait_s: float) -> None:
         stats["with_versions"] += engine.stamp(samples)
         stats["samples"] += len(samples)
         for s in samples:
@@ -151,6 +155,10 @@ def run_loop(
         stats["commit_s"] += time.monotonic() - t_commit
         stats["end"], stats["busy_s"] = time.monotonic(), source.clock.now()  # the run ends at a commit
         stats["pause_s"].append(float(numbers["pause_s"]))
+        (t_last, busy_last), stats["mark"] = stats["mark"], (stats["end"], stats["busy_s"])
+        idle = max(0.0, (stats["end"] - t_last) - (stats["busy_s"] - busy_last))
+        lagged = [(s.versions, len(s.tokens), v0 + step) for s in samples]
+        stats["per_step"].append(step_numbers(lagged, engine_idle_s=idle, trainer_wait_s=wait_s))
         stats["switched_requests"] += int(numbers.get("switched_requests", 0))
 
     t0 = time.monotonic()
@@ -162,8 +170,9 @@ def run_loop(
                     batch = [
                         f.result() for f in [groups.submit(source.group) for _ in range(cfg.groups_per_step)]
                     ]
-                    stats["trainer_wait_s"] += time.monotonic() - t_wait
-                    consume(step, [s for group in batch for s in group])
+                    waited = time.monotonic() - t_wait
+                    stats["trainer_wait_s"] += waited
+                    consume(step, [s for group in batch for s in group], waited)
         else:
             _run_async(engine, source, train, cfg, v0, stats, consume)
     finally:
@@ -187,6 +196,7 @@ def run_loop(
         "train_s": stats["train_s"],
         "commit_s": stats["commit_s"],
         "wall_s": wall,
+        "step_metrics": stats["per_step"],  # one ``modal_rl/async/...`` dict per step
     }
 
 
@@ -217,8 +227,9 @@ def _run_async(engine, source: SampleSource, train, cfg: LoopConfig, v0: int, st
                 if errors:
                     raise RuntimeError(f"a producer failed: {errors[0]}") from errors[0]
                 groups = pacer.take_wait(timeout=1.0)
-            stats["trainer_wait_s"] += time.monotonic() - t_wait
-            consume(step, [s for g in groups for s in g.samples])
+            waited = time.monotonic() - t_wait
+            stats["trainer_wait_s"] += waited
+            consume(step, [s for g in groups for s in g.samples], waited)
             pacer.notify()  # the engine holds a newer version: admissions may proceed
     finally:
         stop.set()

@@ -16,7 +16,9 @@ Invariants (checked by :meth:`SampleVersions.check`, and kept by :class:`Version
 - ``switch_at`` strictly increase, each in ``[1, n_tokens)``: every listed version made at
   least one token of the sample (a commit after the last token is not a switch of it; a
   commit before the first token means the sample started on the newer version);
-- the ledger's ``committed`` only increases; a commit at or below it is refused.
+- the ledger's ``committed`` only increases within a publisher epoch; a commit at or below
+  it is refused. A new publisher numbering from 0 again is a :meth:`VersionLedger.restart`:
+  visible (``restarts``, ``epoch`` on every later record), and no record spans it.
 
 This module is plain Python: the engine side (``weightsync.apply.vllm_versions``) and every
 framework adapter use the same bookkeeping.
@@ -141,9 +143,14 @@ class VersionLedger:
     token count), and :meth:`finish` with the final count; finished records are kept (the
     last ``retain``) for :meth:`finished_since`."""
 
-    def __init__(self, committed: int = BASE_VERSION, retain: int = DEFAULT_RETAIN) -> None:
+    def __init__(
+        self, committed: int = BASE_VERSION, retain: int = DEFAULT_RETAIN, epoch: int | None = None
+    ) -> None:
         self.committed = committed
         self.commits = 0
+        self.epoch = epoch  # the publisher's epoch of ``committed`` (None: not known)
+        self.restarts = 0
+        self._dropped: set[str] = set()  # running across a restart: no record, ever
         self._live: dict[str, tuple[list[int], list[int]]] = {}
         self._done: OrderedDict[int, tuple[str, dict]] = OrderedDict()
         self._seq = 0
@@ -153,6 +160,8 @@ class VersionLedger:
         return list(self._live)
 
     def start(self, req_id: str) -> None:
+        if req_id in self._dropped:
+            return  # it ran across a restart: its tokens' versions are not comparable
         if req_id in self._live:
             raise VersionContractError(f"request {req_id!r} started twice")
         self._live[req_id] = ([self.committed], [])
@@ -183,6 +192,24 @@ class VersionLedger:
         self.commits += 1
         return switched
 
+    def restart(self, version: int, epoch: int | None) -> int:
+        """A new publisher (``epoch``) numbering its versions afresh: ``version`` is served
+        now, whatever its number. Versions of two epochs are not comparable, so every live
+        request loses its record (``finished_since`` never reports it: absent, not wrong) and
+        requests started from now on are recorded in the new epoch. Returns how many
+        records were dropped."""
+        dropped = list(self._live)
+        self._dropped.update(dropped)
+        self._live.clear()
+        self.committed, self.epoch = int(version), epoch
+        self.restarts += 1
+        self.commits += 1
+        return len(dropped)
+
+    def forget(self, req_id: str) -> None:
+        """A request that ran across a restart ended: stop remembering it."""
+        self._dropped.discard(req_id)
+
     def live_records(self) -> list[tuple[str, dict]]:
         """Every live request's record so far (for a caller that knows a request ended
         before the engine reported it: :func:`finalize` with its token count)."""
@@ -192,7 +219,8 @@ class VersionLedger:
         versions, switch_at = self._live.pop(req_id)
         record = finalize({"versions": versions, "switch_at": switch_at}, n_tokens)
         self._seq += 1
-        self._done[self._seq] = (req_id, record.to_json())
+        stored = record.to_json() if self.epoch is None else {**record.to_json(), "epoch": self.epoch}
+        self._done[self._seq] = (req_id, stored)
         while len(self._done) > self._retain:
             self._done.popitem(last=False)
         return record

