@@ -154,8 +154,16 @@ def _apply_kernel(addrs, counts, offsets, per, positions, values, xor, move_a, m
     return i
 
 
+def _gather_kernel(addr, counts, starts, out):
+    """``out[starts[p] : starts[p] + counts[p]]`` = the words at ``addr[p]``, piece by piece."""
+    for p in range(counts.size):
+        src = _carray(_ptr(addr[p], out), counts[p])
+        out[starts[p] : starts[p] + counts[p]] = src
+
+
 _m1 = _m2 = _ptr = _carray = _blockv = None  # bound before the kernel is first compiled (``_bind``)
 FUSED, WRITE, APPLY = Kernel(_fused_kernel), Kernel(_write_kernel), Kernel(_apply_kernel)
+GATHER = Kernel(_gather_kernel)
 
 
 def _bind() -> bool:
@@ -250,6 +258,35 @@ def diff_chunk(pieces: list[tuple[np.ndarray, np.ndarray, int, int, int]], total
     )
     del keep
     return pos[:k].copy(), old[:k].copy(), new_words[:k].copy(), move_a, move_c
+
+
+def diff_table(table, word: np.dtype, total: int, write: bool):
+    """``diff_chunk`` over a chunk already laid out as address tables (``buckets``): ``table``
+    is (base addresses, new addresses, counts, first blocks, chunk-local starts), int64
+    arrays that satisfy ``diff_chunk``'s conditions (its caller checked them once). The
+    memory behind the addresses must stay alive for the call."""
+    per = max(1, 8 // word.itemsize)
+    pos, old, new_words = _scratch(total, word)
+    move_a, move_c = np.empty(table[2].size, np.uint64), np.empty(table[2].size, np.uint64)
+    k = FUSED.get()(*table, per, write, pos, old, new_words, move_a, move_c)
+    return pos[:k].copy(), old[:k].copy(), new_words[:k].copy(), move_a, move_c
+
+
+def write_table(addr_b: np.ndarray, counts: np.ndarray, starts: np.ndarray, positions, words) -> None:
+    """``write_changed`` with the pieces as address tables (see ``diff_table``)."""
+    done = WRITE.get()(addr_b, counts, starts, positions, words)
+    if done != positions.size:
+        raise AssertionError(f"{positions.size - done} changes lie outside the chunk's pieces")
+
+
+def gather_table(addr: np.ndarray, counts: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:
+    """The pieces at ``addr`` copied into ``out`` at chunk-local ``starts`` (one compiled pass)."""
+    GATHER.get()(addr, counts, starts, out)
+
+
+def ready() -> bool:
+    """Whether the compiled kernels are there (numba installed)."""
+    return _bind() and FUSED.get() is not None
 
 
 def write_changed(pieces: list[tuple[np.ndarray, np.ndarray, int, int, int]], positions, words) -> None:
