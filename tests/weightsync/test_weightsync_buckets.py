@@ -11,7 +11,8 @@ from modal_rl.weightsync.codec import fused, sum_lanes
 from modal_rl.weightsync.codec.buckets import DeltaLayout
 from modal_rl.weightsync.codec.decode import apply_frame
 from modal_rl.weightsync.codec.encode import CodecConfig, encode_anchor, encode_delta
-from modal_rl.weightsync.errors import LayoutMismatchError
+from modal_rl.weightsync.codec.held_layout import HeldLayout
+from modal_rl.weightsync.errors import ChecksumMismatchError, LayoutMismatchError
 from modal_rl.weightsync.shards import dim0_pieces
 from modal_rl.weightsync.wire.frames import state_digest
 
@@ -65,6 +66,8 @@ def test_frames_are_byte_identical_to_the_per_tensor_encoder(sharded, coding, li
     anchor = _frame(encode_anchor(first.items(), version=0, config=config, checksums_out=sums))
     held = apply_frame({}, io.BytesIO(anchor), held_version=None, config=config, key=None)
     state, held_sums = held.state, held.checksums
+    # a second receiver keeps a ``HeldLayout``: the same results, bit for bit
+    twin, twin_sums, twin_layout = {k: v.clone() for k, v in state.items()}, dict(held_sums), HeldLayout()
     layout = DeltaLayout.build(new_base, config.chunk_elems)
     assert layout is not None
     old_sums, new_sums = dict(sums), dict(sums)
@@ -94,8 +97,74 @@ def test_frames_are_byte_identical_to_the_per_tensor_encoder(sharded, coding, li
             key=None,
         )
         held_sums = result.checksums
+        fast = apply_frame(
+            twin,
+            io.BytesIO(new),
+            held_version=version - 1,
+            held_checksums=twin_sums,
+            config=config,
+            key=None,
+            layout=twin_layout,
+        )
+        assert fast.checksums == result.checksums and fast.changed_words == result.changed_words
+        twin_sums = dict(fast.checksums)  # as the chain keeps them: a copy
         for name, tensor in items:
             assert torch.equal(state[name].view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+            assert torch.equal(twin[name].view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+    assert twin_layout.groups and twin_layout.lanes is not None  # the layout was in use
+
+
+def test_a_held_layout_refuses_a_delta_onto_a_damaged_word_and_rolls_back():
+    config = CodecConfig(chunk_elems=1024, threads=2, coding=1)
+    trainer = _mixed(3)
+    g = torch.Generator().manual_seed(9)
+    base = {k: v.clone() for k, v in trainer.items()}
+    sums: dict[str, str] = {}
+    anchor = _frame(encode_anchor(base.items(), version=0, config=config, checksums_out=sums))
+    held = apply_frame({}, io.BytesIO(anchor), held_version=None, config=config, key=None)
+    state, held_sums, layout = held.state, dict(held.checksums), HeldLayout()
+    delta_layout = DeltaLayout.build(base, config.chunk_elems)
+    for version in (1, 2):
+        _step(trainer, g, 0.05)
+        out: dict[str, str] = {}
+        frame = _frame(
+            delta_layout.encode_delta(
+                trainer,
+                base_version=version - 1,
+                version=version,
+                config=config,
+                base_checksums=sums,
+                checksums_out=out,
+                update_base=True,
+            )
+        )
+        sums = out
+        if version == 2:  # held words the delta changes are damaged (its blocks' sums move wrong)
+            state["big"].view(-1).view(torch.int16)[:] ^= 0x40
+            before = {k: v.clone() for k, v in state.items()}
+            with pytest.raises(ChecksumMismatchError):
+                apply_frame(
+                    state,
+                    io.BytesIO(frame),
+                    held_version=1,
+                    held_checksums=held_sums,
+                    config=config,
+                    key=None,
+                    layout=layout,
+                )
+            assert all(torch.equal(before[k], state[k]) for k in state)
+            assert layout.lanes is None
+            return
+        result = apply_frame(
+            state,
+            io.BytesIO(frame),
+            held_version=0,
+            held_checksums=held_sums,
+            config=config,
+            key=None,
+            layout=layout,
+        )
+        held_sums = dict(result.checksums)
 
 
 def test_a_tensor_of_another_layout_is_refused_in_one_line():

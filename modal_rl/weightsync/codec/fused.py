@@ -284,6 +284,30 @@ def gather_table(addr: np.ndarray, counts: np.ndarray, starts: np.ndarray, out: 
     GATHER.get()(addr, counts, starts, out)
 
 
+def apply_table(table, lo: int, positions: np.ndarray, values: np.ndarray, xor: bool):
+    """``apply_sparse`` with a group's segments as tables (``held_layout``): (addresses,
+    sizes, group-local offsets, word type). Returns (first segment index, move lane a, move
+    lane c) for the segments from it on that the chunk reaches, or None where it does not
+    apply (values of another word type, a position past the last segment: the caller's
+    checked path runs and refuses it)."""
+    addrs, sizes, offsets, word = table
+    if positions.size == 0 or values.dtype != word or not _bind():
+        return None
+    first, last = lo + int(positions[0]), lo + int(positions[-1])
+    k0 = int(np.searchsorted(offsets, first, "right")) - 1
+    k1 = int(np.searchsorted(offsets, last, "right"))
+    if k0 < 0 or first < 0 or last >= int(offsets[k1 - 1] + sizes[k1 - 1]):
+        return None
+    per = max(1, 8 // word.itemsize)
+    move_a, move_c = np.empty(k1 - k0, np.uint64), np.empty(k1 - k0, np.uint64)
+    done = APPLY.get()(
+        addrs[k0:k1], sizes[k0:k1], offsets[k0:k1] - lo, per, positions, values, xor, move_a, move_c
+    )
+    if done != positions.size:  # unreachable: the last position was checked above
+        raise IndexError(f"{positions.size - done} changes lie past the chunk's tensors")
+    return k0, move_a, move_c
+
+
 def ready() -> bool:
     """Whether the compiled kernels are there (numba installed)."""
     return _bind() and FUSED.get() is not None
