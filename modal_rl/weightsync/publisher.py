@@ -262,9 +262,15 @@ class Publisher:
                 yield name, staged[name]
 
         def delta_items() -> Iterator[tuple[str, Any]]:
+            import torch
+
+            host = torch.Tensor
             for name, tensor in items:
                 # a host tensor is read as it lies (the encoder only reads it)
-                yield name, tensor if getattr(tensor, "is_cpu", False) else self._delta_input(name, tensor)
+                yield (
+                    name,
+                    tensor if isinstance(tensor, host) and tensor.is_cpu else self._delta_input(name, tensor),
+                )
 
         sums: dict[str, str] = {}
         t0 = time.perf_counter()
