@@ -208,3 +208,32 @@ def test_sum_lanes_digest_and_hex_match_the_wire_functions():
     back = sum_lanes.from_hex(hexes)
     assert np.array_equal(back[0], a) and np.array_equal(back[1], c)
     assert sum_lanes.SortedDigest(names).digest(a, c) == state_digest(dict(zip(names, hexes, strict=True)))
+
+
+def test_a_chain_keeps_its_layout_across_deltas_and_forgets_it_at_an_anchor():
+    import gc
+    import weakref
+
+    from modal_rl.weightsync.chain import VersionChain
+
+    config = CodecConfig(chunk_elems=1024, threads=1, coding=1)
+    trainer = _mixed(4)
+    g = torch.Generator().manual_seed(2)
+    chain = VersionChain(config, retain=False, key=None)
+    base = {k: v.clone() for k, v in trainer.items()}
+    sums: dict[str, str] = {}
+    chain.apply(_frame(encode_anchor(base.items(), version=0, config=config, checksums_out=sums)))
+    for version in (1, 2):
+        _step(trainer, g, 0.05)
+        out: dict[str, str] = {}
+        kw = {"base_version": version - 1, "version": version, "config": config, "update_base": True}
+        chain.apply(_frame(encode_delta(base, trainer, base_checksums=sums, checksums_out=out, **kw)))
+        sums = out
+    assert chain._layout.groups and chain._layout.lanes is not None
+    old = weakref.ref(chain.state["big"])
+    chain.apply(_frame(encode_anchor(trainer.items(), version=3, config=config)))
+    assert not chain._layout.groups and chain._layout.lanes is None
+    gc.collect()
+    assert old() is None  # the replaced state is not kept alive by the layout
+    for name, tensor in trainer.items():
+        assert torch.equal(chain.state[name].view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))

@@ -318,6 +318,8 @@ def apply_frame(
         )
     if not is_anchor and (held_checksums is None or set(held_checksums) != set(state)):
         held_checksums = held_sums(state)  # a full pass, only for a caller that kept no sums
+    if is_anchor and layout is not None:
+        layout.forget()  # the held tensors are about to be replaced
     held_lanes = layout.held_lanes(held_checksums) if layout is not None and not is_anchor else None
     held_digest = layout.sums_digest if held_lanes is not None else None
     if not is_anchor and header.base_digest != (held_digest or state_digest(held_checksums)):

@@ -11,7 +11,8 @@ reuses all of it; anything else takes the checked path and is remembered after.
 It also keeps the held sums as lanes (``sum_lanes``) with their digest, valid while the
 caller hands back the sums the last delta produced (compared as a dict: equal strings).
 
-Invariant: a cached group is used only after the identity check of every held tensor it
+Invariants: an anchor makes the layout forget everything (``forget``), so it never holds
+a replaced state alive; a cached group is used only after the identity check of every held tensor it
 names, so a swapped-in tensor (an anchor) never meets a stale address; the layout is
 advisory — dropping it (``HeldLayout()``) changes only speed, never a result.
 """
@@ -50,6 +51,13 @@ class HeldLayout:
         self.lanes: tuple[np.ndarray, np.ndarray] | None = None  # the sums it produced
         self.sums: dict[str, str] | None = None
         self.sums_digest: str | None = None
+
+    def forget(self) -> None:
+        """Drop everything kept (an anchor replaces the held tensors: the layout must not keep
+        the old ones alive beside the new)."""
+        self.groups.clear()
+        self.names, self.digest = [], None
+        self.lanes = self.sums = self.sums_digest = None
 
     def group(self, k: int, body: bytes, state) -> HeldGroup | None:
         """Group position ``k``'s cached layout when ``body`` equals it and it still names
