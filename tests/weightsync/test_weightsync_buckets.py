@@ -237,3 +237,10 @@ def test_a_chain_keeps_its_layout_across_deltas_and_forgets_it_at_an_anchor():
     assert old() is None  # the replaced state is not kept alive by the layout
     for name, tensor in trainer.items():
         assert torch.equal(chain.state[name].view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+
+
+def test_a_snapshot_that_is_not_contiguous_host_memory_gets_no_layout():
+    strided = {"a": torch.zeros(8, 16, dtype=torch.bfloat16).t(), "b": torch.zeros(4)}
+    assert DeltaLayout.build(strided, CodecConfig().chunk_elems) is None
+    assert DeltaLayout.build({}, CodecConfig().chunk_elems) is None
+    assert DeltaLayout.build({"b": torch.zeros(4)}, CodecConfig().chunk_elems) is not None

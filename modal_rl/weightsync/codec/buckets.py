@@ -109,7 +109,6 @@ class DeltaLayout:
         self.shapes = [shape_of(snapshot[n]) for n in self.names]
         self.dtype_names = [dtype_name(snapshot[n]) for n in self.names]
         self.words = words  # the snapshot's word views: the tables' addresses point into them
-        self.itemsize = [w.itemsize for w in words]
         self.raw_bytes = sum(w.nbytes for w in words)
         self.digest = sum_lanes.SortedDigest(self.names)
         self.groups = self._group(snapshot, words)
@@ -129,6 +128,8 @@ class DeltaLayout:
             w = words_of(tensor)
             if not (w.flags.c_contiguous and w.flags.writeable) or _address(w) % 8:
                 return None
+            if is_torch(tensor) and w.size and tensor.data_ptr() != _address(w):
+                return None  # a copy (a strided snapshot tensor): writes must reach the snapshot
             words.append(w)
         return cls(snapshot, words, chunk_elems)
 
