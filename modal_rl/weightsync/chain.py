@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 from modal_rl.weightsync.catchup import CannotCatchUp, Held, Retained, catch_up
 from modal_rl.weightsync.codec.decode import ApplyResult, apply_frame
 from modal_rl.weightsync.codec.encode import CodecConfig
+from modal_rl.weightsync.codec.held_layout import HeldLayout
 from modal_rl.weightsync.errors import (
     BaseMismatchError,
     EpochMismatchError,
@@ -72,6 +73,8 @@ class VersionChain:
         self.checksums: dict[str, str] = {}
         self.floor_epoch: int | None = None  # frames of older epochs are refused (see above)
         self._frames: dict[int, tuple[VersionHeader, bytes]] = {}
+        # the held state's delta layout, reused from delta to delta (``held_layout``)
+        self._layout = HeldLayout()
 
     def apply(self, frame: bytes | Iterable[bytes] | BinaryIO) -> ApplyResult:
         """Accept the next frame (an anchor, or a delta whose base is the held version)."""
@@ -104,6 +107,7 @@ class VersionChain:
             config=self.config,
             key=self.keys,
             check_header=self.check_order,
+            layout=self._layout,
         )
 
     def _accept(self, result: ApplyResult, data: bytes | None) -> None:

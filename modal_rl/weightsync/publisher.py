@@ -136,6 +136,8 @@ class Publisher:
         self.snapshot: dict[str, Any] = {}
         # the snapshot's host word views (``words_of``), made once per anchor for the deltas
         self._snapshot_words: dict[str, Any] | None = None
+        # its delta layout (``buckets``), made on the first delta after an anchor; False: none fits
+        self._layout: Any = None
         self.checksums: dict[str, str] = {}
         self.version: int | None = None
         self._since_anchor = 0
@@ -209,6 +211,16 @@ class Publisher:
             }
         return self._snapshot_words
 
+    def _delta_layout(self) -> Any:
+        """The host snapshot's delta layout (``buckets.DeltaLayout``), made on the first delta
+        after an anchor; None where the snapshot does not qualify (a device snapshot, no numba)."""
+        if self._layout is None:
+            from modal_rl.weightsync.codec.buckets import DeltaLayout
+
+            fits = self.snapshot_on == "host" and self._differ is None
+            self._layout = (fits and DeltaLayout.build(self.snapshot, self.config.chunk_elems)) or False
+        return self._layout or None
+
     def _config_for_link(self) -> CodecConfig:
         """The codec config for this publish: a sink that knows each receiver's share of
         its link (a rate-limited frame server) lets deltas be coded for time on that link,
@@ -250,8 +262,15 @@ class Publisher:
                 yield name, staged[name]
 
         def delta_items() -> Iterator[tuple[str, Any]]:
+            import torch
+
+            host = torch.Tensor
             for name, tensor in items:
-                yield name, self._delta_input(name, tensor)
+                # a host tensor is read as it lies (the encoder only reads it)
+                yield (
+                    name,
+                    tensor if isinstance(tensor, host) and tensor.is_cpu else self._delta_input(name, tensor),
+                )
 
         sums: dict[str, str] = {}
         t0 = time.perf_counter()
@@ -261,6 +280,17 @@ class Publisher:
                 anchor_items(), version=version, config=config, checksums_out=sums, differ=self._differ
             )
             header = VersionHeader("anchor", version, None, run=self.run, epoch=self.epoch)
+        elif (layout := self._delta_layout()) is not None:
+            records = layout.encode_delta(
+                delta_items(),
+                base_version=self.version,
+                version=version,
+                config=config,
+                base_checksums=self.checksums,
+                checksums_out=sums,
+                update_base=True,
+            )
+            header = VersionHeader("delta", version, self.version, run=self.run, epoch=self.epoch)
         else:
             records = encode_delta(
                 self.snapshot,
@@ -281,7 +311,7 @@ class Publisher:
             self._force_anchor = True
             raise
         if anchor:
-            self.snapshot, self._snapshot_words = staged, None
+            self.snapshot, self._snapshot_words, self._layout = staged, None, None
         self.checksums, self.version = sums, version
         self._force_anchor = False
         self._since_anchor = 0 if anchor else self._since_anchor + 1
@@ -289,7 +319,7 @@ class Publisher:
         recovery = 0
         if self.recovery_every is not None and self._since_recovery >= self.recovery_every:
             recovery = self._send_recovery(version)
-        raw = sum(t.numel() * t.element_size() for t in self.snapshot.values())
+        raw = self._layout.raw_bytes if self._layout else sum(t.nbytes for t in self.snapshot.values())
         return PublishReport(version, header.kind, size, raw, time.perf_counter() - t0, self.epoch, recovery)
 
     def _send_recovery(self, version: int) -> int:

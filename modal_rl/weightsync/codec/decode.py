@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from modal_rl.weightsync.codec import anchor_inplace, fused
+from modal_rl.weightsync.codec import anchor_inplace, fused, sum_lanes
 from modal_rl.weightsync.codec.chunk_sums import chunk_moves, held_sums
 from modal_rl.weightsync.codec.codings.chunks import (
     CTX_SPARSE,
@@ -37,6 +37,7 @@ from modal_rl.weightsync.codec.codings.chunks_v2 import base_words
 from modal_rl.weightsync.codec.differ import TorchDiffer, sum_of
 from modal_rl.weightsync.codec.dtypes import dtype_name, empty_like_spec, is_torch, words_of
 from modal_rl.weightsync.codec.encode import CodecConfig, shape_of
+from modal_rl.weightsync.codec.held_layout import HeldGroup, HeldLayout
 from modal_rl.weightsync.codec.linsum import EMPTY as EMPTY_SUM
 from modal_rl.weightsync.codec.linsum import SUM_BLOCK_WORDS, add_sums
 from modal_rl.weightsync.codec.workers import shared_pool
@@ -86,7 +87,9 @@ class _GroupJob:
     """One group's in-flight chunk applies and its verification. A delta group's ``moves`` add
     up its chunks' moves of the sums; ``new_sums``: its tensors' once every chunk is applied."""
 
-    def __init__(self, header: GroupHeader, segments: list[tuple[int, Any]]) -> None:
+    def __init__(
+        self, header: GroupHeader, segments: list[tuple[int, Any]], total: int | None = None
+    ) -> None:
         self.header = header
         self.segments = segments
         self.itemsize = ITEMSIZE[header.tensors[0].dtype]
@@ -96,6 +99,13 @@ class _GroupJob:
         self.base_sums: list[str] = []  # a delta's: the held tensors' sums before it
         self.new_sums: list[str] = []
         self.in_place: list[bool] = []  # an anchor's: which members are held tensors (``anchor_inplace``)
+        self.total = header.total if total is None else total
+        # with a ``HeldLayout``: the segments' tables, and a delta's sums as lanes (``sum_lanes``)
+        self.table: Any = None
+        self.names: list[str] = []
+        self.lanes: tuple[np.ndarray, np.ndarray] | None = None  # moves
+        self.base_lanes: tuple[np.ndarray, np.ndarray] | None = None
+        self.new_lanes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _words(tensor: Any) -> Any:
@@ -152,7 +162,7 @@ class _Applier:
         def base_for(index: int, count: int):
             # v2 chunks model the held words and decode into them: every check that could
             # refuse the chunk comes before
-            if index != expected_index or count != min(gh.chunk_elems, gh.total - index * gh.chunk_elems):
+            if index != expected_index or count != min(gh.chunk_elems, job.total - index * gh.chunk_elems):
                 raise CorruptFrameError(f"{where}: chunk {index} is not chunk {expected_index} of its group")
             if is_anchor:
                 raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
@@ -163,29 +173,44 @@ class _Applier:
         try:
             if chunk.index != expected_index:
                 raise CorruptFrameError(f"{where}: chunk {chunk.index} arrived as chunk {expected_index}")
-            if chunk.elem_count != min(gh.chunk_elems, gh.total - chunk.elem_start):
+            if chunk.elem_count != min(gh.chunk_elems, job.total - chunk.elem_start):
                 raise CorruptFrameError(f"{where}: chunk {chunk.index} has the wrong size")
             if is_anchor != (chunk.encoding == FULL):
                 raise CorruptFrameError(f"{where}: chunk encoding does not fit the frame kind")
-            moves = None
+            moves = lane_moves = None
             if is_anchor and any(job.in_place):  # the held words, with an undo log
                 anchor_inplace.apply_full_chunk(job.segments, job.in_place, chunk, partial(self._log, job))
                 moves = []
             elif chunk.encoding in (XOR_SPARSE, SUB_SPARSE):  # applied and summed in one pass
                 xor = chunk.encoding == XOR_SPARSE
-                moves = fused.apply_sparse(job.segments, chunk.elem_start, chunk.positions, chunk.values, xor)
-            if moves is None:
+                if job.table is not None:
+                    lane_moves = fused.apply_table(
+                        job.table, chunk.elem_start, chunk.positions, chunk.values, xor
+                    )
+                if lane_moves is None:
+                    moves = fused.apply_sparse(
+                        job.segments, chunk.elem_start, chunk.positions, chunk.values, xor
+                    )
+            if moves is None and lane_moves is None:
                 chunk.apply(job.segments)
         except BaseException:
             if chunk.host_written:  # the host words it already holds go back
                 chunk.apply([(s, w) for s, w in job.segments if isinstance(w, np.ndarray)], undo=True)
             raise
-        if moves is None:
+        if moves is None and lane_moves is None:
             moves = [] if is_anchor else chunk_moves(chunk, job.segments)
         with self.lock:
             self.changed += chunk.nchanged
-            for i, move in moves:
-                job.moves[i] = add_sums(job.moves[i], move)
+            if lane_moves is not None:
+                k0, move_a, move_c = lane_moves
+                job.lanes[0][k0 : k0 + move_a.size] += move_a
+                job.lanes[1][k0 : k0 + move_a.size] += move_c
+            elif job.lanes is not None:
+                for i, move in moves:
+                    sum_lanes.add(*job.lanes, np.array([i]), *sum_lanes.from_hex([move]))
+            else:
+                for i, move in moves:
+                    job.moves[i] = add_sums(job.moves[i], move)
             if not is_anchor:
                 # v2 chunks decode only against the words they replaced: keep them decoded
                 self.applied.append((job, chunk if chunk.encoding == CTX_SPARSE else body))
@@ -229,7 +254,9 @@ class _Applier:
             raise TruncatedFrameError(
                 f"group of {gh.tensors[0].name!r}: {job.seen_chunks} of {gh.nchunks} chunks"
             )
-        if job.base_sums:  # a delta's group: the held sums moved by the changes, checked at the end
+        if job.lanes is not None:  # the same, as lanes
+            job.new_lanes = (job.base_lanes[0] + job.lanes[0], job.base_lanes[1] + job.lanes[1])
+        elif job.base_sums:  # a delta's group: the held sums moved by the changes, checked at the end
             job.new_sums = [add_sums(b, m) for b, m in zip(job.base_sums, job.moves, strict=True)]
         else:  # an anchor's: every tensor summed in full
             for th, (_, words) in zip(gh.tensors, job.segments, strict=True):
@@ -269,6 +296,7 @@ def apply_frame(
     config: CodecConfig | None = None,
     key=FROM_ENV,
     check_header: Callable[[VersionHeader], None] | None = None,
+    layout: HeldLayout | None = None,
 ) -> ApplyResult:
     """Apply one frame read from ``stream``: a binary stream, or the frame's raw
     ``(tag, record)`` pairs as a transport receives them — then chunks are decoded while
@@ -281,7 +309,9 @@ def apply_frame(
     them) lets a delta made from other weights be refused up front and verified from its
     changes alone; without them the held tensors are summed in full first. ``key``: the
     run key the frame must be signed with (default: ``MODAL_RL_RUN_KEY``), or ``None`` for
-    an unsigned frame; every record is verified before it is used.
+    an unsigned frame; every record is verified before it is used. ``layout``: a
+    ``HeldLayout`` the caller keeps from delta to delta (the per-tensor work is then done
+    once per layout, not per version; results are the same with or without it).
     """
     config = config or CodecConfig()
     keys = frame_keys(key)
@@ -298,7 +328,11 @@ def apply_frame(
         )
     if not is_anchor and (held_checksums is None or set(held_checksums) != set(state)):
         held_checksums = held_sums(state)  # a full pass, only for a caller that kept no sums
-    if not is_anchor and header.base_digest != state_digest(held_checksums):
+    if is_anchor and layout is not None:
+        layout.forget()  # the held tensors are about to be replaced
+    held_lanes = layout.held_lanes(held_checksums) if layout is not None and not is_anchor else None
+    held_digest = layout.sums_digest if held_lanes is not None else None
+    if not is_anchor and header.base_digest != (held_digest or state_digest(held_checksums)):
         raise BaseMismatchError(
             f"delta {header.base_version}→{header.version} was made from other weights than the held ones"
         )
@@ -306,9 +340,11 @@ def apply_frame(
     applier = _Applier(config)
     result = ApplyResult(header=header, checksums={})
     try:
-        _apply_records(records, header, state, target, applier, result, held_checksums)
+        _apply_records(records, header, state, target, applier, result, held_checksums, (layout, held_lanes))
     except BaseException:
         applier.rollback()  # a delta's chunks, or an in-place anchor's undo log
+        if layout is not None:
+            layout.lanes = None
         raise
     finally:
         applier.close()
@@ -319,8 +355,10 @@ def apply_frame(
     return result
 
 
-def _apply_records(records, header, state, target, applier, result, base_sums) -> None:
+def _apply_records(records, header, state, target, applier, result, base_sums, held=(None, None)) -> None:
     is_anchor = header.kind == "anchor"
+    layout, held_lanes = held if not is_anchor else (None, None)
+    at = 0  # a delta's tensors so far; ``held_lanes`` line up while every group was cached
     job: _GroupJob | None = None
     verifications: list[Future] = []
     bodies: list[bytes] = []
@@ -331,7 +369,18 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
             verifications.append(applier.verify(job))
         if tag in (TAG_GROUP, TAG_CHUNK) and sent_digest is not None:
             raise CorruptFrameError("a record after the delta's sums record other than its end")
-        if tag == TAG_GROUP:
+        if tag == TAG_GROUP and layout is not None and (cached := layout.group(len(jobs), body, state)):
+            job = _cached_group(cached, body, bodies, result)
+            job.lanes = (np.zeros(len(cached.names), np.uint64), np.zeros(len(cached.names), np.uint64))
+            n = len(cached.names)
+            if held_lanes is not None and at + n <= held_lanes[0].size:
+                job.base_lanes = (held_lanes[0][at : at + n], held_lanes[1][at : at + n])
+            else:
+                job.base_lanes = sum_lanes.from_hex([base_sums[name] for name in cached.names])
+            at += n
+            jobs.append(job)
+        elif tag == TAG_GROUP:
+            held_lanes = None  # this group is new: the held lanes no longer line up
             gh = GroupHeader.from_body(body)
             if not is_anchor and gh.chunk_elems % SUM_BLOCK_WORDS:
                 raise CorruptFrameError(f"delta chunks of {gh.chunk_elems} words split checksum blocks")
@@ -353,6 +402,12 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
             if not is_anchor:
                 job.base_sums = [base_sums[th.name] for th in gh.tensors]
                 jobs.append(job)
+            if layout is not None:  # remembered for the next delta
+                kept = layout.remember(len(jobs) - 1, body, gh, state, segments)
+                job.table, job.names = kept.table, kept.names
+                job.lanes = (np.zeros(len(kept.names), np.uint64), np.zeros(len(kept.names), np.uint64))
+                job.base_lanes = sum_lanes.from_hex(job.base_sums)
+                at += len(kept.names)
         elif tag == TAG_CHUNK:
             if job is None:
                 raise CorruptFrameError("chunk record before any group header")
@@ -371,7 +426,7 @@ def _apply_records(records, header, state, target, applier, result, base_sums) -
             _check_end(body, bodies, result, state, is_anchor)
             _raise_first(verifications)
             if jobs:
-                _check_moved_sums(jobs, sent_digest, result)
+                _check_moved_sums(jobs, sent_digest, result, layout)
             return
         else:
             raise CorruptFrameError("a second version header inside one frame")
@@ -392,8 +447,36 @@ def _check_tensor(th: TensorHeader, state, is_anchor: bool, result: ApplyResult)
         )
 
 
-def _check_moved_sums(jobs: list[_GroupJob], sent_digest: str, result: ApplyResult) -> None:
+def _cached_group(cached: HeldGroup, body: bytes, bodies: list[bytes], result: ApplyResult) -> _GroupJob:
+    """A delta group whose layout ``HeldLayout`` checked and kept: its job, no Python per tensor."""
+    if not result.checksums.keys().isdisjoint(cached.empty_sums):
+        twice = sorted(result.checksums.keys() & cached.empty_sums.keys())[0]
+        raise CorruptFrameError(f"tensor {twice!r} appears twice in one frame")
+    bodies.append(body)
+    result.checksums.update(cached.empty_sums)
+    result.tensors.extend(cached.header.tensors)
+    job = _GroupJob(cached.header, cached.segments, cached.total)
+    job.table, job.names = cached.table, cached.names
+    result.total_words += cached.total
+    return job
+
+
+def _check_moved_sums(
+    jobs: list[_GroupJob], sent_digest: str, result: ApplyResult, layout: HeldLayout | None = None
+) -> None:
     """Every tensor's held sum moved by its chunks must digest to what the sender moved."""
+    if all(job.new_lanes is not None for job in jobs):
+        names = [name for job in jobs for name in job.names]
+        a = np.concatenate([job.new_lanes[0] for job in jobs])
+        c = np.concatenate([job.new_lanes[1] for job in jobs])
+        moved, digest = layout.finish(names, a, c)
+        if digest != sent_digest:
+            raise ChecksumMismatchError(
+                "the rebuilt tensors' sums differ from the sender's (a held word differed from the base)"
+            )
+        result.checksums.update(moved)
+        layout.keep(a, c, moved, digest)
+        return
     moved = {th.name: s for job in jobs for th, s in zip(job.header.tensors, job.new_sums, strict=True)}
     if state_digest(moved) != sent_digest:
         raise ChecksumMismatchError(

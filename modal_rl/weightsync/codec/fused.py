@@ -154,8 +154,16 @@ def _apply_kernel(addrs, counts, offsets, per, positions, values, xor, move_a, m
     return i
 
 
+def _gather_kernel(addr, counts, starts, out):
+    """``out[starts[p] : starts[p] + counts[p]]`` = the words at ``addr[p]``, piece by piece."""
+    for p in range(counts.size):
+        src = _carray(_ptr(addr[p], out), counts[p])
+        out[starts[p] : starts[p] + counts[p]] = src
+
+
 _m1 = _m2 = _ptr = _carray = _blockv = None  # bound before the kernel is first compiled (``_bind``)
 FUSED, WRITE, APPLY = Kernel(_fused_kernel), Kernel(_write_kernel), Kernel(_apply_kernel)
+GATHER = Kernel(_gather_kernel)
 
 
 def _bind() -> bool:
@@ -250,6 +258,59 @@ def diff_chunk(pieces: list[tuple[np.ndarray, np.ndarray, int, int, int]], total
     )
     del keep
     return pos[:k].copy(), old[:k].copy(), new_words[:k].copy(), move_a, move_c
+
+
+def diff_table(table, word: np.dtype, total: int, write: bool):
+    """``diff_chunk`` over a chunk already laid out as address tables (``buckets``): ``table``
+    is (base addresses, new addresses, counts, first blocks, chunk-local starts), int64
+    arrays that satisfy ``diff_chunk``'s conditions (its caller checked them once). The
+    memory behind the addresses must stay alive for the call."""
+    per = max(1, 8 // word.itemsize)
+    pos, old, new_words = _scratch(total, word)
+    move_a, move_c = np.empty(table[2].size, np.uint64), np.empty(table[2].size, np.uint64)
+    k = FUSED.get()(*table, per, write, pos, old, new_words, move_a, move_c)
+    return pos[:k].copy(), old[:k].copy(), new_words[:k].copy(), move_a, move_c
+
+
+def write_table(addr_b: np.ndarray, counts: np.ndarray, starts: np.ndarray, positions, words) -> None:
+    """``write_changed`` with the pieces as address tables (see ``diff_table``)."""
+    done = WRITE.get()(addr_b, counts, starts, positions, words)
+    if done != positions.size:
+        raise AssertionError(f"{positions.size - done} changes lie outside the chunk's pieces")
+
+
+def gather_table(addr: np.ndarray, counts: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:
+    """The pieces at ``addr`` copied into ``out`` at chunk-local ``starts`` (one compiled pass)."""
+    GATHER.get()(addr, counts, starts, out)
+
+
+def apply_table(table, lo: int, positions: np.ndarray, values: np.ndarray, xor: bool):
+    """``apply_sparse`` with a group's segments as tables (``held_layout``): (addresses,
+    sizes, group-local offsets, word type). Returns (first segment index, move lane a, move
+    lane c) for the segments from it on that the chunk reaches, or None where it does not
+    apply (values of another word type, a position past the last segment: the caller's
+    checked path runs and refuses it)."""
+    addrs, sizes, offsets, word = table
+    if positions.size == 0 or values.dtype != word or not _bind():
+        return None
+    first, last = lo + int(positions[0]), lo + int(positions[-1])
+    k0 = int(np.searchsorted(offsets, first, "right")) - 1
+    k1 = int(np.searchsorted(offsets, last, "right"))
+    if k0 < 0 or first < 0 or last >= int(offsets[k1 - 1] + sizes[k1 - 1]):
+        return None
+    per = max(1, 8 // word.itemsize)
+    move_a, move_c = np.empty(k1 - k0, np.uint64), np.empty(k1 - k0, np.uint64)
+    done = APPLY.get()(
+        addrs[k0:k1], sizes[k0:k1], offsets[k0:k1] - lo, per, positions, values, xor, move_a, move_c
+    )
+    if done != positions.size:  # unreachable: the last position was checked above
+        raise IndexError(f"{positions.size - done} changes lie past the chunk's tensors")
+    return k0, move_a, move_c
+
+
+def ready() -> bool:
+    """Whether the compiled kernels are there (numba installed)."""
+    return _bind() and FUSED.get() is not None
 
 
 def write_changed(pieces: list[tuple[np.ndarray, np.ndarray, int, int, int]], positions, words) -> None:

@@ -58,6 +58,12 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             pieces = [(held.copy(), held + dtype(1), 0, 8, 0)]  # the publisher's chunk pass
             fused.write_changed(pieces, *fused.diff_chunk(pieces, 8, True)[0:3:2])
             fused.apply_sparse([(0, held)], 0, changed, np.ones(4, dtype), True)  # a receiver's chunk pass
+            # the layouts' table forms (``buckets``, ``held_layout``)
+            fused.gather_table(
+                np.array([held.ctypes.data], np.int64), np.array([8]), np.array([0]), held.copy()
+            )
+            table = (np.array([held.ctypes.data], np.int64), np.array([8]), np.array([0]), held.dtype)
+            fused.apply_table(table, 0, changed, np.ones(4, dtype), True)
             for xor in (True, False):
                 linsum.moved_by_residuals(held, changed, 0, np.ones(4, dtype), xor)
         if not chunks_v2.available():
