@@ -280,6 +280,7 @@ def check_series(
             lambda where, groups: run_groups(where, runner, groups, env, scratch, pythonpath),
             scratch,
             stages.default_jobs() if jobs is None else jobs,
+            log,
         )
         final = Row(series.framework, "series", f"all {len(series.patches)} patches: new + upstream tests")
         for stage, runs in zip(plan, results, strict=True):

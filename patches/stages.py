@@ -84,9 +84,10 @@ def plan(patches: tuple[Patch, ...], commits: list[str], attempted: int, series_
     return stages
 
 
-def run_all(tree: Path, stages: list[Stage], run_groups, scratch: Path, jobs: int) -> list[list]:
+def run_all(tree: Path, stages: list[Stage], run_groups, scratch: Path, jobs: int, log=None) -> list[list]:
     """Each stage's runs (``run_groups(where, [files per group])``), in stage order; stages
-    on earlier commits run in worktrees under ``scratch``, the last one in ``tree``."""
+    on earlier commits run in worktrees under ``scratch``, the last one in ``tree``. ``log``
+    gets a line as each stage ends (in the order they end)."""
     head = bases.git(tree, "rev-parse", "HEAD").stdout.strip()
     lock = threading.Lock()  # one git command at a time on the shared repository metadata
 
@@ -104,6 +105,11 @@ def run_all(tree: Path, stages: list[Stage], run_groups, scratch: Path, jobs: in
             return run_groups(where, [g.files for g in stage.groups])
         finally:
             stage.seconds = time.monotonic() - started
+            if log is not None:
+                runs = ", ".join(
+                    f"{g.kind} {g.patch + 1:04d}" if g.patch >= 0 else g.kind for g in stage.groups
+                )
+                log(f"[patches] tree {stage.index} ({runs}) done in {stage.seconds:.0f} s")
             if not in_tree:
                 with lock:
                     bases.git(tree, "worktree", "remove", "--force", str(where), check=False)
