@@ -11,7 +11,8 @@ the run ends.
 Invariants:
 - a run dir is ``<temp>/mrl-<tag><random>``, short on purpose: unix socket paths under it
   (Ray's ``<dir>/ray/session_<time>/sockets/...``, vLLM's ``<dir>/<uuid>``) must stay under
-  107 bytes; a ``TMPDIR`` longer than :data:`MAX_BASE_LEN` is passed over for ``/tmp``;
+  107 bytes; a ``TMPDIR`` longer than :data:`MAX_BASE_LEN` is passed over for the base its
+  run dir was made in (a process started inside a run: :data:`BASE_ENV`), else for ``/tmp``;
 - the owner removes it when the run ends (return, exception, Ctrl-C), and at this process's
   exit as a backstop (``atexit``); only a SIGKILLed owner leaves it behind, and the next run
   removes that one: each run dir holds an owner mark (``OWNER_FILE``: the owner's PID and its
@@ -48,6 +49,7 @@ PREFIX = "mrl-"
 TEMP_ENV = "TMPDIR"
 KERNEL_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 KEEP_ENV = "MODAL_RL_KEEP_LOGS"
+BASE_ENV = "MODAL_RL_TEMP_BASE"
 OWNER_FILE = ".mrl-owner"
 # Room for the deepest socket path under a run dir (nested in another run's, too):
 # <base>/mrl-<12>/r0/session_<date>_<time>_<us>_<pid>/sockets/plasma_store is ~80 bytes + base.
@@ -63,9 +65,18 @@ def _remove_owned() -> None:
 
 
 def base_dir() -> str:
-    """Where run dirs are made: the temp directory, unless its path is too long for sockets."""
+    """Where run dirs are made: the temp directory, unless its path is too long for sockets;
+    then the base the run dir this process runs in was made in (:data:`BASE_ENV`, set by
+    :func:`child_env`: a run dir is one level longer than its base, so a process whose
+    ``TMPDIR`` is a run dir, a Ray worker of a launcher's run, makes its own beside it rather
+    than in ``/tmp``), else ``/tmp``."""
     where = tempfile.gettempdir()
-    return where if len(where) <= MAX_BASE_LEN or not os.path.isdir("/tmp") else "/tmp"
+    if len(where) <= MAX_BASE_LEN or not os.path.isdir("/tmp"):
+        return where
+    inherited = os.environ.get(BASE_ENV, "")
+    if inherited and len(inherited) <= MAX_BASE_LEN and os.path.isdir(inherited):
+        return inherited
+    return "/tmp"
 
 
 def make(tag: str = "") -> Path:
@@ -219,8 +230,14 @@ def use_kernel_cache() -> str:
 
 def child_env(path: str | os.PathLike) -> dict[str, str]:
     """The environment entries that send a child's temp files into ``path`` (and its kernel
-    cache to :func:`kernel_cache_dir`, unless the user named one)."""
-    return {TEMP_ENV: str(path), KERNEL_CACHE_ENV: os.environ.get(KERNEL_CACHE_ENV) or kernel_cache_dir()}
+    cache to :func:`kernel_cache_dir`, unless the user named one); ``path``'s parent, the base
+    it was made in, is :data:`BASE_ENV`, where the child makes run dirs of its own when
+    ``path`` is too long to hold them (:func:`base_dir`)."""
+    return {
+        TEMP_ENV: str(path),
+        KERNEL_CACHE_ENV: os.environ.get(KERNEL_CACHE_ENV) or kernel_cache_dir(),
+        BASE_ENV: str(Path(path).parent),
+    }
 
 
 @contextlib.contextmanager

@@ -86,6 +86,13 @@ VARIABLES: dict[str, Variable] = dict(
             "`1`: progress lines off a terminal; `0`: none",
         ),
         _v("MODAL_RL_KEEP_LOGS", "flag", False, "modal_rl.run_temp", "`1`: keep a run's logs"),
+        _v(
+            "MODAL_RL_TEMP_BASE",
+            "path",
+            None,
+            "modal_rl.run_temp",
+            "set for a run's processes: where they make run dirs when TMPDIR is too long",
+        ),
         _v("MODAL_RL_RUN_PARTS_DIR", "path", None, "modal_rl.report.parts", "where a run's parts write"),
         _v(
             "MODAL_RL_RUN_DIR",

@@ -1,4 +1,4 @@
-"""``python -m patches check [--verl [DIR|sdist]] [--slime DIR] [--full] [--json FILE] [--keep DIR]``.
+"""``python -m patches check [--verl [DIR|sdist]] [--slime DIR] [--full] [--jobs N] [--json FILE] [--keep DIR]``.
 
 verl runs when ``--verl`` is given or nothing else is (from its sdist by default); slime runs
 when ``--slime DIR`` is given or ``SLIME_PATH`` names a checkout. ``--framework NAME=DIR`` checks any other ``patches/NAME/series.toml``. Exit status
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from patches import check, series_path
+from patches import check, series_path, stages
 from patches.series import SeriesError, load
 
 SLIME_ENV = "SLIME_PATH"
@@ -43,9 +43,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slime", help=f"slime checkout (default ${SLIME_ENV})")
     p.add_argument("--framework", action="append", default=[], metavar="NAME=DIR", help="any other series")
     p.add_argument("--full", action="store_true", help="also run each patch's upstream_tests_full")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help=f"test runs side by side (default ${stages.JOBS_ENV}, else the CPU count, at most "
+        f"{stages.MAX_DEFAULT_JOBS})",
+    )
     p.add_argument("--json", type=Path, help="write the rows as JSON here")
     p.add_argument("--keep", type=Path, help="work in this directory and keep it (for debugging)")
     args = parser.parse_args(argv)
+    try:
+        jobs = stages.default_jobs() if args.jobs is None else args.jobs
+    except ValueError as exc:
+        print(f"patches: {exc}", file=sys.stderr)
+        return 2
+    if jobs < 1:
+        print("patches: --jobs must be 1 or more (test runs side by side)", file=sys.stderr)
+        return 2
     rows: list[check.Row] = []
     for framework, source in _targets(args):
         path = series_path(framework)
@@ -59,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         keep = args.keep / framework if args.keep else None
         rows += check.check_series(
-            series, source, full=args.full, keep=keep, log=lambda m: print(m, flush=True)
+            series, source, full=args.full, keep=keep, log=lambda m: print(m, flush=True), jobs=jobs
         )
     print(check.table(rows))
     for row in rows:

@@ -1,14 +1,14 @@
 """The check: a series applies in order to a clean base, each fix's new tests flip, and the
 listed upstream tests pass on the patched tree.
 
-Per patch, on the tree with the earlier patches committed:
-1. ``before`` (fixes only): only the patch's new test files are applied (``git apply
+The series is first committed on the base in order (``git am --keep-non-patch``: the
+``[module]`` prefix of upstream titles stays in the subject); a patch that does not apply
+cleanly stops there. Then, per patch, on the tree with the earlier patches committed:
+1. ``before`` (fixes only): only the patch's new test files are added (``git apply
    --include``) and run; they must FAIL (a collection error counts: the test names the
-   code that is missing). Then the tree is reset.
-2. ``apply``: ``git am --keep-non-patch`` (the ``[module]`` prefix of upstream titles stays in
-   the subject); it must apply without conflicts.
-3. ``after``: the new tests must pass, with at least one test run (all skipped is a deviation:
-   nothing was proven).
+   code that is missing).
+2. ``after`` (on the tree with the patch committed): the new tests must pass, with at least
+   one test run (all skipped is a deviation: nothing was proven).
 After the series: every patch's ``upstream_tests`` (and ``upstream_tests_full`` with
 ``full``) plus all new tests, in one run; they must pass. Then the base's ``sanity``
 commands (the project's own pre-commit checks: license headers, test layout, linters) run
@@ -22,14 +22,17 @@ torch, vLLM, the trainer stack) is most of a run's time, so this halves the runs
 verdict is still taken from its own test files alone: the junit report (``xunit1``) names
 each case's file, and ``--continue-on-collection-errors`` keeps a collection error (a
 ``before`` naming code that is not there yet) that file's failure instead of stopping the
-run. What two patches' files share is the interpreter, as in the series run.
+run. What two patches' files share is the interpreter, as in the series run. The runs on
+different trees are independent stages (:mod:`patches.stages`), run side by side in
+worktrees of the check's tree.
 
 Invariants: the tests run with ``cwd`` = the tree and the tree (after the base's
 ``pythonpath`` folders in it) first on ``PYTHONPATH``, so
 the patched package shadows any installed copy; a patch that does not apply stops its series
-(later patches build on it); every deviation is a row whose ``ok`` is False. A row's
-``seconds`` is the time of the runs that prove its ``before`` (shared with the previous
-patch's ``after``) and of applying it; the series row holds the last patch's ``after``.
+(later patches build on it) but its ``before`` still runs; every deviation is a row whose
+``ok`` is False. A row's ``seconds`` is the time of applying it and of the run that proves
+its ``before`` (shared with the previous patch's ``after``); the series row holds the last
+patch's ``after``.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from modal_rl import run_temp
 from patches import base as bases
+from patches import stages
 from patches.series import Series
 
 RUN_TIMEOUT_S = 1800
@@ -139,7 +144,7 @@ def run_tests(
 def _run_in(tree: Path, runner: str, files: list[str], full_env: dict[str, str], scratch: Path) -> Run:
     started = time.monotonic()
     if runner == "pytest":
-        xml = scratch / f"junit-{time.monotonic_ns()}.xml"
+        xml = scratch / f"junit-{uuid.uuid4().hex}.xml"  # stages run side by side
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_REPORT]
         proc = _run([*argv, f"--junitxml={xml}", *files], tree, full_env)
         result = Run(proc.returncode, seconds=time.monotonic() - started, tail=_tail(proc))
@@ -232,9 +237,16 @@ def _passed(run: Run) -> bool:
 
 
 def check_series(
-    series: Series, source: str | None, *, full: bool = False, keep: Path | None = None, log=print
+    series: Series,
+    source: str | None,
+    *,
+    full: bool = False,
+    keep: Path | None = None,
+    log=print,
+    jobs: int | None = None,
 ):
-    """Run the check for ``series`` on a clean copy of its base from ``source``; returns rows."""
+    """Run the check for ``series`` on a clean copy of its base from ``source``; returns rows.
+    ``jobs``: test stages run side by side (default :func:`patches.stages.default_jobs`)."""
     scratch = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=f"patches-{series.framework}-"))
     rows: list[Row] = []
     env = {k: str(v) for k, v in series.base.env.items()}
@@ -245,29 +257,11 @@ def check_series(
         except bases.BaseError as exc:
             return [Row(series.framework, "base", series.base.name, problems=[str(exc)])]
         log(f"[patches] {series.framework}: base {series.base.name} at {tree}")
-        base_rev = bases.git(tree, "rev-parse", "HEAD").stdout.strip()
-        pending: tuple[Row, list[str]] | None = None  # the last applied patch, its 'after' not run yet
+        commits = [bases.git(tree, "rev-parse", "HEAD").stdout.strip()]
         for patch in series.patches:
             row = Row(series.framework, patch.file.name, patch.title)
             rows.append(row)
             started = time.monotonic()
-            tests = list(patch.new_tests)
-            if patch.fix:
-                include = [arg for t in tests for arg in ("--include", t)]
-                bases.git(tree, "apply", *include, str(patch.file))
-                runs = run_groups(
-                    tree, runner, [*([pending[1]] if pending else []), tests], env, scratch, pythonpath
-                )
-                bases.git(tree, "reset", "-q", "--hard")
-                bases.git(tree, "clean", "-q", "-fdx")
-                if pending:
-                    _record_after(*pending, runs[0], log)
-                _record_before(row, runs[-1])
-            elif pending:
-                (after,) = run_groups(tree, runner, [pending[1]], env, scratch, pythonpath)
-                bases.git(tree, "clean", "-q", "-fdx")
-                _record_after(*pending, after, log)
-            pending = None
             am = bases.git(tree, "am", "-q", "--keep-non-patch", str(patch.file), check=False)
             row.applies = am.returncode == 0
             row.seconds = time.monotonic() - started
@@ -275,11 +269,33 @@ def check_series(
                 bases.git(tree, "am", "--abort", check=False)
                 row.problems.append(f"does not apply: {(am.stderr or am.stdout).strip()}")
                 break
-            pending = (row, tests)
-        if len(rows) == len(series.patches) and all(r.applies for r in rows):
-            rows.append(_final(series, tree, env, scratch, full, pending, log))
+            commits.append(bases.git(tree, "rev-parse", "HEAD").stdout.strip())
+        complete = len(commits) == len(series.patches) + 1
+        plan = stages.plan(
+            series.patches, commits, len(rows), _series_files(series, full) if complete else None
+        )
+        results = stages.run_all(
+            tree,
+            plan,
+            lambda where, groups: run_groups(where, runner, groups, env, scratch, pythonpath),
+            scratch,
+            stages.default_jobs() if jobs is None else jobs,
+            log,
+        )
+        final = Row(series.framework, "series", f"all {len(series.patches)} patches: new + upstream tests")
+        for stage, runs in zip(plan, results, strict=True):
+            for group, run in zip(stage.groups, runs, strict=True):
+                if group.kind == "before":
+                    _record_before(rows[group.patch], run)
+                    rows[group.patch].seconds += run.seconds
+                elif group.kind == "after":
+                    _record_after(rows[group.patch], group.files, run, log)
+                else:
+                    _record_series(final, run)
+        if complete:
+            rows.append(final)
             if series.base.sanity:
-                rows.append(run_sanity(series, tree, base_rev))
+                rows.append(run_sanity(series, tree, commits[0]))
         return rows
     finally:
         if not keep:
@@ -303,34 +319,22 @@ def _record_after(row: Row, tests: list[str], after: Run, log) -> None:
     log(f"[patches] {row.patch}: before {row.before}; after {row.after}")
 
 
-def _final(
-    series: Series,
-    tree: Path,
-    env: dict[str, str],
-    scratch: Path,
-    full: bool,
-    pending: tuple[Row, list[str]] | None,
-    log,
-) -> Row:
-    """All new tests and the listed upstream tests on the fully patched tree; the same run
-    gives the last patch its 'after'."""
+def _series_files(series: Series, full: bool) -> list[str]:
+    """All new tests and the listed upstream tests, for the run on the fully patched tree."""
     files: list[str] = []
     for patch in series.patches:
         for f in (*patch.new_tests, *patch.upstream_tests, *(patch.upstream_tests_full if full else ())):
             if f not in files:
                 files.append(f)
-    row = Row(series.framework, "series", f"all {len(series.patches)} patches: new + upstream tests")
+    return files
+
+
+def _record_series(row: Row, run: Run) -> None:
     row.applies = True
-    groups = [*([pending[1]] if pending else []), files]
-    runs = run_groups(tree, series.base.runner, groups, env, scratch, series.base.pythonpath)
-    if pending:
-        _record_after(*pending, runs[0], log)
-    run = runs[-1]
     row.after = ("pass " if _passed(run) else "FAIL ") + run.summary
     row.seconds = run.seconds
     if not _passed(run):
         row.problems.append(f"tests fail on the patched tree:\n{run.tail}")
-    return row
 
 
 # Tools a sanity command may name bare; they run from this interpreter's environment.

@@ -9,8 +9,8 @@
 
 Each prompt asks for a program that reads ``a b`` and prints one arithmetic result; the label
 holds stdin/stdout test cases (``modal_rl.sandboxes.coderun``), scored in bubblewrap by
-``slime_modal.cpu.code_reward``. The model, tokenizer and prompts are those of
-``verl_modal.cpu.tiny``'s code task (one source for both frameworks' CPU runs). Skipped when
+``slime_modal.cpu.code_reward``. The model, tokenizer and prompts are ``modal_rl.tiny_model``'s, as
+verl's code task uses them (one source for both frameworks' CPU runs). Skipped when
 ``DIR/args.txt`` exists (written last).
 """
 
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from verl_modal.cpu.tiny import MODEL_SHAPE, code_rows, make_model, make_tokenizer
+from modal_rl.tiny_model import MODEL_SHAPE, code_tasks, make_model, make_tokenizer
 
 
 def model_args(vocab_size: int) -> list[str]:
@@ -66,8 +66,8 @@ def make(out: Path, *, seed: int = 0, n_train: int = 256, vocab_size: int = 1000
     from slime_modal.cpu import torchvision_ops
 
     torchvision_ops.install()  # transformers imports torchvision
-    rows = code_rows(n_train, seed, "train")
-    tokenizer = make_tokenizer(rows, vocab_size)
+    tasks = code_tasks(n_train, seed, "train")
+    tokenizer = make_tokenizer(tasks, vocab_size)
     model = make_model(tokenizer, seed)
     from transformers.utils import logging as hf_logging
 
@@ -75,11 +75,11 @@ def make(out: Path, *, seed: int = 0, n_train: int = 256, vocab_size: int = 1000
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     with open(out / "train.jsonl", "w") as f:
-        for row in rows:
+        for task in tasks:
             record = {
-                "prompt": row["prompt"],
-                "label": row["reward_model"]["ground_truth"],
-                "metadata": {"solution": row["extra_info"]["solution"]},
+                "prompt": [{"role": "user", "content": task["question"]}],
+                "label": task["ground_truth"],
+                "metadata": {"solution": task["solution"]},
             }
             f.write(json.dumps(record) + "\n")
     args = [

@@ -63,6 +63,7 @@ def test_kernel_cache_is_not_in_the_run_dir(monkeypatch):
     assert env == {
         "TMPDIR": "/tmp/mrl-x",
         run_temp.KERNEL_CACHE_ENV: "/somewhere/cache/modal-rl/torchinductor",
+        run_temp.BASE_ENV: "/tmp",
     }
     monkeypatch.setenv(run_temp.KERNEL_CACHE_ENV, "/mine")  # the user's choice stands
     assert run_temp.child_env("/tmp/mrl-x")[run_temp.KERNEL_CACHE_ENV] == "/mine"
@@ -81,6 +82,42 @@ def test_engines_write_into_the_pools_dir_which_goes_even_after_a_killed_engine(
     assert not pool.temp_dir.exists()
     assert (tmp_path / "asked" / "engine-0.log").exists()  # logs asked for are kept
     assert {p.name for p in system_temp.glob("engine-leftover-*")} == before
+
+
+# A launcher's run (process_temp) starts a worker (as Ray starts verl's), which makes a run dir of
+# its own (as an engine pool does); argv: the longest base allowed, the role.
+NESTED_RUN = """import subprocess, sys
+from modal_rl import run_temp
+run_temp.MAX_BASE_LEN = int(sys.argv[1])
+if sys.argv[2] == "launcher":
+    with run_temp.process_temp() as run:
+        argv = [sys.executable, __file__, sys.argv[1], "worker"]
+        print(run, subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip())
+else:
+    own = run_temp.make("eng-")
+    print(own)
+    run_temp.remove(own)
+"""
+
+
+def test_a_worker_inside_a_run_makes_its_run_dirs_beside_the_runs_not_in_tmp(tmp_path):
+    # The run dir is one level longer than its base: past the limit, where the worker used to
+    # fall back to /tmp (engine pools in verl's Ray workers); it follows the launcher's base now.
+    script = tmp_path / "nested_run.py"
+    script.write_text(NESTED_RUN)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(run_temp.BASE_ENV, None)
+    out = subprocess.run(
+        [sys.executable, str(script), str(len(str(tmp_path))), "launcher"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.split()
+    run, worker_dir = (Path(p) for p in out)
+    assert run.parent == tmp_path and len(str(run)) > len(str(tmp_path))
+    assert worker_dir.parent == tmp_path and worker_dir.name.startswith(f"{run_temp.PREFIX}eng-"), out
+    assert not worker_dir.exists() and not run.exists()
 
 
 MAKES_A_RUN_DIR = (  # its base is TMPDIR however long (a test's tmp_path), never /tmp itself

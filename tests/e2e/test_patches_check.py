@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,51 @@ def test_a_process_that_dies_before_its_report_keeps_its_status(tmp_path):
     (tmp_path / "test_dies.py").write_text("import os\n\n\ndef test_it():\n    os._exit(70)\n")
     run = check.run_tests(tmp_path, "pytest", ["test_dies.py"], {}, tmp_path)
     assert (run.rc, run.exit_rc, run.tests, check._passed(run)) == (70, None, 0, False)
+
+
+def test_stages_run_side_by_side_in_worktrees_with_the_same_verdicts(calc, monkeypatch, tmp_path):
+    """Two jobs: the series run (the last tree) and 0001's before (the base) start together,
+    each in its own tree; the verdicts are those of one run at a time, and no worktree is
+    left behind."""
+    from patches import stages
+
+    monkeypatch.setenv(stages.JOBS_ENV, "2")
+    spans: list[tuple[float, float, Path, bool]] = []
+    real = check.run_tests
+
+    def timed(tree, *a, **k):
+        start = time.monotonic()
+        present = (Path(tree) / "calc" / "__init__.py").is_file()
+        try:
+            return real(tree, *a, **k)
+        finally:
+            spans.append((start, time.monotonic(), Path(tree), present))
+
+    monkeypatch.setattr(check, "run_tests", timed)
+    repo, commit, folder = calc
+    names = _stack(
+        repo,
+        folder,
+        [
+            ({"calc/__init__.py": FIXED, "tests/test_a_on_cpu.py": TEST_ADD}, "fix: add"),
+            ({"calc/__init__.py": WITH_MUL, "tests/test_m_on_cpu.py": TEST_MUL}, "feat: mul"),
+        ],
+    )
+    entries = [
+        dict(file=n, title="t", fix=True, targets=["calc/__init__.py"], new_tests=[t])
+        for n, t in zip(names, ["tests/test_a_on_cpu.py", "tests/test_m_on_cpu.py"], strict=True)
+    ]
+    keep = tmp_path / "keep"
+    rows = check.check_series(
+        load(_series(folder, commit, entries)), str(repo), keep=keep, log=lambda _m: None
+    )
+    assert [r.ok for r in rows] == [True, True, True], [r.problems for r in rows]
+    assert [(r.before[:8], r.after) for r in rows[:2]] == [("FAIL 0/1", "pass 1/1 pass")] * 2
+    assert rows[2].after == "pass 2/2 pass"
+    assert sorted(p.name for _s, _e, p, _ok in spans) == ["stage-0", "stage-1", "tree"]
+    assert all(ok for *_r, ok in spans)  # each ran in a full checkout
+    (first, second) = sorted(spans)[:2]
+    assert second[0] < first[1], spans  # the second started before the first ended
+    assert not list(keep.glob("stage-*")), list(keep.iterdir())
+    listed = _git(keep / "tree", "worktree", "list").strip().splitlines()
+    assert len(listed) == 1, listed

@@ -3,8 +3,9 @@
 
 Proves, on a clean copy of the sdist: every patch of ``patches/verl/series.toml`` applies in
 order, each fix's new ``_on_cpu`` test fails before its patch and passes after, and the
-listed upstream CPU tests pass on the patched tree. ~3-5 minutes on a 2-core box (10 pytest
-processes, start-up imports dominate); ``MODAL_RL_PATCHES_CACHE`` moves the download cache.
+listed upstream CPU tests pass on the patched tree. 10 pytest processes, start-up imports
+dominate; they run two at a time on a 2-core box (``patches/stages.py``, ``MODAL_RL_PATCHES_JOBS``);
+``MODAL_RL_PATCHES_CACHE`` moves the download cache.
 """
 
 from __future__ import annotations

@@ -107,6 +107,18 @@ def test_no_import_circle_and_the_core_imports_no_adapter():
     )
 
 
+def test_no_adapter_imports_another():
+    """What two adapters share lives once in the core (the tiny CPU model: ``modal_rl.tiny_model``)."""
+    graph = import_graph()
+    crossing = sorted(
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if m.startswith(ADAPTERS) and t.startswith(ADAPTERS) and m.split(".")[0] != t.split(".")[0]
+    )
+    assert crossing == []
+
+
 def test_no_file_over_600_lines():
     long = {
         str(p.relative_to(ROOT)): n

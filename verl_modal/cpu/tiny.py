@@ -3,7 +3,8 @@ and prompts in parquet for one of two tasks:
 
 - ``arith`` (default): GSM8K-style arithmetic, scored by the shaping reward in ``arith_reward``;
 - ``code``: "write a program" prompts whose ``ground_truth`` holds stdin/stdout test cases
-  (``modal_rl.sandboxes.coderun`` format), scored by running the response in bubblewrap
+  (``modal_rl.sandboxes.coderun`` format; model, tokenizer and task from
+  ``modal_rl.tiny_model``, shared with slime's CPU run), scored by running the response in bubblewrap
   sandboxes through the ``modal_sandbox`` reward manager, with the sandboxed
   ``code_interpreter`` tool offered to verl's ``tool_agent`` loop.
 
@@ -22,31 +23,18 @@ for the other task (``DIR/task.txt``; absent means ``arith``).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
+
+from modal_rl import tiny_model
+from modal_rl.tiny_model import make_model
 
 DATA_SOURCE = "verl_modal/tiny_arith"
 CODE_DATA_SOURCE = "verl_modal/tiny_code"
 REWARD_MODULE = "pkg://verl_modal.cpu.arith_reward"
 TASKS = ("arith", "code")
 INSTRUCTION = "Put the final answer after ####."
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# Qwen2 shape giving ~0.4 M parameters; head_dim 32 is a size vLLM's CPU attention supports.
-MODEL_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 def arithmetic_rows(n: int, seed: int, split: str) -> list[dict]:
@@ -70,79 +58,32 @@ def arithmetic_rows(n: int, seed: int, split: str) -> list[dict]:
     return rows
 
 
-_CODE_OPS = {"+": "sum", "-": "difference", "*": "product"}
-
-
 def code_rows(n: int, seed: int, split: str, n_cases: int = 2) -> list[dict]:
-    """``n`` verl RL rows asking for a program that reads ``a b`` on stdin and prints
-    ``a op b``; ``ground_truth`` is the JSON ``{"inputs": [...], "outputs": [...]}``."""
-    rng = random.Random(f"{seed}-{split}-code")
-    rows = []
-    for i in range(n):
-        op = rng.choice("+-*")
-        pairs = [(rng.randint(-50, 99), rng.randint(-50, 99)) for _ in range(n_cases)]
-        results = [{"+": a + b, "-": a - b, "*": a * b}[op] for a, b in pairs]
-        tests = {"inputs": [f"{a} {b}\n" for a, b in pairs], "outputs": [f"{r}\n" for r in results]}
-        question = f"Write Python: read a b, print their {_CODE_OPS[op]}. Reply with a python block."
-        solution = f"a, b = map(int, input().split())\nprint(a {op} b)"
-        rows.append(
-            {
-                "data_source": CODE_DATA_SOURCE,
-                "prompt": [{"role": "user", "content": question}],
-                "ability": "code",
-                "reward_model": {"style": "rule", "ground_truth": json.dumps(tests)},
-                "extra_info": {"split": split, "index": i, "question": question, "solution": solution},
-            }
-        )
-    return rows
-
-
-def _corpus(rows: list[dict]) -> list[str]:
-    text = [r["prompt"][0]["content"] + f" #### {r['reward_model']['ground_truth']}" for r in rows]
-    text += [f"```python\n{r['extra_info']['solution']}\n```" for r in rows if "solution" in r["extra_info"]]
-    return text + [" ".join(str(k) for k in range(start, start + 50)) for start in range(-100, 10000, 50)]
+    """``n`` verl RL rows of :func:`modal_rl.tiny_model.code_tasks` (the program prompts);
+    ``ground_truth`` is the JSON ``{"inputs": [...], "outputs": [...]}``."""
+    return [
+        {
+            "data_source": CODE_DATA_SOURCE,
+            "prompt": [{"role": "user", "content": t["question"]}],
+            "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": t["ground_truth"]},
+            "extra_info": {"split": split, "index": i, "question": t["question"], "solution": t["solution"]},
+        }
+        for i, t in enumerate(tiny_model.code_tasks(n, seed, split, n_cases))
+    ]
 
 
 def make_tokenizer(rows: list[dict], vocab_size: int):
-    """A byte-level BPE trained here on the task's text, as a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(rows), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
-def make_model(tokenizer, seed: int):
-    """A random-init Qwen2 causal LM sized by :data:`MODEL_SHAPE`, vocab padded to 64."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    vocab = (len(tokenizer) + 63) // 64 * 64
-    config = Qwen2Config(
-        vocab_size=vocab,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        torch_dtype="bfloat16",
-        **MODEL_SHAPE,
-    )
-    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+    """The shared tiny tokenizer (:func:`modal_rl.tiny_model.make_tokenizer`) on verl rows."""
+    tasks = [
+        {
+            "question": r["prompt"][0]["content"],
+            "ground_truth": r["reward_model"]["ground_truth"],
+            "solution": r["extra_info"].get("solution"),
+        }
+        for r in rows
+    ]
+    return tiny_model.make_tokenizer(tasks, vocab_size)
 
 
 # Batch and length sizes that fit the tiny model on a 2-core host (prompts are ~40 tokens).
