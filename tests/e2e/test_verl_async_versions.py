@@ -41,6 +41,8 @@ ASYNC_MODAL_VLLM = [
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "actor_rollout_ref.rollout.checkpoint_engine.backend=modal_delta",
+    # published in the engine's dtype, so a commit scatters the changed words
+    "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.modal_delta.dtype=bfloat16",
     "actor_rollout_ref.rollout.name=modal_vllm",
     "actor_rollout_ref.rollout.ignore_eos=true",  # every request decodes its full length
     # Responses long enough (the tiny model's whole context) that a batch is still decoding
@@ -97,4 +99,6 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
     engine_out = engine_log.read_text()
     assert "/pause" not in engine_out  # verl's abort-and-resubmit never reached the engine
     # every update after the start-up load is an in-place switch, run between decoding steps
-    assert len([x for x in engine_out.splitlines() if INPLACE in x and "in place in" in x]) >= STEPS
+    switches = [x for x in engine_out.splitlines() if INPLACE in x and "in place in" in x]
+    assert len(switches) >= STEPS, switches
+    assert all(int(re.search(r"(\d+) words in place", x).group(1)) > 0 for x in switches), switches
