@@ -231,6 +231,9 @@ def test_a_chain_keeps_its_layout_across_deltas_and_forgets_it_at_an_anchor():
         sums = out
     assert chain._layout.groups and chain._layout.lanes is not None
     old = weakref.ref(chain.state["big"])
+    # An anchor writes a held tensor of the same shape in place (``anchor_inplace``); one that
+    # reshapes "big" decodes it fresh, and the tensor it replaces must not outlive the anchor.
+    trainer["big"] = trainer["big"].reshape(50, 100).clone()
     chain.apply(_frame(encode_anchor(trainer.items(), version=3, config=config)))
     assert not chain._layout.groups and chain._layout.lanes is None
     gc.collect()
@@ -244,3 +247,24 @@ def test_a_snapshot_that_is_not_contiguous_host_memory_gets_no_layout():
     assert DeltaLayout.build(strided, CodecConfig().chunk_elems) is None
     assert DeltaLayout.build({}, CodecConfig().chunk_elems) is None
     assert DeltaLayout.build({"b": torch.zeros(4)}, CodecConfig().chunk_elems) is not None
+
+
+def test_the_layout_codes_v1_when_the_link_rate_is_unknown(monkeypatch):
+    # v2 reads every word of a chunk and pays only on a slow link: without a rate, the laid-out
+    # encoder never runs it (as the per-tensor encoder)
+    import modal_rl.weightsync.codec.buckets as buckets
+
+    def no_v2(*args, **kwargs):
+        raise AssertionError("v2 coded without a known link rate")
+
+    monkeypatch.setattr(buckets, "pick_by_time", no_v2)
+    config = CodecConfig(chunk_elems=1024, threads=1, coding=2, link_bytes_per_s=None)
+    trainer = _mixed(5)
+    base = {k: v.clone() for k, v in trainer.items()}
+    layout = DeltaLayout.build(base, config.chunk_elems)
+    sums: dict[str, str] = {}
+    _frame(encode_anchor(trainer.items(), version=0, config=config, checksums_out=sums))
+    _step(trainer, torch.Generator().manual_seed(3), 0.05)
+    kw = {"base_version": 0, "version": 1, "config": config, "update_base": True}
+    frame = _frame(layout.encode_delta(iter(trainer.items()), base_checksums=sums, **kw))
+    assert frame

@@ -37,7 +37,6 @@ from modal_rl.weightsync.codec import fused, sum_lanes
 from modal_rl.weightsync.codec.codings.chunks import (
     ChunkSpec,
     encode_delta_chunk,
-    encode_delta_chunk_v2,
     pick_by_time,
 )
 from modal_rl.weightsync.codec.dtypes import dtype_name, is_torch, words_of
@@ -246,7 +245,8 @@ class DeltaLayout:
     def _encode(self, new, header, config, lanes, checksums_out, update_base) -> Iterator[bytes]:
         yield header.to_record()
         pool = _OrderedPool(config.threads, config.in_flight)
-        v2 = config.coding == 2 and v2_available()
+        # as ``encode_tasks.delta_chunk``: v2 only where a known link rate lets it pay
+        v2 = config.coding == 2 and v2_available() and config.link_bytes_per_s is not None
         a, c = lanes[0].copy(), lanes[1].copy()
         bodies: list[bytes] = []
         addresses = np.zeros(len(self.names), np.int64)
@@ -300,8 +300,7 @@ def _delta_chunk(chunk: _Chunk, addr_n: np.ndarray, keep, config: CodecConfig, v
     """``encode_tasks.delta_chunk`` for a laid-out chunk: (record, chunk, its pieces' sum
     moves as two lanes). ``keep`` holds the memory ``addr_n`` points into."""
     word, spec, level = chunk.word, chunk.spec, config.zstd_level
-    two_byte = v2 and word.itemsize == 2
-    by_time = two_byte and config.link_bytes_per_s is not None
+    two_byte = v2 and word.itemsize == 2  # v2 is set only with a known link rate
     base_table = (chunk.addr_b, addr_n, chunk.counts, chunk.firsts, chunk.starts)
     if not two_byte:
         pos, old, new, move_a, move_c = fused.diff_table(base_table, word, spec.elem_count, update_base)
@@ -311,17 +310,10 @@ def _delta_chunk(chunk: _Chunk, addr_n: np.ndarray, keep, config: CodecConfig, v
     gathered = np.empty(spec.elem_count, word)
     fused.gather_table(addr_n, chunk.counts, chunk.starts, gathered)
     new_parts = np.split(gathered, starts[1:])
-    if by_time:
-        pos, old, new, move_a, move_c = fused.diff_table(base_table, word, spec.elem_count, False)
-        link, costs = config.link_bytes_per_s, config.receiver_costs
-        body, _ = pick_by_time(spec, chunk.base_parts, new_parts, starts, pos, old, new, level, link, costs)
-        if update_base and pos.size:
-            fused.write_table(chunk.addr_b, chunk.counts, chunk.starts, pos, new)
-    else:
-        body = encode_delta_chunk_v2(
-            spec, chunk.base_parts, new_parts, starts, level, None, config.receiver_costs
-        )[0]
-        # the moves (and the snapshot's changed blocks) once v2 has read the old words
-        _, _, _, move_a, move_c = fused.diff_table(base_table, word, spec.elem_count, update_base)
+    pos, old, new, move_a, move_c = fused.diff_table(base_table, word, spec.elem_count, False)
+    link, costs = config.link_bytes_per_s, config.receiver_costs
+    body, _ = pick_by_time(spec, chunk.base_parts, new_parts, starts, pos, old, new, level, link, costs)
+    if update_base and pos.size:
+        fused.write_table(chunk.addr_b, chunk.counts, chunk.starts, pos, new)
     del keep
     return record(TAG_CHUNK, body), chunk, move_a, move_c
