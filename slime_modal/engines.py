@@ -201,7 +201,7 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
             "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
             "SGLang --api-key and --admin-api-key, added in-process by modal_rl.engines.keyed_launch "
             "from MODAL_RL_ENGINE_BEARER (never on a command line)",
-            "key_required": "only GET /health without the bearer; with it, the generation, status and our weight routes (modal_rl.engines.sglang_routes), every other route refused",
+            "key_required": "every route except GET /health; the bearer opens only the generation, status and our weight routes (modal_rl.engines.sglang_routes)",
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
             "forwarder": "modal_rl.engines.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "
