@@ -260,21 +260,37 @@ def _main(argv: list[str]) -> int:
             **run_options(args),
         )
 
-    if engines is None or args.dry_run or args.preflight_only or owned_by_manager:
+    if args.dry_run or args.preflight_only:
         return submit()
-    # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
-    from modal_rl.engines import EngineStartError
 
-    try:
-        pool = {"pool_kwargs": {"image_steps": steps}} if steps else {}
-        with E.running_engines(engines, job_argv, backend=args.backend, **engine_opts, **pool) as addresses:
-            print(
-                f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}", file=sys.stderr
-            )
-            return submit(addresses)
-    except EngineStartError as exc:
-        print(f"slime_modal: {exc}", file=sys.stderr)
-        return 1
+    def launch() -> int:
+        if engines is None or owned_by_manager:
+            return submit()
+        # The engines live exactly as long as the job: stopped on exit, failure or Ctrl-C.
+        from modal_rl.engines import EngineStartError
+
+        try:
+            pool = {"pool_kwargs": {"image_steps": steps}} if steps else {}
+            with E.running_engines(
+                engines, job_argv, backend=args.backend, **engine_opts, **pool
+            ) as addresses:
+                print(
+                    f"slime_modal: {len(addresses)} rollout engine(s) up: {' '.join(addresses)}",
+                    file=sys.stderr,
+                )
+                return submit(addresses)
+        except EngineStartError as exc:
+            print(f"slime_modal: {exc}", file=sys.stderr)
+            return 1
+
+    # The report's facts (command, git, versions, then wall time and exit status) in run.json.
+    from slime_modal import run_report
+
+    launcher = {"backend": args.backend, "nodes": spec.nodes, "gpu": args.gpu, "entry": entry}
+    launcher["rollout_engines"] = args.rollout_engines
+    folder = run_report.run_folder(spec.env, args.backend)
+    command = [sys.executable, "-m", "slime_modal", *argv]
+    return run_report.record(folder, slime_argv, launcher, launch, command)
 
 
 if __name__ == "__main__":

@@ -72,17 +72,25 @@ def _loggers(config) -> list[str]:
 
 
 def prepare(
-    config, run_dir: Path, env: dict[str, str], argv: list[str] | None = None, *, parts: bool = True
+    config,
+    run_dir: Path,
+    env: dict[str, str],
+    argv: list[str] | None = None,
+    *,
+    parts: bool = True,
+    info: bool = True,
 ) -> dict[str, str]:
     """The run's env with the parts (``parts``) and tensorboard dirs added (the user's
-    settings win); ``config`` gets ``trainer.rollout_data_dir`` when it has none. ``argv``:
-    the command line the report names (default: this process's)."""
+    settings win); ``config`` gets ``trainer.rollout_data_dir`` when it has none. With
+    ``info``, ``run.json`` gets the start facts now; ``argv``: the command line the report
+    names (default: this process's)."""
     from omegaconf import OmegaConf
 
     run_dir = Path(run_dir)
     if not OmegaConf.select(config, "trainer.rollout_data_dir", default=None):
         OmegaConf.update(config, "trainer.rollout_data_dir", str(run_dir / GENERATIONS), force_add=True)
-    write_info(run_dir, "verl", config_summary(config), argv)
+    if info:
+        write_info(run_dir, "verl", config_summary(config), argv)
     out = dict(env)
     if parts:
         folder = run_dir / "parts"
@@ -130,9 +138,9 @@ def run_in_folder(config, env: dict[str, str], run_fn) -> None:
     and agent-loop processes run on other nodes, whose numbers it would miss."""
     import shlex
     import sys
-    import time
 
     from modal_rl.cluster.run_folder import RUN_COMMAND_ENV, RUN_DIR_ENV
+    from modal_rl.report.run_dir import recorded
 
     where = os.environ.get(RUN_DIR_ENV)
     if not where:
@@ -142,17 +150,16 @@ def run_in_folder(config, env: dict[str, str], run_fn) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     command = os.environ.get(RUN_COMMAND_ENV)
     env = prepare(
-        config,
-        run_dir,
-        with_file_logger(config, run_dir / "metrics.jsonl", env),
-        shlex.split(command) if command else None,
-        parts=False,
+        config, run_dir, with_file_logger(config, run_dir / "metrics.jsonl", env), parts=False, info=False
     )
-    started = time.monotonic()
-    code = 1
-    try:
+
+    def run() -> int:
         run_fn(config, env)
-        code = 0
+        return 0
+
+    # The start and end facts as every launcher records them (slime's too), then the report.
+    try:
+        recorded(run_dir, "verl", config_summary(config), run, shlex.split(command) if command else None)
     finally:
-        for name, value in finish(run_dir, code, time.monotonic() - started):
+        for name, value in finish(run_dir):
             print(f"[verl_modal] {name}: {value}", file=sys.stderr, flush=True)

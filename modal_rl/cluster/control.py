@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from modal_rl import wire_json
 from modal_rl.admission import Admission
+from modal_rl.retry import wait_for
 from modal_rl.run_key import derive, run_key_or_none, same
 from modal_rl.text_safety import clean
 
@@ -208,19 +209,21 @@ class ControlClient:
         key: str | None = None,
     ):
         key = key if key is not None else run_key_or_none()
-        deadline = time.monotonic() + connect_timeout_s
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
+        errors: list[OSError] = []
+
+        def connect() -> socket.socket | None:
             try:
-                self.sock = socket.create_connection((host, port), timeout=2.0)
-                break
-            except OSError as exc:
-                last_error = exc
-                time.sleep(0.1)
-        else:
-            raise ConnectionError(
-                f"rank {rank}: could not reach rank 0's control port {host}:{port}: {last_error}"
+                return socket.create_connection((host, port), timeout=2.0)
+            except OSError as exc:  # rank 0 not listening yet: try again until the deadline
+                errors.append(exc)
+                return None
+
+        sock = wait_for(connect, connect_timeout_s, poll_s=0.1)
+        if sock is None:
+            raise ConnectionError(  # wait_for tried at least once: an error is there
+                f"rank {rank}: could not reach rank 0's control port {host}:{port}: {errors[-1]}"
             )
+        self.sock = sock
         self.sock.settimeout(None)
         self._lock = threading.Lock()
         self._buffer = b""

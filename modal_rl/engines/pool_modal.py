@@ -63,11 +63,13 @@ from modal_rl.engines.pool import (
 )
 from modal_rl.engines.pool_local import pump
 from modal_rl.modal_calls import define_function, inspect_function, secret_from_name
+from modal_rl.retry import wait_for
 from modal_rl.run_key import ENGINE_BEARER_ENV, REDACTED, engine_secret
 from modal_rl.text_safety import clean
 
 APP_NAME = "modal-rl-engines"
 CONTAINER_POLL_S = 1.0
+HEALTHY = "healthy"  # the container's server answered its health check
 RELAY_JOIN_S = 5.0
 TAIL_LINE_CHARS = 4096
 # Engines bind every interface of their container; the tunnel reaches them from outside it.
@@ -164,14 +166,17 @@ def engine_container_main(spec_json: dict, index: int, mailbox, generation: int 
         return _redacted(tail, held)
 
     local = f"http://127.0.0.1:{spec.port}{spec.health_path}"
-    deadline = time.monotonic() + spec.startup_timeout_s
+
+    def settled() -> str | None:
+        if probe(local, bearer=bearer)[0]:
+            return HEALTHY
+        return f"exited with code {proc.returncode}" if proc.poll() is not None else None
+
     try:
-        while not probe(local, bearer=bearer)[0]:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                why = f"exited with code {proc.returncode}" if proc.poll() is not None else "health timeout"
-                mailbox[f"error/{name}"] = {"why": why, "tail": last_lines()}
-                return {"index": index, "exit": why}
-            time.sleep(CONTAINER_POLL_S)
+        why = wait_for(settled, spec.startup_timeout_s, CONTAINER_POLL_S) or "health timeout"
+        if why != HEALTHY:
+            mailbox[f"error/{name}"] = {"why": why, "tail": last_lines()}
+            return {"index": index, "exit": why}
         # TLS (unencrypted=False): the key and the traffic cross the internet encrypted.
         with modal.forward(spec.port) as tunnel:
             mailbox[f"addr/{name}"] = tunnel.url

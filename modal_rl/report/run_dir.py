@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,3 +144,30 @@ def write_outcome(run_dir: Path, exit_code: int, wall_s: float, status: str | No
     tmp.write_text(json.dumps(info, indent=1, default=str))
     tmp.replace(out)
     return out
+
+
+def recorded(
+    run_dir: Path,
+    framework: str,
+    config: dict,
+    run: Callable[[], int],
+    argv: list[str] | None = None,
+) -> int:
+    """``run()``'s exit code, with the run's start facts written to ``run_dir``'s ``run.json``
+    before it (:func:`write_info`) and its end facts after it (:func:`write_outcome`),
+    however it ends: an exception is recorded as exit 1 (``failed``) and Ctrl-C as exit 130
+    (``interrupted``), then passes through unchanged. The wall time runs from just before
+    ``run()`` to just after it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_info(run_dir, framework, config, argv)
+    started = time.monotonic()
+    code, status = 1, None
+    try:
+        code = int(run())
+    except KeyboardInterrupt:
+        code, status = 130, "interrupted"
+        raise
+    finally:
+        write_outcome(run_dir, code, time.monotonic() - started, status)
+    return code

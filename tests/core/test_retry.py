@@ -1,6 +1,7 @@
 """``modal_rl.retry.wait_for``: the one poll-until-deadline loop (its callers' own tests
-cover each use: tests/core/test_modal_check*, tests/weightsync volume tests,
-tests/cluster procs tests, tests/engines forwarded-pool tests)."""
+cover each use: tests/core/test_modal_check*, tests/weightsync volume and lease tests,
+tests/cluster procs and control tests, tests/engines forwarded-pool and Modal container
+tests)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,27 @@ def test_await_visible_returns_once_complete_and_names_what_is_missing(tmp_path,
     later.start()
     await_visible(tmp_path, ["b.bin"], timeout_s=10, poll_s=0.05)
     later.join()
+
+
+def test_a_lease_wait_takes_a_lapsed_lease_and_names_a_live_holder(tmp_path):
+    from modal_rl.weightsync.errors import LeaseHeldError
+    from modal_rl.weightsync.transport.lease import StoreLease
+
+    def lease(ttl_s: float) -> StoreLease:
+        return StoreLease(
+            tmp_path,
+            None,
+            lambda path, data: path.write_bytes(data),
+            lambda: None,
+            ttl_s=ttl_s,
+            heartbeat=False,
+        )
+
+    first = lease(0.6)
+    first.acquire("run", 1)  # no heartbeat: its lease lapses 0.6 s from now
+    with pytest.raises(LeaseHeldError, match=f"is leased to .*{first.holder}.*Stop it"):
+        lease(30).acquire("run", 2, wait_s=0.1)
+    t0 = time.monotonic()
+    second = lease(30)
+    epoch = second.acquire("run", 2, wait_s=20)  # waits for the lapse, then takes it over
+    assert 0.3 < time.monotonic() - t0 < 10 and epoch >= 2 and second.read().holder == second.holder

@@ -123,3 +123,33 @@ def test_no_dump_is_one_note(recorded):
     shutil.rmtree(recorded / "generations")
     assert samples.read(recorded / "generations") == []
     assert "No generations in this folder" in write(recorded).read_text()
+
+
+def test_a_recorded_run_gets_its_end_facts_however_it_ends(tmp_path):
+    from modal_rl.report.run_dir import recorded as record
+
+    def info(folder: Path) -> dict:
+        return json.loads((folder / "run.json").read_text())
+
+    assert record(tmp_path / "ok", "slime", {"lr": "1e-6"}, lambda: 0, ["python", "-m", "x"]) == 0
+    got = info(tmp_path / "ok")
+    assert got["framework"] == "slime" and got["config"] == {"lr": "1e-6"}
+    assert got["command"] == "python -m x" and got["git"] and "modal-rl" in got["versions"]
+    assert (got["exit_code"], got["status"]) == (0, "finished") and got["wall_s"] >= 0
+    assert record(tmp_path / "three", "slime", {}, lambda: 3) == 3
+    assert (info(tmp_path / "three")["exit_code"], info(tmp_path / "three")["status"]) == (3, "failed")
+
+    def broken() -> int:
+        raise OSError("boom")
+
+    with pytest.raises(OSError, match="boom"):
+        record(tmp_path / "raised", "slime", {}, broken)
+    assert (info(tmp_path / "raised")["exit_code"], info(tmp_path / "raised")["status"]) == (1, "failed")
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        record(tmp_path / "stopped", "slime", {}, interrupted)
+    stopped = info(tmp_path / "stopped")
+    assert (stopped["exit_code"], stopped["status"]) == (130, "interrupted")

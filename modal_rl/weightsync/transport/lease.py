@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from modal_rl import wire_json
+from modal_rl.retry import wait_for
 from modal_rl.weightsync.errors import (
     CorruptFrameError,
     LeaseHeldError,
@@ -214,22 +215,25 @@ class StoreLease:
     def acquire(self, run: str, epoch: int, *, wait_s: float = 0.0, after_epoch: int | None = None) -> int:
         """Take the lease for ``run``; returns the epoch to publish (``epoch``, raised above the
         previous holder's and ``after_epoch``). Waits up to ``wait_s`` for a live lease to lapse."""
-        deadline = time.monotonic() + wait_s
-        while True:
+        last: dict = {}  # the last look, which the refusal names
+
+        def lapsed() -> bool:
             self._refresh()
             held, now = self.read(), time.time()
             free = held is None or held.holder == self.holder or not held.live(now)
             busy = self._newer_publisher(held, now) if free else None
-            if free and busy is None:
-                break
-            if time.monotonic() >= deadline:
-                who = busy or f"{self.path} is leased to {held.describe(now)}"
-                raise LeaseHeldError(
-                    f"{who}: another trainer of run {(held.run if held else None) or run} is publishing "
-                    "here. Stop it (or wait for its lease to lapse) before starting this one, or publish "
-                    "to another store"
-                )
-            time.sleep(min(0.5, max(0.05, deadline - time.monotonic())))
+            last.update(held=held, now=now, busy=busy)
+            return free and busy is None
+
+        free = wait_for(lapsed, wait_s, poll_s=0.5)
+        held, now = last["held"], last["now"]  # the record and time the lease is taken at
+        if not free:
+            who = last["busy"] or f"{self.path} is leased to {held.describe(now)}"
+            raise LeaseHeldError(
+                f"{who}: another trainer of run {(held.run if held else None) or run} is publishing "
+                "here. Stop it (or wait for its lease to lapse) before starting this one, or publish "
+                "to another store"
+            )
         seen = [e for e in (after_epoch, held.epoch if held else None) if e is not None]
         took_over = max(seen) if seen else None  # what this lease follows (signed records only)
         floor = max(e for e in (epoch - 1, took_over) if e is not None)
