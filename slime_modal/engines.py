@@ -44,6 +44,7 @@ forwarder cannot see the launcher's file: there engines are health-checked, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -55,6 +56,7 @@ from urllib.parse import urlparse
 
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
 from modal_rl.engines import ENGINES, EngineSpec, engine_key, get_engine, get_engine_pool
+from modal_rl.engines.sglang_paths import WeightDirs
 from slime_modal.preflight import SlimeArgs
 
 SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
@@ -180,11 +182,20 @@ def engine_spec(
         gpu=f"{request.gpu_type}:{gpus}",
         image=image or DEFAULT_IMAGE,
         volumes=volumes or {},
-        env=env or {},
+        env={**weight_dirs(slime_argv).env(), **(env or {})},
         startup_timeout_s=startup_timeout_s,
         name="sglang-engine",
         pulls_frames=False,  # slime moves SGLang's weights itself: no frame-read key
     )
+
+
+def weight_dirs(slime_argv: list[str]) -> WeightDirs:
+    """Where slime's engines may load weights from (their guard refuses every other path on
+    ``/update_weights_from_disk`` and ``/pull_weights``): ``--hf-checkpoint``,
+    ``--update-weight-disk-dir``, and ``--update-weight-local-checkpoint-dir`` to pull into."""
+    path = WeightPath.from_argv(slime_argv)
+    model = SlimeArgs(slime_argv).get("--hf-checkpoint")
+    return WeightDirs.of(model, load=[path.disk_dir], pull=[path.local_checkpoint_dir])
 
 
 def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[str, Any]:
@@ -202,6 +213,8 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
             "SGLang --api-key and --admin-api-key, added in-process by modal_rl.engines.keyed_launch "
             "from MODAL_RL_ENGINE_BEARER (never on a command line)",
             "key_required": "only GET /health without the bearer; with it, the generation, status and our weight routes (modal_rl.engines.sglang_routes), every other route refused",
+            "weight_dirs": "the weight routes name only paths under these (modal_rl.engines.sglang_paths): "
+            + json.dumps(dataclasses.asdict(weight_dirs(slime_argv))),
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
             "forwarder": "modal_rl.engines.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "
