@@ -55,8 +55,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
-from modal_rl.engines import ENGINES, EngineSpec, engine_key, get_engine, get_engine_pool
-from modal_rl.engines.sglang_paths import WeightDirs
+from modal_rl.engines import ENGINES, EngineSpec, WeightDirs, engine_key, get_engine, get_engine_pool
 from slime_modal.preflight import SlimeArgs
 
 SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
