@@ -23,6 +23,11 @@ every route without a per-route table that changes with SGLang's versions. slime
 key, so the job runs through ``slime_modal.engine_job``, whose key forwarder is what slime gets
 as ``--rollout-external-engine-addrs`` (:func:`forwarded_job_command`).
 
+Weight paths: the engines' guard lets ``/update_weights_from_disk`` and ``/pull_weights`` name
+only paths under ``--hf-checkpoint``, ``--update-weight-disk-dir`` and (to pull into)
+``--update-weight-local-checkpoint-dir`` (:func:`weight_dirs`, in each engine's environment;
+``modal_rl.engines.sglang_paths``).
+
 Health: an engine counts as up when it answers a keyed 1-token ``/generate`` (not only
 ``/health``); during the run a replaced-engines supervisor checks its process and ``/health``
 (slime pauses engines around weight updates, and a paused engine holds a generation).

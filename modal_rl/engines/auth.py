@@ -15,8 +15,12 @@ server's environment, never from a flag.
 Invariants:
 - the bearer opens only what the guard's route table allows (``routes`` for vLLM: generation,
   the control routes the run calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging
-  directory by a safe name; ``sglang_routes`` for SGLang, through ``SglangKeyAuth``); every
-  other route is answered 403 here with the bearer too, and a websocket is closed;
+  directory by a safe name; ``sglang_routes`` for SGLang, through ``SglangKeyAuth``, whose two
+  path-taking weight routes pass only paths under the engine's weight directories,
+  ``sglang_paths``); every other route is answered 403 here with the bearer too, and a
+  websocket is closed;
+- a checked route's body over the table's ``MAX_CHECKED_BODY`` is refused, by its
+  ``Content-Length`` before any of it is read;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
   with a short body; a websocket is closed before it is accepted, which clients see as HTTP
   403) and never reaches the server: no route runs, no state changes;
