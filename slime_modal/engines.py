@@ -198,6 +198,15 @@ def weight_dirs(slime_argv: list[str]) -> WeightDirs:
     ``/update_weights_from_disk`` and ``/pull_weights``): ``--hf-checkpoint``,
     ``--update-weight-disk-dir``, and ``--update-weight-local-checkpoint-dir`` to pull into."""
     path = WeightPath.from_argv(slime_argv)
+    for flag, value in (
+        ("--update-weight-disk-dir", path.disk_dir),
+        ("--update-weight-local-checkpoint-dir", path.local_checkpoint_dir),
+    ):
+        if value and not os.path.isabs(value):
+            raise ValueError(
+                f"{flag} {value!r}: give an absolute path (the engines load weights only from "
+                "absolute paths under it, and their working directory is not the trainer's)"
+            )
     model = SlimeArgs(slime_argv).get("--hf-checkpoint")
     return WeightDirs.of(model, load=[path.disk_dir], pull=[path.local_checkpoint_dir])
 

@@ -103,6 +103,7 @@ def test_engine_command_follows_slime_flags():
         (["--hf-checkpoint", "m", "--sglang-api-key", "k"], "modal:1", "take the run's key"),
         (["--hf-checkpoint", "m", "--sglang-admin-api-key=k"], "modal:1", "take the run's key"),
         (["--hf-checkpoint", "m", "--sglang-tokenizer-worker-num", "2"], "modal:1", "multi-tokenizer"),
+        (["--hf-checkpoint", "m", "--update-weight-disk-dir", "w"], "modal:1", "give an absolute path"),
         (["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "2"], "modal:1:H100:4", "make them agree"),
         (
             ["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "3", "--sglang-pp-size", "2"],
