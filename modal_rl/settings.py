@@ -124,6 +124,13 @@ VARIABLES: dict[str, Variable] = dict(
             "LoRA staging directory",
         ),
         _v(
+            "MODAL_RL_SGLANG_WEIGHT_DIRS",
+            "text",
+            None,
+            "modal_rl.engines.sglang_paths",
+            "an SGLang engine's weight directories, JSON",
+        ),
+        _v(
             "MODAL_RL_COLOCATED_SYNC", "text", "inplace", "verl_modal.colocated_sync", "`inplace` or `reload`"
         ),
         # sandboxes and rewards

@@ -23,6 +23,11 @@ every route without a per-route table that changes with SGLang's versions. slime
 key, so the job runs through ``slime_modal.engine_job``, whose key forwarder is what slime gets
 as ``--rollout-external-engine-addrs`` (:func:`forwarded_job_command`).
 
+Weight paths: the engines' guard lets ``/update_weights_from_disk`` and ``/pull_weights`` name
+only paths under ``--hf-checkpoint``, ``--update-weight-disk-dir`` and (to pull into)
+``--update-weight-local-checkpoint-dir`` (:func:`weight_dirs`, in each engine's environment;
+``modal_rl.engines.sglang_paths``).
+
 Health: an engine counts as up when it answers a keyed 1-token ``/generate`` (not only
 ``/health``); during the run a replaced-engines supervisor checks its process and ``/health``
 (slime pauses engines around weight updates, and a paused engine holds a generation).
@@ -44,6 +49,7 @@ forwarder cannot see the launcher's file: there engines are health-checked, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -54,7 +60,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from modal_rl.cluster.spec import ClusterSpecError, GpuSpec
-from modal_rl.engines import ENGINES, EngineSpec, engine_key, get_engine, get_engine_pool
+from modal_rl.engines import ENGINES, EngineSpec, WeightDirs, engine_key, get_engine, get_engine_pool
 from slime_modal.preflight import SlimeArgs
 
 SGLANG = ENGINES.load("sglang")  # the SGLang driver: its launcher, key flags and port
@@ -180,11 +186,29 @@ def engine_spec(
         gpu=f"{request.gpu_type}:{gpus}",
         image=image or DEFAULT_IMAGE,
         volumes=volumes or {},
-        env=env or {},
+        env={**weight_dirs(slime_argv).env(), **(env or {})},
         startup_timeout_s=startup_timeout_s,
         name="sglang-engine",
         pulls_frames=False,  # slime moves SGLang's weights itself: no frame-read key
     )
+
+
+def weight_dirs(slime_argv: list[str]) -> WeightDirs:
+    """Where slime's engines may load weights from (their guard refuses every other path on
+    ``/update_weights_from_disk`` and ``/pull_weights``): ``--hf-checkpoint``,
+    ``--update-weight-disk-dir``, and ``--update-weight-local-checkpoint-dir`` to pull into."""
+    path = WeightPath.from_argv(slime_argv)
+    for flag, value in (
+        ("--update-weight-disk-dir", path.disk_dir),
+        ("--update-weight-local-checkpoint-dir", path.local_checkpoint_dir),
+    ):
+        if value and not os.path.isabs(value):
+            raise ValueError(
+                f"{flag} {value!r}: give an absolute path (the engines load weights only from "
+                "absolute paths under it, and their working directory is not the trainer's)"
+            )
+    model = SlimeArgs(slime_argv).get("--hf-checkpoint")
+    return WeightDirs.of(model, load=[path.disk_dir], pull=[path.local_checkpoint_dir])
 
 
 def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[str, Any]:
@@ -201,7 +225,9 @@ def describe(spec: EnginesRequest, slime_argv: list[str], **opts: Any) -> dict[s
             "engine_key": "the engine bearer (derived from the run key; engines never hold the run key): "
             "SGLang --api-key and --admin-api-key, added in-process by modal_rl.engines.keyed_launch "
             "from MODAL_RL_ENGINE_BEARER (never on a command line)",
-            "key_required": "every route except GET /health; the bearer opens only the generation, status and our weight routes (modal_rl.engines.sglang_routes)",
+            "key_required": "only GET /health without the bearer; with it, the generation, status and our weight routes (modal_rl.engines.sglang_routes), every other route refused",
+            "weight_dirs": "the weight routes name only paths under these (modal_rl.engines.sglang_paths): "
+            + json.dumps(dataclasses.asdict(weight_dirs(slime_argv))),
             "tunnel": "Modal: TLS (modal.forward(port), https:// address); local: 127.0.0.1",
             "forwarder": "modal_rl.engines.key_forwarder on the job's driver (rank 0): 127.0.0.1 on one "
             "node, else the node's cluster address admitting only cluster nodes; adds "

@@ -40,6 +40,7 @@ PUBLIC = {
     "EnginePusher": "modal_rl.engines.vllm_push",
     "bearer_header": "modal_rl.engines.auth",
     "check_key_safe_url": "modal_rl.engines.auth",
+    "WeightDirs": "modal_rl.engines.sglang_paths",
 }
 
 

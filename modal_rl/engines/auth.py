@@ -15,8 +15,12 @@ server's environment, never from a flag.
 Invariants:
 - the bearer opens only what the guard's route table allows (``routes`` for vLLM: generation,
   the control routes the run calls, ``modal_rl_*`` collective RPCs, LoRA loads from the staging
-  directory by a safe name; ``sglang_routes`` for SGLang, through ``SglangKeyAuth``); every
-  other route is answered 403 here with the bearer too, and a websocket is closed;
+  directory by a safe name; ``sglang_routes`` for SGLang, through ``SglangKeyAuth``, whose two
+  path-taking weight routes pass only paths under the engine's weight directories,
+  ``sglang_paths``); every other route is answered 403 here with the bearer too, and a
+  websocket is closed;
+- a checked route's body over the table's ``MAX_CHECKED_BODY`` is refused, by its
+  ``Content-Length`` before any of it is read;
 - every ``http`` and ``websocket`` request without the right key is answered here (HTTP 401
   with a short body; a websocket is closed before it is accepted, which clients see as HTTP
   403) and never reaches the server: no route runs, no state changes;
@@ -40,7 +44,7 @@ import urllib.request
 from urllib.parse import urlparse
 
 from modal_rl.engines import routes as engine_routes
-from modal_rl.engines import sglang_routes
+from modal_rl.engines import sglang_paths, sglang_routes
 from modal_rl.run_key import (
     ENGINE_BEARER_ENV,
     MissingRunKeyError,
@@ -173,29 +177,50 @@ class RunKeyAuth:
             return await self.app(scope, receive, send)
         if rule == engine_routes.REFUSE:
             return await _forbid(send, f"{scope.get('method')} {path} is not a route this run uses")
+        limit = self.routes.MAX_CHECKED_BODY
+        headers = list(scope.get("headers") or ())
+        if _declared_length(headers) > limit:  # refused before a byte of the body is read
+            return await _forbid(send, f"the body of {path} is over {limit} bytes")
         body = b""
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left
             body += message.get("body", b"")
-            if len(body) > engine_routes.MAX_CHECKED_BODY:
-                return await _forbid(
-                    send, f"the body of {path} is over {engine_routes.MAX_CHECKED_BODY} bytes"
-                )
+            if len(body) > limit:
+                return await _forbid(send, f"the body of {path} is over {limit} bytes")
             if not message.get("more_body", False):
                 break
-        why = self.routes.body_refusal(path, list(scope.get("headers") or ()), body)
+        why = self.body_refusal(path, headers, body)
         if why is not None:
             return await _forbid(send, why)
         return await self.app(scope, _replay(body, receive), send)
 
+    def body_refusal(self, path: str, headers: list, body: bytes) -> str | None:
+        """Why a ``CHECK`` route's request is refused, or None (the route table's rule)."""
+        return self.routes.body_refusal(path, headers, body)
+
 
 class SglangKeyAuth(RunKeyAuth):
     """The guard with SGLang's allow-list (``sglang_routes``), in front of SGLang's own key
-    check (``sglang_routes.install``)."""
+    check. ``weight_dirs``: where this engine may load weights from (``sglang_paths``);
+    default: ``MODAL_RL_SGLANG_WEIGHT_DIRS`` in the environment (unset: no path passes)."""
 
     routes = sglang_routes
+
+    def __init__(
+        self, app, key: str | None = None, weight_dirs: sglang_paths.WeightDirs | None = None
+    ) -> None:
+        super().__init__(app, key=key)
+        try:
+            dirs = sglang_paths.WeightDirs.from_env() if weight_dirs is None else weight_dirs
+            self.weight_dirs = dirs.resolved()
+        except sglang_paths.WeightDirsError as exc:
+            print(f"modal_rl.engines.auth: refusing to serve: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    def body_refusal(self, path: str, headers: list, body: bytes) -> str | None:
+        return sglang_paths.body_refusal(path, headers, body, self.weight_dirs)
 
 
 def install_sglang_guard() -> None:
@@ -204,6 +229,17 @@ def install_sglang_guard() -> None:
     from sglang.srt.entrypoints import http_server
 
     http_server.app.add_middleware(SglangKeyAuth)
+
+
+def _declared_length(headers: list) -> int:
+    """The request's ``Content-Length`` (0 when absent or unreadable: the read loop bounds it)."""
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def _replay(body: bytes, receive):

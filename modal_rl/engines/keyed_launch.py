@@ -14,7 +14,9 @@ the command above, without the key.
 
 ``--guard=sglang`` also puts modal_rl's route guard in front of SGLang's HTTP app, in this
 process before the module runs (``auth.install_sglang_guard``): SGLang's keys open every route, the
-guard only those the run uses. A launch whose flags would serve without it stops (exit 2).
+guard only those the run uses, and the weight routes only for paths under the directories in
+``MODAL_RL_SGLANG_WEIGHT_DIRS`` (``sglang_paths``). A launch whose flags would serve without the
+guard, or whose weight directories are unusable, stops (exit 2).
 
 Invariants:
 - the key is never printed by this module, nor put in an error message. The module it runs
@@ -31,7 +33,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from modal_rl.engines import sglang_routes
+from modal_rl.engines import sglang_paths, sglang_routes
 from modal_rl.run_key import MissingRunKeyError, engine_bearer_from_env
 
 USAGE = (
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         flags, guard, module, args = parse_argv(argv)
         key = engine_bearer_from_env() if flags or guard else ""
+        if guard is not None:  # the guard's weight directories, checked before SGLang's slow import
+            sglang_paths.WeightDirs.from_env().resolved()
     except (ValueError, MissingRunKeyError) as exc:
         print(f"keyed_launch: {exc}", file=sys.stderr)
         return 2

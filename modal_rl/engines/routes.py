@@ -92,7 +92,7 @@ def body_refusal(path: str, headers: list, body: bytes) -> str | None:
         return "a content-encoded body is not accepted here"
     try:
         doc = json.loads(body, object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: RecursionError
         return f"the body is not one JSON object ({str(exc)[:80]})"
     if not isinstance(doc, dict):
         return "the body is not one JSON object"

@@ -14,6 +14,10 @@ checkpoint dir when there is one, then ``POST /update_weights_from_disk`` of tha
 version's own directory). Stage/commit, pause/resume, cache and adapter calls are not driven
 through this port for SGLang: they raise ``NotImplementedError`` naming the engine.
 
+The engine's guard lets those two routes name only paths under the model, ``source_dir`` and
+``local_checkpoint_dir`` (``env``, ``sglang_paths``): a ``newest()`` directory outside
+``source_dir`` is refused there.
+
 Invariants: ``sglang_argv`` never carries a key; ``catch_up`` of version 0 (nothing published
 yet: the server's own ``--model-path``) sends nothing; an answer ``{"success": false}`` is a
 ``RuntimeError`` naming the route and the server's message (its tail, 300 characters).
@@ -30,6 +34,7 @@ from typing import Any
 
 from modal_rl.engines.base import Engine
 from modal_rl.engines.health import sglang_generate
+from modal_rl.engines.sglang_paths import WeightDirs
 
 SGLANG_MODULE = "sglang.launch_server"
 # SGLang takes its keys only as flags (no env var): inserted in-process by keyed_launch.
@@ -105,6 +110,14 @@ class SglangEngine(Engine):
 
     def generate_request(self) -> dict[str, Any]:
         return sglang_generate()
+
+    def env(self) -> dict[str, str]:
+        """The directories the engine's guard lets the weight routes name (``sglang_paths``):
+        the model, and ``reload``'s source and local checkpoint directories."""
+        source, local = (
+            (self.reload.source_dir, self.reload.local_checkpoint_dir) if self.reload else (None, None)
+        )
+        return WeightDirs.of(self.model, load=[source], pull=[local]).env()
 
     def catch_up(self, url: str) -> dict[str, Any]:
         """Bring the server at ``url`` to the newest version ``reload.newest()`` names;

@@ -6,7 +6,8 @@ SGLang server also runs our guard (``auth.SglangKeyAuth``, this table): the bear
 generation, the read-only status routes slime and its router read, and the calls of the run's
 own weight path (slime's disk path and ``SglangEngine.catch_up``: ``/pull_weights``,
 ``/update_weights_from_disk``, ``/pause_generation``, ``/flush_cache``,
-``/continue_generation``); every other route — tensor, distributed, IPC and remote-instance
+``/continue_generation``), the two that take a path only when their body names a directory
+this engine was launched to load from (``CHECK``: ``sglang_paths``); every other route — tensor, distributed, IPC and remote-instance
 weight loading, weight-update groups, LoRA loading, memory release, profiling, logging and
 internal-state routes, sessions, embeddings and scoring, schema pages, and any route a newer
 SGLang adds — is answered 403 with the bearer too, before SGLang runs anything.
@@ -17,8 +18,9 @@ before the app starts. Only the single-process HTTP server serves that app objec
 ``--tokenizer-worker-num`` > 1 (workers import the app afresh) or ``--enable-http2`` (another
 server) the guard would not be in front, so ``refusal(argv)`` stops such a launch.
 
-Invariants: ``verdict`` is a pure function of (method, path); a path not in ``ALLOWED`` is
-refused; no SGLang route is ``CHECK`` (no body decides what an allowed route does here). The
+Invariants: ``verdict`` is a pure function of (method, path); a path not in ``ALLOWED`` or
+``CHECKED`` is refused; the ``CHECKED`` routes are exactly ``sglang_paths.PATH_ROUTES`` (their
+bodies, at most ``MAX_CHECKED_BODY`` bytes, are checked by ``sglang_paths.body_refusal``). The
 table of every SGLang 0.5.15 route and its verdict is ``tests/engines/sglang_routes.json`` and
 docs/security.md, pinned by ``tests/engines/test_sglang_routes.py``.
 """
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import re
 
-from modal_rl.engines.routes import ALLOW, OPEN, REFUSE
+from modal_rl.engines import sglang_paths
+from modal_rl.engines.routes import ALLOW, CHECK, OPEN, REFUSE
 
 # (method, path) pairs the bearer opens on an SGLang server.
 GENERATION = {
@@ -61,16 +64,17 @@ STATUS = {
     ("GET", "/ping"),
     ("GET", "/metrics"),
 }
-# The run's own weight path (slime's disk path, ``SglangEngine.catch_up``).
+# The run's own weight path (slime's disk path, ``SglangEngine.catch_up``); the two routes that
+# take a path are ``CHECKED``.
 WEIGHT_PATH = {
-    ("POST", "/pull_weights"),
-    ("POST", "/update_weights_from_disk"),
     ("POST", "/pause_generation"),
     ("POST", "/continue_generation"),
     ("GET", "/flush_cache"),
     ("POST", "/flush_cache"),
 }
 ALLOWED = frozenset(GENERATION | STATUS | WEIGHT_PATH)
+CHECKED = frozenset(("POST", path) for path in sglang_paths.PATH_ROUTES)
+MAX_CHECKED_BODY = sglang_paths.MAX_BODY
 _ID_SEGMENT = re.compile(r"^/v1/responses/[^/]+(/cancel)?$")
 GUARD = "sglang"
 # Flags under which SGLang serves something other than the app object the guard is installed on.
@@ -81,17 +85,14 @@ _UNGUARDED = {
 
 
 def verdict(method: str, path: str) -> str:
-    """``OPEN``, ``ALLOW`` or ``REFUSE`` for a request to ``path`` (root path stripped)."""
+    """``OPEN``, ``ALLOW``, ``CHECK`` or ``REFUSE`` for a request to ``path`` (root path stripped)."""
     if method == "GET" and path == "/health":
         return OPEN
     if _ID_SEGMENT.match(path):
         path = re.sub(r"^/v1/responses/[^/]+", "/v1/responses/{id}", path)
+    if (method, path) in CHECKED:
+        return CHECK
     return ALLOW if (method, path) in ALLOWED else REFUSE
-
-
-def body_refusal(path: str, headers: list, body: bytes) -> str | None:
-    """No SGLang route is checked by its body (``verdict`` never says ``CHECK``)."""
-    return f"{path} is not a route this run uses"
 
 
 def refusal(argv: list[str]) -> str | None:

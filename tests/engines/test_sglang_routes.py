@@ -20,6 +20,7 @@ import pytest
 
 from modal_rl.engines import keyed_launch, sglang_routes
 from modal_rl.engines.auth import SglangKeyAuth
+from modal_rl.engines.sglang_paths import WeightDirs
 from modal_rl.run_key import engine_bearer, new_run_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ LIST = Path(__file__).with_name("sglang_routes.json")
 SLIME_PYTHON = Path(os.environ.get("MODAL_RL_SLIME_VENV", ROOT / ".venv-slime")) / "bin" / "python"
 KEY = new_run_key()
 AUTH = (b"authorization", f"Bearer {engine_bearer(KEY)}".encode())
-A, R, OPEN = sglang_routes.ALLOW, sglang_routes.REFUSE, sglang_routes.OPEN
+A, R, OPEN, C = sglang_routes.ALLOW, sglang_routes.REFUSE, sglang_routes.OPEN, sglang_routes.CHECK
 WS = "WEBSOCKET"
 
 ALLOWED = {
@@ -58,13 +59,14 @@ ALLOWED = {
     ("GET", "/weight_version"),
     ("GET", "/ping"),
     # the run's weight path: slime's disk path and SglangEngine.catch_up
-    ("POST", "/pull_weights"),
-    ("POST", "/update_weights_from_disk"),
     ("POST", "/pause_generation"),
     ("POST", "/continue_generation"),
     ("GET", "/flush_cache"),
     ("POST", "/flush_cache"),
 }
+# The two weight routes that take a path: open only for a body naming the engine's own weight
+# directories (tests/engines/test_sglang_weight_paths.py); the ``{}`` sent here names none.
+CHECKED = {("POST", "/pull_weights"), ("POST", "/update_weights_from_disk")}
 # Routes SGLang adds at launch (not in the app's table at import) or a newer one might.
 EXTRA = {
     ("GET", "/metrics"): A,  # --enable-metrics mounts it at start
@@ -87,6 +89,8 @@ def want(route) -> str:
         return OPEN
     if route in EXTRA:
         return EXTRA[route]
+    if route in CHECKED:
+        return C
     return A if route in ALLOWED else R
 
 
@@ -122,7 +126,7 @@ def ask(method: str, path: str, headers=(AUTH,), kind: str = "http"):
 def test_the_list_is_sglangs_table_and_every_allowed_route_is_in_it():
     routes = listed()
     assert len(routes) > 80 and ("POST", "/update_weights_from_tensor") in routes
-    assert set(routes) >= ALLOWED  # no allowed row for a route SGLang does not have
+    assert set(routes) >= ALLOWED | CHECKED  # no allowed row for a route SGLang does not have
 
 
 @pytest.mark.parametrize("route", sorted(set(listed()) | set(EXTRA)), ids=lambda r: f"{r[0]} {r[1]}")
@@ -135,7 +139,7 @@ def test_every_sglang_route_gets_its_verdict_with_the_bearer(route):
     expected = want(route)
     assert sglang_routes.verdict(method, concrete(path)) == expected
     status, reached = ask(method, concrete(path))
-    if expected == R:
+    if expected in (R, C):  # a checked route's body ``{}`` names no path: refused too
         assert status == 403 and reached == []
     else:
         assert status == 200 and reached == [(method, concrete(path))]
@@ -182,11 +186,14 @@ from sglang.srt.entrypoints.http_server import app
 bearer = {"Authorization": "Bearer " + sys.argv[2]}
 client = TestClient(app, raise_server_exceptions=False)  # no lifespan: SGLang's start stays off
 seen = {}
-for method, path in [("POST", "/update_weights_from_tensor"), ("POST", "/load_lora_adapter"),
-                     ("POST", "/init_weights_update_group"), ("GET", "/get_model_info"),
-                     ("POST", "/update_weights_from_disk")]:
-    answer = client.request(method, path, headers=bearer, json={})
-    seen[method + " " + path] = [answer.status_code, "modal_rl's engine guard" in answer.text]
+inside = {"model_path": sys.argv[3] + "/weight_v000001"}  # under MODAL_RL_SGLANG_WEIGHT_DIRS
+for method, path, body in [("POST", "/update_weights_from_tensor", {}), ("POST", "/load_lora_adapter", {}),
+                           ("POST", "/init_weights_update_group", {}), ("GET", "/get_model_info", {}),
+                           ("POST", "/update_weights_from_disk", inside),
+                           ("POST", "/update_weights_from_disk", {"model_path": "/etc"})]:
+    answer = client.request(method, path, headers=bearer, json=body)
+    label = method + " " + path + (" " + json.dumps(body) if body else "")
+    seen[label] = [answer.status_code, "modal_rl's engine guard" in answer.text]
 print(json.dumps({"list": dumps(table), "seen": seen}))
 """
 
@@ -195,8 +202,9 @@ print(json.dumps({"list": dumps(table), "seen": seen}))
 @pytest.mark.skipif(not SLIME_PYTHON.exists(), reason="needs the slime venv (scripts/install_slime_cpu.sh)")
 def test_the_list_matches_sglangs_live_app_and_the_installed_guard_refuses_there(tmp_path):
     env = {**os.environ, "MODAL_RL_ENGINE_BEARER": engine_bearer(KEY), "TMPDIR": str(tmp_path)}
+    env.update(WeightDirs.of(load=[str(tmp_path)]).env())
     run = subprocess.run(
-        [str(SLIME_PYTHON), "-c", LIVE_CHECK, str(ROOT), engine_bearer(KEY)],
+        [str(SLIME_PYTHON), "-c", LIVE_CHECK, str(ROOT), engine_bearer(KEY), str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -209,11 +217,13 @@ def test_the_list_matches_sglangs_live_app_and_the_installed_guard_refuses_there
         "SGLang's routes changed: regenerate sglang_routes.json and give each new route a verdict"
     )
     seen = got["seen"]
+    inside = json.dumps({"model_path": f"{tmp_path}/weight_v000001"})
     for refused in (
         "POST /update_weights_from_tensor",
         "POST /load_lora_adapter",
         "POST /init_weights_update_group",
+        'POST /update_weights_from_disk {"model_path": "/etc"}',
     ):
         assert seen[refused] == [403, True], seen
-    for allowed in ("GET /get_model_info", "POST /update_weights_from_disk"):
+    for allowed in ("GET /get_model_info", f"POST /update_weights_from_disk {inside}"):
         assert seen[allowed][0] != 403 and not seen[allowed][1], seen  # past the guard, SGLang answers

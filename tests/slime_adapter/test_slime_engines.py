@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from modal_rl.cluster import procs
+from modal_rl.engines.sglang_paths import WeightDirs, body_refusal
 from modal_rl.run_key import new_run_key
 from slime_modal.engines import (
     EnginesRequest,
@@ -102,6 +103,7 @@ def test_engine_command_follows_slime_flags():
         (["--hf-checkpoint", "m", "--sglang-api-key", "k"], "modal:1", "take the run's key"),
         (["--hf-checkpoint", "m", "--sglang-admin-api-key=k"], "modal:1", "take the run's key"),
         (["--hf-checkpoint", "m", "--sglang-tokenizer-worker-num", "2"], "modal:1", "multi-tokenizer"),
+        (["--hf-checkpoint", "m", "--update-weight-disk-dir", "w"], "modal:1", "give an absolute path"),
         (["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "2"], "modal:1:H100:4", "make them agree"),
         (
             ["--hf-checkpoint", "m", "--rollout-num-gpus-per-engine", "3", "--sglang-pp-size", "2"],
@@ -210,6 +212,26 @@ def test_modal_engine_function_offline():
     assert plan["commands"][0][plan["commands"][0].index("--port") + 1] == "30000"
 
 
+def test_the_engines_weight_routes_take_only_slime_s_own_dirs(tmp_path):
+    """The spec's environment names the model, the disk dir and the local checkpoint dir; the
+    bodies slime's ``SGLangEngine.pull_weights`` / ``update_weights_from_disk`` send with those
+    flags pass the engine's check, a path elsewhere does not."""
+    disk, local = str(tmp_path / "disk"), str(tmp_path / "local")
+    argv = [*ARGV, "--update-weight-transport", "disk", "--update-weight-disk-dir", disk]
+    argv += ["--update-weight-local-checkpoint-dir", local]
+    spec = engine_spec(parse_engines("modal:1"), argv, env={"OTHER": "1"})
+    assert WeightDirs.from_env(spec.env) == WeightDirs(("/models/Qwen3-4B", disk), (local,))
+    dirs = WeightDirs.from_env(spec.env).resolved()
+    pull = {"local_checkpoint_dir": local, "source_dir": disk, "target_version": 3}
+    assert body_refusal("/pull_weights", [], json.dumps(pull).encode(), dirs) is None
+    for model_path in (local, f"{disk}/weight_v000003", "/etc", f"{disk}/../elsewhere"):
+        body = json.dumps({"model_path": model_path, "weight_version": "3"}).encode()
+        why = body_refusal("/update_weights_from_disk", [], body, dirs)
+        assert (why is None) == (model_path in (local, f"{disk}/weight_v000003")), why
+    nccl = engine_spec(parse_engines("modal:1"), ARGV)  # no disk path: the model alone
+    assert WeightDirs.from_env(nccl.env) == WeightDirs(("/models/Qwen3-4B",), ())
+
+
 def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
     from tests._launcher import run_module
 
@@ -237,6 +259,7 @@ def test_modal_dry_run_shows_engine_auth_and_never_the_key(monkeypatch):
     assert "modal_rl.engines.keyed_launch" in engines["command"]
     assert not any(a in engines["command"] for a in ("--api-key", "--admin-api-key"))
     auth = engines["auth"]
-    assert "TLS" in auth["tunnel"] and "every route" in auth["key_required"]
+    assert "TLS" in auth["tunnel"] and "every other route refused" in auth["key_required"]
+    assert '"load": ["/models/Qwen3-4B"]' in auth["weight_dirs"]  # the weight routes' only paths
     assert "key_forwarder" in auth["forwarder"] and "Bearer" in auth["forwarder"]
     assert engines["job_command"][2] == "slime_modal.engine_job"
