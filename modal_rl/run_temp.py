@@ -261,3 +261,8 @@ def process_temp(tag: str = "") -> Iterator[Path]:
                 os.environ[name] = value
         tempfile.tempdir = saved_cache
         remove(path)
+        if len(str(path)) > MAX_BASE_LEN:
+            # the children made their run dirs beside this one (``base_dir``); those whose
+            # owner died without removing them (a Ray worker killed at shutdown) go now, not
+            # at the next run's sweep
+            sweep(str(Path(path).parent))

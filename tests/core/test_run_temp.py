@@ -86,7 +86,7 @@ def test_engines_write_into_the_pools_dir_which_goes_even_after_a_killed_engine(
 
 # A launcher's run (process_temp) starts a worker (as Ray starts verl's), which makes a run dir of
 # its own (as an engine pool does); argv: the longest base allowed, the role.
-NESTED_RUN = """import subprocess, sys
+NESTED_RUN = """import os, subprocess, sys
 from modal_rl import run_temp
 run_temp.MAX_BASE_LEN = int(sys.argv[1])
 if sys.argv[2] == "launcher":
@@ -96,7 +96,11 @@ if sys.argv[2] == "launcher":
 else:
     own = run_temp.make("eng-")
     print(own)
-    run_temp.remove(own)
+    if sys.argv[2] == "worker":
+        run_temp.remove(own)
+    else:  # "killed": gone without removing it (no atexit), as a Ray worker killed at shutdown
+        sys.stdout.flush()
+        os._exit(0)
 """
 
 
@@ -116,6 +120,23 @@ def test_a_worker_inside_a_run_makes_its_run_dirs_beside_the_runs_not_in_tmp(tmp
     ).stdout.split()
     run, worker_dir = (Path(p) for p in out)
     assert run.parent == tmp_path and len(str(run)) > len(str(tmp_path))
+    assert worker_dir.parent == tmp_path and worker_dir.name.startswith(f"{run_temp.PREFIX}eng-"), out
+    assert not worker_dir.exists() and not run.exists()
+
+
+def test_a_run_dir_a_dead_worker_left_beside_the_run_goes_when_the_run_ends(tmp_path):
+    script = tmp_path / "nested_run.py"
+    script.write_text(NESTED_RUN.replace('"worker"]', '"killed"]'))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(run_temp.BASE_ENV, None)
+    out = subprocess.run(
+        [sys.executable, str(script), str(len(str(tmp_path))), "launcher"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.split()
+    run, worker_dir = (Path(p) for p in out)
     assert worker_dir.parent == tmp_path and worker_dir.name.startswith(f"{run_temp.PREFIX}eng-"), out
     assert not worker_dir.exists() and not run.exists()
 
