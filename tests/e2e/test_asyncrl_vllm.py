@@ -12,6 +12,7 @@ so a later index would show.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -100,8 +101,17 @@ def commit_while_generating(client, pusher, state, tries: int = 6) -> tuple[dict
         for _ in range(tries):
             while len(samples) < 1:  # the threads are generating
                 threading.Event().wait(0.05)
+            before = len(samples)
             numbers = client.commit(pusher, state)
-            if numbers.get("switched_requests", 0) > 0 or pusher.running == "abort":
+            if pusher.running == "abort":
+                # nothing runs at an abort's switch: see whether a request came back aborted
+                # once the threads have answered again (each has a request in flight)
+                end = time.monotonic() + 60
+                while len(samples) < before + 3 and time.monotonic() < end:
+                    threading.Event().wait(0.05)
+                if any(s.finish_reason == "abort" for s in samples[before:]):
+                    return numbers, samples
+            elif numbers.get("switched_requests", 0) > 0:
                 return numbers, samples
             state = shaken(state, seed=len(samples))
         raise AssertionError("no commit landed while requests were generating")
@@ -133,7 +143,7 @@ def test_a_commit_between_tokens_reaches_the_samples(engine, pusher, tiny_model,
     if running == "abort":
         assert not switched  # aborted requests end on the old version, new ones start on the new
         assert any(s.finish_reason == "abort" and len(s.tokens) < MAX_TOKENS for s in samples)
-        assert all(s.versions.versions in ((v0,), (v1,)) for s in samples)
+        assert all(len(s.versions.versions) == 1 for s in samples)  # no sample spans a commit
         return
     assert switched and numbers["switched_requests"] >= 1
     for s in switched:
