@@ -104,11 +104,11 @@ else:
 """
 
 
-def test_a_worker_inside_a_run_makes_its_run_dirs_beside_the_runs_not_in_tmp(tmp_path):
-    # The run dir is one level longer than its base: past the limit, where the worker used to
-    # fall back to /tmp (engine pools in verl's Ray workers); it follows the launcher's base now.
+def nested_run(tmp_path, worker: str) -> tuple[Path, Path]:
+    """A launcher's run and the run dir its child (``worker``: removes it; ``killed``: leaves
+    it, gone without cleanup) made inside it."""
     script = tmp_path / "nested_run.py"
-    script.write_text(NESTED_RUN)
+    script.write_text(NESTED_RUN.replace('"worker"]', f'"{worker}"]'))
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop(run_temp.BASE_ENV, None)
     out = subprocess.run(
@@ -119,25 +119,20 @@ def test_a_worker_inside_a_run_makes_its_run_dirs_beside_the_runs_not_in_tmp(tmp
         check=True,
     ).stdout.split()
     run, worker_dir = (Path(p) for p in out)
-    assert run.parent == tmp_path and len(str(run)) > len(str(tmp_path))
     assert worker_dir.parent == tmp_path and worker_dir.name.startswith(f"{run_temp.PREFIX}eng-"), out
+    return run, worker_dir
+
+
+def test_a_worker_inside_a_run_makes_its_run_dirs_beside_the_runs_not_in_tmp(tmp_path):
+    # The run dir is one level longer than its base: past the limit, where the worker used to
+    # fall back to /tmp (engine pools in verl's Ray workers); it follows the launcher's base now.
+    run, worker_dir = nested_run(tmp_path, "worker")
+    assert run.parent == tmp_path and len(str(run)) > len(str(tmp_path))
     assert not worker_dir.exists() and not run.exists()
 
 
 def test_a_run_dir_a_dead_worker_left_beside_the_run_goes_when_the_run_ends(tmp_path):
-    script = tmp_path / "nested_run.py"
-    script.write_text(NESTED_RUN.replace('"worker"]', '"killed"]'))
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop(run_temp.BASE_ENV, None)
-    out = subprocess.run(
-        [sys.executable, str(script), str(len(str(tmp_path))), "launcher"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout.split()
-    run, worker_dir = (Path(p) for p in out)
-    assert worker_dir.parent == tmp_path and worker_dir.name.startswith(f"{run_temp.PREFIX}eng-"), out
+    run, worker_dir = nested_run(tmp_path, "killed")
     assert not worker_dir.exists() and not run.exists()
 
 
