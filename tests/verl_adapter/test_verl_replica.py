@@ -189,7 +189,10 @@ def test_local_engine_launch_generate_and_control(replica_cls, local_ray, tmp_pa
     assert posts[0]["path"] == "/v1/completions"
     assert completion["model"] == MODEL and completion["prompt"] == [5, 6, 7]
     assert completion["max_tokens"] == 512 and completion["logprobs"] == 0 and completion["return_token_ids"]
-    assert [r["path"] for r in posts[1:]] == [
+    # after an answer the proxy reads that request's version record from the engine's ledger
+    # (verl_modal.replica_proxy); the stand-in keeps none, which costs the sample its record only
+    assert posts[1]["path"] == "/collective_rpc" and posts[1]["body"]["method"] == "modal_rl_versions"
+    assert [r["path"] for r in posts[2:]] == [
         "/sleep?level=1",
         "/wake_up",
         "/pause?clear_cache=true",
