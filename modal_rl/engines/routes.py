@@ -91,7 +91,7 @@ def body_refusal(path: str, headers: list, body: bytes) -> str | None:
     if any(k.lower() == b"content-encoding" for k, _ in headers):
         return "a content-encoded body is not accepted here"
     try:
-        doc = json.loads(body, object_pairs_hook=_no_duplicates)
+        doc = json.loads(body, object_pairs_hook=no_duplicate_keys)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: RecursionError
         return f"the body is not one JSON object ({str(exc)[:80]})"
     if not isinstance(doc, dict):
@@ -116,7 +116,9 @@ def body_refusal(path: str, headers: list, body: bytes) -> str | None:
     return None
 
 
-def _no_duplicates(pairs: list) -> dict:
+def no_duplicate_keys(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook``: a key given twice (which value would the engine
+    read?) is refused."""
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         raise ValueError("duplicate keys")

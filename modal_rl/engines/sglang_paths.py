@@ -41,6 +41,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from modal_rl.engines.routes import no_duplicate_keys
 from modal_rl.settings import read
 from modal_rl.text_safety import clean
 
@@ -163,7 +164,7 @@ def body_refusal(path: str, headers: list, body: bytes, dirs: WeightDirs) -> str
     if len(body) > MAX_BODY:
         return f"{name}: the body is over {MAX_BODY} bytes"
     try:
-        doc = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         return f"{name}: the body is not one UTF-8 JSON object ({clean(str(exc))[:80]})"
     if not isinstance(doc, dict):
@@ -212,13 +213,6 @@ def _path_problem(path: object) -> str | None:
     if not os.path.isabs(path):
         return "not an absolute path"
     return None
-
-
-def _no_duplicates(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("duplicate keys")
-    return dict(pairs)
 
 
 def _show(value: object) -> str:
