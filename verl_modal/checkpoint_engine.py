@@ -373,7 +373,7 @@ class ModalDeltaCheckpointEngine(CheckpointEngine):
         floor = self._publisher.next_version if self.endpoint is None else self.endpoint["version"]
         expected = _target(floor, global_steps)
         if self.dtype is not None:
-            pairs = _cast(pairs, self.dtype)
+            pairs = cast_floats(pairs, self.dtype)
         t0 = time.perf_counter()
         report = self._publisher.publish(pairs, expected)
         seconds = time.perf_counter() - t0
@@ -481,19 +481,19 @@ def _target(floor: int, global_steps: int | None) -> int:
     return floor
 
 
-def publish_dtype(name: str | None) -> torch.dtype | None:
-    """``modal_delta.dtype``: a floating torch dtype by name, or None."""
+def publish_dtype(name: str | None, setting: str = "modal_delta.dtype") -> torch.dtype | None:
+    """``setting``'s value: a floating torch dtype by name, or None."""
     if name is None:
         return None
     dtype = getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(
-            f"modal_delta.dtype={name!r} is not a floating torch dtype; use the rollout's, e.g. bfloat16"
-        )
+        raise ValueError(f"{setting}={name!r} is not a floating torch dtype; use the engine's, e.g. bfloat16")
     return dtype
 
 
-def _cast(pairs, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def cast_floats(pairs, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs with floating tensors in ``dtype`` (the cast an engine's loader
+    would make); other tensors as they are."""
     for name, tensor in pairs:
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 

@@ -104,10 +104,12 @@ class ColocatedPusher:
         self.pull_timeout_s = pull_timeout_s
 
     def publish(self, pairs, global_steps: int | None) -> tuple[Any, dict[str, float]]:
-        from verl_modal.checkpoint_engine import _target
+        from verl_modal.checkpoint_engine import _target, cast_floats
 
         t0 = time.perf_counter()
-        report = self.publisher.publish(self._cast(pairs), _target(self.publisher.next_version, global_steps))
+        report = self.publisher.publish(
+            cast_floats(pairs, self.dtype), _target(self.publisher.next_version, global_steps)
+        )
         return report, {
             METRIC_PREFIX + "version": float(report.version),
             METRIC_PREFIX + "anchor": 1.0 if report.kind == "anchor" else 0.0,
@@ -116,12 +118,6 @@ class ColocatedPusher:
             METRIC_PREFIX + "compression_ratio": report.raw_bytes / max(report.bytes, 1),
             METRIC_PREFIX + "send_s": time.perf_counter() - t0,
         }
-
-    def _cast(self, pairs):
-        for name, tensor in pairs:
-            if tensor.is_floating_point() and tensor.dtype != self.dtype:
-                tensor = tensor.to(self.dtype)
-            yield name, tensor
 
     def request(self, report) -> list[str]:
         """The signed pull request (``[REQUEST, SIGNATURE]``) for ``report``'s version."""
@@ -143,13 +139,9 @@ class ColocatedPusher:
 
 
 def _engine_dtype(adapter) -> Any:
-    import torch
+    from verl_modal.checkpoint_engine import publish_dtype
 
-    name = str(getattr(adapter.config, "dtype", "bfloat16") or "bfloat16").replace("torch.", "")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"rollout.dtype={name!r} is not a torch dtype")
-    return dtype
+    return publish_dtype(str(getattr(adapter.config, "dtype", "bfloat16") or "bfloat16"), "rollout.dtype")
 
 
 async def _drain(weights) -> None:
