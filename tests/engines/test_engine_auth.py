@@ -10,16 +10,14 @@ import http.client
 import json
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from modal_rl.cluster.backend_local import free_ports
 from modal_rl.engines.auth import MIDDLEWARE, RunKeyAuth, check_key_safe_url, key_safe_url
 from modal_rl.run_key import engine_bearer, new_run_key
+from tests.asgi_server import serve_on_loopback
 
 KEY = new_run_key()
 BEARER = engine_bearer(KEY)  # what the guard accepts: the run key's engine bearer
@@ -60,22 +58,11 @@ def make_app(reached: list, healthy: dict):
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
 
     reached: list = []
     healthy = {"ok": True}
-    (port,) = free_ports(1, "127.0.0.1")
-    config = uvicorn.Config(make_app(reached, healthy), host="127.0.0.1", port=port, log_level="error")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", reached, healthy
-    srv.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(make_app(reached, healthy)) as url:
+        yield url, reached, healthy
 
 
 def call(url: str, method: str = "POST", headers: dict | None = None) -> tuple[int, bytes, dict]:

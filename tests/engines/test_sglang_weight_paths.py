@@ -14,20 +14,18 @@ import http.client
 import json
 import os
 import socket
-import threading
-import time
 import urllib.error
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modal_rl.cluster.backend_local import free_ports
 from modal_rl.engines import keyed_launch
 from modal_rl.engines.auth import SglangKeyAuth
 from modal_rl.engines.sglang import DiskReload, SglangEngine
 from modal_rl.engines.sglang_paths import MAX_BODY, WEIGHT_DIRS_ENV, WeightDirs, body_refusal
 from modal_rl.run_key import engine_bearer, new_run_key
+from tests.asgi_server import serve_on_loopback
 
 KEY = new_run_key()
 AUTH = {"Authorization": f"Bearer {engine_bearer(KEY)}"}
@@ -57,7 +55,6 @@ def dirs_of(tree) -> WeightDirs:
 def server(tree):
     """(url, reached, guard): the guard with ``dirs_of(tree)`` on uvicorn; ``reached`` lists
     (path, body) of every request that got past it."""
-    import uvicorn
 
     reached: list = []
 
@@ -75,17 +72,8 @@ def server(tree):
         await send({"type": "http.response.body", "body": b'{"success": true}'})
 
     guard = SglangKeyAuth(app, key=KEY, weight_dirs=dirs_of(tree))
-    (port,) = free_ports(1, "127.0.0.1")
-    srv = uvicorn.Server(uvicorn.Config(guard, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", reached, guard
-    srv.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(guard) as url:
+        yield url, reached, guard
 
 
 def post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes]:
