@@ -53,16 +53,9 @@ def span(spans: list[tuple], fields: dict) -> dict:
     fields["min_global_steps"] = min(s[0] for s in spans)
     fields["max_global_steps"] = max(s[1] for s in spans)
     if all(isinstance(s[2], dict) and "tokens" in s[2] for s in spans):
-        versions, switch_at, offset = [], [], 0
-        for _, _, rec, _ in spans:
-            bounds = [0, *rec["switch_at"]]
-            for step, at in zip(rec["versions"], bounds, strict=True):
-                if not versions or step != versions[-1]:
-                    if versions:
-                        switch_at.append(offset + int(at))
-                    versions.append(step)
-            offset += int(rec["tokens"])
-        fields[VERSIONS] = {"versions": versions, "switch_at": switch_at, "tokens": offset}
+        from modal_rl.asyncrl.versions import joined
+
+        fields[VERSIONS] = joined([s[2] for s in spans])
     return fields
 
 

@@ -126,6 +126,25 @@ def finalize(record: object, n_tokens: int) -> SampleVersions:
     return SampleVersions(tuple(versions), tuple(switch_at)).check(max(n_tokens, 1))
 
 
+def joined(records: list[Mapping]) -> dict:
+    """One sample's record from the records of its parts, in order (a trajectory generated in
+    several answers, each with ``versions``, ``switch_at`` and ``tokens``): the parts' versions
+    one after the other, a switch where a part starts on another version than the one before
+    ended; ``tokens`` is the sum."""
+    versions: list = []
+    switch_at: list[int] = []
+    offset = 0
+    for rec in records:
+        bounds = [0, *rec["switch_at"]]
+        for version, at in zip(rec["versions"], bounds, strict=True):
+            if not versions or version != versions[-1]:
+                if versions:
+                    switch_at.append(offset + int(at))
+                versions.append(version)
+        offset += int(rec["tokens"])
+    return {"versions": versions, "switch_at": switch_at, "tokens": offset}
+
+
 def require(committed: int, min_version: int | None) -> None:
     """``VersionTooOldError`` when an engine holding ``committed`` must not serve a request
     that requires ``min_version``."""

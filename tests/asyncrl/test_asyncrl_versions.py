@@ -144,3 +144,15 @@ def test_engine_request_ids_map_back_to_the_clients():
     assert _request_of("cmpl-mrl0123abcd-0-1a2b3c4d") == "mrl0123abcd"
     assert _request_of("chatcmpl-x-0-1a2b3c4d") is None
     assert _request_of("cmpl-short") is None
+
+
+def test_the_parts_of_a_sample_join_into_one_record():
+    from modal_rl.asyncrl.versions import joined
+
+    parts = [
+        {"versions": [3, 4], "switch_at": [5], "tokens": 8},
+        {"versions": [4], "switch_at": [], "tokens": 2},  # resumed on the version it ended on
+        {"versions": [5, 6], "switch_at": [1], "tokens": 4},
+    ]
+    assert joined(parts) == {"versions": [3, 4, 5, 6], "switch_at": [5, 10, 11], "tokens": 14}
+    assert joined([]) == {"versions": [], "switch_at": [], "tokens": 0}
