@@ -34,6 +34,7 @@ from verl_modal.model_size import checkpoint_numel, full_weights_mib  # noqa: F4
 DEFAULT_LOG_DIR = Path("runs/verl-cpu/logs")
 PREFIX = "verl_modal:"
 QUIET_S = 14.0  # the longest our lines go quiet: a quiet stretch gets a "still working" line
+POLL_S = 0.5  # how often the watcher reads the log and the metrics file
 # Markers in the log that start a phase (one string, or alternatives), in the order they
 # appear, and what we say.
 PHASES = (
@@ -247,7 +248,7 @@ class Watcher(threading.Thread):
         self._metrics_pos = 0
 
     def run(self) -> None:
-        while not self.stop.wait(0.5):
+        while not self.stop.wait(POLL_S):
             self.poll()
             if time.monotonic() - self.progress.last_said >= QUIET_S:
                 self.progress.say(self.still_working())
