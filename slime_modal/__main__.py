@@ -118,6 +118,7 @@ def _main(argv: list[str]) -> int:
     from slime_modal import manager_seam as seam
     from slime_modal import preflight as pf
     from slime_modal import upstream
+    from slime_modal.async_numbers import ENTRY_ENV
 
     # First: the run key (contract 1) for this process and all it starts, engines included.
     ensure_run_key()
@@ -207,6 +208,8 @@ def _main(argv: list[str]) -> int:
     )
     if args.cpu:
         L.with_cpu_mode(runtime_env, spec.env)
+    if ENTRY_ENV not in spec.env:  # the rollout's staleness numbers follow the entry's loop
+        runtime_env["env_vars"][ENTRY_ENV] = entry.rsplit("/", 1)[-1]
     # The engines get slime's argv with our hooks: the pre-read hook is an SGLang server flag.
     engine_opts = {
         "image": spec.image,  # the cluster's image: slime's carries SGLang and slime's patches

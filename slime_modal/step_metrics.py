@@ -16,7 +16,10 @@ What is known in slime's rollout process:
   (their files' size), ``anchors`` (``--update-weight-mode full``) or ``deltas``; the sync
   time is not known here, so slime's runs have no ``weight_sync/seconds``;
 - masked samples and sandbox pool numbers from the run's parts directory
-  (:mod:`modal_rl.report.parts`), when the launcher set one.
+  (:mod:`modal_rl.report.parts`), when the launcher set one;
+- the policy versions of the rollout's samples (slime's ``Sample.weight_versions``, from
+  SGLang's responses), their staleness against the trainer's version and the engines' idle
+  seconds before the rollout: ``modal_rl/async/...`` (:mod:`slime_modal.async_numbers`).
 
 With a parts directory, each rollout's numbers are also appended to ``metrics.jsonl`` beside
 it (verl's ``file`` backend format), so ``python -m modal_rl.report`` draws slime runs too.
@@ -34,6 +37,7 @@ from typing import Any
 
 from modal_rl.report import numbers
 from modal_rl.report.parts import PartsReader, parts_dir
+from slime_modal import async_numbers
 
 log = logging.getLogger(__name__)
 STEP_KEY = "rollout/step"
@@ -58,6 +62,7 @@ class SlimeCollector:
         self.seen_versions: set[int] = set()
         self.sandbox_before: dict[str, dict] = {}
         self.warned: set[str] = set()
+        self.idle = async_numbers.IdleClock()
 
     def _syncs(self, args) -> list[numbers.SyncRecord]:
         from slime_modal.weight_hooks import complete
@@ -86,12 +91,18 @@ class SlimeCollector:
             records.append(numbers.SyncRecord(seconds=None, sender=sender))
         return records
 
-    def step(self, args) -> dict[str, float]:
+    def step(
+        self, args, rollout_id: int | None = None, samples: Any = None, rollout_time: float | None = None
+    ) -> dict[str, float]:
+        """Our numbers for one rollout; ``samples`` and ``rollout_time`` as slime passes them
+        to the log function (without them no ``modal_rl/async/...`` numbers)."""
         out: dict[str, float] = {}
+        idle = self.idle.idle_before(rollout_time)
         for what, part in (
             ("weight sync", lambda: _without(numbers.weight_sync(self._syncs(args)), UNKNOWN_HERE)),
             ("masks", lambda: numbers.masked(self.reader.new_masks()) if self.parts else {}),  # unseen: no 0
             ("sandboxes", self._sandbox),
+            ("versions", lambda: self._versions(args, rollout_id, samples, idle)),
         ):
             try:
                 out.update(part())
@@ -102,6 +113,12 @@ class SlimeCollector:
                         "modal_rl step metrics: %s unavailable (%s: %s)", what, type(exc).__name__, exc
                     )
         return out
+
+    @staticmethod
+    def _versions(args, rollout_id: int | None, samples: Any, idle: float | None) -> dict[str, float]:
+        if rollout_id is None or samples is None:
+            return {}
+        return async_numbers.rollout_numbers(args, rollout_id, _flat(samples), engine_idle_s=idle)
 
     def _sandbox(self) -> dict[str, float]:
         now = self.reader.sandbox_snapshots()
@@ -178,6 +195,7 @@ def step_line(rollout_id: int, seen: dict[str, float], ours: dict[str, float]) -
         ("syncs", numbers.WS + "syncs", "{:.0f}"),
         ("sent MiB", numbers.WS + "sent_mib", "{:.3f}"),
         ("sandbox runs", numbers.SB + "execs", "{:.0f}"),
+        ("staleness max", async_numbers.PREFIX + "staleness_max", "{:.0f}"),
     ):
         if key in seen or key in ours:
             parts.append(f"{label} " + fmt.format({**seen, **ours}[key]))
@@ -193,7 +211,7 @@ def log_rollout_data(
 
         step = int(compute_rollout_step(args, rollout_id))
         col = collector()
-        ours = col.step(args)
+        ours = col.step(args, rollout_id, samples, rollout_time)
         _bind_wandb_step(args)
         if isinstance(rollout_extra_metrics, dict):
             rollout_extra_metrics.update(ours)  # slime merges it into the rollout's log_dict

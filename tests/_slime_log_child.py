@@ -47,20 +47,33 @@ def publish(version: int, nbytes: int) -> None:
     (vdir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
 
 
-def samples(n: int) -> list:
-    return [
-        Sample(
-            index=i,
-            prompt="1+1",
-            response="2" * (i + 1),
-            response_length=i + 1,
-            reward=float(i % 2),
-            tokens=[1] * (i + 3),
-            status=Sample.Status.COMPLETED,
+def samples(n: int, versions: list[list[str]]) -> list:
+    """``n`` samples; sample ``i`` has ``i + 1`` response tokens, answered by one SGLang
+    response per entry of ``versions[i]`` (its ``meta_info["weight_version"]``), recorded by
+    slime's own ``Sample.append_response_tokens``."""
+    out = []
+    for i in range(n):
+        sample = Sample(
+            index=i, prompt="1+1", reward=float(i % 2), tokens=[1, 1], status=Sample.Status.COMPLETED
         )
-        for i in range(n)
-    ]
+        turns = versions[i]
+        for t, version in enumerate(turns):
+            k = (i + 1) // len(turns) + (1 if t < (i + 1) % len(turns) else 0)
+            meta = {"weight_version": version, "finish_reason": {"type": "stop"}}
+            sample.append_response_tokens(
+                args, tokens=[2] * k, log_probs=[-1.0] * k, meta_info=meta, text="2" * k
+            )
+        out.append(sample)
+    return out
 
+
+# train_async.py's loop: the trainer trains rollout r at version r + 1 (one push before rollout 0)
+os.environ["MODAL_RL_SLIME_ENTRY"] = "train_async.py"
+VERSIONS = [
+    [["1"]] * 4,  # rollout 0: made by the first push, trained at version 1
+    [["1"]] * 4,  # rollout 1: generated while the trainer made version 2
+    [["1", "2"], ["2"], ["2"], ["2"]],  # rollout 2: one sample's two responses span an update
+]
 
 for rollout_id in range(3):
     if rollout_id >= 1:
@@ -68,7 +81,7 @@ for rollout_id in range(3):
     for _ in range(rollout_id):
         record_mask("sandbox")
     extra = {} if rollout_id < 2 else None  # slime passes None when a rollout has no extra metrics
-    rollout_metrics.log_rollout_data(rollout_id, args, samples(4), extra, 1.5)
+    rollout_metrics.log_rollout_data(rollout_id, args, samples(4, VERSIONS[rollout_id]), extra, 1.5)
 from slime.observability.tensorboard_utils import _TensorboardAdapter  # noqa: E402
 
 _TensorboardAdapter(args).finish()

@@ -87,6 +87,10 @@ def test_main_slime_run_trains_three_steps_with_delta_sync_and_sandboxed_reward(
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     # The reward ran every sample's program in a sandbox: the reward process's numbers reached ours.
     assert all(s.get("modal_rl/sandbox/execs", 0) > 0 for s in steps.values()), steps
+    # Every sample carries the version SGLang reported; train.py trains each rollout on the
+    # version that made it.
+    assert all(s["modal_rl/async/samples_without_versions"] == 0 for s in steps.values()), steps
+    assert [s["modal_rl/async/staleness_max"] for _, s in sorted(steps.items())] == [0.0] * len(steps)
 
 
 @pytest.mark.slow
@@ -102,6 +106,12 @@ def test_train_async_runs_three_steps_and_the_weight_check_catches_its_stale_eng
     assert "weight check failed: gap" in proc.stderr, proc.stderr[-3000:]
     steps = jsonl_steps(run_dir / "metrics.jsonl")
     assert len(steps) >= 3 and proc.stdout.count("[modal_rl.step] rollout") >= 3
+    # The same gap in the samples' own versions: rollout 0 comes from the first push, every
+    # later one from the version before the trainer's, and no sample lacks its version.
+    stale = [s["modal_rl/async/staleness_max"] for _, s in sorted(steps.items())]
+    assert stale == [0.0] + [1.0] * (len(steps) - 1), steps
+    assert all(s["modal_rl/async/samples_without_versions"] == 0 for s in steps.values()), steps
+    assert all("modal_rl/async/engine_idle_s" in s for _, s in sorted(steps.items())[1:]), steps
     relaxed = subprocess.run(
         [str(SLIME_PYTHON), "-m", "slime_modal.cpu.summary", str(run_dir), "--max-gap", "10"],
         cwd=ROOT,

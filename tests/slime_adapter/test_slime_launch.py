@@ -75,6 +75,7 @@ def test_dry_run_plan_for_slimes_glm47_delta_example_matches_the_flags():
     assert env["HF_HOME"] == "/root/.cache/huggingface"
     assert env["MODAL_RL_SANDBOX_BACKEND"] == "modal"
     assert json.loads(env[L.VOLUMES_ENV]) == volumes
+    assert env["MODAL_RL_SLIME_ENTRY"] == "train.py"  # the rollout's staleness follows its loop
     assert plan["slime"]["address_env"] == {
         "SLIME_HOST_IP": "node",
         "MASTER_ADDR": "head",

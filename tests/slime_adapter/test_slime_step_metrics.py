@@ -69,6 +69,14 @@ def test_slime_logs_the_modal_rl_numbers_through_its_own_tensorboard_path(slime_
     assert sent[0] == 0 and 1.0 < sent[1] < 1.01 and 2.0 < sent[2] < 2.01  # shard + index
     assert at("modal_rl/masked/sandbox") == {0: 0.0, 1: 1.0, 2: 2.0}
     assert "modal_rl/weight_sync/seconds" not in tags  # not known in slime's rollout process
+    # the samples' versions, as slime recorded them from SGLang's responses, against
+    # train_async.py's trainer version (rollout r trains at r + 1)
+    assert at("modal_rl/async/trainer_version") == {0: 1.0, 1: 2.0, 2: 3.0}
+    assert at("modal_rl/async/staleness_max") == {0: 0.0, 1: 1.0, 2: 2.0}  # mixed: charged to its oldest
+    assert at("modal_rl/async/samples_mixed_versions") == {0: 0.0, 1: 0.0, 2: 1.0}
+    assert at("modal_rl/async/versions_per_sample") == {0: 1.0, 1: 1.0, 2: 1.25}
+    assert at("modal_rl/async/samples_without_versions") == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert sorted(at("modal_rl/async/engine_idle_s")) == [1, 2]  # none before the first rollout
     # the same numbers beside the parts dir, for python -m modal_rl.report
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
