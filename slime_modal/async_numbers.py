@@ -8,19 +8,25 @@ kept by SGLang and slime; this module turns it into the same numbers verl's runs
 (:mod:`modal_rl.asyncrl.metrics`).
 
 The trainer's version for rollout ``r`` -- the newest version it has published when it
-trains on ``r`` -- follows from the entry's loop (:data:`LOOPS`): both of slime's mains push
-once before the first rollout (version ``start + 1``); ``train.py`` pushes after every step
-and ``train_async.py`` after every ``--update-weights-interval``-th step, so
-``start + 1 + (r - start_rollout_id) // interval``. For an entry not in :data:`LOOPS` the
+trains on ``r`` -- follows from the entry's loop (:data:`LOOPS`). Both of slime's mains call
+``update_weights`` once before the first rollout, then ``train.py`` after every step and
+``train_async.py`` after every ``--update-weights-interval``-th step. That first call publishes
+version ``start + 1`` (``start``: slime's ``args.update_weight_start_version``, 0 on a fresh run),
+except in slime's disk delta mode, where it only captures the engines' start weights as the
+base the first delta applies to: there the base is version ``start`` and the first delta
+``start + 1``. So the trainer's version is ``start + first + (r - start_rollout_id) //
+interval`` with ``first`` 1, or 0 in delta mode. For an entry not in :data:`LOOPS` the
 staleness keys are left out (the counts and ``versions_per_sample`` are still logged).
 
 ``engine_idle_s``: the seconds between the end of the previous rollout and the start of this
 one (slime's rollout manager runs one ``generate`` at a time and passes its duration to the
 log function), the time the engines served no rollout.
 
-Invariants: a response version that is not slime's integer count (SGLang's ``"default"``:
-weights nobody published) gives the sample no version (counted in
-``samples_without_versions``, never guessed); a sample whose responses came from several
+Invariants: SGLang labels an engine's start weights ``"default"``; in delta mode those are
+the base version ``start`` (slime's delta is made against them), otherwise no sample is made
+before slime's first push relabels them, and ``"default"`` or any other label that is not
+slime's integer count gives the sample no version (counted in ``samples_without_versions``,
+never guessed). A sample whose responses came from several
 versions (a multi-turn or resumed sample across an update) is counted in
 ``samples_mixed_versions`` and all its tokens are charged to its oldest version, since slime
 does not record where in the sample the switch fell: its staleness is then an upper bound.
@@ -42,7 +48,20 @@ LOOPS: dict[str, Callable[[Any], int]] = {
     "train.py": lambda args: 1,  # pushes after every step; --update-weights-interval is not read
     "train_async.py": lambda args: max(int(getattr(args, "update_weights_interval", 1) or 1), 1),
 }
+START_LABEL = "default"  # SGLang's weight_version for the weights an engine started with
 STALENESS_KEYS = ("staleness_mean", "staleness_max", "staleness_first_max")
+
+
+def _start(args: Any) -> int:
+    return int(getattr(args, "update_weight_start_version", 0) or 0)
+
+
+def base_is_start_weights(args: Any) -> bool:
+    """slime's disk delta mode: the first ``update_weights`` publishes nothing, the engines'
+    start weights are the base version (module docstring)."""
+    return getattr(args, "update_weight_transport", None) == "disk" and (
+        getattr(args, "update_weight_mode", "full") == "delta"
+    )
 
 
 def trainer_version(args: Any, rollout_id: int, entry: str | None) -> int | None:
@@ -51,17 +70,21 @@ def trainer_version(args: Any, rollout_id: int, entry: str | None) -> int | None
     interval = LOOPS.get(os.path.basename(entry or ""))
     if interval is None:
         return None
-    start = int(getattr(args, "update_weight_start_version", 0) or 0)
+    first = 0 if base_is_start_weights(args) else 1
     first_rollout = int(getattr(args, "start_rollout_id", 0) or 0)
-    return start + 1 + (rollout_id - first_rollout) // interval(args)
+    return _start(args) + first + (rollout_id - first_rollout) // interval(args)
 
 
-def sample_versions(sample: Any) -> tuple[SampleVersions | None, int]:
+def sample_versions(sample: Any, args: Any = None) -> tuple[SampleVersions | None, int]:
     """``(versions, how many distinct versions its responses came from)`` of one slime sample
-    (module invariants: several are charged to the oldest)."""
+    (module invariants: ``"default"`` is the base only in delta mode; several versions are
+    charged to the oldest)."""
     seen: list[int] = []
     for raw in getattr(sample, "weight_versions", None) or []:
         text = str(raw)
+        if text == START_LABEL and args is not None and base_is_start_weights(args):
+            seen.append(_start(args))
+            continue
         if not text.isdigit():
             return None, 0
         seen.append(int(text))
@@ -101,7 +124,7 @@ def rollout_numbers(
     trainer = trainer_version(args, rollout_id, entry)
     rows, distinct = [], []
     for sample in samples:
-        versions, count = sample_versions(sample)
+        versions, count = sample_versions(sample, args)
         rows.append((versions, int(getattr(sample, "response_length", 0) or 0)))
         if versions is not None:
             distinct.append(count)

@@ -80,3 +80,18 @@ def test_idle_is_the_gap_between_one_rollouts_end_and_the_next_ones_start():
     assert clock.idle_before(8.0) is None  # rollout 0: 2 s -> 10 s
     assert clock.idle_before(12.0) == 3.0  # rollout 1: 13 s -> 25 s, after 3 s idle
     assert clock.idle_before(5.0) == 0.0  # overlapping measurements never go negative
+
+
+def test_in_disk_delta_mode_the_start_weights_are_the_base_version():
+    # slime's first update_weights in disk delta mode captures the engines' start weights
+    # (SGLang's "default") as the base the first delta applies to: version 0 of a fresh run
+    args = SimpleNamespace(update_weight_transport="disk", update_weight_mode="delta")
+    assert [A.trainer_version(args, r, "train_async.py") for r in range(3)] == [0, 1, 2]
+    rollouts = [[_sample(["default"])], [_sample(["default"])], [_sample(["1"])]]
+    stale = [
+        A.rollout_numbers(args, r, s, entry="train_async.py")[P + "staleness_max"]
+        for r, s in enumerate(rollouts)
+    ]
+    assert stale == [0.0, 1.0, 1.0]
+    full = SimpleNamespace(update_weight_transport="disk", update_weight_mode="full")
+    assert A.sample_versions(_sample(["default"]), full) == (None, 0)  # relabelled before any rollout
