@@ -93,8 +93,10 @@ _ONE_BYTE = [bytes((v,)) for v in range(128)]
 
 
 def _varint(value: int) -> bytes:
-    if value < 128:  # most methods and short lengths: no loop (a chunk writes ~21 varints)
+    if value < 128:  # methods and short lengths: no loop (a chunk writes ~21 varints)
         return _ONE_BYTE[value]
+    if value < 1 << 14:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while True:
         byte = value & 0x7F

@@ -119,7 +119,7 @@ def choose_residual(old: np.ndarray, new: np.ndarray) -> str:
             for kind in ("xor", "sub")
         ]
     )
-    return "xor" if choose_kind(counts, old.size) == 0 else "sub"
+    return "xor" if choose_kind(counts) == 0 else "sub"
 
 
 def gap_streams(positions: np.ndarray) -> list[np.ndarray]:
