@@ -192,3 +192,18 @@ def test_zstd_and_rans0_streams_share_a_body():
     body = pack_streams(planes, [RANS0, ZSTD, RANS0], 1)
     out = unpack_streams(memoryview(body), 0, 3, 20_000)
     assert all(np.array_equal(np.frombuffer(o, np.uint8), p) for o, p in zip(out, planes, strict=True))
+
+
+def test_without_numba_rans0_streams_are_coded_with_huffman_and_read_as_a_refusal(monkeypatch):
+    import sys
+
+    import modal_rl.weightsync.codec as codec
+
+    monkeypatch.setitem(sys.modules, "modal_rl.weightsync.codec.rans0", None)  # import fails
+    monkeypatch.delattr(codec, "rans0")
+    body = pack_streams([PLANE], [RANS0], 1)
+    assert _read_varint(memoryview(body), 0)[0] == HUFFMAN
+    (raw,) = unpack_streams(memoryview(body), 0, 1, PLANE.size)
+    assert np.array_equal(np.frombuffer(raw, np.uint8), PLANE)
+    with pytest.raises(CorruptFrameError, match="needs numba"):
+        unpack_streams(memoryview(BODY), 0, 1, PLANE.size)

@@ -127,6 +127,16 @@ def _huffman(raw) -> bytes:
     return c.compress(raw) + c.flush()
 
 
+def _rans0(raw: memoryview) -> tuple[memoryview | bytes | None, int]:
+    """(coded, method) of a stream meant for ``RANS0``; the Huffman coder where numba (the
+    rANS kernels) is missing."""
+    try:
+        from modal_rl.weightsync.codec import rans0
+    except ImportError:
+        return _huffman(raw), HUFFMAN
+    return rans0.encode(np.frombuffer(raw, np.uint8)), RANS0
+
+
 def pick_coder(stream: np.ndarray, noisy: int = HUFFMAN) -> int:
     """``noisy`` (an order-0 coder) for noisy byte planes, zstd for planes that are mostly
     zero (see module doc)."""
@@ -144,9 +154,7 @@ def pack_streams(streams: list[np.ndarray], coders: list[int], level: int) -> by
             if coder == HUFFMAN:
                 coded = _huffman(raw)
             elif coder == RANS0:
-                from modal_rl.weightsync.codec import rans0
-
-                coded = rans0.encode(np.frombuffer(raw, np.uint8))
+                coded, coder = _rans0(raw)
             elif coder == ZSTD_LITERALS:
                 coded, coder = _literals_compressor().compress(raw), ZSTD
             else:
@@ -177,8 +185,10 @@ def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes | memor
         if not inflater.eof or inflater.unconsumed_tail:
             raise CorruptFrameError("huffman stream does not end where its header says")
     elif method == RANS0:
-        from modal_rl.weightsync.codec import rans0
-
+        try:
+            from modal_rl.weightsync.codec import rans0
+        except ImportError as exc:
+            raise CorruptFrameError(f"a rans0 stream needs numba here ({exc}): pip install numba") from exc
         decoded = rans0.decode(data, raw_len)
         if decoded is None:
             raise CorruptFrameError(
