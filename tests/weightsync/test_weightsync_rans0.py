@@ -207,3 +207,28 @@ def test_without_numba_rans0_streams_are_coded_with_huffman_and_read_as_a_refusa
     assert np.array_equal(np.frombuffer(raw, np.uint8), PLANE)
     with pytest.raises(CorruptFrameError, match="needs numba"):
         unpack_streams(memoryview(BODY), 0, 1, PLANE.size)
+
+
+def test_a_published_delta_carries_rans0_planes_and_applies_bit_exact(monkeypatch):
+    import torch
+
+    from modal_rl.weightsync import CodecConfig, VersionChain, encode_anchor, encode_delta, frame_bytes
+    from tests.weightsync_helpers import model_state, same_state
+
+    base = model_state(seed=4)
+    new = {}
+    gen = torch.Generator().manual_seed(5)
+    for name, t in base.items():  # 1% of words, one or two ulps (a real step's residuals)
+        words = t.reshape(-1).view(torch.int16).clone()
+        where = torch.rand(words.numel(), generator=gen) < 0.01
+        words[where] += torch.randint(1, 3, (int(where.sum()),), generator=gen, dtype=torch.int16)
+        new[name] = words.view(torch.bfloat16).reshape(t.shape)
+    decoded = []
+    real_decode = rans0.decode
+    monkeypatch.setattr(rans0, "decode", lambda payload, n: decoded.append(n) or real_decode(payload, n))
+    config = CodecConfig(chunk_elems=1 << 16, threads=2)
+    chain = VersionChain(config, key=None)
+    chain.apply(encode_anchor(base, version=0, config=config))
+    chain.apply(frame_bytes(encode_delta(base, new, base_version=0, version=1, config=config)))
+    assert decoded, "no RANS0 stream on the wire"
+    assert same_state(chain.state, new)
