@@ -3,11 +3,14 @@
 Three measurements, each old against new in one run on the same host (ratios are what to
 read: the host is shared):
 
-- ``coder``: coding a delta chunk's changes (gaps, byte planes, zstd-1 / Huffman) with the
-  numpy coder and with the compiled one (``codings.sparse_coder``), over a state of at least
-  50 M bf16 words (``--quick``: 8 M): tiles of one real Adam step of MiniLM (~1% of words
-  change), in the encoder's 4 Mi-word chunks; CPU ns per changed word, one thread, and
-  whether the bytes are identical.
+- ``coder``: coding a delta chunk's changes (gaps, byte planes, zstd-1 / rANS) with the
+  numpy coder and with the compiled one (``codings.sparse_coder``), and with the compiled
+  one as it was before the ``RANS0`` stream method (noisy planes to Huffman-only DEFLATE,
+  the residual choice sampling 65536 changes), over a state of at least 50 M bf16 words
+  (``--quick``: 8 M): tiles of one real Adam step of MiniLM (~0.6% of words change), in the
+  encoder's 4 Mi-word chunks; CPU ns per changed word, one thread, the bytes of both
+  compiled codings, whether the numpy and compiled bytes are identical, and decoding
+  (``chunks.decode_chunk``) the bodies of both codings, ns per changed word.
 - ``anchors``: a receiver following versions with an anchor every 4 (``anchor_every=4``),
   each version 1% of words moved by 1–4 ulps at uniform positions (so an anchor differs from
   the held state in ~3-4% of words: more than a real run, whose changes overlap);
@@ -53,11 +56,12 @@ def measure_coder(words: int) -> dict[str, Any]:
     import numpy as np
 
     from benchmarks._weight_sync_data import adam_trajectory
-    from modal_rl.weightsync.codec.codings import chunks
+    from modal_rl.weightsync.codec.codings import chunks, sparse_coder
     from modal_rl.weightsync.codec.diffwords import diff_words
     from modal_rl.weightsync.codec.dtypes import words_of
+    from modal_rl.weightsync.codec.streams import HUFFMAN
 
-    real = adam_trajectory(1e-6, [0, 1])  # one real Adam step: ~1% of bf16 words move
+    real = adam_trajectory(1e-6, [0, 1])  # one real Adam step: ~0.6% of bf16 words move
     flat = [np.concatenate([words_of(t) for t in real[v].values()]) for v in (0, 1)]
     tiles = -(-words // flat[0].size)
     jobs = []
@@ -68,32 +72,52 @@ def measure_coder(words: int) -> dict[str, Any]:
             jobs.append((chunks.ChunkSpec(len(jobs), 0, min(CHUNK, b.size - lo)), pos, old, nw))
     changed = sum(j[1].size for j in jobs)
     total = sum(j[0].elem_count for j in jobs)
-    compiled = chunks._compiled_coder
-    chunks.encode_delta_chunk(*jobs[0], 1)  # compile (cached on disk) before timing
+    compiled, noisy, sample = chunks._compiled_coder, chunks.SPARSE_NOISY, sparse_coder.SAMPLE
+    modes = {  # (compiled coder, noisy planes' coder, residual choice's sample)
+        "numpy": (lambda o, n: None, noisy, sample),
+        "previous": (compiled, HUFFMAN, 1 << 16),
+        "compiled": (compiled, noisy, sample),
+    }
 
-    def run(numpy_coder: bool) -> tuple[float, list[bytes]]:
-        chunks._compiled_coder = (lambda o, n: None) if numpy_coder else compiled
+    def coded(mode: str):
+        chunks._compiled_coder, chunks.SPARSE_NOISY, sparse_coder.SAMPLE = modes[mode]
         try:
             t0 = time.process_time()
             bodies = [chunks.encode_delta_chunk(spec, p, o, n, 1) for spec, p, o, n in jobs]
             return time.process_time() - t0, bodies
         finally:
-            chunks._compiled_coder = compiled
+            chunks._compiled_coder, chunks.SPARSE_NOISY, sparse_coder.SAMPLE = compiled, noisy, sample
 
-    best = {"numpy": float("inf"), "compiled": float("inf")}
+    def decoded(bodies: list[bytes]) -> float:
+        t0 = time.process_time()
+        for body in bodies:
+            chunks.decode_chunk(body, 2, CHUNK)
+        return time.process_time() - t0
+
+    for mode in modes:  # compile (cached on disk) before timing
+        decoded(coded(mode)[1][:1])
+    best = dict.fromkeys(modes, float("inf"))
+    best_decode = {"previous": float("inf"), "compiled": float("inf")}
     bodies = {}
-    for _ in range(3):  # interleaved, best of 3: the host is shared
-        for mode in best:
-            s, bodies[mode] = run(mode == "numpy")
+    for _ in range(5):  # interleaved, best of 5: the host is shared
+        for mode in modes:
+            s, bodies[mode] = coded(mode)
             best[mode] = min(best[mode], s)
+        for mode in best_decode:
+            best_decode[mode] = min(best_decode[mode], decoded(bodies[mode]))
     return {
         "words": total,
         "changed": changed,
         "ns_per_changed_numpy": 1e9 * best["numpy"] / changed,
+        "ns_per_changed_previous": 1e9 * best["previous"] / changed,
         "ns_per_changed_compiled": 1e9 * best["compiled"] / changed,
         "speedup": best["numpy"] / best["compiled"],
+        "speedup_over_previous": best["previous"] / best["compiled"],
+        "bytes_previous": sum(map(len, bodies["previous"])),
         "bytes": sum(map(len, bodies["compiled"])),
         "identical": bodies["numpy"] == bodies["compiled"],
+        "decode_ns_per_changed_previous": 1e9 * best_decode["previous"] / changed,
+        "decode_ns_per_changed": 1e9 * best_decode["compiled"] / changed,
     }
 
 
@@ -226,7 +250,11 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"coder over {c['words'] / 1e6:.0f} M words, {c['changed']} changed: numpy "
         f"{c['ns_per_changed_numpy']:.1f} ns/changed word, compiled {c['ns_per_changed_compiled']:.1f} "
-        f"({c['speedup']:.2f}x), bytes identical: {c['identical']}"
+        f"({c['speedup']:.2f}x), bytes identical: {c['identical']}",
+        f"coder, previous (Huffman planes) -> now (rANS planes): {c['ns_per_changed_previous']:.1f} -> "
+        f"{c['ns_per_changed_compiled']:.1f} ns/changed word ({c['speedup_over_previous']:.2f}x), bytes "
+        f"{c['bytes_previous']} -> {c['bytes']} ({c['bytes'] / c['bytes_previous']:.3f}x); decode "
+        f"{c['decode_ns_per_changed_previous']:.1f} -> {c['decode_ns_per_changed']:.1f} ns/changed word",
     ]
     a = result["anchors"]
     for mode in ("fresh", "inplace"):

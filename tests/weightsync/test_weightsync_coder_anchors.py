@@ -57,6 +57,24 @@ def test_the_compiled_coder_writes_the_numpy_coder_s_bytes(itemsize, count, dens
     assert chunks.encode_delta_chunk(spec, positions, old, new, 1) == numpy_coded(spec, positions, old, new)
 
 
+@given(n=st.integers(1, 1 << 28))
+def test_a_strided_sample_s_counts_stay_inside_the_residual_choice_s_table(n):
+    # the compiled choice reads c·log2(c) from a table: no count may fall past its end
+    step = max(1, n // sparse_coder.SAMPLE)
+    assert -(-n // step) < sparse_coder.clogc_table(sparse_coder.SAMPLE).size
+
+
+def test_the_compiled_choice_is_the_numpy_rule_on_the_same_counts():
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        hist = rng.integers(0, 40, (2, 2, 4, 256)) * (rng.random((2, 2, 4, 256)) < 0.2)
+        table = sparse_coder.clogc_table(sparse_coder.SAMPLE)
+        assert sparse_coder.CHOOSE.get()(hist, table) == sparse_coder.choose_kind(hist.sum(axis=2))
+    ties = np.zeros((2, 2, 4, 256), np.int64)
+    ties[:, :, 0, 7] = 3  # equal sums: XOR, as before
+    assert sparse_coder.CHOOSE.get()(ties, table) == 0 == sparse_coder.choose_kind(ties.sum(axis=2))
+
+
 def test_gaps_past_every_escape_width_code_the_same_bytes():
     positions = np.array([0, 254, 255 + 254, 1 << 17, (1 << 17) + 1, (1 << 26) - 1], np.int64)
     old = np.arange(positions.size, dtype=np.uint16)

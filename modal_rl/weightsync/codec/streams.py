@@ -1,11 +1,14 @@
 """Streams: the entropy-coding stage of a chunk body.
 
 A stream is a byte string headed by three LEB128 varints — method, raw length, stored
-length — and stored raw, as a zstd frame, or Huffman-coded (raw DEFLATE with zlib's
-Huffman-only strategy). The encoder keeps whichever is smaller of raw and the coder it
-picked: noisy byte planes go to the Huffman coder, which measured within ~2% of their
-order-0 entropy where zstd-1's literal coder was ~20% above it; planes that are mostly
-zero go to zstd, whose matches code the zero runs. zstd and zlib both release the GIL.
+length — and stored raw, as a zstd frame, Huffman-coded (raw DEFLATE with zlib's
+Huffman-only strategy) or rANS-coded under a static order-0 table (``RANS0``, see
+``rans0``). The encoder keeps whichever is smaller of raw and the coder it picked: noisy
+byte planes go to an order-0 coder (``pick_coder``'s ``noisy``: ``RANS0`` for a sparse
+chunk's residual planes, where it is both smaller and faster than the Huffman coder; the
+Huffman coder for dense ones); planes that are mostly zero go to zstd, whose matches code
+the zero runs. zstd, zlib and the rANS kernels all release the GIL. Every method stays
+decodable: a reader takes whatever method each stream names.
 
 ``ZSTD_LITERALS`` is an encoder's choice, not a method on the wire (it writes ``ZSTD``):
 zstd with its match finder cut down to a 64-entry table and 7-byte matches, for planes
@@ -25,7 +28,7 @@ import zstandard
 
 from modal_rl.weightsync.errors import CorruptFrameError
 
-STORED, ZSTD, HUFFMAN = 0, 1, 2
+STORED, ZSTD, HUFFMAN, RANS0 = 0, 1, 2, 3
 ZSTD_LITERALS = -1  # written as ZSTD (see the module doc)
 
 _local = threading.local()
@@ -86,7 +89,14 @@ def join_planes(planes: list[np.ndarray], word: np.dtype) -> np.ndarray:
     return grid.view(word).reshape(-1)
 
 
+_ONE_BYTE = [bytes((v,)) for v in range(128)]
+
+
 def _varint(value: int) -> bytes:
+    if value < 128:  # methods and short lengths: no loop (a chunk writes ~21 varints)
+        return _ONE_BYTE[value]
+    if value < 1 << 14:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -117,11 +127,22 @@ def _huffman(raw) -> bytes:
     return c.compress(raw) + c.flush()
 
 
-def pick_coder(stream: np.ndarray) -> int:
-    """Huffman for noisy byte planes, zstd for planes that are mostly zero (see module doc)."""
+def _rans0(raw: memoryview) -> tuple[memoryview | bytes | None, int]:
+    """(coded, method) of a stream meant for ``RANS0``; the Huffman coder where numba (the
+    rANS kernels) is missing."""
+    try:
+        from modal_rl.weightsync.codec import rans0
+    except ImportError:
+        return _huffman(raw), HUFFMAN
+    return rans0.encode(np.frombuffer(raw, np.uint8)), RANS0
+
+
+def pick_coder(stream: np.ndarray, noisy: int = HUFFMAN) -> int:
+    """``noisy`` (an order-0 coder) for noisy byte planes, zstd for planes that are mostly
+    zero (see module doc)."""
     if stream.size < 64:
         return ZSTD
-    return HUFFMAN if np.count_nonzero(stream) * 2 > stream.size else ZSTD
+    return noisy if np.count_nonzero(stream) * 2 > stream.size else ZSTD
 
 
 def pack_streams(streams: list[np.ndarray], coders: list[int], level: int) -> bytes:
@@ -132,6 +153,8 @@ def pack_streams(streams: list[np.ndarray], coders: list[int], level: int) -> by
         if len(raw) >= 32 and coder != STORED:  # STORED: already entropy-coded (rANS words)
             if coder == HUFFMAN:
                 coded = _huffman(raw)
+            elif coder == RANS0:
+                coded, coder = _rans0(raw)
             elif coder == ZSTD_LITERALS:
                 coded, coder = _literals_compressor().compress(raw), ZSTD
             else:
@@ -143,7 +166,7 @@ def pack_streams(streams: list[np.ndarray], coders: list[int], level: int) -> by
     return b"".join(parts)
 
 
-def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes:
+def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes | memoryview:
     if method == STORED:
         if raw_len != len(data):
             raise CorruptFrameError("stored stream length mismatch")
@@ -161,6 +184,17 @@ def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes:
             raise CorruptFrameError(f"huffman stream does not decode: {exc}") from exc
         if not inflater.eof or inflater.unconsumed_tail:
             raise CorruptFrameError("huffman stream does not end where its header says")
+    elif method == RANS0:
+        try:
+            from modal_rl.weightsync.codec import rans0
+        except ImportError as exc:
+            raise CorruptFrameError(f"a rans0 stream needs numba here ({exc}): pip install numba") from exc
+        decoded = rans0.decode(data, raw_len)
+        if decoded is None:
+            raise CorruptFrameError(
+                "rans0 stream does not decode: bad table, or it does not end where it should"
+            )
+        return memoryview(decoded)
     else:
         raise CorruptFrameError(f"unknown stream method {method}")
     if len(raw) != raw_len:
@@ -168,7 +202,7 @@ def _decode_stream(method: int, data: memoryview, raw_len: int) -> bytes:
     return raw
 
 
-def unpack_streams(body: memoryview, offset: int, nstreams: int, max_raw: int) -> list[bytes]:
+def unpack_streams(body: memoryview, offset: int, nstreams: int, max_raw: int) -> list[bytes | memoryview]:
     out = []
     for _ in range(nstreams):
         method, offset = _read_varint(body, offset)

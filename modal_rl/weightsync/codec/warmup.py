@@ -1,7 +1,7 @@
 """Load the codec's compiled kernels before the first frame needs them.
 
-The v2 chunk coding, the diff, the sparse scatter and the checksums (``linsum``) are numba
-kernels (``cache=True``): the first call in a process imports numba, loads (or compiles) each
+The v2 chunk coding, the diff, the sparse scatter, the ``RANS0`` streams and the checksums
+(``linsum``) are numba kernels (``cache=True``): the first call in a process imports numba, loads (or compiles) each
 kernel for the argument types it sees, and starts the worker pool. On a fresh receiver that
 cost 0.5–0.6 s and landed on its first delta (the steady deltas take 0.05–0.07 s on the same
 host). ``start_warm_up``
@@ -66,6 +66,12 @@ def warm_up(threads: int | None = None, measure_costs: bool = False) -> bool:
             fused.apply_table(table, 0, changed, np.ones(4, dtype), True)
             for xor in (True, False):
                 linsum.moved_by_residuals(held, changed, 0, np.ones(4, dtype), xor)
+        from modal_rl.weightsync.codec import rans0
+
+        plane = (np.arange(4096) % 3).astype(np.uint8)  # a v1 sparse chunk's noisy plane (``RANS0``)
+        if rans0.decode(rans0.encode(plane), plane.size) is None:
+            log.warning("weight-sync warm-up could not decode its rans0 stream")
+            return False
         if not chunks_v2.available():
             return False
         base = (rng.integers(0x3A00, 0x3F00, words, dtype=np.int64)).astype(np.uint16)

@@ -33,6 +33,7 @@ import numpy as np
 from modal_rl.weightsync.codec.diffwords import diff_words, join_diffs
 from modal_rl.weightsync.codec.scatter import scatter, update
 from modal_rl.weightsync.codec.streams import (
+    RANS0,
     STORED,
     ZSTD,
     ZSTD_LITERALS,
@@ -63,6 +64,9 @@ GAP_STREAMS = 5  # gap bytes + 4 exception planes
 # Above this density the gap stream costs more than byte-split dense planes
 # (measured by `python -m benchmarks weight-sync`, synthetic grid).
 DENSE_DENSITY = 0.35
+# The order-0 coder of a sparse chunk's noisy residual planes: rANS under a static table,
+# smaller and faster than Huffman-only DEFLATE there (``benchmarks weight-sync-coder``).
+SPARSE_NOISY = RANS0
 
 
 @dataclass(frozen=True)
@@ -101,12 +105,21 @@ def residual(kind: str, old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return old ^ new if kind == "xor" else zigzag(new - old)
 
 
-def choose_residual(old: np.ndarray, new: np.ndarray, sample: int = 1 << 16) -> str:
+def choose_residual(old: np.ndarray, new: np.ndarray) -> str:
     """The residual whose byte planes have the smaller order-0 entropy, judged on an evenly
-    strided sample (the choice only affects size, never correctness)."""
-    step = max(1, old.size // sample)
+    strided sample (the choice only affects size, never correctness); the sample and the
+    rule are ``sparse_coder``'s, which the compiled coder applies to the same counts."""
+    from modal_rl.weightsync.codec.codings.sparse_coder import SAMPLE, choose_kind
+
+    step = max(1, old.size // SAMPLE)
     old, new = old[::step], new[::step]
-    return min(("xor", "sub"), key=lambda kind: _plane_entropy_bits(byte_planes(residual(kind, old, new))))
+    counts = np.array(
+        [
+            [np.bincount(p, minlength=256) for p in byte_planes(residual(kind, old, new))]
+            for kind in ("xor", "sub")
+        ]
+    )
+    return "xor" if choose_kind(counts) == 0 else "sub"
 
 
 def gap_streams(positions: np.ndarray) -> list[np.ndarray]:
@@ -134,7 +147,7 @@ def encode_delta_chunk(
     dense = dense_xor or nchanged >= DENSE_DENSITY * chunk.elem_count
     compiled = None if dense else _compiled_coder(old, new)
     if compiled:  # the same bytes from one compiled pass (``sparse_coder``)
-        kind, streams, coders = compiled.encode_sparse(positions, old, new)
+        kind, streams, coders = compiled.encode_sparse(positions, old, new, SPARSE_NOISY)
         encoding = XOR_SPARSE if kind == "xor" else SUB_SPARSE
         header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, encoding, len(streams))
         return header + pack_streams(streams, coders, level)
@@ -148,7 +161,7 @@ def encode_delta_chunk(
     else:
         planes = byte_planes(residual(kind, old, new))
         streams = gap_streams(positions) + planes
-        coders = [ZSTD] * GAP_STREAMS + [pick_coder(p) for p in planes]
+        coders = [ZSTD] * GAP_STREAMS + [pick_coder(p, SPARSE_NOISY) for p in planes]
         encoding = XOR_SPARSE if kind == "xor" else SUB_SPARSE
     header = CHUNK_HEADER.pack(chunk.index, chunk.elem_count, nchanged, encoding, len(streams))
     return header + pack_streams(streams, coders, level)

@@ -6,10 +6,11 @@ and a bincount per plane to pick the residual, ``np.diff``, ``minimum``, a cast,
 gather for the exceptions, the residual, a strided copy per byte plane, a count per plane
 for the coder choice), each through its own temporary. ``_code`` reads each change once and
 writes its gap byte, its exception (a gap of 255 or more, as four bytes), the bytes of both
-residuals (XOR and SUB) into their planes and, over the same strided sample the residual choice
-has always used, both residuals' byte histograms. The choice is then the same entropy formula
-over the same counts, so it never differs from the numpy coder's (writing the planes of both
-kinds costs less than a second pass over the changes); the coder choice
+residuals (XOR and SUB) into their planes and, over the strided sample the numpy coder's
+residual choice uses (``SAMPLE``), both residuals' byte histograms. The choice is then
+``choose_kind``'s integer sums over the same counts (``_choose``), so it never differs from
+the numpy coder's (writing the planes of both kinds costs less than a second pass over the
+changes); the coder choice
 (``streams.pick_coder``) needs only the chosen planes' nonzero counts (``np.count_nonzero``:
 a vectorized scan, not a counter per byte in the loop).
 
@@ -28,9 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 from modal_rl.weightsync.codec.jit import Kernel
-from modal_rl.weightsync.codec.streams import HUFFMAN, ZSTD
+from modal_rl.weightsync.codec.streams import ZSTD
 
-SAMPLE = 1 << 16  # the residual choice's sample (``chunks.choose_residual``)
+# The residual choice's sample, for both coders (``chunks.choose_residual``): every
+# change's bytes counted cost the pass ~1 ns of its ~3 per change, and 4096 changes tell the
+# two residuals' entropies apart as well as all of them do on the real trajectories.
+SAMPLE = 1 << 12
 ESCAPE = 255
 
 
@@ -136,30 +140,67 @@ CODE2 = Kernel(_code2)
 
 
 def available() -> bool:
-    return CODE.get() is not None and CODE2.get() is not None
+    return CODE.get() is not None and CODE2.get() is not None and CHOOSE.get() is not None
 
 
 def _mask(itemsize: int) -> np.uint64:
     return np.uint64((1 << (8 * itemsize)) - 1)
 
 
-def _entropy_bits(counts: np.ndarray, size: int) -> float:
-    # the same float arithmetic as ``chunks._plane_entropy_bits`` over a plane's bincount
-    counts = counts[counts > 0]
-    return -float((counts * np.log2(counts / size)).sum())
+def clogc_table(sample: int) -> np.ndarray:
+    """``c·log2(c)`` in units of 2**-16 bits, rounded to int64, for every count a sample of
+    ``sample`` can give: a strided sample of a chunk's changes has fewer than ``2·sample``
+    (``n // step < 2·sample`` for ``step = max(1, n // sample)``). Integers, so that the
+    compiled and numpy coders' sums are equal in any order."""
+    table = _TABLES.get(sample)
+    if table is None:
+        c = np.arange(2 * sample + 1, dtype=np.float64)
+        table = _TABLES[sample] = np.rint(c * np.log2(np.maximum(c, 1)) * 65536).astype(np.int64)
+    return table
 
 
-def _coder(nonzero: int, size: int) -> int:
-    # ``streams.pick_coder`` from a plane's nonzero count
+_TABLES: dict[int, np.ndarray] = {}
+
+
+def choose_kind(counts: np.ndarray) -> int:
+    """0 (XOR) or 1 (SUB): the kind whose byte planes have the smaller order-0 entropy,
+    from their byte counts ``counts[kind, plane, value]`` over a sample of ``SAMPLE``
+    (ties go to XOR): the numpy coder's rule (``chunks.choose_residual``); ``_choose`` is
+    the same sums in the compiled pass. A plane's entropy is ``size·log2(size) − Σ c·log2(c)``
+    bits over ``size`` sampled changes, and both kinds have as many planes: the larger
+    ``Σ c·log2(c)`` wins."""
+    table = clogc_table(SAMPLE)
+    terms = table[np.minimum(counts, table.size - 1)].sum(axis=(1, 2))
+    return 0 if terms[0] >= terms[1] else 1
+
+
+def _choose(hist, table):
+    """``choose_kind`` over ``hist[kind, plane, lane, value]`` (the lanes summed first)."""
+    top = table.size - 1
+    sums = np.zeros(2, np.int64)
+    for kind in range(2):
+        for k in range(hist.shape[1]):
+            for v in range(256):
+                c = hist[kind, k, 0, v] + hist[kind, k, 1, v] + hist[kind, k, 2, v] + hist[kind, k, 3, v]
+                sums[kind] += table[min(c, top)]
+    return 0 if sums[0] >= sums[1] else 1
+
+
+CHOOSE = Kernel(_choose)
+
+
+def _coder(nonzero: int, size: int, noisy: int) -> int:
+    # ``streams.pick_coder(plane, noisy)`` from a plane's nonzero count
     if size < 64:
         return ZSTD
-    return HUFFMAN if nonzero * 2 > size else ZSTD
+    return noisy if nonzero * 2 > size else ZSTD
 
 
-def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray):
+def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray, noisy: int):
     """(residual kind, streams, their coders) of a sparse chunk body for the changes: the
     kind ``chunks.choose_residual`` picks, and the streams in the wire's order, ready for
-    ``pack_streams`` (slices of one buffer: nothing is copied again)."""
+    ``pack_streams`` (slices of one buffer: nothing is copied again); ``noisy`` is the
+    coder of noisy residual planes (``chunks.SPARSE_NOISY``)."""
     n, itemsize = int(positions.size), old.dtype.itemsize
     out = np.empty(n * (1 + 2 * itemsize + 4), np.uint8)
     step = max(1, n // SAMPLE)
@@ -169,13 +210,10 @@ def encode_sparse(positions: np.ndarray, old: np.ndarray, new: np.ndarray):
         nexc = CODE2.get()(positions, old, new, np.int64(step), out, hist)
     else:
         nexc = CODE.get()(positions, old, new, np.int64(step), itemsize, _mask(itemsize), out, hist)
-    size = -(-n // step)
-    counts = hist.sum(axis=2)
-    bits = [sum(_entropy_bits(counts[kind, k], size) for k in range(itemsize)) for kind in (0, 1)]
-    kind = 0 if bits[0] <= bits[1] else 1
+    kind = CHOOSE.get()(hist, clogc_table(SAMPLE))
     exc_at = n + 2 * itemsize * n
     streams = [out[:n]] + [out[exc_at + k * n : exc_at + k * n + nexc] for k in range(4)]
     at = n + kind * itemsize * n
     streams += [out[at + k * n : at + (k + 1) * n] for k in range(itemsize)]
-    coders = [ZSTD] * 5 + [_coder(np.count_nonzero(plane), n) for plane in streams[5:]]
+    coders = [ZSTD] * 5 + [_coder(np.count_nonzero(plane), n, noisy) for plane in streams[5:]]
     return ("xor" if kind == 0 else "sub"), streams, coders
