@@ -9,8 +9,8 @@ read: the host is shared):
   change), in the encoder's 4 Mi-word chunks; CPU ns per changed word, one thread, and
   whether the bytes are identical.
 - ``anchors``: a receiver following versions with an anchor every 4 (``anchor_every=4``),
-  each version 1% of words moved by 1–4 ulps at uniform positions (so an anchor differs from
-  the held state in ~3-4% of words: more than a real run, whose changes overlap), at several
+  each version 1% of words moved by 1–4 ulps at uniform positions (the receiver applies every
+  delta, so an anchor differs from the held state by one version: ~1% of words), at several
   state sizes (``ANCHOR_TILES``); per size and mode a fresh child process, its RSS once the
   codec is warm (``receiver_fixed_gb``) and its peak RSS at each frame (``/proc/self/clear_refs``
   resets the peak), with anchors written in place over the held tensors (``anchor_inplace``)
