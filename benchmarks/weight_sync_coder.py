@@ -12,12 +12,14 @@ read: the host is shared):
   compiled codings, whether the numpy and compiled bytes are identical, and decoding
   (``chunks.decode_chunk``) the bodies of both codings, ns per changed word.
 - ``anchors``: a receiver following versions with an anchor every 4 (``anchor_every=4``),
-  each version 1% of words moved by 1–4 ulps at uniform positions (so an anchor differs from
-  the held state in ~3-4% of words: more than a real run, whose changes overlap);
-  its peak RSS above what it held before each frame (``/proc/self/clear_refs`` resets the
-  peak), with anchors written in place over the held tensors (``anchor_inplace``) against
-  anchors decoded into fresh tensors (the held state kept beside them, as a receiver that
-  swaps after verifying does). Runs in a child process per mode.
+  each version 1% of words moved by 1–4 ulps at uniform positions (the receiver applies every
+  delta, so an anchor differs from the held state by one version: ~1% of words), at several
+  state sizes (``ANCHOR_TILES``); per size and mode a fresh child process, its RSS once the
+  codec is warm (``receiver_fixed_gb``) and its peak RSS at each frame (``/proc/self/clear_refs``
+  resets the peak), with anchors written in place over the held tensors (``anchor_inplace``)
+  against anchors decoded into fresh tensors (the held state kept beside them, as a receiver
+  that swaps after verifying does). A least-squares fit over the sizes splits the steady
+  anchors' peak into a part proportional to the held state and a fixed part.
 - ``threads``: applying the same delta frames with 1 and with 2 decode threads, and
   encoding them with 1 and 2 encode threads (wall seconds per version).
 """
@@ -34,6 +36,9 @@ from typing import Any
 
 SUITE = "weight-sync-coder"
 CHUNK = 1 << 22
+# state sizes of the anchors measurement, in tiles of MiniLM (45 MB of bf16 each)
+ANCHOR_TILES_QUICK = (1, 4, 8)
+ANCHOR_TILES = (1, 4, 8, 16)
 
 
 def _states(words: int, versions: int):
@@ -129,13 +134,27 @@ def _vm(field: str) -> int:
 
 
 def _child_anchors(folder: Path, mode: str, versions: int) -> dict[str, Any]:
-    """Follow the frames in ``folder``; peak RSS above the held state per frame."""
+    """Follow the frames in ``folder``; the process's peak RSS at each frame, and above what
+    it held before that frame. ``fixed_bytes``: its RSS once the codec is warm, before the
+    first frame (interpreter, torch, numba and its kernels, the worker pool)."""
     import gc
 
+    from modal_rl.weightsync.codec import anchor_inplace
     from modal_rl.weightsync.codec.decode import apply_frame
     from modal_rl.weightsync.codec.encode import CodecConfig
+    from modal_rl.weightsync.codec.warmup import warm_up
 
+    undo: list[int] = []  # the in-place anchors' undo log, body by body (list.append: thread-safe)
+    plain = anchor_inplace.apply_full_chunk
+
+    def counted(segments, in_place, chunk, log) -> None:
+        plain(segments, in_place, chunk, lambda body: undo.append(len(body)) or log(body))
+
+    anchor_inplace.apply_full_chunk = counted
     config = CodecConfig(threads=2)
+    warm_up(config.threads)
+    gc.collect()
+    fixed = _vm("VmRSS")
     state: dict[str, Any] = {}
     checksums: dict[str, str] = {}
     held_version = None
@@ -155,44 +174,114 @@ def _child_anchors(folder: Path, mode: str, versions: int) -> dict[str, Any]:
         if result.state is not None:
             state = result.state
         held_version, checksums = result.header.version, dict(result.checksums)
-        extra.append({"version": v, "kind": kind, "extra_bytes": peak - before})
+        extra.append(
+            {
+                "version": v,
+                "kind": kind,
+                "extra_bytes": peak - before,
+                "peak_bytes": peak,
+                "undo_bytes": sum(undo),
+            }
+        )
+        undo.clear()
     held = sum(t.numel() * t.element_size() for t in state.values())
-    return {"mode": mode, "held_bytes": held, "frames": extra}
+    return {"mode": mode, "held_bytes": held, "fixed_bytes": fixed, "frames": extra}
 
 
-def measure_anchors(folder: Path, words: int, versions: int) -> dict[str, Any]:
+def _write_frames(folder: Path, tiles: int, versions: int) -> list[int]:
+    """An anchor every 4 versions, deltas between, of a state of ``tiles`` tiles; two
+    versions in memory at a time. Returns the frames' sizes."""
+    import torch
+
+    from benchmarks._weight_sync_data import pretrained_bf16, synthetic_update
     from modal_rl.weightsync.codec.encode import CodecConfig, encode_anchor, encode_delta
 
-    states = _states(words, versions)
+    flat = torch.cat([t.reshape(-1) for t in pretrained_bf16().values()])
     config = CodecConfig(threads=2)
+    previous, state = None, {f"tile{k}": flat.clone() for k in range(tiles)}
     sizes = []
-    for v, state in enumerate(states):
+    for v in range(versions):
+        if v:
+            previous, state = state, synthetic_update(state, 0.01, seed=v)
         if v % 4 == 0:
             frame = encode_anchor(state, version=v, config=config)
         else:
-            frame = encode_delta(states[v - 1], state, base_version=v - 1, version=v, config=config)
+            frame = encode_delta(previous, state, base_version=v - 1, version=v, config=config)
         with open(folder / f"v{v}.frame", "wb") as f:
             sizes.append(sum(f.write(r) for r in frame))
-    del states
-    rows = {}
-    for mode in ("fresh", "inplace"):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.weight_sync_coder",
-                "anchors",
-                str(folder),
-                mode,
-                str(versions),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=os.environ | {"MODAL_RL_RUN_KEY": ""},
-        )
-        rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"anchor_every": 4, "frame_bytes": sizes, **rows}
+    return sizes
+
+
+def anchor_row(child: dict[str, Any], tiles: int) -> dict[str, Any]:
+    """One (size, mode) row: the steady anchors are every anchor after the first (which
+    builds the state from nothing); their worst peak is the row's."""
+    frames = child["frames"]
+    steady = [f for f in frames if f["kind"] == "anchor"][1:]
+    worst = max(steady, key=lambda f: f["peak_bytes"])
+    return {
+        "mode": child["mode"],
+        "tiles": tiles,
+        "anchor_every": 4,
+        "held_gb": child["held_bytes"] / 1e9,
+        "peak_rss_receiver_gb": worst["peak_bytes"] / 1e9,
+        "receiver_fixed_gb": child["fixed_bytes"] / 1e9,
+        "anchor_extra_gb": max(f["extra_bytes"] for f in steady) / 1e9,
+        "worst_delta_extra_gb": max(f["extra_bytes"] for f in frames if f["kind"] == "delta") / 1e9,
+        "undo_log_gb": max(f["undo_bytes"] for f in steady) / 1e9,
+        "frames": frames,
+    }
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Least squares over the rows' sizes (GB): ``peak = proportional x held + fixed``, the
+    process's peak RSS; and ``extra = extra_proportional x held + extra_fixed``, the steady
+    anchor's peak above what the process held before it. ``fixed_gb_worst_row``: the largest
+    fixed part any row needs at the fitted proportion."""
+    import numpy as np
+
+    held = np.array([r["held_gb"] for r in rows])
+    peak = np.array([r["peak_rss_receiver_gb"] for r in rows])
+    slope, intercept = np.polyfit(held, peak, 1)
+    extra_slope, extra_intercept = np.polyfit(held, np.array([r["anchor_extra_gb"] for r in rows]), 1)
+    return {
+        "proportional": float(slope),
+        "fixed_gb": float(intercept),
+        "fixed_gb_worst_row": max(float(p - slope * h) for h, p in zip(held, peak, strict=True)),
+        "extra_proportional": float(extra_slope),
+        "extra_fixed_gb": float(extra_intercept),
+    }
+
+
+def measure_anchors(folder: Path, tile_counts: tuple[int, ...], versions: int = 13) -> dict[str, Any]:
+    """Per state size: frames written once, then each mode in its own child process (a
+    fresh interpreter per size and mode, so no peak carries over)."""
+    rows: list[dict[str, Any]] = []
+    sizes = {}
+    for tiles in tile_counts:
+        where = folder / f"tiles{tiles}"
+        where.mkdir()
+        sizes[tiles] = _write_frames(where, tiles, versions)
+        for mode in ("fresh", "inplace"):
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.weight_sync_coder",
+                    "anchors",
+                    str(where),
+                    mode,
+                    str(versions),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=os.environ | {"MODAL_RL_RUN_KEY": ""},
+            )
+            rows.append(anchor_row(json.loads(out.stdout.strip().splitlines()[-1]), tiles))
+        for frame in where.iterdir():
+            frame.unlink()
+    fits = {mode: fit([r for r in rows if r["mode"] == mode]) for mode in ("fresh", "inplace")}
+    return {"anchor_every": 4, "frame_bytes": sizes, "rows": rows, "fit": fits}
 
 
 def measure_threads(words: int, versions: int = 4) -> dict[str, Any]:
@@ -236,7 +325,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="mrl-coder-", dir=out) as folder,
         phase("anchors: fresh vs in place", prefix=f"[{SUITE}] "),
     ):
-        result["anchors"] = measure_anchors(Path(folder), words // 2, 9)
+        result["anchors"] = measure_anchors(Path(folder), ANCHOR_TILES_QUICK if quick else ANCHOR_TILES)
     with phase("threads: 1 vs 2", prefix=f"[{SUITE}] "):
         result["threads"] = measure_threads(words // 2)
     result["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -257,17 +346,18 @@ def render(result: dict[str, Any]) -> str:
         f"{c['decode_ns_per_changed_previous']:.1f} -> {c['decode_ns_per_changed']:.1f} ns/changed word",
     ]
     a = result["anchors"]
-    for mode in ("fresh", "inplace"):
-        row = a[mode]
-        held = row["held_bytes"]
-        anchors = [f["extra_bytes"] for f in row["frames"] if f["kind"] == "anchor"]
-        delta = max(f["extra_bytes"] for f in row["frames"] if f["kind"] == "delta")
-        # the first anchor builds the state from nothing; the second includes kernels
-        # compiled on first use; the last is the steady state
+    for row in a["rows"]:
         lines.append(
-            f"anchors ({mode}, every 4): held {held / 1e6:.0f} MB; peak above held at the last anchor "
-            f"{anchors[-1] / 1e6:.1f} MB ({1 + anchors[-1] / held:.3f}x; second anchor "
-            f"{anchors[1] / 1e6:.1f} MB), worst delta {delta / 1e6:.1f} MB"
+            f"anchors every 4 ({row['mode']}): held {row['held_gb'] * 1e3:.0f} MB, receiver peak "
+            f"{row['peak_rss_receiver_gb'] * 1e3:.0f} MB (fixed {row['receiver_fixed_gb'] * 1e3:.0f} MB); "
+            f"steady anchor above held {row['anchor_extra_gb'] * 1e3:.1f} MB, worst delta "
+            f"{row['worst_delta_extra_gb'] * 1e3:.1f} MB, undo log {row['undo_log_gb'] * 1e3:.1f} MB"
+        )
+    for mode, f in a["fit"].items():
+        lines.append(
+            f"anchors ({mode}) fit: peak = {f['proportional']:.3f} x held + {f['fixed_gb'] * 1e3:.0f} MB "
+            f"(worst row's fixed part {f['fixed_gb_worst_row'] * 1e3:.0f} MB); above what it held before: "
+            f"{f['extra_proportional']:.3f} x held + {f['extra_fixed_gb'] * 1e3:.0f} MB"
         )
     t = result["threads"]["per_threads"]
     lines.append(

@@ -3,6 +3,8 @@ held state, with an undo log that restores it exactly when the anchor is refused
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +19,10 @@ from modal_rl.weightsync import (
     encode_delta,
     frame_bytes,
 )
+from modal_rl.weightsync.codec import anchor_inplace, decode
 from modal_rl.weightsync.codec.codings import chunks, sparse_coder
 from modal_rl.weightsync.wire.auth import frame_keys, sign_records
+from modal_rl.weightsync.wire.frames import split_records, stamp
 from tests.weightsync_helpers import TEST_KEY, clone_state, model_state, perturb, records, reseal, same_state
 
 CONFIG = CodecConfig(chunk_elems=1 << 12, threads=2)
@@ -170,3 +174,78 @@ def test_an_anchor_whose_last_tensor_fails_its_sum_rolls_back_every_write():
     with pytest.raises(WeightSyncError):
         chain.apply(reseal(frame, offset, bytes(body)))
     assert chain.version == 0 and same_state(chain.state, before)
+
+
+@pytest.mark.parametrize("window", [64, 1000])
+def test_an_in_place_chunk_compared_in_windows_logs_exactly_its_difference(monkeypatch, window):
+    # windows that split tensors and chunks at unaligned places: the undo body is the
+    # chunk-local difference, the writes are the anchor's words, the fresh member takes all
+    monkeypatch.setattr(anchor_inplace, "WINDOW_WORDS", window)
+    rng = np.random.default_rng(7)
+    sizes = [3000, 70, 5000]
+    held = [rng.integers(0, 1 << 16, n, dtype=np.uint16) for n in sizes]
+    before = [h.copy() for h in held]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    anchor = np.concatenate(held)
+    anchor[rng.random(anchor.size) < 0.05] += np.uint16(3)
+    lo, count = 1024, 6000  # chunk 1 of 1024-word chunks, over all three members
+    chunk = chunks.DecodedChunk(1, lo, count, count, chunks.FULL, None, anchor[lo : lo + count].copy())
+    logged: list[bytes] = []
+    segments = list(zip(starts, held, strict=True))
+    anchor_inplace.apply_full_chunk(segments, [True, False, True], chunk, logged.append)
+    for start, words, old in zip(starts, held, before, strict=True):
+        a, b = max(lo, start), min(lo + count, start + words.size)
+        expected = old.copy()
+        expected[a - start : b - start] = anchor[a:b]
+        assert (words == expected).all()
+    assert len(logged) == 1
+    undo = chunks.decode_chunk(logged[0], 2, 1024)
+    changed = (np.concatenate(before) != anchor)[lo : lo + count]
+    changed[starts[1] - lo : starts[2] - lo] = False  # the fresh member is not logged
+    assert undo.nchanged == int(changed.sum()) and (undo.positions == np.flatnonzero(changed)).all()
+    in_place_segments = [(s, w) for s, w, keep in zip(starts, held, [True, False, True], strict=True) if keep]
+    undo.apply(in_place_segments, undo=True)
+    assert (held[0] == before[0]).all() and (held[2] == before[2]).all()
+
+
+def test_an_anchor_compared_in_small_windows_is_written_and_rolled_back_exactly(monkeypatch):
+    monkeypatch.setattr(anchor_inplace, "WINDOW_WORDS", 100)  # many windows per 4096-word chunk
+    test_an_anchor_over_a_held_state_is_written_into_the_held_tensors()
+    test_an_anchor_with_a_damaged_record_leaves_the_held_state_exactly()
+
+
+RUN, OLD_EPOCH, HELD_EPOCH = "test-run", 0x5CA1E, 0x5CA1F
+
+
+def stamped(frame, epoch: int) -> bytes:
+    return signed(stamp(frame, RUN, epoch))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("refusal", ["older epoch", "below the floor"])
+def test_an_anchor_of_a_refused_epoch_is_refused_before_any_write(monkeypatch, streamed, refusal):
+    chain = VersionChain(CONFIG, retain=False, key=TEST_KEY)
+    chain.apply(stamped(encode_anchor(HELD, version=0, config=CONFIG), HELD_EPOCH))
+    chain.apply(stamped(encode_delta(HELD, NEXT_DELTA, base_version=0, version=1, config=CONFIG), HELD_EPOCH))
+    anchor_epoch = OLD_EPOCH  # an older trainer's anchor
+    if refusal == "below the floor":  # a pull told the receiver a newer epoch is current
+        chain.floor_epoch, anchor_epoch = HELD_EPOCH + 1, HELD_EPOCH
+    held = dict(chain.state)
+    before = clone_state(chain.state)
+    touched: list[str] = []
+    for module, name in ((anchor_inplace, "apply_full_chunk"), (decode, "decode_chunk")):
+        original = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _o=original, _n=name, **k: touched.append(_n) or _o(*a, **k)
+        )
+    frame = stamped(encode_anchor(NEXT, version=4, config=CONFIG), anchor_epoch)
+    with pytest.raises(WeightSyncError) as refused:
+        if streamed:
+            chain.apply_records(split_records(io.BytesIO(frame)))
+        else:
+            chain.apply(frame)
+    message = str(refused.value)
+    assert "\n" not in message and f"{anchor_epoch:x}" in message, message
+    assert touched == []  # refused on its version header: no chunk decoded, no word written
+    assert chain.version == 1 and chain.epoch == HELD_EPOCH and same_state(chain.state, before)
+    assert all(chain.state[n] is held[n] for n in held)

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from modal_rl.weightsync.codec.codings.chunks import ChunkSpec, DecodedChunk, encode_delta_chunk
-from modal_rl.weightsync.codec.diffwords import diff_words, join_diffs
+from modal_rl.weightsync.codec.diffwords import diff_words
 from modal_rl.weightsync.codec.dtypes import dtype_name, is_torch, words_of
 from modal_rl.weightsync.codec.scatter import scatter
 
 UNDO_LEVEL = 1  # the undo log's zstd level: read back only on a refusal
+WINDOW_WORDS = 1 << 18  # words compared per pass: bounds the diff's buffers, whatever the chunk size
 
 
 def held_target(held: Any, dtype: str, shape: tuple[int, ...]) -> Any | None:
@@ -57,27 +58,36 @@ def apply_full_chunk(
     """Write a decoded anchor chunk into its group's words: fresh tensors take every word,
     in-place ones only the words that differ. Before the first in-place word is written,
     ``log`` gets the chunk's undo body (a sparse delta from the held words to the anchor's,
-    chunk-local); nothing is logged when no in-place word differs."""
+    chunk-local); nothing is logged when no in-place word differs.
+
+    The compare runs over windows of ``WINDOW_WORDS`` words, so its scratch (positions, old
+    and new words, sized for every word of the window changing) is bounded by the window,
+    not by the chunk: what this keeps beyond the decoded chunk is only the difference."""
     lo, hi = chunk.elem_start, chunk.elem_start + chunk.elem_count
     values = chunk.values
-    writes, diffs, starts = [], [], []
+    writes, positions, olds = [], [], []
     for (start, words), inplace in zip(segments, in_place, strict=True):
         a, b = max(lo, start), min(hi, start + words.size)
         if a >= b:
             continue
-        new = values[a - lo : b - lo]
-        held = words[a - start : b - start]
         if not inplace:
-            np.copyto(held, new)
+            np.copyto(words[a - start : b - start], values[a - lo : b - lo])
             continue
-        positions, old, changed = diff_words(held, new)
-        if positions.size:
-            writes.append((held, positions, changed))
-            diffs.append((positions.copy(), old, changed))  # join_diffs may shift them in place
-            starts.append(a - lo)
-    if not diffs:
+        for w in range(a, b, WINDOW_WORDS):
+            e = min(b, w + WINDOW_WORDS)
+            held = words[w - start : e - start]
+            at, old, changed = diff_words(held, values[w - lo : e - lo])
+            if at.size:
+                writes.append((held, at, changed))
+                positions.append(at + (w - lo))  # chunk-local, for the undo body
+                olds.append(old)
+    if not writes:
         return
-    positions, old, new = join_diffs(diffs, starts)
-    log(encode_delta_chunk(ChunkSpec(chunk.index, lo, chunk.elem_count), positions, old, new, UNDO_LEVEL))
-    for held, positions, changed in writes:
-        scatter(held, positions, 0, changed, "set")
+    chunk_local = np.concatenate(positions) if len(positions) > 1 else positions[0]
+    old = np.concatenate(olds) if len(olds) > 1 else olds[0]
+    new = np.concatenate([c for _, _, c in writes]) if len(writes) > 1 else writes[0][2]
+    del positions, olds
+    log(encode_delta_chunk(ChunkSpec(chunk.index, lo, chunk.elem_count), chunk_local, old, new, UNDO_LEVEL))
+    del chunk_local, old, new
+    for held, at, changed in writes:
+        scatter(held, at, 0, changed, "set")
