@@ -64,7 +64,16 @@ def test_the_rendered_lines_name_every_row_and_fit():
         "load_after": ["1", "1", "1"],
     }
     result["coder"] |= {"speedup": 2.0, "identical": True}
+    result["coder"] |= {
+        "ns_per_changed_previous": 1.5,
+        "speedup_over_previous": 1.5,
+        "bytes_previous": 100,
+        "bytes": 99,
+        "decode_ns_per_changed_previous": 2.0,
+        "decode_ns_per_changed": 1.5,
+    }
     text = render(result)
     assert (
         text.count("anchors every 4 (") == 4 and "anchors (inplace) fit: peak = 1.000 x held + 300 MB" in text
     )
+    assert "previous (Huffman planes) -> now (rANS planes): 1.5 -> 1.0" in text
