@@ -251,7 +251,8 @@ def _version(
     }
     kind = pubs[0]["kind"]
     return {
-        "seconds": max(at for at, _ in acts) - t0,
+        # activation as the receiver timed it (its report follows its bookkeeping)
+        "seconds": max(e.get("at", at) for at, e in acts) - t0,
         "bytes": nbytes,
         "stages": stages,
         "cpu": cpu,
