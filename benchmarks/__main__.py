@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--slime-src", type=Path, help="weight-sync: also measure slime's own code from this checkout"
     )
-    parser.add_argument("--only", help="chaos: run only this scenario (e.g. a_engine_kill)")
+    parser.add_argument(
+        "--only",
+        help="chaos: run only this scenario (e.g. a_engine_kill); weight-sync-scale: only these "
+        "comma-separated rows (e.g. moe-0.15gb-1x1-pinned)",
+    )
     args = parser.parse_args(argv)
     if args.suite == "list":
         print("\n".join(available_suites()))
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"slime_src": args.slime_src} if args.slime_src else {}  # only weight-sync takes it
-    extra |= {"only": args.only} if args.only else {}  # only chaos takes it
+    extra |= {"only": args.only} if args.only else {}  # only chaos and weight-sync-scale take it
     from modal_rl.progress import phase
 
     with phase(f"benchmark suite {args.suite}{' (quick)' if args.quick else ''}", prefix="[benchmarks] "):

@@ -2,7 +2,8 @@
 
 ``python -m benchmarks._scale_procs rank RANK WORLD TRAJ_DIR TILES``
     Holds the real trajectory's small per-version states (``TRAJ_DIR/v{n}.pt``; the tiled
-    model-scale state is views of them, as ``tiled_state`` makes it) and publishes, for each
+    model-scale state is views of them, as ``tiled_state`` makes it; with ``SCALE_SHAPE=moe``
+    cut into 32x64 expert matrices, ``expert_split``) and publishes, for each
     ``publish V`` line on stdin, its dim-0 shard of version V (``dim0_pieces``) through its
     own frame server (``keep_anchors=0``), unthrottled until a ``rate BYTES_PER_S`` line sets
     its share of the receivers' link. Prints one JSON line per event.
@@ -53,6 +54,17 @@ def _pin_and_options() -> int | None:
     return int(every) if every else None
 
 
+def _model(state, tiles: int):
+    """The model-scale state as (name, tensor) pairs: ``tiles`` copies of ``state``, cut into
+    expert matrices where ``SCALE_SHAPE`` is ``moe`` (``expert_split``)."""
+    import os
+
+    from benchmarks._weight_sync_data import expert_split, tiled_state
+
+    pairs = tiled_state(state, tiles)()
+    return expert_split(pairs) if os.environ.get("SCALE_SHAPE") == "moe" else pairs
+
+
 def _say(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -80,7 +92,6 @@ def _collective_groups(port: str, size: str, ranks: int, me: int) -> list:
 def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "tcp") -> None:
     import torch
 
-    from benchmarks._weight_sync_data import tiled_state
     from modal_rl.ratelimit import TokenBucket
     from modal_rl.weightsync import CodecConfig
     from modal_rl.weightsync.codec.warmup import wait_warm
@@ -117,8 +128,10 @@ def rank_main(rank: int, world: int, traj: Path, tiles: int, transport: str = "t
                 server.limiter = TokenBucket(float(arg), burst=LINK_BURST_BYTES)
             continue
         version = int(arg)
+        # the trainer's pieces (views of its tensors) exist before its publisher is called
+        pieces = dict(dim0_pieces(_model(states[version], tiles), rank, world))
         t0, cpu0 = time.perf_counter(), time.process_time()
-        report = publisher.publish(dim0_pieces(tiled_state(states[version], tiles)(), rank, world), version)
+        report = publisher.publish(pieces, version)
         cpu = time.process_time() - cpu0  # every thread of the process: the codec's work
         shard = sum(t.numel() * t.element_size() for t in publisher.snapshot.values())
         _say(
@@ -162,6 +175,8 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
         if not receiver.run_until(version, timeout=900):
             _say(event="failed", version=version, staged=receiver.staged())
             return
+        # the version's time and CPU end here: what follows is the benchmark's bookkeeping
+        done_at, cpu = time.monotonic(), time.process_time() - cpu0
         last = [s.timings[-1] for s in receiver.subscribers]
         held = sum(t.numel() * t.element_size() for s in receiver.subscribers for t in s.chain.state.values())
         _say(
@@ -174,14 +189,15 @@ def receive_main(addrs: str, versions: int, traj: Path, tiles: int) -> None:
             held_gb=held / 1e9,
             tensors=sum(len(s.chain.state) for s in receiver.subscribers),
             peak_rss_gb=_rss_gb(),
-            cpu_s=time.process_time() - cpu0,  # fetch, decode, verify, apply: every thread
+            cpu_s=cpu,  # fetch, decode, verify, apply: every thread
+            at=done_at,  # CLOCK_MONOTONIC, shared with the parent
         )
-    expected = torch.load(traj / f"v{versions}.pt")
+    expected = dict(_model(torch.load(traj / f"v{versions}.pt"), tiles))
     exact = True
     for sub in receiver.subscribers:
         for key, piece in sub.chain.state.items():
             p = parse_piece(key)
-            source = expected[p.name.split(".", 1)[1]].reshape(-1)[p.start : p.start + piece.numel()]
+            source = expected[p.name].reshape(-1)[p.start : p.start + piece.numel()]
             exact &= torch.equal(source.view(torch.uint8), piece.reshape(-1).view(torch.uint8))
     _say(event="checked", bit_exact=bool(exact), tiles=tiles)
     if addrs.startswith("gloo:"):  # a group member stays until its publishers close (collective)

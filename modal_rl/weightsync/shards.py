@@ -27,8 +27,10 @@ every rank's staged pieces (one copy of the model) plus what its activation writ
 from __future__ import annotations
 
 import math
+import operator
 import re
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -200,6 +202,9 @@ def assemble_into(live: dict[str, Any]) -> Callable[[PieceMap, dict, int], None]
     return activate
 
 
+_referent = weakref.ref.__call__  # a weak reference's object, or None once it is gone
+
+
 class ShardedReceiver:
     """Takes every rank's stream (one ``FrameSource`` per rank) and activates a version
     only when all ranks have staged it (see the module's invariants)."""
@@ -218,6 +223,36 @@ class ShardedReceiver:
         self._pool = ThreadPoolExecutor(len(sources), thread_name_prefix="shard-receiver")
         self.live_version: int | None = None
         self.pause_s: list[float] = []
+        # what the last tiling found, without holding a tensor alive (an anchor's old state
+        # must go when the chain drops it): each rank's names, weak references to its
+        # tensors, and per checkpoint name its pieces as (start, rank, index)
+        self._tiled: tuple[list[list[str]], list[list[Any]], list[tuple[str, list]], dict] | None = None
+
+    def _tile(self) -> tuple[PieceMap, dict]:
+        """``tile`` of the ranks' staged states, reused while every rank holds the same names
+        and the same tensor objects (deltas and in-place anchors write words, never a
+        tensor's shape or dtype): then the check is two C-level list comparisons per piece
+        and the piece map is rebuilt from the kept order, not parsed, checked and sorted in
+        Python again. Any other name or tensor object tiles afresh."""
+        states = [s.chain.state for s in self.subscribers]
+        names = [list(state) for state in states]
+        held = [list(state.values()) for state in states]
+        kept = self._tiled
+        if (
+            kept is not None
+            and names == kept[0]
+            and all(
+                len(now) == len(refs) and all(map(operator.is_, now, map(_referent, refs)))
+                for now, refs in zip(held, kept[1], strict=True)
+            )
+        ):
+            pieces = {name: [(start, held[r][k]) for start, r, k in parts] for name, parts in kept[2]}
+            return pieces, kept[3]
+        pieces, layout = tile(states)
+        where = {id(t): (r, k) for r, tensors in enumerate(held) for k, t in enumerate(tensors)}
+        order = [(name, [(start, *where[id(t)]) for start, t in parts]) for name, parts in pieces.items()]
+        self._tiled = (names, [list(map(weakref.ref, tensors)) for tensors in held], order, layout)
+        return pieces, layout
 
     def staged(self) -> list[int | None]:
         return [s.chain.version for s in self.subscribers]
@@ -251,7 +286,7 @@ class ShardedReceiver:
             # A rank moved on (a later version, or a newer trainer's epoch): follow it. Ranks at
             # one version of two epochs are two states, never one: the others must reach it.
             epoch, target = max(staged, key=lambda at: position(*at))
-        pieces, layout = tile([s.chain.state for s in self.subscribers])
+        pieces, layout = self._tile()
         t0 = time.monotonic()
         self.activate(pieces, layout, staged[0][1])
         self.pause_s.append(time.monotonic() - t0)

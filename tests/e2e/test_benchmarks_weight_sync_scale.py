@@ -97,3 +97,23 @@ def test_the_one_core_bounds_read_both_states_and_emit_every_change():
     changed = bounds["bound_changed_fraction"]
     assert 0.005 < changed < 0.02
     assert bounds["bound_emitted_words"] == round(changed * (int(0.01e9) // 2 // 32 * 32))
+
+
+def test_a_moe_shaped_row_sends_expert_matrices_and_is_bit_exact(tmp_path, monkeypatch):
+    """``shape="moe"``: the ranks publish (and the receiver checks) the tiled state cut into
+    32x64 expert matrices; each rank holds a dim-0 piece of every matrix."""
+    monkeypatch.setenv(RUN_KEY_ENV, TEST_KEY)
+    gen = torch.Generator().manual_seed(4)
+    state = {
+        "w": torch.randn(256, 64, generator=gen).to(torch.bfloat16),
+        "b": torch.ones(7).to(torch.bfloat16),
+    }
+    for v in range(3):
+        torch.save(state, tmp_path / f"v{v}.pt")
+        state = perturb(state, 0.02, seed=v + 1)
+    small_gb = sum(t.numel() * 2 for t in state.values()) / 1e9
+    (row,) = run_scenario(tmp_path, 2 * small_gb, 2, 2, 1, [25.0], 2, shape="moe")
+    assert row["shape"] == "moe" and row["bit_exact"] is True
+    # per tile: 8 matrices of 32x64 and the 7-word rest; each rank holds a dim-0 piece of
+    # all 9 (16 of a matrix's 32 rows, 4 or 3 of the rest's 7 words)
+    assert row["tensors"] == 2 * 9 and row["receiver_tensors"] == 2 * 2 * 9

@@ -43,11 +43,11 @@ def trajectory(n: int) -> list[dict[str, torch.Tensor]]:
     return states
 
 
-def publish_sharded(states, world: int):
+def publish_sharded(states, world: int, anchor_every: int | None = None):
     """Publish ``states`` from ``world`` rank publishers (one epoch); return the full states
     a receiver assembled at every version, the bytes per version and the publishers."""
     servers = [FrameServer(keep_anchors=1) for _ in range(world)]
-    publishers = [Publisher(s, anchor_every=None, config=CONFIG, epoch=0x5EED) for s in servers]
+    publishers = [Publisher(s, anchor_every=anchor_every, config=CONFIG, epoch=0x5EED) for s in servers]
     live: dict[str, torch.Tensor] = {}
     receiver = ShardedReceiver([TcpSource(*s.address) for s in servers], assemble_into(live), CONFIG)
     seen, sizes = [], []
@@ -80,6 +80,15 @@ def test_sharded_publishing_is_bit_identical_to_one_rank(world):
     assert sum(held) == full and max(held) <= full // world + 4096
     # per-rank streams cost little beyond one stream (headers per rank, chunk edges)
     assert sum(many_bytes[1:]) <= 1.1 * sum(one_bytes[1:]) + 2048 * world
+
+
+def test_the_kept_tiling_follows_anchors_and_deltas():
+    """Deltas reuse the last tiling (same pieces, same tensors); an anchor every 2 versions
+    tiles afresh: every version assembles bit for bit."""
+    states = trajectory(5)
+    many, _, _ = publish_sharded(states, 2, anchor_every=2)
+    for v, state in enumerate(states):
+        assert same_state(many[v], state), f"version {v}"
 
 
 def test_a_version_is_activated_only_when_every_rank_staged_it(tmp_path):

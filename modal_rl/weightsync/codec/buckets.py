@@ -278,7 +278,6 @@ class DeltaLayout:
                 raise LayoutMismatchError(f"tensor {extra[0]!r} is not in the base")
             yield from emit(pool.drain())
             sums = sum_lanes.to_hex(a, c)
-            named = dict(zip(self.names, sums, strict=True))
             digest = self.digest.digest(a, c)
             sums_record = record(TAG_SUMS, bytes.fromhex(digest))
             bodies.append(sums_record[RECORD_HEADER.size : -RECORD_TRAILER.size])
@@ -287,7 +286,7 @@ class DeltaLayout:
         finally:
             pool.close()
         if checksums_out is not None:
-            checksums_out.update(named)
+            checksums_out.update(zip(self.names, sums, strict=True))
         if update_base:  # the snapshot now holds these sums: the next delta starts from them
             self.lanes, self.sums, self.sums_digest = (a, c), checksums_out, digest
 
