@@ -77,7 +77,13 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
     code, log = run_launcher(
         ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *ASYNC_MODAL_VLLM],
         timeout=1400,
-        extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs), "VERL_MODAL_ENGINE_RUNNING": "recompute"},
+        extra_env={
+            "VERL_MODAL_ENGINE_LOG_DIR": str(logs),
+            "VERL_MODAL_ENGINE_RUNNING": "recompute",
+            # the health probe is a 1-token generation: at max_num_seqs=1 it waits behind the
+            # whole backlog (up to two batches, a minute or more on a loaded host)
+            "VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S": "600",
+        },
     )
     (tmp_path / "verl-output.log").write_text(log)  # kept with the test's directory
     assert code == 0, log[-6000:]
