@@ -18,7 +18,9 @@ which verl's agent loop stores with the sample), and verl's v1 trainer's per-ste
 (``PPOTrainer._compute_metrics``) gain the ``modal_rl/async/...`` numbers of the step's
 samples (``modal_rl.asyncrl.metrics``: token-weighted staleness against the trainer's version
 ``global_steps - 1``, versions per sample, samples without a record, and verl's own sample
-wait seconds of the step as the trainer wait), so every tracker verl logs to shows them.
+wait seconds of the step as the trainer wait, and the engines' idle seconds since the
+step before as their ledgers count them: :func:`engine_idle`), so every tracker verl logs
+to shows them.
 
 Invariants: verl's methods run first and unchanged (a failure of ours is logged, never
 raised); a trajectory with no ``modal_vllm``
@@ -37,17 +39,19 @@ from verl_modal._register import after_import, loudly
 TARGET = "verl.workers.rollout.llm_server"
 METRICS_TARGET = "verl.trainer.ppo.v1.trainer_base"
 VERSIONS = "modal_rl_versions"  # replica_proxy.VERSIONS
+IDLE = "modal_rl_engine_idle"  # replica_proxy.IDLE
 log = logging.getLogger("verl_modal")
 _MARK = "__modal_rl_async_versions__"
+_IDLE_SEEN = "_modal_rl_engine_idle_seen"  # on verl's trainer: each engine's largest idle counter
 _SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("modal_rl_spans", default=None)
 
 
 def span(spans: list[tuple], fields: dict) -> dict:
     """``fields`` (a trajectory's ``extra_fields``) with the first and last version's steps of
-    the answers in ``spans`` (``(first, last, record, n_tokens)`` each) and, when every answer
-    has its record, the trajectory's record (``VERSIONS``: the answers' records one after the
-    other, a switch at each answer's first token whose step differs); unchanged when there
-    are none."""
+    the answers in ``spans`` (``(first, last, record, n_tokens, idle)`` each), when every
+    answer has its record the trajectory's record (``VERSIONS``: the answers' records one
+    after the other, a switch at each answer's first token whose step differs), and each
+    engine's largest idle counter over the answers (``IDLE``); unchanged when there are none."""
     if not spans:
         return fields
     fields["min_global_steps"] = min(s[0] for s in spans)
@@ -56,6 +60,12 @@ def span(spans: list[tuple], fields: dict) -> dict:
         from modal_rl.asyncrl.versions import joined
 
         fields[VERSIONS] = joined([s[2] for s in spans])
+    idle: dict[str, float] = {}
+    for s in spans:
+        for engine, seconds in (s[4] if isinstance(s[4], dict) else {}).items():
+            idle[engine] = max(float(seconds), idle.get(engine, 0.0))
+    if idle:
+        fields[IDLE] = idle
     return fields
 
 
@@ -66,7 +76,8 @@ def _one_answer(original):
         spans, extra = _SPANS.get(), getattr(out, "extra_fields", None) or {}
         if spans is not None and extra.get(VERSIONS) is not None:
             first, last = int(extra["min_global_steps"]), int(extra["max_global_steps"])
-            spans.append((first, last, extra[VERSIONS], len(getattr(out, "token_ids", None) or [])))
+            n_tokens = len(getattr(out, "token_ids", None) or [])
+            spans.append((first, last, extra[VERSIONS], n_tokens, extra.get(IDLE)))
         return out
 
     setattr(generate, _MARK, True)
@@ -88,7 +99,34 @@ def _trajectory(original):
     return generate
 
 
-def step_metrics(extra_fields: list, trainer_step: int, trainer_wait_s: float | None) -> dict[str, float]:
+def engine_idle(extra_fields: list, seen: dict[str, float]) -> float | None:
+    """Seconds the engines idled since the newest answer of the steps before, from the idle
+    counters the step's samples carry (``IDLE``: per engine, its ledger's idle seconds when
+    the answer was read; a replaced engine's new ledger is a new key). ``seen`` (each
+    engine's largest counter so far) is updated in place, so the steps' numbers add up to
+    each engine's idle time up to its newest answer read, and a step whose samples are all
+    older than one of an earlier step adds 0. ``None`` when no sample carries a counter."""
+    newest: dict[str, float] = {}
+    for extra in extra_fields:
+        idle = extra.get(IDLE) if isinstance(extra, dict) else None
+        for engine, seconds in (idle if isinstance(idle, dict) else {}).items():
+            newest[engine] = max(float(seconds), newest.get(engine, 0.0))
+    if not newest:
+        return None
+    total = 0.0
+    for engine, seconds in newest.items():
+        before = seen.get(engine, 0.0)
+        total += max(seconds - before, 0.0)
+        seen[engine] = max(seconds, before)
+    return total
+
+
+def step_metrics(
+    extra_fields: list,
+    trainer_step: int,
+    trainer_wait_s: float | None,
+    engine_idle_s: float | None = None,
+) -> dict[str, float]:
     """One training step's ``modal_rl/async/...`` numbers from its samples' ``extra_fields``
     (``trainer_step``: the version the trainer held, verl's ``global_steps - 1``)."""
     from modal_rl.asyncrl.metrics import step_numbers
@@ -102,7 +140,7 @@ def step_metrics(extra_fields: list, trainer_step: int, trainer_wait_s: float | 
             samples.append((versions.check(max(int(rec["tokens"]), 1)), int(rec["tokens"]), trainer_step))
         except (TypeError, KeyError, VersionContractError):
             samples.append((None, 0, trainer_step))
-    return step_numbers(samples, trainer_wait_s=trainer_wait_s)
+    return step_numbers(samples, engine_idle_s=engine_idle_s, trainer_wait_s=trainer_wait_s)
 
 
 def _with_async_metrics(original, tq):
@@ -116,8 +154,10 @@ def _with_async_metrics(original, tq):
             )
             extra = data.pop("extra_fields").tolist()
             wait = getattr(self, "_step_sample_wait_seconds", None)
-            if any(isinstance(extra[i], dict) and VERSIONS in extra[i] for i in real):
-                metrics.update(step_metrics([extra[i] for i in real], int(global_steps) - 1, wait))
+            mine = [extra[i] for i in real]
+            if any(isinstance(e, dict) and VERSIONS in e for e in mine):
+                idle = engine_idle(mine, self.__dict__.setdefault(_IDLE_SEEN, {}))
+                metrics.update(step_metrics(mine, int(global_steps) - 1, wait, idle))
         except Exception as exc:  # noqa: BLE001 -- our numbers never fail verl's step
             log.warning("modal_rl async metrics unavailable: %r", exc)
         return out

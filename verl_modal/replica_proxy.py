@@ -19,7 +19,9 @@ version of the engine that answered (None before the first sync, and on masked s
 ``global_steps`` is that version's step.
 
 Versions per token (``modal_rl.asyncrl``): when the engine keeps a version ledger, each
-sample's record is read from it after the response (``LedgerReader``, one reader per engine):
+sample's record is read from it after the response (``LedgerReader``, one reader per engine),
+and with it the engine's idle seconds so far (``extra_fields[IDLE]``, keyed by replica and
+the ledger's identity, so a replacement engine's counter is a new key):
 ``extra_fields[VERSIONS]`` is ``{versions, switch_at, tokens}`` in verl's steps (the engine's
 own record, in relay versions, is ``extra_fields[RELAY_VERSIONS]``), and
 ``min_global_steps`` / ``max_global_steps`` are the steps of its first and last version (verl's
@@ -61,7 +63,12 @@ MASKED = "modal_rl_masked"
 WEIGHT_VERSION = "modal_rl_weight_version"
 VERSIONS = "modal_rl_versions"  # {versions, switch_at, tokens} in verl's global steps
 RELAY_VERSIONS = "modal_rl_relay_versions"  # the engine's record, in relay versions
+IDLE = "modal_rl_engine_idle"  # {engine: its ledger's idle seconds when this answer was read}
 RUNNING = ("abort", "recompute")
+# Idle pooled connections are dropped before vLLM's server closes them (its keep-alive is 5 s),
+# so a request rarely goes out on a connection the engine already closed.
+KEEPALIVE_S = 3.0
+READ_ATTEMPTS = 3  # ledger reads sent again after a connection error
 
 
 def step_record(steps: list, switch_at, n_tokens: int) -> dict:
@@ -176,7 +183,9 @@ class VLLMHttpProxy:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), headers=self._headers
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             )
         # allow_redirects=False: a 3xx would carry the engine bearer to wherever it points
         async with self._session.post(
@@ -283,7 +292,16 @@ class VLLMHttpProxy:
         if reader is None:
 
             async def post(body: dict) -> dict:
-                return await self._post_to(url, "/collective_rpc", body)
+                import aiohttp
+
+                for attempt in range(READ_ATTEMPTS):
+                    try:
+                        return await self._post_to(url, "/collective_rpc", body)
+                    except aiohttp.ClientConnectionError:
+                        # a pooled connection the engine's server closed as it was reused; a
+                        # ledger read only reads, so it is safe to send again
+                        if attempt == READ_ATTEMPTS - 1:
+                            raise
 
             reader = self._readers[url] = LedgerReader(post)
         return reader
@@ -300,12 +318,15 @@ class VLLMHttpProxy:
             log.warning("modal_vllm replica %d: version ledger unreadable: %r", self.replica_rank, exc)
             record = None
         steps = [self.steps_of_version.get(v) for v in record.versions] if record else [None]
+        engine = f"{self.replica_rank}:{reader.ledger or url}"
+        idle = {} if reader.idle_s is None else {IDLE: {engine: reader.idle_s}}
         if record is None or None in steps:
             self.version_stats["unstamped"] += 1
-            return {}
+            return idle
         self.version_stats["stamped"] += 1
         self.version_stats["switched"] += record.switched
         return {
+            **idle,
             VERSIONS: step_record(steps, record.switch_at, n_tokens),
             RELAY_VERSIONS: record.to_json(),
             "global_steps": steps[-1],

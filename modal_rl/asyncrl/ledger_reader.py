@@ -36,7 +36,9 @@ def request_of(internal_id: str) -> str | None:
 
 class LedgerReader:
     """``post(body)``: an async call of the engine's ``/collective_rpc`` with ``body``,
-    returning its decoded JSON answer."""
+    returning its decoded JSON answer. After each read ``idle_s`` is the engine's idle
+    seconds as its ledger counts them (``VersionLedger.idle_seconds``; ``None`` when the
+    engine reports none)."""
 
     def __init__(self, post: Callable[[dict], Awaitable[Any]]) -> None:
         self._post = post
@@ -48,6 +50,8 @@ class LedgerReader:
         self.tracked: bool | None = None  # None until the first read
         self.why: str | None = None
         self.committed: int | None = None
+        self.idle_s: float | None = None  # the engine's idle seconds at the last read
+        self.ledger: str | None = None  # the identity of the ledger that counted them
 
     def expect(self, request_id: str) -> None:
         """Keep ``request_id``'s record when it arrives (call before sending it)."""
@@ -63,6 +67,9 @@ class LedgerReader:
             answer = await self._post({"method": RPC_METHOD, "args": [self._cursor], "timeout": 60.0})
             info = answer["results"][0]
             self.tracked, self.why = bool(info.get("tracked")), info.get("why")
+            idle = info.get("idle_s")
+            self.idle_s = float(idle) if isinstance(idle, int | float) else None
+            self.ledger = str(info["ledger"]) if info.get("ledger") is not None else None
             if not self.tracked:
                 return info
             if int(info["seq"]) < self._cursor:  # a new ledger numbers its records from 0 again

@@ -26,8 +26,10 @@ framework adapter use the same bookkeeping.
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 BASE_VERSION = -1
@@ -160,10 +162,18 @@ class VersionLedger:
     request the versions its tokens came from. The engine calls :meth:`start` when a request
     is first scheduled, :meth:`commit` between decoding steps (with every live request's
     token count), and :meth:`finish` with the final count; finished records are kept (the
-    last ``retain``) for :meth:`finished_since`."""
+    last ``retain``) for :meth:`finished_since`.
+
+    Idle time: :meth:`idle_seconds` is how long, since its first request started, the engine
+    held no live request (``clock`` seconds; a request running across a restart still
+    counts as live until it ends). It only grows, so a reader takes differences."""
 
     def __init__(
-        self, committed: int = BASE_VERSION, retain: int = DEFAULT_RETAIN, epoch: int | None = None
+        self,
+        committed: int = BASE_VERSION,
+        retain: int = DEFAULT_RETAIN,
+        epoch: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.committed = committed
         self.commits = 0
@@ -174,9 +184,28 @@ class VersionLedger:
         self._done: OrderedDict[int, tuple[str, dict]] = OrderedDict()
         self._seq = 0
         self._retain = retain
+        self._clock = clock
+        self._idle_s = 0.0
+        self._idle_since: float | None = None  # None: busy, or no request started yet
+        self.ident = uuid.uuid4().hex[:12]  # tells this ledger's counters from a replacement's
 
     def live(self) -> list[str]:
         return list(self._live)
+
+    def idle_seconds(self) -> float:
+        """Seconds with no live request since the first request started (0 before it)."""
+        ongoing = self._clock() - self._idle_since if self._idle_since is not None else 0.0
+        return self._idle_s + max(ongoing, 0.0)
+
+    def _busy_changed(self) -> None:
+        """Close or open an idle stretch after the live set changed (only requests change
+        it, so nothing is idle time before the first one)."""
+        busy = bool(self._live or self._dropped)
+        if busy and self._idle_since is not None:
+            self._idle_s += max(self._clock() - self._idle_since, 0.0)
+            self._idle_since = None
+        elif not busy and self._idle_since is None:
+            self._idle_since = self._clock()
 
     def start(self, req_id: str) -> None:
         if req_id in self._dropped:
@@ -184,6 +213,7 @@ class VersionLedger:
         if req_id in self._live:
             raise VersionContractError(f"request {req_id!r} started twice")
         self._live[req_id] = ([self.committed], [])
+        self._busy_changed()
 
     def commit(self, version: int, tokens: Mapping[str, int]) -> int:
         """Make ``version`` the served version; ``tokens``: how many tokens each live request
@@ -227,7 +257,14 @@ class VersionLedger:
 
     def forget(self, req_id: str) -> None:
         """A request that ran across a restart ended: stop remembering it."""
-        self._dropped.discard(req_id)
+        if req_id in self._dropped:
+            self._dropped.discard(req_id)
+            self._busy_changed()
+
+    def discard(self, req_id: str) -> None:
+        """A live request ended without a record (its record could not be made)."""
+        if self._live.pop(req_id, None) is not None:
+            self._busy_changed()
 
     def live_records(self) -> list[tuple[str, dict]]:
         """Every live request's record so far (for a caller that knows a request ended
@@ -236,6 +273,7 @@ class VersionLedger:
 
     def finish(self, req_id: str, n_tokens: int) -> SampleVersions:
         versions, switch_at = self._live.pop(req_id)
+        self._busy_changed()
         record = finalize({"versions": versions, "switch_at": switch_at}, n_tokens)
         self._seq += 1
         stored = record.to_json() if self.epoch is None else {**record.to_json(), "epoch": self.epoch}

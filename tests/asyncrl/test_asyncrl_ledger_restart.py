@@ -135,6 +135,28 @@ def test_the_reader_hands_each_request_its_own_record():
     assert calls[0] == 0 and calls[-1] >= 1  # the cursor moved on
 
 
+def test_the_reader_keeps_the_engines_idle_seconds_and_its_ledgers_identity():
+    w = Worker()
+    w._modal_rl_committed(1)
+    now = [10.0]
+    w._modal_rl_ledger._clock = lambda: now[0]
+    run = w.model_runner
+    run.add("cmpl-a-0-ffff")
+    run.step()
+    run.finish("cmpl-a-0-ffff")
+    now[0] = 12.0
+    run.step()  # the scheduler reports the finish: nothing live from here on
+    now[0] = 15.5
+
+    async def post(body: dict) -> dict:
+        return {"results": [getattr(w, body["method"])(*body["args"])]}
+
+    reader = LedgerReader(post)
+    reader.expect("a")
+    assert asyncio.run(reader.record("a", 1)) == SampleVersions((1,))
+    assert reader.idle_s == 3.5 and reader.ledger == w._modal_rl_ledger.ident
+
+
 def test_the_reader_says_none_when_the_engine_keeps_no_ledger():
     async def post(body: dict) -> dict:
         return {"results": [{"tracked": False, "why": "asynchronous scheduling"}]}

@@ -156,3 +156,33 @@ def test_the_parts_of_a_sample_join_into_one_record():
     ]
     assert joined(parts) == {"versions": [3, 4, 5, 6], "switch_at": [5, 10, 11], "tokens": 14}
     assert joined([]) == {"versions": [], "switch_at": [], "tokens": 0}
+
+
+def test_the_ledger_counts_the_seconds_it_held_no_request():
+    now = [100.0]
+    ledger = VersionLedger(committed=0, clock=lambda: now[0])
+    now[0] = 130.0
+    assert ledger.idle_seconds() == 0.0  # before the first request nothing is idle time
+    ledger.start("a")
+    ledger.start("b")
+    now[0] = 140.0
+    ledger.finish("a", 3)  # "b" still runs: busy
+    now[0] = 145.0
+    ledger.finish("b", 3)
+    now[0] = 147.5
+    assert ledger.idle_seconds() == 2.5  # an open idle stretch counts up to now
+    ledger.commit(1, {})  # a commit with nothing live does not end the stretch
+    now[0] = 150.0
+    ledger.start("c")
+    now[0] = 160.0
+    assert ledger.idle_seconds() == 5.0
+    ledger.restart(0, epoch=2)  # "c" runs on across the restart without a record: still busy
+    now[0] = 170.0
+    assert ledger.idle_seconds() == 5.0
+    ledger.forget("c")
+    now[0] = 171.0
+    assert ledger.idle_seconds() == 6.0
+    ledger.start("d")
+    ledger.discard("d")  # ended without a record
+    now[0] = 172.0
+    assert ledger.idle_seconds() == 7.0

@@ -12,11 +12,15 @@ a sync is skipped: requests keep generating across the commit). Pinned, each fro
 - every sample's versions come from the engine's ledger (``modal_rl/async/samples_without_versions``
   is 0 every step), and verl's staleness (``trajectory_staleness_worst``, from the
   first version's step) stays within ``max_off_policy_threshold``;
-- where a version was committed while requests were generating (``trajectory_spans/max`` >= 2:
-  a trajectory whose tokens came from two versions), our records say the same
-  (``versions_per_sample`` > 1) -- and only there;
+- a version is committed while requests are generating, and those requests complete: at
+  least one step has ``trajectory_spans/max`` >= 2 (a trajectory whose tokens came from two
+  versions) and ``versions_per_sample`` > 1, with every sample of it counted with its record,
+  at full length and none aborted. Generation is made the slow side (``max_num_seqs=1``: a
+  batch decodes one request at a time, see docs/async.md), so the engine always has a backlog
+  at a commit; our records and verl's spans agree on every step;
 - the same records reach verl's metrics as ``modal_rl/async/...`` (token-weighted staleness
-  within the bound, versions per sample, no sample without a record);
+  within the bound, versions per sample, no sample without a record, the engine's idle
+  seconds as its ledger counted them);
 - the engine was never paused by verl (no ``/pause`` reached it) and each sync's engine pause
   is the in-place switch (``words in place``), a part of the sync's time.
 """
@@ -29,8 +33,11 @@ import pytest
 
 from tests.e2e.test_verl_cpu_run import parse_metrics, run_launcher
 
-STEPS = 4
-BOUND = 2  # trainer.v1.sampler.max_off_policy_threshold
+STEPS = 6  # the steps that start with their batch ready commit inside the next one (docs/async.md)
+# trainer.v1.sampler.max_off_policy_threshold: 3 lets the rollout run a batch ahead (at 2, each
+# sample waits until every older prompt is done, so only one batch can be left at a commit)
+BOUND = 3
+RESPONSE = 192  # every response's length (ignore_eos)
 
 ASYNC_MODAL_VLLM = [
     f"trainer.total_training_steps={STEPS}",
@@ -46,12 +53,15 @@ ASYNC_MODAL_VLLM = [
     "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.modal_delta.dtype=bfloat16",
     "actor_rollout_ref.rollout.name=modal_vllm",
     "actor_rollout_ref.rollout.ignore_eos=true",  # every request decodes its full length
-    # Responses long enough (the tiny model's whole context) that a batch is still decoding
-    # when the trainer's next version is committed, on a quiet host too.
-    "data.max_response_length=192",
+    # Long responses (most of the tiny model's context): many decoding steps per request.
+    f"data.max_response_length={RESPONSE}",
     "actor_rollout_ref.rollout.max_model_len=256",
     "actor_rollout_ref.rollout.n=8",
+    # One request at a time: a batch (4 prompts x 8 responses x 192 tokens) takes longer to
+    # generate than a trainer step, so every commit finds the engine with a backlog.
+    "actor_rollout_ref.rollout.max_num_seqs=1",
 ]
+SAMPLES = 4 * 8  # data.train_batch_size (the tiny workload) x rollout.n
 
 
 def number(text: str) -> float:
@@ -67,7 +77,13 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
     code, log = run_launcher(
         ["--backend", "local", "--tiny", str(tmp_path / "tiny"), "--", *ASYNC_MODAL_VLLM],
         timeout=1400,
-        extra_env={"VERL_MODAL_ENGINE_LOG_DIR": str(logs), "VERL_MODAL_ENGINE_RUNNING": "recompute"},
+        extra_env={
+            "VERL_MODAL_ENGINE_LOG_DIR": str(logs),
+            "VERL_MODAL_ENGINE_RUNNING": "recompute",
+            # the health probe is a 1-token generation: at max_num_seqs=1 it waits behind the
+            # whole backlog (up to two batches, a minute or more on a loaded host)
+            "VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S": "600",
+        },
     )
     (tmp_path / "verl-output.log").write_text(log)  # kept with the test's directory
     assert code == 0, log[-6000:]
@@ -84,22 +100,29 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
             float(step["modal_rl/weight_sync/seconds"]),
         )
         assert 0 < pause < sync, (n, pause, sync)
-    # Whether a commit lands between a trajectory's tokens is verl's scheduling: its rollout may
-    # finish a batch within one trainer step. The commit between tokens is pinned where we own
-    # the schedule (tests/e2e/test_asyncrl_vllm.py, the async suite); here verl's count and ours
-    # must agree on every step (below).
     # Our numbers in verl's metrics, from the same records (verl_modal.async_versions).
     mine = "modal_rl/async/"
     per_sample = []
     for step in metrics.values():
-        assert float(step[mine + "samples"]) > 0 and float(step[mine + "samples_without_versions"]) == 0, step
+        assert float(step[mine + "samples"]) == SAMPLES, step
+        assert float(step[mine + "samples_without_versions"]) == 0, step
         assert 0 <= float(step[mine + "staleness_mean"]) <= float(step[mine + "staleness_max"]) <= BOUND, step
         assert float(step[mine + "staleness_first_max"]) == number(
             step[off + "trajectory_staleness_worst/max"]
         )
+        assert float(step[mine + "engine_idle_s"]) >= 0, step  # counted by the engine's ledger
         per_sample.append(float(step[mine + "versions_per_sample"]))
     assert min(per_sample) >= 1, per_sample
     assert [p > 1 for p in per_sample] == [s >= 2 for s in spans], (per_sample, spans)
+    # A commit landed while requests were generating, and those requests completed: every
+    # sample of that step is counted with its record (above), decoded its full length on one
+    # request (recompute: no abort, no resubmission), and none was masked.
+    across = [n for n, s in zip(metrics, spans, strict=True) if s >= 2]
+    assert across, (spans, per_sample, [float(m["timing_s/gen"]) for m in metrics.values()])
+    for n in across:
+        step = metrics[n]
+        assert float(step["response_length/min"]) == RESPONSE, step
+        assert float(step["response/aborted_ratio"]) == 0 and float(step["modal_rl/masked/engine"]) == 0, step
     (engine_log,) = logs.glob("*.log")
     engine_out = engine_log.read_text()
     assert "/pause" not in engine_out  # verl's abort-and-resubmit never reached the engine

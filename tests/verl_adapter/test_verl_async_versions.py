@@ -109,3 +109,70 @@ def test_a_bad_running_setting_is_refused_in_one_line(monkeypatch):
         engine_settings(SimpleNamespace(custom=None))
     monkeypatch.setenv("VERL_MODAL_ENGINE_RUNNING", "recompute")
     assert engine_settings(SimpleNamespace(custom=None))["running"] == "recompute"
+
+
+def test_engine_idle_seconds_reach_a_step_once_each():
+    """Each answer carries its engine's idle counter; a trajectory keeps the largest per
+    engine, and a step reports how far the newest counter moved since the steps before."""
+    fields = av.span([(1, 1, None, 4, {"0:a": 2.0}), (1, 2, None, 3, {"0:a": 5.0, "1:b": 1.0})], {})
+    assert fields[av.IDLE] == {"0:a": 5.0, "1:b": 1.0}
+    seen: dict[str, float] = {}
+    step1 = [{av.IDLE: {"0:a": 5.0}}, {av.IDLE: {"0:a": 3.0, "1:b": 1.0}}]
+    assert av.engine_idle(step1, seen) == 6.0  # engine a idled 5 s, engine b 1 s
+    # this step's samples all answered before the newest of step 1: nothing new, never negative
+    assert av.engine_idle([{av.IDLE: {"0:a": 4.0}}], seen) == 0.0
+    assert av.engine_idle([{av.IDLE: {"0:a": 7.5}}, {"x": 1}], seen) == 2.5
+    # a replacement engine's ledger is a new key and counts from its own 0
+    assert av.engine_idle([{av.IDLE: {"0:c": 0.5}}], seen) == 0.5
+    assert av.engine_idle([{"x": 1}], seen) is None  # no counter: the key is left out
+    got = av.step_metrics(
+        [{"modal_rl_versions": {"versions": [3], "switch_at": [], "tokens": 5}}], 3, None, 2.5
+    )
+    assert got["modal_rl/async/engine_idle_s"] == 2.5
+
+
+def test_a_ledger_read_on_a_connection_the_engine_dropped_is_sent_again(monkeypatch):
+    """A loopback server that drops the first connection it is sent a request on (as a
+    server closing an idle keep-alive connection does); the proxy's ledger read is answered
+    on the next one, with the engine's idle seconds and ledger identity."""
+    from modal_rl.engines.pool import EngineSpec
+    from modal_rl.run_key import RUN_KEY_ENV, new_run_key
+    from verl_modal.replica_proxy import VLLMHttpProxy
+
+    monkeypatch.setenv(RUN_KEY_ENV, new_run_key())
+    proxy = VLLMHttpProxy(EngineSpec(command=("serve",)).to_dict(), "local", "/m", {})
+    answer = b'{"results": [{"tracked": true, "committed": 1, "seq": 0, "records": [], "idle_s": 2.5, "ledger": "L"}]}'
+    seen = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head.split(b" ")[1])
+        if len(seen) == 1:
+            writer.close()  # dropped without an answer
+            return
+        length = int(
+            [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1]
+        )
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(answer)
+        )
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            reader = proxy._reader(f"http://127.0.0.1:{port}")
+            await reader.read()
+            return reader
+        finally:
+            await proxy.close()
+            server.close()
+            await server.wait_closed()
+
+    reader = asyncio.run(main())
+    assert seen == [b"/collective_rpc", b"/collective_rpc"]
+    assert (reader.tracked, reader.committed, reader.idle_s, reader.ledger) == (True, 1, 2.5, "L")

@@ -96,6 +96,17 @@ def test_engine_spec_from_verl_config(replica_cls, config, monkeypatch):
     assert inspected["volumes"] == {"/root/.cache/huggingface": "hf-cache"}
 
 
+def test_rollout_batching_settings_reach_the_engines_vllm(replica_cls):
+    """``rollout.max_num_seqs`` sets how many requests the engine decodes at once (the async
+    e2e run relies on it to make a batch decode in waves)."""
+    config = compose(
+        "actor_rollout_ref.rollout.max_num_seqs=3", "actor_rollout_ref.rollout.max_num_batched_tokens=640"
+    )
+    cmd = list(make(replica_cls, config).engine_spec().command)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "3"
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "640"
+
+
 def test_custom_config_wins_over_env_and_bad_settings_are_refused(replica_cls, monkeypatch):
     monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "H200")
     config = compose("+actor_rollout_ref.rollout.custom={modal_engines:{gpu:A100-80GB}}")

@@ -14,8 +14,12 @@ tokens it has: the next token is the first of the new version.
 number of commits, the records finished after cursor ``SINCE`` (the caller keeps the
 returned ``seq`` as its next cursor) and the records of live requests: the scheduler tells
 the runner a request finished only at its next step, so a caller holding a finished
-response may find its record still live and ``finalize`` it with the token count. Request ids are vLLM's internal ones
-(``cmpl-<request_id>-<i>-<suffix>``); ``asyncrl.engine_client`` maps them back.
+response may find its record still live and ``finalize`` it with the token count. It also
+answers ``idle_s``, the seconds this worker's runner held no request since its first one
+(``VersionLedger.idle_seconds``; the scheduler reports the last finish in one more step, so
+an idle stretch starts within a step of it), and ``ledger``, the ledger's identity. Request
+ids are vLLM's internal ones (``cmpl-<request_id>-<i>-<suffix>``);
+``asyncrl.engine_client`` maps them back.
 
 Invariants: the runner's token counts are exact at a commit because the CPU backend (and
 any backend without asynchronous scheduling) appends each sampled token to the request's
@@ -68,7 +72,7 @@ class VersionLogMixin:
                     try:
                         ledger.finish(req_id, len(state.output_token_ids) if state is not None else 0)
                     except VersionContractError:  # never stop the engine for a record: drop it
-                        ledger._live.pop(req_id, None)
+                        ledger.discard(req_id)
             out = original(scheduler_output)
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id not in ledger._live:
@@ -125,6 +129,8 @@ class VersionLogMixin:
             "restarts": ledger.restarts,
             "unordered_commits": self._modal_rl_unordered,
             "live": len(ledger.live()),
+            "idle_s": ledger.idle_seconds(),
+            "ledger": ledger.ident,
             "seq": seq,
             "records": [[req_id, rec] for req_id, rec in records],
             "live_records": [[req_id, rec] for req_id, rec in ledger.live_records()],
