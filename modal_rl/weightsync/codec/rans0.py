@@ -83,14 +83,8 @@ def _encode(data, out, out32):
     # the tail first, so that the unrolled loop starts at a lane-3 symbol
     while i >= 0 and (i & 3) != 3:
         lane = i & 3
-        x = x0 if lane == 0 else x1 if lane == 1 else x2
-        x, w = _put(x, data[i], out32, w, freqs, starts, xmax, rcp)
-        if lane == 0:
-            x0 = x
-        elif lane == 1:
-            x1 = x
-        else:
-            x2 = x
+        x, w = _put(_lane(lane, x0, x1, x2), data[i], out32, w, freqs, starts, xmax, rcp)
+        x0, x1, x2 = _with_lane(lane, x, x0, x1, x2)
         i -= 1
     floor = (TABLE_MAX + STATES) // 4 + 4  # keep room in front for the states and table
     while i >= 3:
@@ -125,6 +119,23 @@ def _encode(data, out, out32):
     for j in range(t):
         out[at + j] = table[j]
     return at
+
+
+@_kernel
+def _lane(lane, x0, x1, x2):
+    """The state of ``lane`` (0, 1 or 2) among the first three: the tail of a length that is
+    not a multiple of 4 never reaches lane 3."""
+    return x0 if lane == 0 else x1 if lane == 1 else x2
+
+
+@_kernel
+def _with_lane(lane, x, x0, x1, x2):
+    """``(x0, x1, x2)`` with ``lane``'s state replaced by ``x``."""
+    if lane == 0:
+        return x, x1, x2
+    if lane == 1:
+        return x0, x, x2
+    return x0, x1, x
 
 
 @_kernel
@@ -253,15 +264,9 @@ def _decode(payload, out):
             return False
     while i < n:
         lane = i & 3
-        x = x0 if lane == 0 else x1 if lane == 1 else x2
-        x, w, s = _get(x, payload, w, lut, freqs, starts)
+        x, w, s = _get(_lane(lane, x0, x1, x2), payload, w, lut, freqs, starts)
         out[i] = s
-        if lane == 0:
-            x0 = x
-        elif lane == 1:
-            x1 = x
-        else:
-            x2 = x
+        x0, x1, x2 = _with_lane(lane, x, x0, x1, x2)
         i += 1
     # a word read past the end counts as a read (``w`` > size): the payload is refused
     return w == size and x0 == RANS_L and x1 == RANS_L and x2 == RANS_L and x3 == RANS_L
