@@ -15,6 +15,7 @@ import pytest
 from modal_rl.engines import routes as engine_routes
 from modal_rl.engines.auth import RunKeyAuth
 from modal_rl.run_key import engine_bearer, new_run_key
+from tests.asgi_server import recording_app
 
 KEY = new_run_key()
 AUTH = (b"authorization", f"Bearer {engine_bearer(KEY)}".encode())
@@ -100,18 +101,7 @@ def concrete(path: str) -> str:
 def ask(method: str, path: str, body: bytes = b"{}", headers=(AUTH,), chunks: int = 1):
     """(status, response body, what reached the app) for one request through the guard."""
     reached = []
-
-    async def app(scope, receive, send):
-        got = b""
-        while True:
-            message = await receive()
-            got += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        reached.append((scope["method"], scope["path"], got))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ran"})
-
+    app = recording_app(b"ran", lambda scope, got: reached.append((scope["method"], scope["path"], got)))
     size = max(1, -(-len(body) // chunks))  # contiguous pieces: the guard has to join them
     parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
     incoming = [

@@ -25,7 +25,7 @@ from modal_rl.engines.auth import SglangKeyAuth
 from modal_rl.engines.sglang import DiskReload, SglangEngine
 from modal_rl.engines.sglang_paths import MAX_BODY, WEIGHT_DIRS_ENV, WeightDirs, body_refusal
 from modal_rl.run_key import engine_bearer, new_run_key
-from tests.asgi_server import serve_on_loopback
+from tests.asgi_server import recording_app, serve_on_loopback
 
 KEY = new_run_key()
 AUTH = {"Authorization": f"Bearer {engine_bearer(KEY)}"}
@@ -57,20 +57,7 @@ def server(tree):
     (path, body) of every request that got past it."""
 
     reached: list = []
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        reached.append((scope["path"], body))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b'{"success": true}'})
-
+    app = recording_app(b'{"success": true}', lambda scope, body: reached.append((scope["path"], body)))
     guard = SglangKeyAuth(app, key=KEY, weight_dirs=dirs_of(tree))
     with serve_on_loopback(guard) as url:
         yield url, reached, guard
