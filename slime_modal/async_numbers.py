@@ -49,7 +49,6 @@ LOOPS: dict[str, Callable[[Any], int]] = {
     "train_async.py": lambda args: max(int(getattr(args, "update_weights_interval", 1) or 1), 1),
 }
 START_LABEL = "default"  # SGLang's weight_version for the weights an engine started with
-STALENESS_KEYS = ("staleness_mean", "staleness_max", "staleness_first_max")
 
 
 def _start(args: Any) -> int:
@@ -128,13 +127,8 @@ def rollout_numbers(
         rows.append((versions, int(getattr(sample, "response_length", 0) or 0)))
         if versions is not None:
             distinct.append(count)
-    if trainer is None:
-        # no trainer version: the staleness numbers are dropped, so any reference serves here
-        reference = max((v.last for v, _ in rows if v is not None), default=0)
-        out = step_numbers([(v, n, reference) for v, n in rows], engine_idle_s=engine_idle_s)
-        out = {k: x for k, x in out.items() if k.removeprefix(PREFIX) not in STALENESS_KEYS}
-    else:
-        out = step_numbers([(v, n, trainer) for v, n in rows], engine_idle_s=engine_idle_s)
+    out = step_numbers([(v, n, trainer) for v, n in rows], engine_idle_s=engine_idle_s)
+    if trainer is not None:
         out[PREFIX + "trainer_version"] = float(trainer)
     out[PREFIX + "samples_mixed_versions"] = float(sum(c > 1 for c in distinct))
     if distinct:  # each sample's own count, not the one version it is charged to

@@ -29,12 +29,14 @@ PREFIX = "modal_rl/async/"
 
 
 def step_numbers(
-    samples: Iterable[tuple[SampleVersions | None, int, int]],
+    samples: Iterable[tuple[SampleVersions | None, int, int | None]],
     *,
     engine_idle_s: float | None = None,
     trainer_wait_s: float | None = None,
 ) -> dict[str, float]:
-    """``samples``: ``(versions, n_tokens, trainer_version)`` per sample of the step."""
+    """``samples``: ``(versions, n_tokens, trainer_version)`` per sample of the step; a
+    trainer version of ``None`` (not known to the caller) counts the sample's versions but
+    puts it in no staleness number."""
     n = without = tokens = 0
     lag_sum = 0
     lag_max: int | None = None
@@ -46,6 +48,8 @@ def step_numbers(
             without += 1
             continue
         versions_sum += len(versions.versions)
+        if trainer is None:
+            continue
         first = trainer - versions.first
         first_max = first if first_max is None else max(first_max, first)
         bounds = (0, *versions.switch_at, max(int(n_tokens), 0))
@@ -59,6 +63,7 @@ def step_numbers(
     out = {PREFIX + "samples": float(n), PREFIX + "samples_without_versions": float(without)}
     if n > without:
         out[PREFIX + "versions_per_sample"] = versions_sum / (n - without)
+    if first_max is not None:
         out[PREFIX + "staleness_first_max"] = float(first_max)
     if tokens:
         out[PREFIX + "staleness_mean"] = lag_sum / tokens
