@@ -60,10 +60,7 @@ def span(spans: list[tuple], fields: dict) -> dict:
         from modal_rl.asyncrl.versions import joined
 
         fields[VERSIONS] = joined([s[2] for s in spans])
-    idle: dict[str, float] = {}
-    for s in spans:
-        for engine, seconds in (s[4] if isinstance(s[4], dict) else {}).items():
-            idle[engine] = max(float(seconds), idle.get(engine, 0.0))
+    idle = largest_counters(s[4] for s in spans)
     if idle:
         fields[IDLE] = idle
     return fields
@@ -99,6 +96,16 @@ def _trajectory(original):
     return generate
 
 
+def largest_counters(counters) -> dict[str, float]:
+    """Each engine's largest idle counter over ``counters`` (``{engine: seconds}`` each, or
+    anything else, which carries none)."""
+    out: dict[str, float] = {}
+    for counter in counters:
+        for engine, seconds in (counter if isinstance(counter, dict) else {}).items():
+            out[engine] = max(float(seconds), out.get(engine, 0.0))
+    return out
+
+
 def engine_idle(extra_fields: list, seen: dict[str, float]) -> float | None:
     """Seconds the engines idled since the newest answer of the steps before, from the idle
     counters the step's samples carry (``IDLE``: per engine, its ledger's idle seconds when
@@ -106,11 +113,7 @@ def engine_idle(extra_fields: list, seen: dict[str, float]) -> float | None:
     engine's largest counter so far) is updated in place, so the steps' numbers add up to
     each engine's idle time up to its newest answer read, and a step whose samples are all
     older than one of an earlier step adds 0. ``None`` when no sample carries a counter."""
-    newest: dict[str, float] = {}
-    for extra in extra_fields:
-        idle = extra.get(IDLE) if isinstance(extra, dict) else None
-        for engine, seconds in (idle if isinstance(idle, dict) else {}).items():
-            newest[engine] = max(float(seconds), newest.get(engine, 0.0))
+    newest = largest_counters(extra.get(IDLE) if isinstance(extra, dict) else None for extra in extra_fields)
     if not newest:
         return None
     total = 0.0
