@@ -147,8 +147,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         (url,) = pool.start()
         held = os.sched_getaffinity(0)
         try:
-            if cores is not None:
-                pin_tree(pool.pid(0), cores[1])
+            if cores is not None:  # the engine's processes were started on cores[1]
                 os.sched_setaffinity(0, {cores[0]})  # this thread runs the trainer's steps
             with EnginePusher(url, key=key, running="keep") as pusher:
                 warm = VersionedEngine(url, str(model_dir), key, running="keep")
@@ -205,22 +204,6 @@ def split_cores() -> tuple[int, int] | None:
     generation, so a commit rarely finds a request mid-generation."""
     allowed = sorted(os.sched_getaffinity(0))
     return (allowed[0], allowed[1]) if len(allowed) >= 2 else None
-
-
-def pin_tree(pid: int | None, core: int) -> None:
-    """Every thread of the engine's processes (server, engine core, workers) on ``core``; threads
-    made later inherit it."""
-    import psutil
-
-    if pid is None:
-        return
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            for thread in proc.threads():
-                os.sched_setaffinity(thread.id, {core})
-        except (psutil.Error, ProcessLookupError):
-            continue  # a helper process that ended meanwhile
 
 
 def render(payload: dict[str, Any]) -> str:

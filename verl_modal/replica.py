@@ -43,7 +43,10 @@ run's largest staleness + 1), ``health_interval_s``, ``health_timeout_s`` (one 1
 whose engine died waits for the replacement before it is masked), ``running`` (what a weight
 sync does to requests that are generating: ``abort``, verl's own pause and resubmit, or
 ``recompute``, the commit lands between two decoding steps and they go on; see
-``replica_proxy``).
+``replica_proxy``), ``cpus`` (local engines: the cores the engine's processes run on and vLLM's
+CPU backend binds its threads to, e.g. ``"1"`` or ``"2-5"``; default every core. A vLLM engine
+on CPU keeps one core busy in its engine loop beside its compute threads, so on a shared host a
+trainer beside it is starved while it generates unless the engine stays on cores of its own).
 
 Weights: a policy replica's engine loads ``modal_rl.weightsync.apply.vllm_extension`` and gets each
 update from a relay worker on the trainer cluster (``replica_weights``); the run's
@@ -63,7 +66,7 @@ import weakref
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from modal_rl.adapters import extra_requirements
-from modal_rl.engines import ENGINES, EngineSpec, get_engine
+from modal_rl.engines import ENGINES, EngineSpec, get_engine, parse_cpus
 from verl_modal.image import engine_image
 from verl_modal.replica_proxy import RUNNING, VLLMHttpProxy
 
@@ -85,6 +88,7 @@ DEFAULTS = {
     "retry_wait_s": "1800",
     "lora_resident": "2",  # LoRA runs: adapter versions kept loaded (>= max staleness + 1)
     "running": "abort",  # what a sync does to generating requests (replica_proxy.RUNNING)
+    "cpus": "",  # local engines: their cores ("": every core)
 }
 
 
@@ -240,7 +244,8 @@ class ModalVLLMReplica(RolloutReplica):
             inplace=self.lora is None,  # a LoRA run's base is never written in place
         )
         flags = vllm_flags(self.config, bool(getattr(self.model_config, "trust_remote_code", False)))
-        env = {}
+        cpus = parse_cpus(self.settings["cpus"])
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))} if cpus else {}
         if self.lora is not None:
             from modal_rl.weightsync.apply.vllm_lora import RUNTIME_LORA_ENV, lora_server_args
 
@@ -259,6 +264,7 @@ class ModalVLLMReplica(RolloutReplica):
             pip=extra_requirements("engine-receiver") if self.receives_weights else (),
             startup_timeout_s=float(self.settings["startup_timeout_s"]),
             name=f"vllm-replica-{self.replica_rank}{self.name_suffix}",
+            cpus=cpus,
         )
 
     def proxy_settings(self) -> dict:

@@ -33,6 +33,7 @@ PUBLIC = {
     "EngineStartError": "modal_rl.engines.pool",
     "engine_key": "modal_rl.engines.pool",
     "get_engine_pool": "modal_rl.engines.pool",
+    "parse_cpus": "modal_rl.engines.pool",
     "EngineSupervisor": "modal_rl.engines.supervisor",
     "EngineLost": "modal_rl.engines.supervisor",
     "WeightSource": "modal_rl.engines.supervisor",

@@ -75,7 +75,9 @@ class EngineSpec:
     ``None`` (keyless: only for servers that must not see the key); see the module docstring.
     ``generate``: ``{"path": "/v1/completions", "body": {...}}``, a JSON POST asking for one
     token: what "healthy" means for this server (``health``); None: ``GET health_path``
-    only (servers that cannot generate, e.g. stand-ins).
+    only (servers that cannot generate, e.g. stand-ins). ``cpus``: local engines only, the cores
+    the server and every process it starts run on (``()``: every core this process may use); on
+    a shared host a trainer beside the engine then keeps the other cores (``parse_cpus``).
     """
 
     command: tuple[str, ...]
@@ -101,9 +103,11 @@ class EngineSpec:
     # Whether the server binds its port with SO_REUSEPORT (vLLM does): then the local pool holds
     # the port against other users until the server listens on it (``cluster.ports``).
     shares_port: bool = False
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
+        object.__setattr__(self, "cpus", tuple(self.cpus))
         object.__setattr__(self, "secrets", tuple(self.secrets))
         object.__setattr__(self, "pip", tuple(str(p) for p in self.pip))
         object.__setattr__(self, "volumes", dict(self.volumes))
@@ -120,6 +124,8 @@ class EngineSpec:
         if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
             raise ClusterSpecError(f"engine count={self.count!r}: must be an integer >= 1")
         GpuSpec.parse(self.gpu)
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in self.cpus):
+            raise ClusterSpecError(f"engine cpus={self.cpus!r}: must be core numbers >= 0")
         if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise ClusterSpecError(f"engine port={self.port!r}: must be 1..65535")
         if not self.health_path.startswith("/"):
@@ -176,11 +182,23 @@ class EngineSpec:
         data["command"] = list(self.command)
         data["secrets"] = list(self.secrets)
         data["pip"] = list(self.pip)
+        data["cpus"] = list(self.cpus)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineSpec:
         return cls(**data)
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """Cores as Linux writes them (``"1"``, ``"2-5"``, ``"0,2-3"``; ``""``: none named)."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())) or (sep and int(hi) < int(lo)):
+            raise ClusterSpecError(f"engine cpus {text!r}: name cores like '1', '2-5' or '0,2-3'")
+        cores += range(int(lo), int(hi if sep else lo) + 1)
+    return tuple(sorted(set(cores)))
 
 
 def engine_key(spec: EngineSpec) -> str | None:

@@ -194,6 +194,7 @@ class LocalEnginePool(EnginePool):
         try:
             proc = spawn(
                 prefix + argv,
+                cpus=self.spec.cpus,
                 stdout=subprocess.PIPE,  # through pump(), never raw into the file
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -400,12 +401,15 @@ _spawner_lock = threading.Lock()
 _spawner: threading.Thread | None = None
 
 
-def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """``Popen`` from one long-lived daemon thread.
+def spawn(argv: list[str], cpus: tuple[int, ...] = (), **popen_kwargs: Any) -> subprocess.Popen:
+    """``Popen`` from one long-lived daemon thread; ``cpus``: the cores the child (and all it
+    starts) may run on, else the spawner's own.
 
     The kernel's parent-death signal fires when the *thread* that forked the child exits, not
     the process. Callers start pools from short-lived threads (``asyncio.to_thread``, executor
     threads torn down by ``asyncio.run``); forking from them would kill the engines early.
+    A child inherits the affinity of the thread that forks it, so the spawner narrows its own
+    for that one fork: the child never runs a moment outside ``cpus``.
     """
     global _spawner
     with _spawner_lock:
@@ -413,7 +417,7 @@ def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
             _spawner = threading.Thread(target=_spawn_loop, name="modal-rl-engine-spawner", daemon=True)
             _spawner.start()
     done: queue.Queue = queue.Queue(maxsize=1)
-    _spawn_requests.put((argv, popen_kwargs, done))
+    _spawn_requests.put((argv, tuple(cpus), popen_kwargs, done))
     ok, value = done.get()
     if not ok:
         raise value
@@ -422,8 +426,25 @@ def spawn(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
 
 def _spawn_loop() -> None:
     while True:
-        argv, kwargs, done = _spawn_requests.get()
+        argv, cpus, kwargs, done = _spawn_requests.get()
         try:
-            done.put((True, subprocess.Popen(argv, **kwargs)))
+            done.put((True, _popen_on(cpus, argv, kwargs)))
         except BaseException as exc:  # handed to the caller's thread
             done.put((False, exc))
+
+
+def _popen_on(cpus: tuple[int, ...], argv: list[str], kwargs: dict[str, Any]) -> subprocess.Popen:
+    if not cpus:
+        return subprocess.Popen(argv, **kwargs)
+    own = os.sched_getaffinity(0)  # this (spawner) thread's
+    missing = sorted(set(cpus) - own)
+    if missing:
+        raise EngineStartError(
+            f"engine cpus {list(cpus)}: cores {missing} are not available here (this process may use "
+            f"{sorted(own)}); name cores among those"
+        )
+    os.sched_setaffinity(0, cpus)
+    try:
+        return subprocess.Popen(argv, **kwargs)
+    finally:
+        os.sched_setaffinity(0, own)

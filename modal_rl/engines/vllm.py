@@ -27,6 +27,7 @@ from typing import Any
 from modal_rl.engines.auth import vllm_auth_args
 from modal_rl.engines.base import Engine
 from modal_rl.engines.health import vllm_generate
+from modal_rl.engines.pool import parse_cpus
 from modal_rl.run_key import run_key
 from modal_rl.weightsync.apply.vllm_extension import EXTENSION, STAGE_METHOD, pull_request
 from modal_rl.weightsync.apply.vllm_inplace import PLAIN_WEIGHTS_ENV
@@ -91,16 +92,18 @@ def local_vllm_spec(
     linear weights stay plain parameters the CPU kernel reads (``vllm_inplace``), so a
     version can be written into them in place. ``prefix_caching=False`` for runs that keep
     running requests' KV cache across a commit (``asyncrl.kv_policy``: ``keep``). ``cpus``: the
-    cores the CPU backend's threads are bound to (``"1"``, ``"2-5"``; default: vLLM's choice),
-    so a trainer beside it on the same host can hold cores of its own."""
+    cores the server's processes run on and the CPU backend's threads are bound to (``"1"``,
+    ``"2-5"``; default: every core), so a trainer beside it on the same host keeps cores of its
+    own (vLLM's engine loop keeps a core busy while it generates)."""
     engine = VllmEngine(str(model_dir), key=None, inplace=inplace)
     flags = ["--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     flags += ["--block-size", "32", *([] if prefix_caching else ["--no-enable-prefix-caching"])]
     engine.options = {"dtype": dtype, "seed": 0, "flags": flags}
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    if cpus is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-    return engine.spec(env=env, startup_timeout_s=startup_timeout_s, name=name)
+    cores = parse_cpus(cpus or "")
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    return engine.spec(env=env, startup_timeout_s=startup_timeout_s, name=name, cpus=cores)
 
 
 class VllmEngine(Engine):

@@ -12,14 +12,15 @@ a sync is skipped: requests keep generating across the commit). Pinned, each fro
 - every sample's versions come from the engine's ledger (``modal_rl/async/samples_without_versions``
   is 0 every step), and verl's staleness (``trajectory_staleness_worst``, from the
   first version's step) stays within ``max_off_policy_threshold``;
-- where a version was committed while requests were generating (a step with
-  ``trajectory_spans/max`` >= 2: a trajectory whose tokens came from two versions), our records
-  say the same (``versions_per_sample`` > 1), and those requests completed: every sample of
-  that step counted with its record, at full length and none aborted. Whether such a step
-  happens is verl's schedule (docs/async.md): generation is made the slow side
-  (``max_num_seqs=1``), but on a quiet host the trainer's step is still the slower one, so the
-  test does not require one; ``tests/e2e/test_asyncrl_vllm.py`` and the async suite pin the
-  commit between tokens where we own the schedule;
+- a version is committed while requests are generating (a step with ``trajectory_spans/max``
+  >= 2: a trajectory whose tokens came from two versions), our records say the same
+  (``versions_per_sample`` > 1), and those requests completed: every sample of that step
+  counted with its record, at full length and none aborted. A commit meets running requests
+  when the engine is the slow side (docs/async.md): here it decodes one request at a time
+  (``max_num_seqs=1``) on one core (engine setting ``cpus=1``), and verl's warm-up batch
+  lets the trainer train on finished groups while the next batch is still generating. With
+  the engine on every core, its spinning threads starve the trainer until each batch is
+  done, so every commit found it idle;
 - the same records reach verl's metrics as ``modal_rl/async/...`` (token-weighted staleness
   within the bound, versions per sample, no sample without a record, the engine's idle
   seconds as its ledger counted them);
@@ -59,8 +60,8 @@ ASYNC_MODAL_VLLM = [
     f"data.max_response_length={RESPONSE}",
     "actor_rollout_ref.rollout.max_model_len=256",
     "actor_rollout_ref.rollout.n=8",
-    # One request at a time: a batch (4 prompts x 8 responses x 192 tokens) takes longer to
-    # generate than a trainer step, so every commit finds the engine with a backlog.
+    # One request at a time (and one core, below): a batch (4 prompts x 8 responses x 192
+    # tokens) takes many times longer to generate than a trainer step takes to train on it.
     "actor_rollout_ref.rollout.max_num_seqs=1",
 ]
 SAMPLES = 4 * 8  # data.train_batch_size (the tiny workload) x rollout.n
@@ -82,6 +83,7 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
         extra_env={
             "VERL_MODAL_ENGINE_LOG_DIR": str(logs),
             "VERL_MODAL_ENGINE_RUNNING": "recompute",
+            "VERL_MODAL_ENGINE_CPUS": "1",  # the trainer keeps core 0
             # the health probe is a 1-token generation: at max_num_seqs=1 it waits behind the
             # whole backlog (up to two batches, a minute or more on a loaded host)
             "VERL_MODAL_ENGINE_HEALTH_TIMEOUT_S": "600",
@@ -120,6 +122,7 @@ def test_verl_async_run_carries_engine_versions_into_its_staleness(tmp_path):
     # sample of that step is counted with its record (above), decoded its full length on one
     # request (recompute: no abort, no resubmission), and none was masked.
     across = [n for n, s in zip(metrics, spans, strict=True) if s >= 2]
+    assert across, (spans, per_sample)  # a commit landed while requests were generating
     for n in across:
         step = metrics[n]
         assert float(step["response_length/min"]) == RESPONSE, step

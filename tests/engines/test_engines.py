@@ -355,3 +355,26 @@ def test_a_remote_engine_start_error_reaches_the_user_as_its_own_line():
     line, _ = describe(wrapper)
     assert line.startswith("failed: EngineStartError: vllm-replica-0: its command's program 'vllm'")
     assert "ray::" not in line
+
+
+def test_a_local_engine_and_what_it_starts_run_only_on_its_cores(tmp_path):
+    """``cpus``: the server and the process it forks are held to the named core from their
+    first instruction (the spawner forks them on it); the caller's own cores are untouched."""
+    own = os.sched_getaffinity(0)
+    core = max(own)
+    pool = LocalEnginePool(fake_spec(tmp_path, count=1, extra=["--setsid-child"], cpus=(core,)))
+    with pool as addresses:
+        assert get(addresses[0] + "/health") == 200
+        pids = procs.pids_of_run(pool.run_id)
+        assert len(pids) >= 2  # the server and its forked child
+        assert all(os.sched_getaffinity(pid) == {core} for pid in pids)
+    assert os.sched_getaffinity(0) == own
+
+
+def test_an_engine_on_cores_this_host_lacks_is_refused_in_one_line(tmp_path):
+    missing = max(os.sched_getaffinity(0)) + 1
+    pool = LocalEnginePool(fake_spec(tmp_path, count=1, cpus=(missing,)))
+    with pytest.raises(EngineStartError, match=rf"cores \[{missing}\] are not available here") as err:
+        pool.start()
+    assert "\n" not in str(err.value)
+    assert procs.pids_of_run(pool.run_id) == []

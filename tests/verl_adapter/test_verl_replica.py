@@ -107,6 +107,31 @@ def test_rollout_batching_settings_reach_the_engines_vllm(replica_cls):
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "640"
 
 
+def test_engine_cores_bind_the_local_engines_processes_and_threads(replica_cls, config, monkeypatch):
+    """``cpus`` keeps a local engine on its cores (so a trainer on the same host keeps the
+    others): the pool starts it there, and vLLM's CPU backend binds its threads there."""
+    spec = make(replica_cls, config).engine_spec()
+    assert spec.cpus == () and "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
+    monkeypatch.setenv("VERL_MODAL_ENGINE_CPUS", "1")
+    spec = make(replica_cls, config).engine_spec()
+    assert spec.cpus == (1,) and spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    config = compose("+actor_rollout_ref.rollout.custom={modal_engines:{cpus:'0-1,3'}}")
+    spec = make(replica_cls, config).engine_spec()
+    assert spec.cpus == (0, 1, 3) and spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,3"
+    assert round_trip(spec).cpus == (0, 1, 3)
+    monkeypatch.setenv("VERL_MODAL_ENGINE_CPUS", "one")
+    from modal_rl.cluster.spec import ClusterSpecError
+
+    with pytest.raises(ClusterSpecError, match="name cores like"):
+        make(replica_cls, compose()).engine_spec()
+
+
+def round_trip(spec):
+    from modal_rl.engines.pool import EngineSpec
+
+    return EngineSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+
+
 def test_custom_config_wins_over_env_and_bad_settings_are_refused(replica_cls, monkeypatch):
     monkeypatch.setenv("VERL_MODAL_ENGINE_GPU", "H200")
     config = compose("+actor_rollout_ref.rollout.custom={modal_engines:{gpu:A100-80GB}}")
