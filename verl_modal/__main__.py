@@ -193,10 +193,11 @@ def _main(argv: list[str]) -> int:
             "--retries restarts a lost cluster, and a one-node --backend local run is in-process "
             "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
         )
-    if not entry.ours and (args.backend == "local" and spec.nodes == 1):
+    if not entry.via_run_ppo and (args.backend == "local" and spec.nodes == 1):
         return _fail(
-            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2); "
-            f"a one-node local run is {E.MAIN_PPO}'s"
+            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2): "
+            "a one-node local run takes a main that hands its TaskRunner to verl's run_ppo, and this "
+            "one does not"
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
@@ -245,8 +246,9 @@ def _main(argv: list[str]) -> int:
             return _fail(str(exc))
     try:
         if cpu:
+            pool_layer = ov.rollout_pool_defaults(pf.compose([]))  # the selected config, bare
             overrides = ov.merge(
-                ov.required_overrides(), ov.CPU_DEFAULTS, cluster_layer, workload, user_overrides
+                ov.required_overrides(), ov.CPU_DEFAULTS, pool_layer, cluster_layer, workload, user_overrides
             )
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
@@ -304,6 +306,7 @@ def _main(argv: list[str]) -> int:
     return console.run_local(
         config,
         {**spec.env, **env},
+        main=entry.module,
         cpu=cpu,
         log_dir=args.log_dir,
         verbose=args.verbose,
