@@ -246,14 +246,15 @@ def _main(argv: list[str]) -> int:
             return _fail(str(exc))
     try:
         if cpu:
-            pool_layer = ov.rollout_pool_defaults(pf.compose([]))  # the selected config, bare
+            # another main's config, bare: does it size a rollout pool of its own?
+            pool_layer = [] if entry.ours else ov.rollout_pool_defaults(pf.compose([]))
             overrides = ov.merge(
                 ov.required_overrides(), ov.CPU_DEFAULTS, pool_layer, cluster_layer, workload, user_overrides
             )
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
         # The value types first: a word where verl wants a number is the user's one mistake.
-        checks = [value_type_check(user_overrides)]
+        checks = [value_type_check(user_overrides), rollout_dump_check(entry.module)]
         checks += [ov.check_required, check_local_inputs] if cpu else []
         config = pf.preflight(shape, overrides, checks, verl_checks=entry.ours)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
@@ -393,6 +394,26 @@ def run_on_cluster(
             text = plan_text(plan, as_json=options["json"])
         sys.stdout.write(redact(text))
     return code
+
+
+def rollout_dump_check(main: str):
+    """A check refusing ``trainer.rollout_data_dir`` for a main whose trainer cannot write it
+    on this verl (``upstream.dumps_rollouts``): the run would fail at its first step."""
+
+    def check(config) -> None:
+        from omegaconf import OmegaConf
+
+        from verl_modal.cpu.overrides import OverrideError
+        from verl_modal.upstream import dumps_rollouts
+
+        where = OmegaConf.select(config, "trainer.rollout_data_dir", default=None)
+        if where and not dumps_rollouts(main):
+            raise OverrideError(
+                f"trainer.rollout_data_dir={where}: this verl's {main} never starts the executor its "
+                "rollout dump writes with (its first step would fail on _dump_executor); drop it"
+            )
+
+    return check
 
 
 def check_local_inputs(config) -> None:

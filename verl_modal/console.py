@@ -362,7 +362,11 @@ def run_local(
     from verl_modal.runner import run, start_local_ray
 
     files = RunFiles.make(log_dir)
-    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars), argv)
+    from verl_modal.upstream import dumps_rollouts
+
+    env = run_report.prepare(
+        config, files.dir, with_file_logger(config, files, env_vars), argv, generations=dumps_rollouts(main)
+    )
     total = config.trainer.total_training_steps
     total = int(total) if total else None
     started = time.monotonic() if started is None else started  # the launcher's start: preflight counts

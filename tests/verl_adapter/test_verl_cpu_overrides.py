@@ -251,3 +251,20 @@ def test_a_main_that_does_not_hand_run_ppo_its_task_runner_is_refused_on_one_loc
         "--nodes 2): a one-node local run takes a main that hands its TaskRunner to verl's run_ppo, "
         "and this one does not"
     ]
+
+
+def test_a_rollout_dump_the_one_step_off_trainer_cannot_write_is_refused(monkeypatch):
+    """verl 0.9.1's one-step-off trainer never starts its rollout-dump executor; a line that
+    asks it for a dump fails in one line before anything starts (the run report asks none)."""
+    from verl_modal import upstream
+
+    assert upstream.dumps_rollouts(None)
+    if upstream.one_step_off_dumps_rollouts():
+        pytest.skip("this verl's one-step-off trainer writes rollout dumps")
+    assert not upstream.dumps_rollouts(ONE_STEP)
+    out, _ = launcher("--device", "cpu", "--", "-m", ONE_STEP, "trainer.rollout_data_dir=/data/dumps")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"verl_modal: trainer.rollout_data_dir=/data/dumps: this verl's {ONE_STEP} never starts the executor "
+        "its rollout dump writes with (its first step would fail on _dump_executor); drop it"
+    )
