@@ -14,7 +14,9 @@ extras the line needs on a CUDA base, ``verl_modal.image``);
 comes from the cluster; ``trainer.nnodes`` is the line's, filled in when absent; pools that do
 not fit the cluster are an error naming the node count that would. After ``--``: verl's
 overrides, optionally led by ``--config-path/--config-name`` or ``python3 -m <verl main>``
-(``verl_modal.entry``).
+(``verl_modal.entry``). A one-node ``--backend local`` run takes another of verl's mains
+in-process when the main hands its TaskRunner to ``run_ppo`` (verl's one-step-off and
+fully-async mains: ``verl_modal.runner.run_main``); on a cluster it runs as itself.
 
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
 overrides (one line on stderr, before anything is provisioned: see ``preflight.py``), 130
