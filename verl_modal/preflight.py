@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 from dataclasses import dataclass
 
 
@@ -189,19 +191,23 @@ REMOVED_KEYS = {
 
 
 SEARCHPATH = "hydra.searchpath"
-# verl's experimental mains' configs extend ppo_trainer through a search path relative to the
-# working directory (file://verl/trainer/config: a checkout's root); the package names it anywhere.
+# verl's one-step-off config extends ppo_trainer through a search path relative to the working
+# directory (file://verl/trainer/config: a verl checkout's root); the package names it anywhere.
 VERL_SEARCHPATH = "pkg://verl.trainer.config"
+_RELATIVE_SEARCHPATH = re.compile(r"^\s*-\s*file://(?!/)", re.M)
 
 
-def searchpath_overrides(config_dir: str | None, overrides: list[str]) -> list[str]:
-    """What a config outside verl's trainer config directory needs to find the configs it
-    extends, unless the line sets ``hydra.searchpath`` itself."""
-    if not config_dir or config_dir == verl_config_dir():
+def searchpath_overrides(config_dir: str | None, config_name: str, overrides: list[str]) -> list[str]:
+    """What a config whose yaml searches a relative ``file://`` path needs to find the configs
+    it extends from any working directory, unless the line sets ``hydra.searchpath`` itself."""
+    if not config_dir or any(o.partition("=")[0].lstrip("+") == SEARCHPATH for o in overrides):
         return []
-    if any(o.partition("=")[0].lstrip("+") == SEARCHPATH for o in overrides):
+    try:
+        with open(os.path.join(config_dir, config_name + ".yaml"), encoding="utf-8") as f:
+            relative = bool(_RELATIVE_SEARCHPATH.search(f.read()))
+    except OSError:
         return []
-    return [f"{SEARCHPATH}=[{VERL_SEARCHPATH}]"]
+    return [f"{SEARCHPATH}=[{VERL_SEARCHPATH}]"] if relative else []
 
 
 def select_config(name: str = "ppo_trainer", directory: str | None = None) -> None:
@@ -219,7 +225,7 @@ def compose(overrides: list[str], config_name: str | None = None):
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     config_name = config_name or _SELECTED["name"]
-    overrides = list(overrides) + searchpath_overrides(_SELECTED["dir"], overrides)
+    overrides = list(overrides) + searchpath_overrides(_SELECTED["dir"], config_name, overrides)
     try:
         with initialize_config_dir(config_dir=_SELECTED["dir"] or verl_config_dir(), version_base=None):
             return hydra_compose(config_name=config_name, overrides=overrides)

@@ -220,10 +220,16 @@ def test_a_config_with_its_own_rollout_pool_gets_one_replica_on_this_host():
     one_step = E.parse(["-m", ONE_STEP])
     pf.select_config(one_step.config_name, one_step.config_dir)
     try:
-        assert pf.searchpath_overrides(one_step.config_dir, []) == [
-            "hydra.searchpath=[pkg://verl.trainer.config]"
-        ]
-        assert pf.searchpath_overrides(one_step.config_dir, ["hydra.searchpath=[x]"]) == []
+        name, where = one_step.config_name, one_step.config_dir
+        assert pf.searchpath_overrides(where, name, []) == ["hydra.searchpath=[pkg://verl.trainer.config]"]
+        assert pf.searchpath_overrides(where, name, ["hydra.searchpath=[x]"]) == []
+        fully_async = E.parse(["-m", "verl.experimental.fully_async_policy.fully_async_main"])
+        assert pf.searchpath_overrides(fully_async.config_dir, fully_async.config_name, []) == []  # pkg://
+        # the cluster job runs the main as itself: the same search path goes with it
+        from verl_modal.launch import cluster_job
+
+        job, _ = cluster_job(["a=1"], cpu=False, join_timeout_s=30, entry=one_step)
+        assert job == ["python", "-m", ONE_STEP, "a=1", "hydra.searchpath=[pkg://verl.trainer.config]"]
         bare = pf.compose([])
         assert bare.rollout.n_gpus_per_node == 8
         layer = ov.rollout_pool_defaults(bare)
