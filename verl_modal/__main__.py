@@ -14,7 +14,9 @@ extras the line needs on a CUDA base, ``verl_modal.image``);
 comes from the cluster; ``trainer.nnodes`` is the line's, filled in when absent; pools that do
 not fit the cluster are an error naming the node count that would. After ``--``: verl's
 overrides, optionally led by ``--config-path/--config-name`` or ``python3 -m <verl main>``
-(``verl_modal.entry``).
+(``verl_modal.entry``). A one-node ``--backend local`` run takes another of verl's mains
+in-process when the main hands its TaskRunner to ``run_ppo`` (verl's one-step-off and
+fully-async mains: ``verl_modal.runner.run_main``); on a cluster it runs as itself.
 
 Exit status: 0 when verl finished (or the dry run / preflight passed), 2 for bad flags or
 overrides (one line on stderr, before anything is provisioned: see ``preflight.py``), 130
@@ -193,10 +195,11 @@ def _main(argv: list[str]) -> int:
             "--retries restarts a lost cluster, and a one-node --backend local run is in-process "
             "(no cluster); drop --retries, or add --nodes 2 for a local cluster"
         )
-    if not entry.ours and (args.backend == "local" and spec.nodes == 1):
+    if not entry.via_run_ppo and (args.backend == "local" and spec.nodes == 1):
         return _fail(
-            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2); "
-            f"a one-node local run is {E.MAIN_PPO}'s"
+            f"-m {entry.module} runs on a cluster (--backend modal, or --backend local --nodes 2): "
+            "a one-node local run takes a main that hands its TaskRunner to verl's run_ppo, and this "
+            "one does not"
         )
     if args.backend == "modal" and args.device == "cpu":
         return _fail("--device cpu runs on --backend local only (Modal clusters are GPU-only)")
@@ -245,13 +248,15 @@ def _main(argv: list[str]) -> int:
             return _fail(str(exc))
     try:
         if cpu:
+            # another main's config, bare: does it size a rollout pool of its own?
+            pool_layer = [] if entry.ours else ov.rollout_pool_defaults(pf.compose([]))
             overrides = ov.merge(
-                ov.required_overrides(), ov.CPU_DEFAULTS, cluster_layer, workload, user_overrides
+                ov.required_overrides(), ov.CPU_DEFAULTS, pool_layer, cluster_layer, workload, user_overrides
             )
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)
         # The value types first: a word where verl wants a number is the user's one mistake.
-        checks = [value_type_check(user_overrides)]
+        checks = [value_type_check(user_overrides), rollout_dump_check(entry.module)]
         checks += [ov.check_required, check_local_inputs] if cpu else []
         config = pf.preflight(shape, overrides, checks, verl_checks=entry.ours)
     except (ov.OverrideError, pf.VerlPreflightError) as exc:
@@ -304,6 +309,7 @@ def _main(argv: list[str]) -> int:
     return console.run_local(
         config,
         {**spec.env, **env},
+        main=entry.module,
         cpu=cpu,
         log_dir=args.log_dir,
         verbose=args.verbose,
@@ -390,6 +396,26 @@ def run_on_cluster(
             text = plan_text(plan, as_json=options["json"])
         sys.stdout.write(redact(text))
     return code
+
+
+def rollout_dump_check(main: str):
+    """A check refusing ``trainer.rollout_data_dir`` for a main whose trainer cannot write it
+    on this verl (``upstream.dumps_rollouts``): the run would fail at its first step."""
+
+    def check(config) -> None:
+        from omegaconf import OmegaConf
+
+        from verl_modal.cpu.overrides import OverrideError
+        from verl_modal.upstream import dumps_rollouts
+
+        where = OmegaConf.select(config, "trainer.rollout_data_dir", default=None)
+        if where and not dumps_rollouts(main):
+            raise OverrideError(
+                f"trainer.rollout_data_dir={where}: this verl's {main} never starts the executor its "
+                "rollout dump writes with (its first step would fail on _dump_executor); drop it"
+            )
+
+    return check
 
 
 def check_local_inputs(config) -> None:

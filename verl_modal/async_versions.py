@@ -38,11 +38,13 @@ from verl_modal._register import after_import, loudly
 
 TARGET = "verl.workers.rollout.llm_server"
 METRICS_TARGET = "verl.trainer.ppo.v1.trainer_base"
+SEPARATION_TARGET = "verl.experimental.separation.ray_trainer"  # one-step-off's trainer's base
 VERSIONS = "modal_rl_versions"  # replica_proxy.VERSIONS
 IDLE = "modal_rl_engine_idle"  # replica_proxy.IDLE
 log = logging.getLogger("verl_modal")
 _MARK = "__modal_rl_async_versions__"
 _IDLE_SEEN = "_modal_rl_engine_idle_seen"  # on verl's trainer: each engine's largest idle counter
+_CLOCK = "_modal_rl_update_clock"  # on a separation trainer: its updates and the labels' ages
 _SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("modal_rl_spans", default=None)
 
 
@@ -133,17 +135,25 @@ def step_metrics(
     """One training step's ``modal_rl/async/...`` numbers from its samples' ``extra_fields``
     (``trainer_step``: the version the trainer held, verl's ``global_steps - 1``)."""
     from modal_rl.asyncrl.metrics import step_numbers
+
+    samples = [(versions, n, trainer_step) for versions, n in sample_records(extra_fields)]
+    return step_numbers(samples, engine_idle_s=engine_idle_s, trainer_wait_s=trainer_wait_s)
+
+
+def sample_records(extra_fields: list) -> list[tuple]:
+    """``(SampleVersions or None, n_tokens)`` per sample from its ``extra_fields`` record
+    (``None``, 0 tokens: no record, or one that breaks the version contract)."""
     from modal_rl.asyncrl.versions import SampleVersions, VersionContractError
 
-    samples = []
+    out = []
     for extra in extra_fields:
         rec = extra.get(VERSIONS) if isinstance(extra, dict) else None
         try:
             versions = SampleVersions(tuple(rec["versions"]), tuple(rec["switch_at"]))
-            samples.append((versions.check(max(int(rec["tokens"]), 1)), int(rec["tokens"]), trainer_step))
+            out.append((versions.check(max(int(rec["tokens"]), 1)), int(rec["tokens"])))
         except (TypeError, KeyError, VersionContractError):
-            samples.append((None, 0, trainer_step))
-    return step_numbers(samples, engine_idle_s=engine_idle_s, trainer_wait_s=trainer_wait_s)
+            out.append((None, 0))
+    return out
 
 
 def _with_async_metrics(original, tq):
@@ -183,6 +193,81 @@ def patch(module) -> None:
         partial.generate = _trajectory(partial.generate)
 
 
+def _counting_updates(original):
+    @functools.wraps(original)
+    def update_actor(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        _clock(self).updated()
+        return out
+
+    setattr(update_actor, _MARK, True)
+    return update_actor
+
+
+def _publishing(original):
+    @functools.wraps(original)
+    def fit_update_weights(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        _clock(self).published(int(self.global_steps))  # the label verl's sync gave the weights
+        return out
+
+    setattr(fit_update_weights, _MARK, True)
+    return fit_update_weights
+
+
+def _with_separated_metrics(original):
+    @functools.wraps(original)
+    def fit_collect_metrics(self, batch, *args, **kwargs):
+        out = original(self, batch, *args, **kwargs)
+        try:
+            metrics = separated_step_metrics(
+                self, batch.non_tensor_batch, getattr(self, "timing_raw", {}).get("gen")
+            )
+            self.metrics.update(metrics)
+        except Exception as exc:  # noqa: BLE001 -- our numbers never fail verl's step
+            log.warning("modal_rl async metrics unavailable: %r", exc)
+        return out
+
+    setattr(fit_collect_metrics, _MARK, True)
+    return fit_collect_metrics
+
+
+def _clock(trainer):
+    from modal_rl.asyncrl.policy_age import UpdateClock
+
+    return trainer.__dict__.setdefault(_CLOCK, UpdateClock())
+
+
+def separated_step_metrics(trainer, columns: dict, trainer_wait_s: float | None) -> dict[str, float]:
+    """One step's ``modal_rl/async/...`` numbers of a separation trainer from its batch's
+    ``non_tensor_batch`` (verl's agent loop makes each ``extra_fields`` key a column), in
+    optimizer updates (``UpdateClock``); ``{}`` when no sample has a record."""
+    from modal_rl.asyncrl.metrics import step_numbers
+
+    clock = _clock(trainer)
+    records = columns.get(VERSIONS) if VERSIONS in columns else None
+    if records is None or not any(isinstance(r, dict) for r in records):
+        clock.trainer_age()  # the step is over either way
+        return {}
+    idles = columns.get(IDLE) if IDLE in columns else [None] * len(records)
+    extra = [{VERSIONS: r, IDLE: i} for r, i in zip(records, idles, strict=True)]
+    idle = engine_idle(extra, trainer.__dict__.setdefault(_IDLE_SEEN, {}))
+    samples = clock.step_samples(sample_records(extra))
+    return step_numbers(samples, engine_idle_s=idle, trainer_wait_s=trainer_wait_s)
+
+
+def patch_separation(module) -> None:
+    trainer = module.SeparateRayPPOTrainer
+    wrappers = {
+        "_update_actor": _counting_updates,
+        "_fit_update_weights": _publishing,
+        "_fit_collect_metrics": _with_separated_metrics,
+    }
+    for name, wrap in wrappers.items():
+        if not getattr(getattr(trainer, name), _MARK, False):
+            setattr(trainer, name, wrap(getattr(trainer, name)))
+
+
 def installed() -> bool:
     module = sys.modules.get(TARGET)
     return module is not None and getattr(module.FullyAsyncLLMServerClient.generate, _MARK, False)
@@ -190,3 +275,7 @@ def installed() -> bool:
 
 after_import(TARGET, loudly("trajectory versions", lambda: patch(sys.modules[TARGET])))
 after_import(METRICS_TARGET, loudly("async step metrics", lambda: patch_metrics(sys.modules[METRICS_TARGET])))
+after_import(
+    SEPARATION_TARGET,
+    loudly("separation step metrics", lambda: patch_separation(sys.modules[SEPARATION_TARGET])),
+)

@@ -350,8 +350,10 @@ def run_local(
     verbose: bool = False,
     started: float | None = None,
     argv: list[str] | None = None,
+    main: str | None = None,
 ) -> int:
     """The in-process local run with our output (module docstring); 0 when verl finished.
+    ``main``: the verl main to run (``runner.run``; default verl's PPO main).
 
     A failure in verl is re-raised as ``RunFailed`` naming the log; Ctrl-C propagates (the
     runner has shut its Ray down by then)."""
@@ -360,7 +362,11 @@ def run_local(
     from verl_modal.runner import run, start_local_ray
 
     files = RunFiles.make(log_dir)
-    env = run_report.prepare(config, files.dir, with_file_logger(config, files, env_vars), argv)
+    from verl_modal.upstream import dumps_rollouts
+
+    env = run_report.prepare(
+        config, files.dir, with_file_logger(config, files, env_vars), argv, generations=dumps_rollouts(main)
+    )
     total = config.trainer.total_training_steps
     total = int(total) if total else None
     started = time.monotonic() if started is None else started  # the launcher's start: preflight counts
@@ -381,7 +387,7 @@ def run_local(
 
         error: BaseException | None = None
         try:
-            run(config, env, cpu=cpu, bring_up=bring_up)
+            run(config, env, cpu=cpu, bring_up=bring_up, main=main)
             ok = True
         except BaseException as exc:  # Ctrl-C included: the summary first, then it propagates
             error = exc

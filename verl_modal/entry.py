@@ -9,8 +9,10 @@ Accepted forms (the rest of the line is Hydra overrides):
 - ``python3 -m MODULE ...`` / ``-m MODULE ...``: another of verl's mains, e.g.
   ``verl.experimental.fully_async_policy.fully_async_main`` or the one-step-off-policy main.
 
-verl's PPO main runs through our driver (``verl_modal.launch``); another main runs as itself
-(``python -m MODULE`` with the line's config flags), the way ``ray job submit`` would run it.
+On a cluster, verl's PPO main runs through our driver (``verl_modal.launch``) and another main
+runs as itself (``python -m MODULE`` with the line's config flags), the way ``ray job submit``
+would run it. A one-node local run takes any main that hands its TaskRunner class to verl's
+``run_ppo`` (``VerlEntry.via_run_ppo``; ``verl_modal.runner.run_main``) in-process.
 Invariant: nothing is imported to find a main (its file is read as text).
 """
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 MAIN_PPO = "verl.trainer.main_ppo"
 _HYDRA_MAIN = re.compile(r"@hydra\.main\(([^)]*)\)")
 _KWARG = re.compile(r"""(config_path|config_name)\s*=\s*["']([^"']+)["']""")
+_RUN_PPO_CALL = re.compile(r"\brun_ppo\(\s*config\s*,\s*task_runner_class\s*=")
 
 
 class EntryError(ValueError):
@@ -37,6 +40,7 @@ class VerlEntry:
     config_name: str = "ppo_trainer"
     config_args: list[str] = field(default_factory=list)  # the line's own config flags, verbatim
     overrides: list[str] = field(default_factory=list)
+    via_run_ppo: bool = True  # the main calls run_ppo(config, task_runner_class=...)
 
     @property
     def ours(self) -> bool:
@@ -115,6 +119,8 @@ def parse(argv: list[str]) -> VerlEntry:
         )
     main_file = _module_file(entry.module)
     default_path, default_name = hydra_defaults(main_file)
+    with open(main_file, encoding="utf-8") as f:
+        entry.via_run_ppo = entry.ours or bool(_RUN_PPO_CALL.search(f.read()))
     config_path = path_arg or default_path
     if not os.path.isabs(config_path):
         config_path = os.path.normpath(os.path.join(os.path.dirname(main_file), config_path))

@@ -42,7 +42,11 @@ def cluster_job(
     from verl_modal.pools import PLACEMENT_ENV, WAIT_ENV
 
     if entry is not None and not entry.ours:
-        entrypoint = [python, "-m", entry.module, *entry.config_args, *overrides]
+        from verl_modal.preflight import searchpath_overrides
+
+        # the config's own search path may name a verl checkout the job does not run in
+        found = searchpath_overrides(entry.config_dir, entry.config_name, overrides)
+        entrypoint = [python, "-m", entry.module, *entry.config_args, *overrides, *found]
     else:
         named = entry is not None and entry.config_name != "ppo_trainer"
         flags = (["--cpu"] if cpu else []) + (["--config-name", entry.config_name] if named else [])

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 from dataclasses import dataclass
 
 
@@ -188,6 +190,26 @@ REMOVED_KEYS = {
 }
 
 
+SEARCHPATH = "hydra.searchpath"
+# verl's one-step-off config extends ppo_trainer through a search path relative to the working
+# directory (file://verl/trainer/config: a verl checkout's root); the package names it anywhere.
+VERL_SEARCHPATH = "pkg://verl.trainer.config"
+_RELATIVE_SEARCHPATH = re.compile(r"^\s*-\s*file://(?!/)", re.M)
+
+
+def searchpath_overrides(config_dir: str | None, config_name: str, overrides: list[str]) -> list[str]:
+    """What a config whose yaml searches a relative ``file://`` path needs to find the configs
+    it extends from any working directory, unless the line sets ``hydra.searchpath`` itself."""
+    if not config_dir or any(o.partition("=")[0].lstrip("+") == SEARCHPATH for o in overrides):
+        return []
+    try:
+        with open(os.path.join(config_dir, config_name + ".yaml"), encoding="utf-8") as f:
+            relative = bool(_RELATIVE_SEARCHPATH.search(f.read()))
+    except OSError:
+        return []
+    return [f"{SEARCHPATH}=[{VERL_SEARCHPATH}]"] if relative else []
+
+
 def select_config(name: str = "ppo_trainer", directory: str | None = None) -> None:
     """The config :func:`compose` uses from now on in this process."""
     _SELECTED.update(name=name, dir=directory)
@@ -203,9 +225,10 @@ def compose(overrides: list[str], config_name: str | None = None):
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     config_name = config_name or _SELECTED["name"]
+    overrides = list(overrides) + searchpath_overrides(_SELECTED["dir"], config_name, overrides)
     try:
         with initialize_config_dir(config_dir=_SELECTED["dir"] or verl_config_dir(), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            return hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
         if isinstance(cause, ConfigAttributeError | ConfigKeyError) and "not in struct" in str(cause):
@@ -301,10 +324,18 @@ def standalone_pool_gpus(config) -> int:
     # select, not attribute access: a missing mandatory value is verl's validation to report
     if OmegaConf.select(config, ROLLOUT_NAME, default=None) in OFF_CLUSTER_ROLLOUTS:
         return 0
-    nodes = OmegaConf.select(config, ROLLOUT_NODES, default=0) or 0
-    return int(nodes) * int(
-        OmegaConf.select(config, "actor_rollout_ref.rollout.n_gpus_per_node", default=0) or 0
-    )
+    nodes_key, per_key = rollout_pool_keys(config)
+    nodes = OmegaConf.select(config, nodes_key, default=0) or 0
+    return int(nodes) * int(OmegaConf.select(config, per_key, default=0) or 0)
+
+
+def rollout_pool_keys(config) -> tuple[str, str]:
+    """The keys that size the standalone rollout pool: a config with a top-level ``rollout``
+    section (verl's one-step-off and fully-async mains) has its main copy ``rollout.nnodes``
+    and ``rollout.n_gpus_per_node`` over ``actor_rollout_ref.rollout``'s before it runs."""
+    if "rollout" in config and "nnodes" in config.rollout:
+        return "rollout.nnodes", "rollout.n_gpus_per_node"
+    return ROLLOUT_NODES, "actor_rollout_ref.rollout.n_gpus_per_node"
 
 
 def check_off_cluster_weights(config) -> None:
@@ -347,12 +378,12 @@ def pools_of(config) -> list[tuple[str, int, int]]:
 
     pools = [("trainer", int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node))]
     if standalone_pool_gpus(config):
-        rollout = "actor_rollout_ref.rollout"
+        nodes_key, per_key = rollout_pool_keys(config)
         pools.append(
             (
                 "rollout",
-                int(OmegaConf.select(config, f"{rollout}.nnodes", default=0) or 0),
-                int(OmegaConf.select(config, f"{rollout}.n_gpus_per_node", default=0) or 0),
+                int(OmegaConf.select(config, nodes_key, default=0) or 0),
+                int(OmegaConf.select(config, per_key, default=0) or 0),
             )
         )
     for name, switch, _, nodes_key, per_key in SEPARATE_POOLS:

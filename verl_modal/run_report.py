@@ -79,15 +79,17 @@ def prepare(
     *,
     parts: bool = True,
     info: bool = True,
+    generations: bool = True,
 ) -> dict[str, str]:
     """The run's env with the parts (``parts``) and tensorboard dirs added (the user's
-    settings win); ``config`` gets ``trainer.rollout_data_dir`` when it has none. With
+    settings win); ``config`` gets ``trainer.rollout_data_dir`` when it has none and the
+    trainer can write it (``generations``: ``upstream.dumps_rollouts``). With
     ``info``, ``run.json`` gets the start facts now; ``argv``: the command line the report
     names (default: this process's)."""
     from omegaconf import OmegaConf
 
     run_dir = Path(run_dir)
-    if not OmegaConf.select(config, "trainer.rollout_data_dir", default=None):
+    if generations and not OmegaConf.select(config, "trainer.rollout_data_dir", default=None):
         OmegaConf.update(config, "trainer.rollout_data_dir", str(run_dir / GENERATIONS), force_add=True)
     if info:
         write_info(run_dir, "verl", config_summary(config), argv)

@@ -150,14 +150,16 @@ def _task_runner_base():
     return TaskRunnerV1.__ray_actor_class__
 
 
-def make_task_runner(cpu: bool):
-    """verl's V1 TaskRunner as a Ray actor class that first installs our resource-pool manager
-    (:mod:`verl_modal.pools`: waits for the cluster's GPUs) in its own process; with ``cpu``,
-    it also installs and checks the cpu platform and fixes (and fails clearly if the env that
-    selects them did not arrive)."""
+def make_task_runner(cpu: bool, base=None, options: dict | None = None):
+    """verl's V1 TaskRunner (or ``base``, another main's TaskRunner class) as a Ray actor
+    class that first installs our resource-pool manager (:mod:`verl_modal.pools`: waits for
+    the cluster's GPUs) in its own process; with ``cpu``, it also installs and checks the cpu
+    platform and fixes (and fails clearly if the env that selects them did not arrive).
+    ``options``: the Ray actor options of the class (``ray.remote``'s)."""
     import ray
 
-    base = _task_runner_base()
+    base = base or _task_runner_base()
+    remote = ray.remote(**options) if options else ray.remote
 
     class PoolTaskRunner(base):
         def run(self, config):
@@ -169,14 +171,14 @@ def make_task_runner(cpu: bool):
             step_metrics.install(config)  # modal_rl/ numbers into verl's metrics, this process
             quieted = quiet_separate_async_info_log(config)
             print(
-                f"[verl_modal] upstream fixes in this verl: {upstream.seams()}; "
+                f"[verl_modal] verl's {base.__name__} in our setup; upstream fixes in this verl: {upstream.seams()}; "
                 f"pool manager swapped in {swapped or 'none'}; separate_async INFO log quieted: {quieted}"
             )
             return super().run(config)
 
     PoolTaskRunner.__qualname__ = PoolTaskRunner.__name__ = "PoolTaskRunner"
     if not cpu:
-        return ray.remote(PoolTaskRunner)
+        return remote(PoolTaskRunner)
 
     class CpuTaskRunner(PoolTaskRunner):
         def run(self, config):
@@ -199,11 +201,54 @@ def make_task_runner(cpu: bool):
             return super().run(config)
 
     CpuTaskRunner.__qualname__ = CpuTaskRunner.__name__ = "CpuTaskRunner"
-    return ray.remote(CpuTaskRunner)
+    return remote(CpuTaskRunner)
 
 
-def run(config, env_vars: dict[str, str], *, cpu: bool, bring_up: Callable | None = None) -> None:
-    """Bring up Ray, run verl's PPO on ``config``, shut down the Ray this process started."""
+# Ray actor options of another main's TaskRunner that our one-node run does not keep: verl's
+# one-step-off TaskRunner asks for 10 CPUs so that a GPU cluster places it off the head node;
+# here every process shares one node, and the TaskRunner takes one CPU, as verl's PPO one does.
+DROPPED_RUNNER_OPTIONS = ("num_cpus",)
+
+
+def task_runner_for(cpu: bool, given):
+    """Our TaskRunner in place of ``given``, the Ray actor class a verl main hands ``run_ppo``:
+    a subclass of its class with our setup first, its actor options less
+    :data:`DROPPED_RUNNER_OPTIONS`."""
+    options = {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
+    return make_task_runner(cpu, base=given.__ray_actor_class__, options=options)
+
+
+def run_main(module: str, config, cpu: bool) -> None:
+    """verl's main ``module`` (e.g. the one-step-off-policy one) on ``config``, unchanged: its
+    ``@hydra.main`` function is called with the composed config (Hydra's passthrough), and the
+    TaskRunner class it hands verl's ``run_ppo`` becomes ours (:func:`task_runner_for`) for
+    that call only. Raises ``RuntimeError`` when the main returned without calling
+    ``run_ppo`` (our setup would have been skipped)."""
+    import importlib
+
+    import verl.trainer.main_ppo as main_ppo
+
+    verl_run_ppo = main_ppo.run_ppo
+    called = []
+
+    def run_ppo(cfg, task_runner_class):
+        called.append(task_runner_class)
+        return verl_run_ppo(cfg, task_runner_class=task_runner_for(cpu, task_runner_class))
+
+    main_ppo.run_ppo = run_ppo  # the main imports the name when it runs
+    try:
+        importlib.import_module(module).main(config)
+    finally:
+        main_ppo.run_ppo = verl_run_ppo
+    if not called:
+        raise RuntimeError(f"{module}.main returned without calling verl's run_ppo; run it on a cluster")
+
+
+def run(
+    config, env_vars: dict[str, str], *, cpu: bool, bring_up: Callable | None = None, main: str | None = None
+) -> None:
+    """Bring up Ray, run verl's PPO on ``config`` (or verl's main ``main``, :func:`run_main`),
+    shut down the Ray this process started."""
     import ray
     from verl.trainer.main_ppo import run_ppo
 
@@ -212,6 +257,9 @@ def run(config, env_vars: dict[str, str], *, cpu: bool, bring_up: Callable | Non
     with process_temp():
         (bring_up or start_local_ray)(config, env_vars)
         try:
-            run_ppo(config, task_runner_class=make_task_runner(cpu))
+            if main is None or main == "verl.trainer.main_ppo":
+                run_ppo(config, task_runner_class=make_task_runner(cpu))
+            else:
+                run_main(main, config, cpu)
         finally:
             ray.shutdown()

@@ -198,6 +198,38 @@ def pool_wait_env() -> str | None:
     return env if "wait_timeout_s" in fields and isinstance(env, str) else None
 
 
+ONE_STEP_OFF_MAIN = "verl.experimental.one_step_off_policy.main_ppo"
+ONE_STEP_OFF_TRAINER = "verl.experimental.one_step_off_policy.ray_trainer"
+
+
+@functools.cache
+def one_step_off_dumps_rollouts() -> bool:
+    """verl's ``OneStepOffRayTrainer.__init__`` starts the executor its rollout dump
+    (``trainer.rollout_data_dir``) submits to: it calls ``_init_dump_executor`` or its base's
+    ``__init__``. In verl 0.9.1 (and main as of August 2026) it does neither, and a run with
+    a dump directory fails at step 1 (``no attribute '_dump_executor'``). Not a patch of ours."""
+    tree = _tree(ONE_STEP_OFF_TRAINER)
+    classes = [n for n in (tree.body if tree else []) if isinstance(n, ast.ClassDef)]
+    inits = [
+        f
+        for c in classes
+        if c.name == "OneStepOffRayTrainer"
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+    ]
+    if not classes or not inits:
+        return bool(classes)  # no own __init__: the base's starts it
+    calls = [n for n in ast.walk(inits[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    return any(c.func.attr == "_init_dump_executor" for c in calls) or any(
+        c.func.attr == "__init__" and isinstance(c.func.value, ast.Call) for c in calls
+    )
+
+
+def dumps_rollouts(main: str | None) -> bool:
+    """Whether verl's main ``main`` (default: the PPO main) can write ``trainer.rollout_data_dir``."""
+    return main != ONE_STEP_OFF_MAIN or one_step_off_dumps_rollouts()
+
+
 def seams() -> dict[str, bool]:
     """Every check, for logs and tests."""
     return {

@@ -86,6 +86,7 @@ ALLOWED = {
     ("verl_modal/entry.py", "entry.config_args"): "our dataclass (the line's entry point)",
     ("verl_modal/entry.py", "entry.config_dir"): "our dataclass (the line's entry point)",
     ("verl_modal/entry.py", "entry.config_name"): "our dataclass (the line's entry point)",
+    ("verl_modal/entry.py", "entry.via_run_ppo"): "our dataclass (the line's entry point)",
     ("verl_modal/preflight.py", "view.critic.model"): "a deep copy of the composed config the checks read",
     ("verl_modal/sample_mask.py", "out.response_mask"): "the masked sample's own field",
     ("verl_modal/sharded.py", "sub.source"): "our subscriber's connection, moved to a rank's new address",
@@ -103,6 +104,15 @@ ALLOWED = {
         "verl_modal/async_versions.py",
         "trainer._compute_metrics",
     ): "no extra-metrics seam in verl's v1 trainer",
+    # verl's separation trainer (one-step-off's base): the updates and sync labels it runs,
+    # and its step's metrics; no seam for either.
+    (
+        "verl_modal/async_versions.py",
+        "setattr(trainer, name)",
+    ): "no update-count or extra-metrics seam in verl's separation trainer",
+    # A verl main picks its TaskRunner class in its own body; for the one call of an
+    # in-process run, run_ppo gets ours in its place (restored after).
+    ("verl_modal/runner.py", "main_ppo.run_ppo"): "no TaskRunner seam in verl's async mains",
     ("slime_modal/__main__.py", "args.volume"): "our parsed arguments",
     ("slime_modal/engine_job.py", "sys.argv"): "our engine job's own argv",
     ("slime_modal/engines.py", "supervisor.paused"): "our supervisor",

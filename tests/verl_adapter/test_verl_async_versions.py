@@ -90,6 +90,11 @@ def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
         assert async_versions.installed()
         import verl.trainer.ppo.v1.trainer_base as tb
         assert getattr(tb.PPOTrainer._compute_metrics, async_versions._MARK, False)
+        from verl.experimental.separation.ray_trainer import SeparateRayPPOTrainer as S
+        for name in ("_update_actor", "_fit_update_weights", "_fit_collect_metrics"):
+            assert getattr(getattr(S, name), async_versions._MARK, False), name
+        from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer as O
+        assert getattr(O._fit_collect_metrics, async_versions._MARK, False)
         async_versions.patch(m)  # twice is a no-op
         inner = m.FullyAsyncLLMServerClient.generate.__wrapped__
         assert not hasattr(inner, "__wrapped__") or not getattr(inner, async_versions._MARK, False)
@@ -176,3 +181,51 @@ def test_a_ledger_read_on_a_connection_the_engine_dropped_is_sent_again(monkeypa
     reader = asyncio.run(main())
     assert seen == [b"/collective_rpc", b"/collective_rpc"]
     assert (reader.tracked, reader.committed, reader.idle_s, reader.ledger) == (True, 1, 2.5, "L")
+
+
+def test_a_one_step_off_trainers_samples_are_one_update_stale_after_its_first_step():
+    """verl's separation trainer's three methods wrapped as the plugin wraps them, driven in
+    verl's one-step-off order: sync (label = ``global_steps``) before the step's update, on
+    a batch generated under the previous label; its metrics gain ``modal_rl/async/...``."""
+    import numpy as np
+
+    class Trainer:  # the methods' shapes on verl's SeparateRayPPOTrainer
+        global_steps = 0
+
+        def _update_actor(self, batch):
+            return batch
+
+        def _fit_update_weights(self):
+            return None
+
+        def _fit_collect_metrics(self, batch):
+            self.metrics["verl/own"] = 1.0
+
+    Trainer._update_actor = av._counting_updates(Trainer._update_actor)
+    Trainer._fit_update_weights = av._publishing(Trainer._fit_update_weights)
+    Trainer._fit_collect_metrics = av._with_separated_metrics(Trainer._fit_collect_metrics)
+    trainer = Trainer()
+    trainer._fit_update_weights()  # fit(): the first sync, label 0
+    got = []
+    for k in (1, 2, 3):
+        trainer.global_steps, trainer.metrics, trainer.timing_raw = k, {}, {"gen": 0.5}
+        trainer._fit_update_weights()  # one-step-off syncs before training
+        trainer._update_actor(None)
+        record = {"versions": [k - 1], "switch_at": [], "tokens": 4}
+        columns = {
+            av.VERSIONS: np.array([record, record, None], dtype=object),
+            av.IDLE: np.array([{"0:a": float(k)}, None, None], dtype=object),
+        }
+        trainer._fit_collect_metrics(SimpleNamespace(non_tensor_batch=columns))
+        got.append(trainer.metrics)
+    assert all(m["verl/own"] == 1.0 for m in got)  # verl's own numbers first, unchanged
+    mine = "modal_rl/async/"
+    assert [m[mine + "staleness_max"] for m in got] == [0.0, 1.0, 1.0]
+    assert [m[mine + "samples"] for m in got] == [3.0, 3.0, 3.0]
+    assert [m[mine + "samples_without_versions"] for m in got] == [1.0, 1.0, 1.0]
+    assert [m[mine + "engine_idle_s"] for m in got] == [1.0, 1.0, 1.0]
+    assert got[0][mine + "trainer_wait_s"] == 0.5
+    # a batch without records (not modal_vllm): no numbers of ours
+    trainer.metrics = {}
+    trainer._fit_collect_metrics(SimpleNamespace(non_tensor_batch={"uid": np.array(["a"], dtype=object)}))
+    assert trainer.metrics == {"verl/own": 1.0}

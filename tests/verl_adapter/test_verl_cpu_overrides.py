@@ -202,3 +202,75 @@ def test_reward_is_dense_and_exact_answer_scores_two():
     assert compute_score("s", "#### -12", "-12") == 2.0
     assert compute_score("s", "no number here", "85") == 0.0
     assert extract_answer("1 then #### 7 and 9") == "7"
+
+
+ONE_STEP = "verl.experimental.one_step_off_policy.main_ppo"
+
+
+def test_a_config_with_its_own_rollout_pool_gets_one_replica_on_this_host():
+    """verl's one-step-off config extends ppo_trainer through a search path relative to a verl
+    checkout, and asks for 8 rollout GPUs in a top-level ``rollout`` section its main copies
+    over ``actor_rollout_ref.rollout``: composed here (not in a checkout) with the CPU layer
+    that gives it one replica and no hybrid engine; ppo_trainer gets no such layer."""
+    from verl_modal import entry as E
+    from verl_modal import preflight as pf
+    from verl_modal.runner import logical_gpus
+
+    assert ov.rollout_pool_defaults(ov.compose([])) == []
+    one_step = E.parse(["-m", ONE_STEP])
+    pf.select_config(one_step.config_name, one_step.config_dir)
+    try:
+        name, where = one_step.config_name, one_step.config_dir
+        assert pf.searchpath_overrides(where, name, []) == ["hydra.searchpath=[pkg://verl.trainer.config]"]
+        assert pf.searchpath_overrides(where, name, ["hydra.searchpath=[x]"]) == []
+        fully_async = E.parse(["-m", "verl.experimental.fully_async_policy.fully_async_main"])
+        assert pf.searchpath_overrides(fully_async.config_dir, fully_async.config_name, []) == []  # pkg://
+        # the cluster job runs the main as itself: the same search path goes with it
+        from verl_modal.launch import cluster_job
+
+        job, _ = cluster_job(["a=1"], cpu=False, join_timeout_s=30, entry=one_step)
+        assert job == ["python", "-m", ONE_STEP, "a=1", "hydra.searchpath=[pkg://verl.trainer.config]"]
+        bare = pf.compose([])
+        assert bare.rollout.n_gpus_per_node == 8
+        layer = ov.rollout_pool_defaults(bare)
+        assert layer == ov.ROLLOUT_POOL_DEFAULTS
+        config = pf.compose(ov.merge(ov.required_overrides(), ov.CPU_DEFAULTS, layer))
+        assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (1, 1)
+        assert config.actor_rollout_ref.hybrid_engine is False
+        assert config.actor_rollout_ref.rollout.calculate_log_probs is True  # the config's own
+        # a vllm rollout's replica is a pool of the main's top-level size on the local node
+        vllm = pf.compose(
+            ov.merge(ov.required_overrides(), ov.CPU_DEFAULTS, layer, ["rollout.n_gpus_per_node=2"])
+        )
+        assert pf.standalone_pool_gpus(vllm) == 2 and logical_gpus(vllm) == 3
+        modal = pf.compose([*layer, "actor_rollout_ref.rollout.name=modal_vllm"])
+        assert pf.standalone_pool_gpus(modal) == 0  # its engines bring their own
+    finally:
+        pf.select_config()
+
+
+def test_a_main_that_does_not_hand_run_ppo_its_task_runner_is_refused_on_one_local_node():
+    out, elapsed = launcher("--device", "cpu", "--", "-m", "verl.trainer.main_eval")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "verl_modal: -m verl.trainer.main_eval runs on a cluster (--backend modal, or --backend local "
+        "--nodes 2): a one-node local run takes a main that hands its TaskRunner to verl's run_ppo, "
+        "and this one does not"
+    ]
+
+
+def test_a_rollout_dump_the_one_step_off_trainer_cannot_write_is_refused(monkeypatch):
+    """verl 0.9.1's one-step-off trainer never starts its rollout-dump executor; a line that
+    asks it for a dump fails in one line before anything starts (the run report asks none)."""
+    from verl_modal import upstream
+
+    assert upstream.dumps_rollouts(None)
+    if upstream.one_step_off_dumps_rollouts():
+        pytest.skip("this verl's one-step-off trainer writes rollout dumps")
+    assert not upstream.dumps_rollouts(ONE_STEP)
+    out, _ = launcher("--device", "cpu", "--", "-m", ONE_STEP, "trainer.rollout_data_dir=/data/dumps")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"verl_modal: trainer.rollout_data_dir=/data/dumps: this verl's {ONE_STEP} never starts the executor "
+        "its rollout dump writes with (its first step would fail on _dump_executor); drop it"
+    )

@@ -48,6 +48,15 @@ def test_python_m_picks_another_main_with_its_own_default_config():
     assert one_step.config_name == "one_step_off_ppo_trainer"
 
 
+def test_mains_that_hand_run_ppo_their_task_runner_can_run_in_process():
+    """Read from the main's file: verl's async mains call run_ppo(config, task_runner_class=...),
+    so a one-node local run takes them through our driver; an evaluation main does not."""
+    assert E.parse(["a=1"]).via_run_ppo
+    assert E.parse(["-m", ASYNC]).via_run_ppo
+    assert E.parse(["-m", "verl.experimental.one_step_off_policy.main_ppo"]).via_run_ppo
+    assert not E.parse(["-m", "verl.trainer.main_eval"]).via_run_ppo
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [

@@ -1,8 +1,9 @@
 """Env vars and Hydra overrides that run verl 0.9.1 on the ``cpu`` platform, and their
 composition with the user's overrides into verl's own ``ppo_trainer`` config.
 
-Three layers, later wins on the same key: :data:`CPU_DEFAULTS` (sizes for a small CPU host),
-then the workload's (e.g. :func:`verl_modal.cpu.tiny.overrides_for`), then the user's.
+Three layers, later wins on the same key: :data:`CPU_DEFAULTS` (sizes for a small CPU host;
+with :data:`ROLLOUT_POOL_DEFAULTS` for a config with a separate rollout pool), then the
+workload's (e.g. :func:`verl_modal.cpu.tiny.overrides_for`), then the user's.
 :data:`CPU_REQUIRED` is applied first and *checked* after composition: a user override that
 contradicts one of them is an error naming the blocker it would bring back, not a hang.
 """
@@ -75,6 +76,23 @@ CPU_DEFAULTS = [
     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     "reward.num_workers=1",
 ]
+
+
+# For a config whose main runs the rollout apart from the trainer and sizes its pool from a
+# top-level ``rollout`` section (verl's one-step-off and fully-async mains; their yaml asks
+# for 8 GPUs): one replica on this host, and no hybrid engine (those mains refuse one).
+ROLLOUT_POOL_DEFAULTS = [
+    "rollout.nnodes=1",
+    "rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.hybrid_engine=False",
+]
+
+
+def rollout_pool_defaults(config) -> list[str]:
+    """:data:`ROLLOUT_POOL_DEFAULTS` when the composed ``config`` has a top-level ``rollout``
+    pool section, else nothing (verl's ``ppo_trainer`` has none)."""
+    section = config.get("rollout") if "rollout" in config else None
+    return list(ROLLOUT_POOL_DEFAULTS) if section is not None and "nnodes" in section else []
 
 
 class OverrideError(ValueError):
