@@ -16,7 +16,8 @@ run:
   after (each batch was generated while the step before trained);
 - every sync after the start-up load is our in-place delta (the engine's log lines): step 1's
   changes no word (the weights of the start-up load again, under a new label: why staleness
-  counts updates), each later one the update's words; the engine pause is part of the sync.
+  counts updates), each later one the update's words, some exactly when that update had a
+  gradient; the engine pause is part of the sync.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 
 import pytest
 
+from tests.e2e.test_verl_async_versions import number
 from tests.e2e.test_verl_cpu_run import parse_metrics, run_launcher
 
 STEPS = 3
@@ -71,6 +73,10 @@ def test_verl_one_step_off_main_runs_with_our_engines_and_stamps_its_staleness(t
     (engine_log,) = logs.glob("*.log")
     switches = [x for x in engine_log.read_text().splitlines() if INPLACE in x and "in place in" in x]
     # one sync per step, each in place after the start-up load; step 1's carries the weights
-    # the start-up load did (no update yet: no word changes), every later one an update's
+    # the start-up load did (no update yet: no word changes), step k+1's the update of step k,
+    # which changes words exactly when that update had a gradient (a step whose groups all
+    # scored alike has none: GRPO's advantages are 0)
     words = [int(re.search(r"(\d+) words in place", x).group(1)) for x in switches]
-    assert len(words) == STEPS and words[0] == 0 and all(w > 0 for w in words[1:]), switches
+    assert len(words) == STEPS and words[0] == 0, switches
+    grads = [number(metrics[k]["actor/grad_norm"]) for k in range(1, STEPS)]
+    assert [w > 0 for w in words[1:]] == [g > 0 for g in grads], (switches, grads)
