@@ -173,7 +173,7 @@ def make_task_runner(cpu: bool, base=None, options: dict | None = None):
 
             step_metrics.install(config)  # modal_rl/ numbers into verl's metrics, this process
             quieted = quiet_separate_async_info_log(config)
-            swap_main_actors(base.__module__, cpu)
+            swap_main_actors(base.__module__, cpu, base)
             print(
                 f"[verl_modal] verl's {base.__name__} in our setup; upstream fixes in this verl: {upstream.seams()}; "
                 f"pool manager swapped in {swapped or 'none'}; separate_async INFO log quieted: {quieted}"
@@ -269,18 +269,27 @@ def actor_for(cpu: bool, given):
     return ray.remote(**options)(Ours) if options else ray.remote(Ours)
 
 
-def swap_main_actors(module_name: str, cpu: bool) -> list[str]:
+def swap_main_actors(module_name: str, cpu: bool, runner=None) -> list[str]:
     """In this process (a main's TaskRunner), the actor classes :data:`MAIN_ACTORS` names for
-    ``module_name`` become ours (:func:`actor_for`); returns the names swapped. Idempotent."""
+    ``module_name`` become ours (:func:`actor_for`) in the names the TaskRunner's methods see:
+    the globals of ``runner``'s functions (Ray ships a decorated class by value, so those
+    are a copy of the module's) and the module's; returns the names swapped. Idempotent."""
     import sys
 
+    names = MAIN_ACTORS.get(module_name, ())
     module = sys.modules.get(module_name)
+    spaces = [vars(module)] if module is not None else []
+    for f in vars(runner).values() if runner is not None else ():
+        space = getattr(f, "__globals__", None)
+        if space is not None and all(space is not s for s in spaces):
+            spaces.append(space)
     swapped: list[str] = []
-    for name in MAIN_ACTORS.get(module_name, ()) if module is not None else ():
-        given = getattr(module, name)
-        if not getattr(given.__ray_actor_class__, _OURS, False):
-            setattr(module, name, actor_for(cpu, given))
-            swapped.append(name)
+    for space in spaces:
+        for name in names:
+            given = space.get(name)
+            if given is not None and not getattr(given.__ray_actor_class__, _OURS, False):
+                space[name] = actor_for(cpu, given)
+                swapped.append(name)
     return swapped
 
 
