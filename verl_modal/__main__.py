@@ -248,10 +248,18 @@ def _main(argv: list[str]) -> int:
             return _fail(str(exc))
     try:
         if cpu:
-            # another main's config, bare: does it size a rollout pool of its own?
-            pool_layer = [] if entry.ours else ov.rollout_pool_defaults(pf.compose([]))
+            # another main's config, bare: does it size a rollout pool of its own, stream prompts?
+            bare = None if entry.ours else pf.compose([])
+            pool_layer = [] if bare is None else ov.rollout_pool_defaults(bare)
+            stream_layer = [] if bare is None else ov.streaming_defaults(bare)
             overrides = ov.merge(
-                ov.required_overrides(), ov.CPU_DEFAULTS, pool_layer, cluster_layer, workload, user_overrides
+                ov.required_overrides(),
+                ov.CPU_DEFAULTS,
+                pool_layer,
+                cluster_layer,
+                workload,
+                stream_layer,
+                user_overrides,
             )
         else:
             overrides = ov.merge(cluster_layer, workload, user_overrides)

@@ -22,6 +22,13 @@ wait seconds of the step as the trainer wait, and the engines' idle seconds sinc
 step before as their ledgers count them: :func:`engine_idle`), so every tracker verl logs
 to shows them.
 
+verl's separation trainers (the one-step-off trainer, and the fully-async trainer, a Ray
+actor built on the same base) log the same numbers from ``_fit_collect_metrics``, with
+staleness in optimizer updates (``modal_rl.asyncrl.policy_age.UpdateClock``): the update
+method counts updates, and the sync method publishes the label verl gave the weights (the
+separation trainer's ``global_steps``; the fully-async trainer's ``current_param_version``,
+from its own sync method).
+
 Invariants: verl's methods run first and unchanged (a failure of ours is logged, never
 raised); a trajectory with no ``modal_vllm``
 version record in any answer keeps verl's own fields; installing twice is a no-op.
@@ -39,6 +46,7 @@ from verl_modal._register import after_import, loudly
 TARGET = "verl.workers.rollout.llm_server"
 METRICS_TARGET = "verl.trainer.ppo.v1.trainer_base"
 SEPARATION_TARGET = "verl.experimental.separation.ray_trainer"  # one-step-off's trainer's base
+FULLY_ASYNC_TARGET = "verl.experimental.fully_async_policy.fully_async_trainer"
 VERSIONS = "modal_rl_versions"  # replica_proxy.VERSIONS
 IDLE = "modal_rl_engine_idle"  # replica_proxy.IDLE
 log = logging.getLogger("verl_modal")
@@ -215,6 +223,22 @@ def _publishing(original):
     return fit_update_weights
 
 
+def _publishing_versions(original):
+    """A fully-async trainer's sync: verl counts its syncs in ``current_param_version`` (bumped
+    after every ``trigger_parameter_sync_step``-th update, before the sync that carries it) and
+    labels the sync with it; a call that did not sync returns ``None``."""
+
+    @functools.wraps(original)
+    async def fit_update_weights(self, *args, **kwargs):
+        out = await original(self, *args, **kwargs)
+        if out is not None:
+            _clock(self).published(int(self.current_param_version))
+        return out
+
+    setattr(fit_update_weights, _MARK, True)
+    return fit_update_weights
+
+
 def _with_separated_metrics(original):
     @functools.wraps(original)
     def fit_collect_metrics(self, batch, *args, **kwargs):
@@ -268,6 +292,14 @@ def patch_separation(module) -> None:
             setattr(trainer, name, wrap(getattr(trainer, name)))
 
 
+def patch_fully_async(module) -> None:
+    """verl's fully-async trainer (a Ray actor class) syncs in a method of its own; its update
+    and metrics methods are the separation trainer's, wrapped by :func:`patch_separation`."""
+    trainer = module.FullyAsyncTrainer.__ray_actor_class__
+    if not getattr(trainer.__dict__["_fit_update_weights"], _MARK, False):
+        trainer._fit_update_weights = _publishing_versions(trainer.__dict__["_fit_update_weights"])
+
+
 def installed() -> bool:
     module = sys.modules.get(TARGET)
     return module is not None and getattr(module.FullyAsyncLLMServerClient.generate, _MARK, False)
@@ -278,4 +310,8 @@ after_import(METRICS_TARGET, loudly("async step metrics", lambda: patch_metrics(
 after_import(
     SEPARATION_TARGET,
     loudly("separation step metrics", lambda: patch_separation(sys.modules[SEPARATION_TARGET])),
+)
+after_import(
+    FULLY_ASYNC_TARGET,
+    loudly("fully-async sync labels", lambda: patch_fully_async(sys.modules[FULLY_ASYNC_TARGET])),
 )

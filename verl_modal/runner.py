@@ -11,6 +11,9 @@ Invariants:
   the driver's env, which is not true on a cluster started elsewhere.
 - The local Ray node is advertised and reached at 127.0.0.1 (no traffic leaves loopback);
   :func:`start_local_ray` checks `ray.nodes()`.
+- A main whose TaskRunner builds Ray actors of its own by a module-level name (verl's
+  fully-async trainer and rollouter, :data:`MAIN_ACTORS`) gets ours in their place, in the
+  TaskRunner's process only: subclasses that run our setup in the actor's process first.
 - Only the Ray instance this process started is shut down, by ``ray.shutdown()``.
 - A run owns a temp dir (``modal_rl.run_temp.process_temp``): this process's ``TMPDIR`` for
   the run, so the local Ray (its session dir), its workers and the vLLM servers they start
@@ -170,6 +173,7 @@ def make_task_runner(cpu: bool, base=None, options: dict | None = None):
 
             step_metrics.install(config)  # modal_rl/ numbers into verl's metrics, this process
             quieted = quiet_separate_async_info_log(config)
+            swap_main_actors(base.__module__, cpu, base)
             print(
                 f"[verl_modal] verl's {base.__name__} in our setup; upstream fixes in this verl: {upstream.seams()}; "
                 f"pool manager swapped in {swapped or 'none'}; separate_async INFO log quieted: {quieted}"
@@ -216,6 +220,77 @@ def task_runner_for(cpu: bool, given):
     :data:`DROPPED_RUNNER_OPTIONS`."""
     options = {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
     return make_task_runner(cpu, base=given.__ray_actor_class__, options=options)
+
+
+# Ray actor classes a main's TaskRunner creates by a module-level name, each running in a
+# process of its own that our setup must reach: verl's fully-async main builds its trainer
+# (weight syncs, step logging) and its rollouter (the rollout pool) as such actors.
+MAIN_ACTORS = {
+    "verl.experimental.fully_async_policy.fully_async_main": ("FullyAsyncTrainer", "FullyAsyncRollouter"),
+}
+_OURS = "__verl_modal_actor__"  # on an actor class of ours
+
+
+def actor_setup(config, cpu: bool, name: str) -> None:
+    """What a main's own actor (:data:`MAIN_ACTORS`) runs first in its process: our
+    resource-pool manager and step metrics, as in the TaskRunner, and on CPU the check that
+    the cpu platform was selected there (its fixes come with the platform module's import)."""
+    from verl_modal import pools, step_metrics
+
+    swapped = pools.install()
+    step_metrics.install(config)
+    if cpu:
+        import verl_modal.cpu.platform as cpu_platform
+        from verl_modal.cpu import patches
+
+        if not cpu_platform.selected():
+            raise RuntimeError(f"VERL_PLATFORM=cpu did not reach {name}'s Ray worker")
+        patches.install()
+    print(f"[verl_modal] verl's {name} in our setup; pool manager swapped in {swapped or 'none'}")
+
+
+def actor_for(cpu: bool, given):
+    """Our Ray actor class in place of ``given`` (a main's actor class whose constructor takes
+    ``config``): a subclass that runs :func:`actor_setup` before verl's constructor, with
+    ``given``'s actor options less :data:`DROPPED_RUNNER_OPTIONS` (verl's fully-async actors
+    ask for 10 CPUs each, sized for a GPU node)."""
+    import ray
+
+    base = given.__ray_actor_class__
+    options = {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
+
+    class Ours(base):
+        def __init__(self, *args, **kwargs):
+            actor_setup(kwargs["config"] if "config" in kwargs else args[0], cpu, base.__name__)
+            super().__init__(*args, **kwargs)
+
+    Ours.__qualname__ = Ours.__name__ = base.__name__
+    setattr(Ours, _OURS, True)
+    return ray.remote(**options)(Ours) if options else ray.remote(Ours)
+
+
+def swap_main_actors(module_name: str, cpu: bool, runner=None) -> list[str]:
+    """In this process (a main's TaskRunner), the actor classes :data:`MAIN_ACTORS` names for
+    ``module_name`` become ours (:func:`actor_for`) in the names the TaskRunner's methods see:
+    the globals of ``runner``'s functions (Ray ships a decorated class by value, so those
+    are a copy of the module's) and the module's; returns the names swapped. Idempotent."""
+    import sys
+
+    names = MAIN_ACTORS.get(module_name, ())
+    module = sys.modules.get(module_name)
+    spaces = [vars(module)] if module is not None else []
+    for f in vars(runner).values() if runner is not None else ():
+        space = getattr(f, "__globals__", None)
+        if space is not None and all(space is not s for s in spaces):
+            spaces.append(space)
+    swapped: list[str] = []
+    for space in spaces:
+        for name in names:
+            given = space.get(name)
+            if given is not None and not getattr(given.__ray_actor_class__, _OURS, False):
+                space[name] = actor_for(cpu, given)
+                swapped.append(name)
+    return swapped
 
 
 def run_main(module: str, config, cpu: bool) -> None:

@@ -84,6 +84,7 @@ def test_step_records_name_verl_steps_and_merge_versions_of_one_step():
 def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
     out = run_python(
         """
+        import sys
         import verl
         import verl.workers.rollout.llm_server as m
         from verl_modal import async_versions
@@ -95,6 +96,11 @@ def test_the_wrappers_are_installed_on_verl_by_the_plugin(tmp_path):
             assert getattr(getattr(S, name), async_versions._MARK, False), name
         from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer as O
         assert getattr(O._fit_collect_metrics, async_versions._MARK, False)
+        from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer as F
+        assert getattr(F.__ray_actor_class__._fit_update_weights, async_versions._MARK, False)
+        assert getattr(F.__ray_actor_class__._update_actor, async_versions._MARK, False)
+        async_versions.patch_fully_async(sys.modules[async_versions.FULLY_ASYNC_TARGET])  # no-op
+        assert not getattr(F.__ray_actor_class__._fit_update_weights.__wrapped__, async_versions._MARK, False)
         async_versions.patch(m)  # twice is a no-op
         inner = m.FullyAsyncLLMServerClient.generate.__wrapped__
         assert not hasattr(inner, "__wrapped__") or not getattr(inner, async_versions._MARK, False)
@@ -229,3 +235,49 @@ def test_a_one_step_off_trainers_samples_are_one_update_stale_after_its_first_st
     trainer.metrics = {}
     trainer._fit_collect_metrics(SimpleNamespace(non_tensor_batch={"uid": np.array(["a"], dtype=object)}))
     assert trainer.metrics == {"verl/own": 1.0}
+
+
+def test_a_fully_async_trainers_samples_are_as_stale_as_the_syncs_they_missed():
+    """verl's fully-async trainer, in its order: update, then (every
+    ``trigger_parameter_sync_step``-th step) bump ``current_param_version`` and sync under it;
+    a step that did not sync returns ``None`` and publishes nothing. Its samples' staleness
+    counts the updates since their label's weights."""
+    import numpy as np
+
+    class Trainer:  # the methods' shapes on verl's FullyAsyncTrainer
+        current_param_version = 0
+        trigger = 2
+        local = 1
+
+        def _update_actor(self, batch):
+            return batch
+
+        async def _fit_update_weights(self):
+            return None if self.local != 1 else {"timing": 1.0}
+
+        def _fit_collect_metrics(self, batch):
+            self.metrics["verl/own"] = 1.0
+
+    Trainer._update_actor = av._counting_updates(Trainer._update_actor)
+    Trainer._fit_update_weights = av._publishing_versions(Trainer._fit_update_weights)
+    Trainer._fit_collect_metrics = av._with_separated_metrics(Trainer._fit_collect_metrics)
+    trainer = Trainer()
+    asyncio.run(trainer._fit_update_weights())  # the main's sync before fit: label 0
+    got = []
+    for labels in ([0, 0], [0, 0], [1, 0], [1, 1]):  # each step's samples' labels
+        trainer.metrics, trainer.timing_raw = {}, {"gen": 0.25}
+        trainer._update_actor(None)
+        if trainer.local < trainer.trigger:
+            trainer.local += 1
+        else:
+            trainer.local, trainer.current_param_version = 1, trainer.current_param_version + 1
+        asyncio.run(trainer._fit_update_weights())
+        records = [{"versions": [v], "switch_at": [], "tokens": 4} for v in labels]
+        trainer._fit_collect_metrics(SimpleNamespace(non_tensor_batch={av.VERSIONS: np.array(records)}))
+        got.append(trainer.metrics)
+    mine = "modal_rl/async/"
+    # label 0 holds 0 updates, label 1 two; the steps train from 0, 1, 2, 3 updates
+    assert [m[mine + "staleness_max"] for m in got] == [0.0, 1.0, 2.0, 1.0]
+    assert [m[mine + "staleness_mean"] for m in got] == [0.0, 1.0, 1.0, 1.0]
+    assert [m[mine + "samples_without_versions"] for m in got] == [0.0] * 4
+    assert all(m["verl/own"] == 1.0 and m[mine + "trainer_wait_s"] == 0.25 for m in got)

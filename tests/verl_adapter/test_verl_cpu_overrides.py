@@ -274,3 +274,28 @@ def test_a_rollout_dump_the_one_step_off_trainer_cannot_write_is_refused(monkeyp
         f"verl_modal: trainer.rollout_data_dir=/data/dumps: this verl's {ONE_STEP} never starts the executor "
         "its rollout dump writes with (its first step would fail on _dump_executor); drop it"
     )
+
+
+def test_a_main_that_streams_prompts_gets_no_batch_size_from_the_workload():
+    """verl's fully-async rollouter asserts ``data.train_batch_size=0`` (it streams prompts
+    one at a time): the layer that says so comes after the workload's batch size, and only
+    for a config with verl's ``async_training`` section; the user's line still wins."""
+    from verl_modal import entry as E
+    from verl_modal import preflight as pf
+    from verl_modal.cpu.tiny import WORKLOAD_SIZES
+
+    assert ov.streaming_defaults(ov.compose([])) == []
+    for main, want in ((ONE_STEP, []), ("verl.experimental.fully_async_policy.fully_async_main", ["x"])):
+        parsed = E.parse(["-m", main])
+        pf.select_config(parsed.config_name, parsed.config_dir)
+        try:
+            bare = pf.compose([])
+            layer = ov.streaming_defaults(bare)
+            assert bool(layer) == bool(want), main
+            if layer:
+                config = pf.compose(ov.merge(ov.CPU_DEFAULTS, WORKLOAD_SIZES, layer))
+                assert (config.data.train_batch_size, config.data.gen_batch_size) == (0, 1)
+                user = pf.compose(ov.merge(WORKLOAD_SIZES, layer, ["data.train_batch_size=8"]))
+                assert user.data.train_batch_size == 8
+        finally:
+            pf.select_config()

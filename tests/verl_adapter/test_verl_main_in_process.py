@@ -69,3 +69,30 @@ def test_a_main_that_never_calls_run_ppo_is_an_error(recorded_run_ppo):
     finally:
         del sys.modules[module.__name__]
     assert recorded_run_ppo == []
+
+
+FULLY_ASYNC = "verl.experimental.fully_async_policy.fully_async_main"
+
+
+def test_the_fully_async_mains_own_actors_become_ours_in_its_task_runner(monkeypatch):
+    """verl's fully-async TaskRunner builds its trainer and rollouter as Ray actors by their
+    module-level names: in its process they become subclasses that run our setup first, with
+    verl's actor options less the 10 CPUs each asks for; a second swap changes nothing."""
+    import importlib
+
+    from verl_modal.runner import MAIN_ACTORS, swap_main_actors
+
+    main = importlib.import_module(FULLY_ASYNC)
+    given = {name: getattr(main, name) for name in MAIN_ACTORS[FULLY_ASYNC]}
+    for name, cls in given.items():
+        monkeypatch.setattr(main, name, cls)  # restored after the test
+    assert swap_main_actors(FULLY_ASYNC, cpu=True) == ["FullyAsyncTrainer", "FullyAsyncRollouter"]
+    for name, cls in given.items():
+        ours = getattr(main, name)
+        assert ours is not cls and issubclass(ours.__ray_actor_class__, cls.__ray_actor_class__)
+        assert ours.__ray_actor_class__.__name__ == name
+        assert cls._default_options["num_cpus"] == 10  # verl's, for a GPU node
+        assert "num_cpus" not in ours._default_options
+    assert main.FullyAsyncRollouter._default_options["max_concurrency"] == 100  # verl's, kept
+    assert swap_main_actors(FULLY_ASYNC, cpu=True) == []
+    assert swap_main_actors(ONE_STEP, cpu=True) == []  # a main without actors of its own

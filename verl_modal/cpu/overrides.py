@@ -3,7 +3,8 @@ composition with the user's overrides into verl's own ``ppo_trainer`` config.
 
 Three layers, later wins on the same key: :data:`CPU_DEFAULTS` (sizes for a small CPU host;
 with :data:`ROLLOUT_POOL_DEFAULTS` for a config with a separate rollout pool), then the
-workload's (e.g. :func:`verl_modal.cpu.tiny.overrides_for`), then the user's.
+workload's (e.g. :func:`verl_modal.cpu.tiny.overrides_for`; followed by
+:data:`STREAMING_DEFAULTS` for a main that streams prompts), then the user's.
 :data:`CPU_REQUIRED` is applied first and *checked* after composition: a user override that
 contradicts one of them is an error naming the blocker it would bring back, not a hang.
 """
@@ -93,6 +94,19 @@ def rollout_pool_defaults(config) -> list[str]:
     pool section, else nothing (verl's ``ppo_trainer`` has none)."""
     section = config.get("rollout") if "rollout" in config else None
     return list(ROLLOUT_POOL_DEFAULTS) if section is not None and "nnodes" in section else []
+
+
+# For a config whose main streams prompts one at a time to its trainer (verl's fully-async
+# main: ``async_training`` section; its rollouter asserts data.train_batch_size=0 and
+# data.gen_batch_size=1, and its trainer takes ppo_mini_batch_size x require_batches prompts a
+# step): a workload's batch size would fail it, so this layer comes after the workload's.
+STREAMING_DEFAULTS = ["data.train_batch_size=0"]
+
+
+def streaming_defaults(config) -> list[str]:
+    """:data:`STREAMING_DEFAULTS` when the composed ``config`` has verl's ``async_training``
+    section, else nothing."""
+    return list(STREAMING_DEFAULTS) if "async_training" in config else []
 
 
 class OverrideError(ValueError):
