@@ -113,6 +113,16 @@ ALLOWED = {
     # A verl main picks its TaskRunner class in its own body; for the one call of an
     # in-process run, run_ppo gets ours in its place (restored after).
     ("verl_modal/runner.py", "main_ppo.run_ppo"): "no TaskRunner seam in verl's async mains",
+    # verl's fully-async main builds its trainer and rollouter actors by module-level name in
+    # its TaskRunner: ours (subclasses with our setup first) are put in their place there.
+    ("verl_modal/runner.py", "Ours.__qualname__"): "our subclass's name",
+    ("verl_modal/runner.py", "Ours.__name__"): "our subclass's name",
+    ("verl_modal/runner.py", "setattr(Ours, _OURS)"): "a mark on our own subclass",
+    # the fully-async trainer's own sync labels its weights (current_param_version); no seam
+    (
+        "verl_modal/async_versions.py",
+        "trainer._fit_update_weights",
+    ): "no sync-label seam in verl's fully-async trainer",
     ("slime_modal/__main__.py", "args.volume"): "our parsed arguments",
     ("slime_modal/engine_job.py", "sys.argv"): "our engine job's own argv",
     ("slime_modal/engines.py", "supervisor.paused"): "our supervisor",
