@@ -269,11 +269,11 @@ def separated_step_metrics(trainer, columns: dict, trainer_wait_s: float | None)
     from modal_rl.asyncrl.metrics import step_numbers
 
     clock = _clock(trainer)
-    records = columns.get(VERSIONS) if VERSIONS in columns else None
+    records = columns.get(VERSIONS)
     if records is None or not any(isinstance(r, dict) for r in records):
         clock.trainer_age()  # the step is over either way
         return {}
-    idles = columns.get(IDLE) if IDLE in columns else [None] * len(records)
+    idles = columns.get(IDLE, [None] * len(records))
     extra = [{VERSIONS: r, IDLE: i} for r, i in zip(records, idles, strict=True)]
     idle = engine_idle(extra, trainer.__dict__.setdefault(_IDLE_SEEN, {}))
     samples = clock.step_samples(sample_records(extra))

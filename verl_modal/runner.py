@@ -153,6 +153,22 @@ def _task_runner_base():
     return TaskRunnerV1.__ray_actor_class__
 
 
+def install_cpu(where: str) -> None:
+    """In this Ray worker (``where`` names it): check that the cpu platform was selected here
+    (the env that selects it arrived) and install its fixes."""
+    import verl_modal.cpu.platform as cpu_platform
+    from verl_modal.cpu import patches
+
+    if not cpu_platform.selected():
+        raise RuntimeError(f"VERL_PLATFORM=cpu did not reach {where}'s Ray worker")
+    patches.install()
+
+
+def _kept_options(given) -> dict:
+    """``given``'s Ray actor options less :data:`DROPPED_RUNNER_OPTIONS`."""
+    return {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
+
+
 def make_task_runner(cpu: bool, base=None, options: dict | None = None):
     """verl's V1 TaskRunner (or ``base``, another main's TaskRunner class) as a Ray actor
     class that first installs our resource-pool manager (:mod:`verl_modal.pools`: waits for
@@ -191,9 +207,7 @@ def make_task_runner(cpu: bool, base=None, options: dict | None = None):
             import verl_modal.cpu.platform as cpu_platform
             from verl_modal.cpu import patches
 
-            if not cpu_platform.selected():
-                raise RuntimeError("VERL_PLATFORM=cpu did not reach the TaskRunner's Ray worker")
-            patches.install()
+            install_cpu("the TaskRunner")
             platform = get_platform()
             if not isinstance(platform, cpu_platform.PlatformCPU):
                 raise RuntimeError(f"verl picked platform {type(platform).__name__}, not the cpu one")
@@ -218,8 +232,7 @@ def task_runner_for(cpu: bool, given):
     """Our TaskRunner in place of ``given``, the Ray actor class a verl main hands ``run_ppo``:
     a subclass of its class with our setup first, its actor options less
     :data:`DROPPED_RUNNER_OPTIONS`."""
-    options = {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
-    return make_task_runner(cpu, base=given.__ray_actor_class__, options=options)
+    return make_task_runner(cpu, base=given.__ray_actor_class__, options=_kept_options(given))
 
 
 # Ray actor classes a main's TaskRunner creates by a module-level name, each running in a
@@ -240,12 +253,7 @@ def actor_setup(config, cpu: bool, name: str) -> None:
     swapped = pools.install()
     step_metrics.install(config)
     if cpu:
-        import verl_modal.cpu.platform as cpu_platform
-        from verl_modal.cpu import patches
-
-        if not cpu_platform.selected():
-            raise RuntimeError(f"VERL_PLATFORM=cpu did not reach {name}'s Ray worker")
-        patches.install()
+        install_cpu(name)
     print(f"[verl_modal] verl's {name} in our setup; pool manager swapped in {swapped or 'none'}")
 
 
@@ -257,7 +265,7 @@ def actor_for(cpu: bool, given):
     import ray
 
     base = given.__ray_actor_class__
-    options = {k: v for k, v in (given._default_options or {}).items() if k not in DROPPED_RUNNER_OPTIONS}
+    options = _kept_options(given)
 
     class Ours(base):
         def __init__(self, *args, **kwargs):
